@@ -1,0 +1,197 @@
+//! The handshake check: what two engines must agree on before any block moves.
+//!
+//! Both sides run [`check_compatible`] on the pair of [`Handshake`]s; a refusal names both
+//! sides' values, so that a misconfigured deployment says what to fix.
+
+use crate::blocks::{BlockSizeError, BlockSizeMapping};
+use crate::tp::{TpError, TpMapping};
+use crate::wire::{compatibility_hash, Handshake, Role};
+
+/// Why two engines cannot exchange KV.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum HandshakeError {
+    /// The protocol versions differ.
+    #[error("protocol version mismatch: prefill {prefill}, decode {decode}")]
+    Version {
+        /// P's version.
+        prefill: u16,
+        /// D's version.
+        decode: u16,
+    },
+    /// Both sides claim the same role.
+    #[error("role mismatch: both sides are {role:?}")]
+    Role {
+        /// The shared role.
+        role: Role,
+    },
+    /// The models differ.
+    #[error("model mismatch: prefill {prefill:?}, decode {decode:?}")]
+    Model {
+        /// P's model.
+        prefill: String,
+        /// D's model.
+        decode: String,
+    },
+    /// A layout field differs.
+    #[error("kv layout mismatch in {field}: prefill {prefill}, decode {decode}")]
+    Layout {
+        /// The field.
+        field: &'static str,
+        /// P's value.
+        prefill: String,
+        /// D's value.
+        decode: String,
+    },
+    /// A side's hash does not match what its own model and layout hash to.
+    #[error("compatibility hash mismatch: prefill {prefill:#018x}, decode {decode:#018x}")]
+    Hash {
+        /// P's hash.
+        prefill: u64,
+        /// D's hash.
+        decode: u64,
+    },
+    /// The block sizes do not pair.
+    #[error(transparent)]
+    BlockSize(#[from] BlockSizeError),
+    /// The TP sizes do not map.
+    #[error(transparent)]
+    Tp(#[from] TpError),
+    /// A rank is not below its engine's TP size.
+    #[error("{side} rank {rank} is out of range for tp {tp}")]
+    Rank {
+        /// `"prefill"` or `"decode"`.
+        side: &'static str,
+        /// The rank.
+        rank: u32,
+        /// The TP size.
+        tp: u32,
+    },
+}
+
+/// What a successful handshake fixes for the pair of engines.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Compatible {
+    /// The TP mapping.
+    pub tp: TpMapping,
+    /// The block-size mapping.
+    pub blocks: BlockSizeMapping,
+}
+
+/// Checks that `local` and `peer` can exchange KV; both sides call it, and get the same answer.
+pub fn check_compatible(local: &Handshake, peer: &Handshake) -> Result<Compatible, HandshakeError> {
+    let (p, d) = match (local.role, peer.role) {
+        (Role::Prefill, Role::Decode) => (local, peer),
+        (Role::Decode, Role::Prefill) => (peer, local),
+        (role, _) => return Err(HandshakeError::Role { role }),
+    };
+    if p.protocol_version != d.protocol_version {
+        return Err(HandshakeError::Version { prefill: p.protocol_version, decode: d.protocol_version });
+    }
+    if p.model != d.model {
+        return Err(HandshakeError::Model { prefill: p.model.clone(), decode: d.model.clone() });
+    }
+    let (pl, dl) = (&p.layout, &d.layout);
+    let fields: [(&'static str, String, String); 7] = [
+        ("layers", pl.layers.to_string(), dl.layers.to_string()),
+        ("kv_heads", pl.kv_heads.to_string(), dl.kv_heads.to_string()),
+        ("head_dim", pl.head_dim.to_string(), dl.head_dim.to_string()),
+        ("dtype_bytes", pl.dtype_bytes.to_string(), dl.dtype_bytes.to_string()),
+        ("attention", format!("{:?}", pl.attention), format!("{:?}", dl.attention)),
+        ("order", format!("{:?}", pl.order), format!("{:?}", dl.order)),
+        ("placement", format!("{:?}", pl.placement), format!("{:?}", dl.placement)),
+    ];
+    if let Some((field, prefill, decode)) = fields.into_iter().find(|(_, a, b)| a != b) {
+        return Err(HandshakeError::Layout { field, prefill, decode });
+    }
+    if p.compat_hash != d.compat_hash || p.compat_hash != compatibility_hash(&p.model, pl) {
+        return Err(HandshakeError::Hash { prefill: p.compat_hash, decode: d.compat_hash });
+    }
+    let blocks = BlockSizeMapping::new(pl.block_tokens, dl.block_tokens)?;
+    let tp = TpMapping::new(p.tp_size, d.tp_size, pl.kv_heads, pl.is_mla())?;
+    for (side, hs) in [("prefill", p), ("decode", d)] {
+        if hs.rank >= hs.tp_size {
+            return Err(HandshakeError::Rank { side, rank: hs.rank, tp: hs.tp_size });
+        }
+    }
+    Ok(Compatible { tp, blocks })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::id::EngineId;
+    use crate::layout::{Attention, KvLayout, MemoryOrder, Placement};
+    use crate::time::Time;
+    use crate::wire::PROTOCOL_VERSION;
+
+    fn offer(role: Role, tp_size: u32, block_tokens: u32) -> Handshake {
+        let layout = KvLayout {
+            layers: 4,
+            block_tokens,
+            kv_heads: 8,
+            head_dim: 64,
+            dtype_bytes: 2,
+            attention: Attention::SplitKv,
+            order: MemoryOrder::Hnd,
+            placement: Placement::BlockMajor,
+        };
+        Handshake {
+            protocol_version: PROTOCOL_VERSION,
+            engine: EngineId::new(format!("{role:?}")),
+            rank: 0,
+            tp_size,
+            role,
+            model: "m".into(),
+            layout,
+            num_blocks: 10,
+            regions: Vec::new(),
+            compat_hash: compatibility_hash("m", &layout),
+            clock: Time::ZERO,
+            agent_metadata: Vec::new(),
+        }
+    }
+
+    fn refusal(p: &Handshake, d: &Handshake) -> String {
+        let a = check_compatible(p, d).unwrap_err();
+        let b = check_compatible(d, p).unwrap_err();
+        assert_eq!(a, b, "both sides give the same answer");
+        a.to_string()
+    }
+
+    #[test]
+    fn compatible_pairs_give_the_mappings() {
+        let ok = check_compatible(&offer(Role::Decode, 4, 32), &offer(Role::Prefill, 2, 16)).unwrap();
+        assert_eq!(ok.tp.consumers_per_prefill_rank(), 2);
+        assert_eq!(ok.blocks.ratio(), 2);
+    }
+
+    #[test]
+    fn mismatches_name_both_values() {
+        let (p, d) = (offer(Role::Prefill, 2, 16), offer(Role::Decode, 2, 16));
+        assert_eq!(
+            refusal(&p, &offer(Role::Decode, 2, 8)),
+            "block size mismatch: decode block of 8 tokens is not a multiple of prefill block of 16 tokens"
+        );
+        assert_eq!(
+            refusal(&p, &offer(Role::Decode, 3, 16)),
+            "tensor-parallel sizes do not divide: prefill 2, decode 3"
+        );
+        let mut v2 = d.clone();
+        v2.protocol_version = 2;
+        assert_eq!(refusal(&p, &v2), "protocol version mismatch: prefill 1, decode 2");
+        let mut nhd = d.clone();
+        nhd.layout.order = MemoryOrder::Nhd;
+        nhd.compat_hash = compatibility_hash("m", &nhd.layout);
+        assert_eq!(refusal(&p, &nhd), "kv layout mismatch in order: prefill Hnd, decode Nhd");
+        let mut other = d.clone();
+        other.model = "n".into();
+        assert_eq!(refusal(&p, &other), "model mismatch: prefill \"m\", decode \"n\"");
+        let mut forged = d.clone();
+        forged.compat_hash ^= 1;
+        assert!(refusal(&p, &forged).starts_with("compatibility hash mismatch: prefill 0x"));
+        assert_eq!(refusal(&p, &p.clone()), "role mismatch: both sides are Prefill");
+        let mut rank = d.clone();
+        rank.rank = 2;
+        assert_eq!(refusal(&p, &rank), "decode rank 2 is out of range for tp 2");
+    }
+}

@@ -1,0 +1,277 @@
+//! The shape of a KV pool: what a block holds and where each byte of it lives.
+//!
+//! A pool is `num_blocks` blocks. Within one layer of one block, the bytes are
+//! `[plane][...]`, with two planes (K, then V) or one (the MLA latent), and each plane is
+//! `[head][token][dim]` (HND, heads-major) or `[token][head][dim]` (NHD). HND keeps a head
+//! slice contiguous, which is what lets a heterogeneous-TP read merge into few descriptors.
+//! Layers are placed block-major (one region, `[block][layer]`, as Dynamo's fully contiguous
+//! layout) or layer-major (one region per layer, `[block]` within it, as vLLM's per-layer
+//! tensors).
+
+use serde::{Deserialize, Serialize};
+
+/// How attention keeps its KV cache.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub enum Attention {
+    /// Separate K and V planes, heads sharded across TP ranks.
+    SplitKv,
+    /// One latent plane (multi-head latent attention), replicated on every TP rank.
+    Mla,
+}
+
+/// The order of heads and tokens within one plane of one block.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub enum MemoryOrder {
+    /// `[head][token][dim]`: a head slice is contiguous.
+    Hnd,
+    /// `[token][head][dim]`: a head slice is strided by token.
+    Nhd,
+}
+
+/// Where each layer of a block lives.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub enum Placement {
+    /// One region; a block's layers are adjacent (`[block][layer]`).
+    BlockMajor,
+    /// One region per layer; a layer's blocks are adjacent (`[layer][block]`).
+    LayerMajor,
+}
+
+/// The model-level shape of a KV cache; a TP rank's share follows from it and the TP size.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct KvLayout {
+    /// Transformer layers.
+    pub layers: u32,
+    /// Tokens per block (the engine's block size).
+    pub block_tokens: u32,
+    /// KV heads of the whole model (1 for MLA's latent).
+    pub kv_heads: u32,
+    /// Elements per head (the latent width for MLA).
+    pub head_dim: u32,
+    /// Bytes per element (2 for bf16).
+    pub dtype_bytes: u32,
+    /// K/V split or MLA.
+    pub attention: Attention,
+    /// Order within a plane.
+    pub order: MemoryOrder,
+    /// Where layers live.
+    pub placement: Placement,
+}
+
+/// A layout whose sizes cannot describe a pool.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum LayoutError {
+    /// A dimension is zero.
+    #[error("kv layout field {field} is 0")]
+    Zero {
+        /// The field that is zero.
+        field: &'static str,
+    },
+    /// The pool's byte size does not fit in 64 bits.
+    #[error("kv pool of {num_blocks} blocks overflows 64-bit sizes")]
+    Overflow {
+        /// Blocks asked for.
+        num_blocks: u64,
+    },
+}
+
+impl KvLayout {
+    /// Checks that every dimension is non-zero.
+    pub fn validate(&self) -> Result<(), LayoutError> {
+        for (field, value) in [
+            ("layers", self.layers),
+            ("block_tokens", self.block_tokens),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("dtype_bytes", self.dtype_bytes),
+        ] {
+            if value == 0 {
+                return Err(LayoutError::Zero { field });
+            }
+        }
+        Ok(())
+    }
+
+    /// Planes per layer: 2 for K/V, 1 for the MLA latent.
+    pub fn planes(&self) -> u32 {
+        match self.attention {
+            Attention::SplitKv => 2,
+            Attention::Mla => 1,
+        }
+    }
+
+    /// Whether the KV is replicated on every rank (MLA).
+    pub fn is_mla(&self) -> bool {
+        self.attention == Attention::Mla
+    }
+
+    /// KV heads each rank of a `tp`-wide engine holds: all of MLA's one latent, else
+    /// `kv_heads / tp`, at least one (ranks beyond the head count replicate).
+    pub fn heads_per_rank(&self, tp: u32) -> u32 {
+        match self.attention {
+            Attention::Mla => 1,
+            Attention::SplitKv => (self.kv_heads / tp.max(1)).max(1),
+        }
+    }
+
+    /// The same layout with another block size (P and D may differ in nothing else).
+    pub fn with_block_tokens(self, block_tokens: u32) -> Self {
+        KvLayout { block_tokens, ..self }
+    }
+}
+
+/// One TP rank's pool: the layout, the heads this rank holds, and how many blocks it has.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct PoolShape {
+    /// The model's layout, with this engine's block size.
+    pub layout: KvLayout,
+    /// KV heads held by this rank.
+    pub heads: u32,
+    /// Blocks in the pool.
+    pub num_blocks: u32,
+}
+
+/// Where one `(layer, block, plane)` starts: a region index and a byte offset in it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct PlaneOffset {
+    /// Index of the region in the pool's region list.
+    pub region: u32,
+    /// Byte offset within the region.
+    pub offset: u64,
+}
+
+impl PoolShape {
+    /// A rank's pool shape; fails when a dimension is zero or the pool overflows.
+    pub fn new(layout: KvLayout, heads: u32, num_blocks: u32) -> Result<Self, LayoutError> {
+        layout.validate()?;
+        if heads == 0 {
+            return Err(LayoutError::Zero { field: "heads" });
+        }
+        let shape = PoolShape { layout, heads, num_blocks };
+        // Every offset the pool can name is below the region size, so checking it once here
+        // makes every later offset computation overflow-free.
+        shape.checked_region_len().ok_or(LayoutError::Overflow { num_blocks: u64::from(num_blocks) })?;
+        Ok(shape)
+    }
+
+    fn checked_region_len(&self) -> Option<u64> {
+        let per_region_blocks = match self.layout.placement {
+            Placement::BlockMajor => u64::from(self.layout.layers),
+            Placement::LayerMajor => 1,
+        };
+        self.checked_layer_block_bytes()?.checked_mul(per_region_blocks)?.checked_mul(u64::from(self.num_blocks))
+    }
+
+    fn checked_layer_block_bytes(&self) -> Option<u64> {
+        u64::from(self.layout.planes())
+            .checked_mul(u64::from(self.heads))?
+            .checked_mul(u64::from(self.layout.block_tokens))?
+            .checked_mul(self.head_bytes_per_token())
+    }
+
+    /// Bytes of one head for one token.
+    pub fn head_bytes_per_token(&self) -> u64 {
+        u64::from(self.layout.head_dim) * u64::from(self.layout.dtype_bytes)
+    }
+
+    /// Bytes of one plane of one layer of one block.
+    pub fn plane_bytes(&self) -> u64 {
+        u64::from(self.heads) * u64::from(self.layout.block_tokens) * self.head_bytes_per_token()
+    }
+
+    /// Bytes of one layer of one block.
+    pub fn layer_block_bytes(&self) -> u64 {
+        u64::from(self.layout.planes()) * self.plane_bytes()
+    }
+
+    /// Bytes of one block, all layers.
+    pub fn block_bytes(&self) -> u64 {
+        u64::from(self.layout.layers) * self.layer_block_bytes()
+    }
+
+    /// Regions the pool is made of.
+    pub fn region_count(&self) -> u32 {
+        match self.layout.placement {
+            Placement::BlockMajor => 1,
+            Placement::LayerMajor => self.layout.layers,
+        }
+    }
+
+    /// Bytes of each region.
+    pub fn region_len(&self) -> u64 {
+        self.checked_region_len().expect("checked in PoolShape::new")
+    }
+
+    /// Bytes of the whole pool.
+    pub fn pool_bytes(&self) -> u64 {
+        self.region_len() * u64::from(self.region_count())
+    }
+
+    /// Where `(layer, block, plane)` starts; the caller keeps the indices in range.
+    pub fn plane_offset(&self, layer: u32, block: u32, plane: u32) -> PlaneOffset {
+        let plane_start = u64::from(plane) * self.plane_bytes();
+        match self.layout.placement {
+            Placement::BlockMajor => PlaneOffset {
+                region: 0,
+                offset: u64::from(block) * self.block_bytes()
+                    + u64::from(layer) * self.layer_block_bytes()
+                    + plane_start,
+            },
+            Placement::LayerMajor => {
+                PlaneOffset { region: layer, offset: u64::from(block) * self.layer_block_bytes() + plane_start }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn llama_like(placement: Placement) -> KvLayout {
+        KvLayout {
+            layers: 32,
+            block_tokens: 16,
+            kv_heads: 8,
+            head_dim: 128,
+            dtype_bytes: 2,
+            attention: Attention::SplitKv,
+            order: MemoryOrder::Hnd,
+            placement,
+        }
+    }
+
+    #[test]
+    fn sizes_follow_the_layout() {
+        let shape = PoolShape::new(llama_like(Placement::BlockMajor), 8, 10).unwrap();
+        assert_eq!(shape.plane_bytes(), 8 * 16 * 128 * 2);
+        assert_eq!(shape.block_bytes(), 32 * 2 * 8 * 16 * 128 * 2);
+        assert_eq!(shape.region_count(), 1);
+        assert_eq!(shape.pool_bytes(), 10 * shape.block_bytes());
+        assert_eq!(
+            shape.plane_offset(1, 2, 1),
+            PlaneOffset {
+                region: 0,
+                offset: 2 * shape.block_bytes() + shape.layer_block_bytes() + shape.plane_bytes()
+            }
+        );
+
+        let shape = PoolShape::new(llama_like(Placement::LayerMajor), 4, 10).unwrap();
+        assert_eq!(shape.region_count(), 32);
+        assert_eq!(shape.region_len(), 10 * shape.layer_block_bytes());
+        assert_eq!(shape.pool_bytes(), 10 * shape.block_bytes());
+        assert_eq!(shape.plane_offset(5, 3, 0), PlaneOffset { region: 5, offset: 3 * shape.layer_block_bytes() });
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let zero_layers = KvLayout { layers: 0, ..llama_like(Placement::BlockMajor) };
+        assert_eq!(PoolShape::new(zero_layers, 8, 1), Err(LayoutError::Zero { field: "layers" }));
+        assert_eq!(PoolShape::new(llama_like(Placement::BlockMajor), 0, 1), Err(LayoutError::Zero { field: "heads" }));
+        let huge = KvLayout { head_dim: u32::MAX, dtype_bytes: u32::MAX, ..llama_like(Placement::BlockMajor) };
+        assert_eq!(
+            PoolShape::new(huge, u32::MAX, u32::MAX),
+            Err(LayoutError::Overflow { num_blocks: u64::from(u32::MAX) })
+        );
+    }
+}

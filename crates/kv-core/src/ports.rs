@@ -1,0 +1,333 @@
+//! The ports: what kvflow needs from a clock, a transport and memory.
+//!
+//! Adapters implement them (kv-transport-nixl over NIXL/UCX, kv-cuda over CUDA) and so does
+//! kv-testkit (a manual clock, a seeded in-memory transport, in-memory memory). Every trait is
+//! object-safe and no method blocks: a transfer is posted and then polled, a connection is
+//! started and its outcome arrives as a [`PeerEvent`], exactly as NIXL's own API is shaped
+//! (post a transfer request, poll its status, drain notifications). A driver loop calls the
+//! `poll_*`/`drain_*` methods after every input and at its next wake-up.
+
+use std::fmt;
+
+use crate::handshake::HandshakeError;
+use crate::id::AgentName;
+use crate::plan::DescriptorPair;
+use crate::time::Time;
+use crate::wire::Handshake;
+
+/// A monotonic clock. Cores are handed its readings; only drivers hold a `Clock`.
+pub trait Clock: Send + Sync {
+    /// The current time on this engine's clock.
+    fn now(&self) -> Time;
+}
+
+/// The kind of memory a region lives in; NIXL registers DRAM and VRAM differently.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum MemoryKind {
+    /// Pageable host memory.
+    Host,
+    /// Page-locked host memory (registers as DRAM, copies to a GPU without staging).
+    PinnedHost,
+    /// Memory of the GPU with this device ordinal.
+    Device(u32),
+}
+
+impl MemoryKind {
+    /// The device id NIXL registers the region with: the GPU ordinal, or 0 for host memory.
+    pub fn device_id(&self) -> u32 {
+        match self {
+            MemoryKind::Host | MemoryKind::PinnedHost => 0,
+            MemoryKind::Device(ordinal) => *ordinal,
+        }
+    }
+}
+
+/// A handle to an allocated region, unique within one `Memory`.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct RegionId(pub u64);
+
+/// An allocated region: what a transport needs to register it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct Region {
+    /// The handle to free it by.
+    pub id: RegionId,
+    /// Where it lives.
+    pub kind: MemoryKind,
+    /// Address of its first byte (a device address for device memory).
+    pub addr: u64,
+    /// Its length in bytes.
+    pub len: u64,
+}
+
+/// Why a memory operation failed.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum MemoryError {
+    /// The region is not allocated here.
+    #[error("unknown memory region {0:?}")]
+    UnknownRegion(RegionId),
+    /// A range falls outside its region.
+    #[error("range {offset}+{len} is outside region {region:?} of {region_len} bytes")]
+    OutOfBounds {
+        /// The region.
+        region: RegionId,
+        /// Start of the range.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+        /// Bytes in the region.
+        region_len: u64,
+    },
+    /// This memory cannot provide the kind asked for.
+    #[error("memory kind {kind:?} is not available: {reason}")]
+    Unavailable {
+        /// The kind asked for.
+        kind: MemoryKind,
+        /// Why, and what would provide it.
+        reason: String,
+    },
+    /// The allocation failed.
+    #[error("cannot allocate {len} bytes of {kind:?}: {reason}")]
+    Allocation {
+        /// The kind asked for.
+        kind: MemoryKind,
+        /// Bytes asked for.
+        len: u64,
+        /// The allocator's account.
+        reason: String,
+    },
+}
+
+/// KV pool memory: allocate regions, free them, and move bytes in and out for filling and
+/// verification (device memory goes through a host copy).
+pub trait Memory: Send {
+    /// Allocates `len` bytes of `kind`.
+    fn allocate(&mut self, kind: MemoryKind, len: u64) -> Result<Region, MemoryError>;
+    /// Frees a region; its bytes must no longer be registered with a transport.
+    fn free(&mut self, region: RegionId) -> Result<(), MemoryError>;
+    /// Copies `out.len()` bytes at `offset` of `region` into `out`.
+    fn read(&self, region: RegionId, offset: u64, out: &mut [u8]) -> Result<(), MemoryError>;
+    /// Copies `data` to `offset` of `region`.
+    fn write(&mut self, region: RegionId, offset: u64, data: &[u8]) -> Result<(), MemoryError>;
+}
+
+/// Where to reach a peer's side channel: `host:port` for NIXL, an agent name for the fake.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub struct PeerAddress(pub String);
+
+impl fmt::Display for PeerAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A read pulls remote bytes into local memory; a write pushes local bytes to the peer.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum TransferOp {
+    /// Remote to local (pull mode, D posts).
+    Read,
+    /// Local to remote (push mode, P posts).
+    Write,
+}
+
+/// A posted transfer's handle, unique within one transport.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct TransferId(pub u64);
+
+/// A transfer to post: the descriptor pairs of a [`crate::TransferPlan`] with one peer.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct TransferRequest {
+    /// Read or write.
+    pub op: TransferOp,
+    /// The peer agent (a connected one).
+    pub peer: AgentName,
+    /// Local and remote ranges; lengths pair up.
+    pub pairs: Vec<DescriptorPair>,
+    /// Delivered to the peer when the transfer completes, and only then.
+    pub notification: Option<Vec<u8>>,
+}
+
+/// Where a posted transfer stands.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum TransferStatus {
+    /// Still moving.
+    InProgress,
+    /// Every byte arrived; the notification, if any, was handed to the transport.
+    Done,
+    /// It failed; none of its bytes may be trusted and no notification was sent.
+    Failed(TransportError),
+}
+
+/// A notification from a peer agent.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct Notification {
+    /// The sender, as the transport authenticated it.
+    pub from: AgentName,
+    /// The bytes (a [`crate::wire::Message`] frame, or garbage to count and drop).
+    pub payload: Vec<u8>,
+}
+
+/// A handshake that completed, with the local clock readings around it.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct PeerInfo {
+    /// The peer's agent.
+    pub agent: AgentName,
+    /// What the peer sent.
+    pub handshake: Handshake,
+    /// Local clock when the local offer was sent.
+    pub sent_at: Time,
+    /// Local clock when the peer's offer arrived.
+    pub received_at: Time,
+}
+
+impl PeerInfo {
+    /// The peer's clock minus ours, from this sample: `peer_clock - (sent + received) / 2`.
+    pub fn clock_offset_nanos(&self) -> i64 {
+        let mid = (i128::from(self.sent_at.as_nanos()) + i128::from(self.received_at.as_nanos())) / 2;
+        let offset = i128::from(self.handshake.clock.as_nanos()) - mid;
+        offset.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
+    }
+
+    /// The sample's round trip, a bound on its error.
+    pub fn round_trip(&self) -> std::time::Duration {
+        self.received_at.saturating_since(self.sent_at)
+    }
+}
+
+/// What happened to a peer.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum PeerEvent {
+    /// A handshake completed, in either direction: the peer may now exchange KV with us.
+    Connected(Box<PeerInfo>),
+    /// A connection we started failed or was refused.
+    ConnectFailed {
+        /// Where we tried.
+        address: PeerAddress,
+        /// Why.
+        error: TransportError,
+    },
+    /// A connected peer's side channel closed: it is gone.
+    Lost(AgentName),
+}
+
+/// Why a transport operation failed.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum TransportError {
+    /// No handshake completed with this peer.
+    #[error("unknown peer {0}")]
+    UnknownPeer(AgentName),
+    /// Nobody answers at this address.
+    #[error("no peer at {0}")]
+    Unreachable(PeerAddress),
+    /// The peer was lost.
+    #[error("peer {0} is lost")]
+    PeerLost(AgentName),
+    /// The handshake was refused.
+    #[error("handshake refused: {0}")]
+    Handshake(#[from] HandshakeError),
+    /// A descriptor is not inside a registered region.
+    #[error("{side} range {addr:#x}+{len} is not in a registered region")]
+    NotRegistered {
+        /// `"local"` or `"remote"`.
+        side: &'static str,
+        /// Start of the range.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// A descriptor pair's lengths or a request's shape are wrong.
+    #[error("invalid transfer: {0}")]
+    InvalidTransfer(String),
+    /// The transfer handle is not known (never posted, or already reported done or failed).
+    #[error("unknown transfer {0:?}")]
+    UnknownTransfer(TransferId),
+    /// The transfer failed in flight.
+    #[error("transfer failed: {0}")]
+    TransferFailed(String),
+    /// A notification is larger than the transport carries.
+    #[error("notification of {len} bytes exceeds the {max}-byte limit")]
+    NotificationTooLarge {
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The backend failed.
+    #[error("transport backend: {0}")]
+    Backend(String),
+}
+
+/// Moving KV bytes and small notifications between TP-rank agents.
+///
+/// One transport is one agent (one TP rank). Regions are registered once; a transfer names
+/// descriptor pairs within registered regions on both sides; completion is polled;
+/// notifications ride on completed transfers or are sent alone; peers come and go through
+/// [`PeerEvent`]s. Liveness comes from the side channel, not from transfer errors.
+pub trait Transport: Send {
+    /// This transport's agent.
+    fn agent(&self) -> &AgentName;
+    /// Makes a region available to local and remote transfers.
+    fn register(&mut self, region: &Region) -> Result<(), TransportError>;
+    /// Withdraws a region; transfers that name it fail from now on.
+    fn deregister(&mut self, region: RegionId) -> Result<(), TransportError>;
+    /// Starts a handshake with the peer at `address`; the outcome is a [`PeerEvent`].
+    fn connect(&mut self, address: &PeerAddress) -> Result<(), TransportError>;
+    /// Posts a transfer.
+    fn post(&mut self, request: TransferRequest) -> Result<TransferId, TransportError>;
+    /// Where a transfer stands; `Done` and `Failed` are reported once, then the id is unknown.
+    fn poll_transfer(&mut self, id: TransferId) -> TransferStatus;
+    /// Sends a notification to a connected peer.
+    fn send_notification(&mut self, peer: &AgentName, payload: &[u8]) -> Result<(), TransportError>;
+    /// Moves every notification that arrived into `out`, oldest first.
+    fn drain_notifications(&mut self, out: &mut Vec<Notification>);
+    /// The next peer event, if any.
+    fn poll_event(&mut self) -> Option<PeerEvent>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::id::EngineId;
+    use crate::layout::{Attention, KvLayout, MemoryOrder, Placement};
+    use crate::wire::{Role, PROTOCOL_VERSION};
+
+    #[test]
+    fn the_ports_are_object_safe() {
+        fn takes(_: Option<&dyn Transport>, _: Option<&dyn Memory>, _: Option<&dyn Clock>) {}
+        takes(None, None, None);
+    }
+
+    #[test]
+    fn clock_offset_is_taken_from_the_middle_of_the_round_trip() {
+        let layout = KvLayout {
+            layers: 1,
+            block_tokens: 16,
+            kv_heads: 1,
+            head_dim: 1,
+            dtype_bytes: 1,
+            attention: Attention::SplitKv,
+            order: MemoryOrder::Hnd,
+            placement: Placement::BlockMajor,
+        };
+        let info = PeerInfo {
+            agent: AgentName::new(EngineId::new("p"), 0),
+            handshake: Handshake {
+                protocol_version: PROTOCOL_VERSION,
+                engine: EngineId::new("p"),
+                rank: 0,
+                tp_size: 1,
+                role: Role::Prefill,
+                model: String::new(),
+                layout,
+                num_blocks: 1,
+                regions: Vec::new(),
+                compat_hash: 0,
+                clock: Time::from_millis(1_000_005),
+                agent_metadata: Vec::new(),
+            },
+            sent_at: Time::from_millis(100),
+            received_at: Time::from_millis(110),
+        };
+        assert_eq!(info.clock_offset_nanos(), 999_900 * 1_000_000);
+        assert_eq!(info.round_trip(), std::time::Duration::from_millis(10));
+    }
+}

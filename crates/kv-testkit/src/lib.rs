@@ -1,0 +1,102 @@
+//! kvflow's deterministic fakes: a manual clock, a seeded in-memory network with fault
+//! injection, and in-memory KV pools.
+//!
+//! They stand in for the real adapters (NIXL/UCX, CUDA) so that the lifecycle code can be
+//! tested, and simulated, exactly and fast. Nothing here does I/O, starts a thread or reads the
+//! system clock, and every random choice follows from one seed, so a run replays exactly.
+//!
+//! - [`ManualClock`]: a shared [`kv_core::Clock`] that moves only when told to, never back.
+//! - [`Rng`]: the seeded generator behind every random choice.
+//! - [`FakeHeap`] and [`InMemoryMemory`]: [`kv_core::Memory`] over byte buffers at synthetic
+//!   addresses, shared with the transport that copies between them.
+//! - [`FakeNetwork`] and [`FakeTransport`]: [`kv_core::Transport`] between in-process agents,
+//!   with latency, handshakes, transfers whose bytes really move (at completion time),
+//!   notifications, and faults: drop, duplicate, reorder, delay, partition, crash, failed
+//!   transfers and garbage. Nothing happens until the clock moves and the network settles;
+//!   see the [`network`] module for the timing rules.
+//! - [`offer`]: a handshake offer for a fake engine rank.
+//!
+//! A decode agent reads a block from a prefill agent:
+//!
+//! ```
+//! use std::time::Duration;
+//! use kv_core::*;
+//! use kv_testkit::{offer, FakeHeap, FakeNetwork, InMemoryMemory, ManualClock, NetConfig};
+//!
+//! let clock = ManualClock::default();
+//! let net = FakeNetwork::new(7, clock.clone(), NetConfig::default());
+//! let layout = KvLayout {
+//!     layers: 1, block_tokens: 16, kv_heads: 1, head_dim: 8, dtype_bytes: 2,
+//!     attention: Attention::SplitKv, order: MemoryOrder::Hnd, placement: Placement::BlockMajor,
+//! };
+//! let (p_name, d_name) = (AgentName::new(EngineId::new("prefill0"), 0), AgentName::new(EngineId::new("decode0"), 0));
+//! let (p_heap, d_heap) = (FakeHeap::with_base(0x1000_0000), FakeHeap::with_base(0x9000_0000));
+//! let (mut p_pool, mut d_pool) = (InMemoryMemory::new(p_heap.clone()), InMemoryMemory::new(d_heap.clone()));
+//! let p_address = PeerAddress("prefill0".into());
+//! let mut p = net.transport(p_name.clone(), p_address.clone(), p_heap, offer(&p_name, Role::Prefill, 1, layout));
+//! let d_address = PeerAddress("decode0".into());
+//! let mut d = net.transport(d_name.clone(), d_address, d_heap, offer(&d_name, Role::Decode, 1, layout));
+//!
+//! let p_region = p_pool.allocate(MemoryKind::Host, 4096)?;
+//! let d_region = d_pool.allocate(MemoryKind::Device(0), 4096)?;
+//! p.register(&p_region)?;
+//! d.register(&d_region)?;
+//! p_pool.write(p_region.id, 512, b"kv bytes")?;
+//!
+//! d.connect(&p_address)?;
+//! clock.advance(Duration::from_millis(2)); // one round trip
+//! assert!(matches!(d.poll_event(), Some(PeerEvent::Connected(_))));
+//!
+//! let pairs = vec![DescriptorPair {
+//!     local_region: 0, local_addr: d_region.addr, remote_region: 0, remote_addr: p_region.addr + 512, len: 8,
+//! }];
+//! let done = Some(b"done".to_vec());
+//! let read = d.post(TransferRequest { op: TransferOp::Read, peer: p_name, pairs, notification: done })?;
+//! assert_eq!(d.poll_transfer(read), TransferStatus::InProgress);
+//! clock.advance(Duration::from_millis(6)); // the transfer, then its notification
+//! assert_eq!(d.poll_transfer(read), TransferStatus::Done);
+//!
+//! let mut bytes = [0; 8];
+//! d_pool.read(d_region.id, 0, &mut bytes)?;
+//! assert_eq!(&bytes, b"kv bytes");
+//! let mut notes = Vec::new();
+//! p.drain_notifications(&mut notes);
+//! assert_eq!((notes[0].from.clone(), notes[0].payload.clone()), (d_name, b"done".to_vec()));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod clock;
+mod memory;
+pub mod network;
+mod rng;
+
+pub use clock::ManualClock;
+pub use memory::{FakeHeap, InMemoryMemory};
+pub use network::{FakeNetwork, FakeTransport, NetConfig, NetStats, Scope};
+pub use rng::Rng;
+
+use kv_core::wire::{compatibility_hash, PROTOCOL_VERSION};
+use kv_core::{AgentName, Handshake, KvLayout, Role, Time};
+
+/// The model every [`offer`] names.
+pub const FAKE_MODEL: &str = "kvflow-fake-model";
+
+/// A handshake offer for `agent`, a rank of an engine with `tp_size` ranks, serving
+/// [`FAKE_MODEL`] in `layout`: no pool regions, no blocks, no agent metadata, clock zero (the
+/// fake network stamps the clock when the offer leaves).
+pub fn offer(agent: &AgentName, role: Role, tp_size: u32, layout: KvLayout) -> Handshake {
+    Handshake {
+        protocol_version: PROTOCOL_VERSION,
+        engine: agent.engine.clone(),
+        rank: agent.rank,
+        tp_size,
+        role,
+        model: FAKE_MODEL.to_owned(),
+        layout,
+        num_blocks: 0,
+        regions: Vec::new(),
+        compat_hash: compatibility_hash(FAKE_MODEL, &layout),
+        clock: Time::ZERO,
+        agent_metadata: Vec::new(),
+    }
+}

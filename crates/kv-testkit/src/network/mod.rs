@@ -1,0 +1,720 @@
+//! A seeded, in-memory network of agents that really copies bytes, and injects faults.
+//!
+//! # Time
+//!
+//! Nothing happens by itself. Every message delivery, handshake step and transfer completion
+//! is an event due at some [`Time`]; [`FakeNetwork::settle`] runs, in time order (ties in the
+//! order they were scheduled), every event due at or before the clock's now, and every
+//! [`FakeTransport`] method settles first, so that a caller who only sees the
+//! [`kv_core::Transport`] trait sees a consistent world. An event runs at its own due time
+//! (messages it sends leave then, timestamps are taken then), so jumping the clock far ahead
+//! gives the same outcome as stepping it event by event; [`FakeNetwork::next_event_time`] is
+//! where a simulator steps to when it wants to interleave its own work.
+//!
+//! # What takes how long
+//!
+//! - A message (handshake step or notification) arrives [`NetConfig::latency`] after it was
+//!   sent, plus any active [`FakeNetwork::delay`], plus, for notifications only, a random
+//!   jitter in `0..=`[`NetConfig::reorder_jitter`] drawn for each copy.
+//! - `connect` is a three-step handshake over a reliable side channel: the initiator's offer
+//!   reaches the listener after one latency, the listener's answer comes back after two (the
+//!   initiator's `Connected`, or `ConnectFailed` with the refusal), and the initiator's
+//!   acknowledgement gives the listener its `Connected` after three. Each side's
+//!   [`kv_core::PeerInfo`] spans its own round trip, so both clock offsets come out right.
+//!   Both sides run [`kv_core::check_compatible`]. Each offer's `clock` is stamped when it leaves.
+//! - A transfer completes [`NetConfig::transfer_latency`] after it is posted. Its bytes are
+//!   copied at completion, not at post: a read sees what the remote blocks hold when the read
+//!   completes, so a test can catch a read of blocks that were freed and rewritten in flight.
+//!   Its notification then leaves for the peer as a message.
+//!
+//! # Faults
+//!
+//! All random choices come from the seed. Notifications (sent, riding on a completed transfer,
+//! or injected) may be dropped ([`NetConfig::drop_rate`]), duplicated
+//! ([`NetConfig::duplicate_rate`], each copy with its own jitter) and reordered (jitter);
+//! handshake steps and [`kv_core::PeerEvent::Lost`] travel a reliable side channel and only
+//! partitions and crashes stop them. Scheduled faults name a [`Scope`]: an engine, which takes
+//! all of its TP-rank agents together as scenario files do, or one agent.
+//!
+//! - [`FakeNetwork::partition`]: a message between the two sides is dropped if the partition
+//!   was active when it was sent or when it arrives; a connect across it fails as unreachable;
+//!   a transfer across it that is in flight when it starts, or is posted during it, fails.
+//! - [`FakeNetwork::delay`]: messages from one side to the other, sent while it is active,
+//!   arrive later (active delays add up).
+//! - [`FakeNetwork::crash`]: the agents stop; they send and receive nothing, their
+//!   registrations are gone, every transfer they take part in fails at its completion time,
+//!   and with `detect` every connected peer sees `Lost` one latency later. Creating a
+//!   transport under the same name again restarts the agent as a new registration: old
+//!   connections are not revived, and messages addressed to the old one are dropped.
+//! - [`FakeNetwork::fail_next_transfer`] and [`FakeNetwork::fail_transfer_when`]: the next
+//!   matching transfer is accepted and fails at its completion time, copying nothing.
+//! - [`FakeNetwork::inject`]: a forged notification, garbage included.
+
+mod transport;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use kv_core::{
+    check_compatible, AgentName, DescriptorPair, EngineId, Handshake, HandshakeError, Notification, PeerAddress,
+    PeerEvent, PeerInfo, Region, RegionId, Time, TransferId, TransferOp, TransferRequest, TransferStatus,
+    TransportError,
+};
+
+pub use transport::FakeTransport;
+
+use crate::{FakeHeap, ManualClock, Rng};
+
+/// How the fake network behaves when nobody injects a fault by name.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NetConfig {
+    /// One-way delay of every message (a handshake step or a notification).
+    pub latency: Duration,
+    /// From posting a transfer to its completion.
+    pub transfer_latency: Duration,
+    /// Probability that a notification is lost.
+    pub drop_rate: f64,
+    /// Probability that a notification arrives twice.
+    pub duplicate_rate: f64,
+    /// Extra delay, uniform in `0..=reorder_jitter`, of every notification copy; notifications
+    /// sent closer together than this may arrive out of order.
+    pub reorder_jitter: Duration,
+}
+
+impl Default for NetConfig {
+    fn default() -> Self {
+        NetConfig {
+            latency: Duration::from_millis(1),
+            transfer_latency: Duration::from_millis(5),
+            drop_rate: 0.0,
+            duplicate_rate: 0.0,
+            reorder_jitter: Duration::ZERO,
+        }
+    }
+}
+
+/// Which agents a fault applies to.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum Scope {
+    /// Every TP-rank agent of an engine: engines crash and get cut off as a whole.
+    Engine(EngineId),
+    /// One agent.
+    Agent(AgentName),
+}
+
+impl Scope {
+    /// Whether `agent` is in scope.
+    pub fn covers(&self, agent: &AgentName) -> bool {
+        match self {
+            Scope::Engine(engine) => agent.engine == *engine,
+            Scope::Agent(name) => agent == name,
+        }
+    }
+}
+
+impl From<EngineId> for Scope {
+    fn from(engine: EngineId) -> Self {
+        Scope::Engine(engine)
+    }
+}
+
+impl From<&EngineId> for Scope {
+    fn from(engine: &EngineId) -> Self {
+        Scope::Engine(engine.clone())
+    }
+}
+
+impl From<AgentName> for Scope {
+    fn from(agent: AgentName) -> Self {
+        Scope::Agent(agent)
+    }
+}
+
+impl From<&AgentName> for Scope {
+    fn from(agent: &AgentName) -> Self {
+        Scope::Agent(agent.clone())
+    }
+}
+
+/// What the network did so far; notifications are counted per copy.
+#[derive(Clone, Copy, PartialEq, Eq, Default, Debug)]
+pub struct NetStats {
+    /// Notifications put in an inbox.
+    pub delivered: u64,
+    /// Notifications lost: to `drop_rate`, a partition, or a receiver that is down.
+    pub dropped: u64,
+    /// Extra copies made by `duplicate_rate`.
+    pub duplicated: u64,
+    /// Transfers that completed and copied their bytes.
+    pub transfers_done: u64,
+    /// Transfers that failed in flight.
+    pub transfers_failed: u64,
+}
+
+/// A predicate over `(poster, request)` that fails the first transfer it matches.
+type TransferFault = Box<dyn FnMut(&AgentName, &TransferRequest) -> bool + Send>;
+
+/// The shared, seeded network; clones are handles to the same one.
+#[derive(Clone)]
+pub struct FakeNetwork {
+    net: Arc<Mutex<Net>>,
+}
+
+impl fmt::Debug for FakeNetwork {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let net = self.lock();
+        f.debug_struct("FakeNetwork").field("agents", &net.agents.len()).field("stats", &net.stats).finish()
+    }
+}
+
+impl FakeNetwork {
+    /// An empty network whose every random choice follows from `seed`, timed by `clock`.
+    pub fn new(seed: u64, clock: ManualClock, config: NetConfig) -> Self {
+        let net = Net {
+            clock,
+            config,
+            rng: Rng::new(seed),
+            next_seq: 0,
+            queue: BTreeMap::new(),
+            agents: BTreeMap::new(),
+            listeners: HashMap::new(),
+            next_generation: 1,
+            partitions: Vec::new(),
+            delays: Vec::new(),
+            transfer_faults: Vec::new(),
+            stats: NetStats::default(),
+        };
+        FakeNetwork { net: Arc::new(Mutex::new(net)) }
+    }
+
+    /// The clock the network runs on.
+    pub fn clock(&self) -> ManualClock {
+        self.lock().clock.clone()
+    }
+
+    /// Starts `agent`, listening at `address`, with its pool in `heap` and `offer` as its handshake.
+    ///
+    /// A name that is already taken restarts the agent: the old one is crashed without
+    /// detection if it was up, and its handle and connections are dead. The last agent to
+    /// listen at an address gets the connections made to it.
+    pub fn transport(&self, agent: AgentName, address: PeerAddress, heap: FakeHeap, offer: Handshake) -> FakeTransport {
+        let mut net = self.settled();
+        let now = net.clock.now();
+        if let Some(old) = net.agents.get(&agent).filter(|old| old.up) {
+            let old = Endpoint { name: agent.clone(), generation: old.generation };
+            net.crash_one(&old, false, now);
+        }
+        let generation = net.next_generation;
+        net.next_generation += 1;
+        net.listeners.retain(|_, listener| *listener != agent);
+        net.listeners.insert(address, agent.clone());
+        net.agents.insert(agent.clone(), Agent::new(generation, heap, offer));
+        FakeTransport::new(Endpoint { name: agent, generation }, self.clone())
+    }
+
+    /// Runs every event due at or before the clock's now.
+    pub fn settle(&self) {
+        self.lock().settle();
+    }
+
+    /// When the next pending event is due, after settling; `None` when nothing is pending.
+    pub fn next_event_time(&self) -> Option<Time> {
+        self.settled().queue.keys().next().map(|&(at, _)| at)
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> NetStats {
+        self.settled().stats
+    }
+
+    /// Stops the agents in `who`; with `detect`, their connected peers see them `Lost`.
+    pub fn crash(&self, who: impl Into<Scope>, detect: bool) {
+        let who = who.into();
+        let mut net = self.settled();
+        let now = net.clock.now();
+        let victims: Vec<Endpoint> = net
+            .agents
+            .iter()
+            .filter(|(name, agent)| agent.up && who.covers(name))
+            .map(|(name, agent)| Endpoint { name: name.clone(), generation: agent.generation })
+            .collect();
+        for victim in &victims {
+            net.crash_one(victim, detect, now);
+        }
+    }
+
+    /// Cuts `a` off from `b`, both ways, from now until `until`.
+    pub fn partition(&self, a: impl Into<Scope>, b: impl Into<Scope>, until: Time) {
+        let mut net = self.settled();
+        let window = Window { a: a.into(), b: b.into(), from: net.clock.now(), until, by: Duration::ZERO };
+        if window.until <= window.from {
+            return;
+        }
+        for (name, agent) in &mut net.agents {
+            for transfer in agent.transfers.values_mut() {
+                if let Transfer::InFlight { peer, doom: doom @ None, .. } = transfer {
+                    if window.separates(name, &peer.name) {
+                        *doom = Some(format!("partitioned from {}", peer.name));
+                    }
+                }
+            }
+        }
+        net.partitions.push(window);
+    }
+
+    /// Delays by `by` every message from `from` to `to` sent from now until `until`.
+    pub fn delay(&self, from: impl Into<Scope>, to: impl Into<Scope>, by: Duration, until: Time) {
+        let mut net = self.settled();
+        let now = net.clock.now();
+        net.delays.push(Window { a: from.into(), b: to.into(), from: now, until, by });
+    }
+
+    /// Sends `payload` to `to` as a notification forged to come from `from` (who need not
+    /// exist, nor be connected); it meets the same faults as any notification, and no size limit.
+    pub fn inject(&self, from: &AgentName, to: &AgentName, payload: Vec<u8>) {
+        let mut net = self.settled();
+        let now = net.clock.now();
+        let to = net.agents.get(to).map(|agent| Endpoint { name: to.clone(), generation: agent.generation });
+        let Some(to) = to else {
+            net.stats.dropped += 1;
+            return;
+        };
+        let from = Endpoint { name: from.clone(), generation: 0 };
+        net.send(Message { from, to, sent_at: now, body: Body::Notification(payload) });
+    }
+
+    /// Fails the next transfer that an agent in `who` posts.
+    pub fn fail_next_transfer(&self, who: impl Into<Scope>) {
+        let who = who.into();
+        self.fail_transfer_when(move |poster, _| who.covers(poster));
+    }
+
+    /// Fails the first transfer posted from now on for which `predicate(poster, request)` holds.
+    ///
+    /// The predicate runs inside the network's lock, so it must not call the network.
+    pub fn fail_transfer_when(&self, predicate: impl FnMut(&AgentName, &TransferRequest) -> bool + Send + 'static) {
+        self.settled().transfer_faults.push(Box::new(predicate));
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Net> {
+        // A test that panicked mid-call leaves a usable world; keep it readable for the report.
+        self.net.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn settled(&self) -> MutexGuard<'_, Net> {
+        let mut net = self.lock();
+        net.settle();
+        net
+    }
+}
+
+/// One incarnation of an agent: a restart under the same name is a new generation.
+#[derive(Clone, PartialEq, Eq, Debug)]
+struct Endpoint {
+    name: AgentName,
+    generation: u64,
+}
+
+struct Agent {
+    generation: u64,
+    up: bool,
+    heap: FakeHeap,
+    offer: Handshake,
+    regions: BTreeMap<RegionId, Region>,
+    peers: BTreeMap<AgentName, Link>,
+    transfers: BTreeMap<TransferId, Transfer>,
+    next_transfer: u64,
+    inbox: Vec<Notification>,
+    events: VecDeque<PeerEvent>,
+}
+
+/// A completed handshake with one generation of a peer.
+struct Link {
+    generation: u64,
+    lost: bool,
+}
+
+enum Transfer {
+    /// `doom` is why it will fail at completion, when that is already decided.
+    InFlight {
+        request: TransferRequest,
+        peer: Endpoint,
+        doom: Option<String>,
+    },
+    Finished(TransferStatus),
+}
+
+#[derive(Clone)]
+struct Message {
+    from: Endpoint,
+    to: Endpoint,
+    sent_at: Time,
+    body: Body,
+}
+
+#[derive(Clone)]
+enum Body {
+    /// Initiator to listener.
+    Offer {
+        address: PeerAddress,
+        offer: Box<Handshake>,
+    },
+    /// Listener to initiator: its own offer, or why it refused.
+    Answer {
+        address: PeerAddress,
+        offer_sent_at: Time,
+        answer: Result<Box<Handshake>, HandshakeError>,
+    },
+    /// Initiator to listener, once the initiator accepted the answer.
+    Ack {
+        offer: Box<Handshake>,
+        answer_sent_at: Time,
+    },
+    Notification(Vec<u8>),
+}
+
+enum Event {
+    Arrive(Message),
+    Complete { poster: Endpoint, id: TransferId },
+    ConnectFailed { to: Endpoint, address: PeerAddress, error: TransportError },
+    Lost { to: Endpoint, lost: Endpoint },
+}
+
+/// A partition (`by` unused) or a delay, active in `from..until`.
+struct Window {
+    a: Scope,
+    b: Scope,
+    from: Time,
+    until: Time,
+    by: Duration,
+}
+
+impl Window {
+    fn active(&self, at: Time) -> bool {
+        self.from <= at && at < self.until
+    }
+
+    fn directed(&self, from: &AgentName, to: &AgentName) -> bool {
+        self.a.covers(from) && self.b.covers(to)
+    }
+
+    fn separates(&self, x: &AgentName, y: &AgentName) -> bool {
+        self.directed(x, y) || self.directed(y, x)
+    }
+}
+
+struct Net {
+    clock: ManualClock,
+    config: NetConfig,
+    rng: Rng,
+    next_seq: u64,
+    queue: BTreeMap<(Time, u64), Event>,
+    agents: BTreeMap<AgentName, Agent>,
+    listeners: HashMap<PeerAddress, AgentName>,
+    next_generation: u64,
+    partitions: Vec<Window>,
+    delays: Vec<Window>,
+    transfer_faults: Vec<TransferFault>,
+    stats: NetStats,
+}
+
+impl Agent {
+    fn new(generation: u64, heap: FakeHeap, offer: Handshake) -> Self {
+        Agent {
+            generation,
+            up: true,
+            heap,
+            offer,
+            regions: BTreeMap::new(),
+            peers: BTreeMap::new(),
+            transfers: BTreeMap::new(),
+            next_transfer: 1,
+            inbox: Vec::new(),
+            events: VecDeque::new(),
+        }
+    }
+
+    fn connected(&mut self, peer: &Endpoint, info: PeerInfo) {
+        self.peers.insert(peer.name.clone(), Link { generation: peer.generation, lost: false });
+        self.events.push_back(PeerEvent::Connected(Box::new(info)));
+    }
+
+    /// The peer generation a completed handshake reached, if the peer may be used.
+    fn link(&self, peer: &AgentName) -> Result<Endpoint, TransportError> {
+        match self.peers.get(peer) {
+            None => Err(TransportError::UnknownPeer(peer.clone())),
+            Some(link) if link.lost => Err(TransportError::PeerLost(peer.clone())),
+            Some(link) => Ok(Endpoint { name: peer.clone(), generation: link.generation }),
+        }
+    }
+}
+
+impl Net {
+    fn schedule(&mut self, at: Time, event: Event) {
+        self.queue.insert((at, self.next_seq), event);
+        self.next_seq += 1;
+    }
+
+    /// The agent if this generation of it is up.
+    fn agent(&self, endpoint: &Endpoint) -> Option<&Agent> {
+        self.agents.get(&endpoint.name).filter(|agent| agent.up && agent.generation == endpoint.generation)
+    }
+
+    fn agent_mut(&mut self, endpoint: &Endpoint) -> Option<&mut Agent> {
+        self.agents.get_mut(&endpoint.name).filter(|agent| agent.up && agent.generation == endpoint.generation)
+    }
+
+    fn partitioned(&self, x: &AgentName, y: &AgentName, at: Time) -> bool {
+        self.partitions.iter().any(|window| window.active(at) && window.separates(x, y))
+    }
+
+    fn settle(&mut self) {
+        let now = self.clock.now();
+        while let Some(entry) = self.queue.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let ((at, _), event) = entry.remove_entry();
+            self.run(at, event);
+        }
+        // Every later check is at `now` or after, where these windows are over.
+        self.partitions.retain(|window| window.until > now);
+        self.delays.retain(|window| window.until > now);
+    }
+
+    fn run(&mut self, at: Time, event: Event) {
+        match event {
+            Event::Arrive(message) => self.arrive(at, message),
+            Event::Complete { poster, id } => self.complete(at, &poster, id),
+            Event::ConnectFailed { to, address, error } => {
+                if let Some(agent) = self.agent_mut(&to) {
+                    agent.events.push_back(PeerEvent::ConnectFailed { address, error });
+                }
+            }
+            Event::Lost { to, lost } => {
+                if let Some(agent) = self.agent_mut(&to) {
+                    match agent.peers.get_mut(&lost.name) {
+                        Some(link) if link.generation == lost.generation && !link.lost => {
+                            link.lost = true;
+                            agent.events.push_back(PeerEvent::Lost(lost.name));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+
+    fn send(&mut self, message: Message) {
+        let at = message.sent_at;
+        let (from, to) = (&message.from.name, &message.to.name);
+        let delay: Duration =
+            self.delays.iter().filter(|window| window.active(at) && window.directed(from, to)).map(|w| w.by).sum();
+        let due = at + self.config.latency + delay;
+        if self.partitioned(from, to, at) {
+            return self.undeliverable(message, due);
+        }
+        if !matches!(message.body, Body::Notification(_)) {
+            return self.schedule(due, Event::Arrive(message));
+        }
+        if self.rng.chance(self.config.drop_rate) {
+            self.stats.dropped += 1;
+            return;
+        }
+        let copies = if self.rng.chance(self.config.duplicate_rate) { 2 } else { 1 };
+        self.stats.duplicated += copies - 1;
+        let jitter = u64::try_from(self.config.reorder_jitter.as_nanos()).unwrap_or(u64::MAX);
+        for _ in 0..copies {
+            let extra = Duration::from_nanos(self.rng.range(0..=jitter));
+            self.schedule(due + extra, Event::Arrive(message.clone()));
+        }
+    }
+
+    /// A message that cannot arrive when it is `due`: a lost notification, or a connect that
+    /// times out when the answer would have come back.
+    fn undeliverable(&mut self, message: Message, due: Time) {
+        let (initiator, address, timeout) = match message.body {
+            Body::Notification(_) => {
+                self.stats.dropped += 1;
+                return;
+            }
+            Body::Ack { .. } => return,
+            Body::Offer { address, .. } => (message.from, address, due + self.config.latency),
+            Body::Answer { address, .. } => (message.to, address, due),
+        };
+        let error = TransportError::Unreachable(address.clone());
+        self.schedule(timeout, Event::ConnectFailed { to: initiator, address, error });
+    }
+
+    fn arrive(&mut self, at: Time, message: Message) {
+        if self.agent(&message.to).is_none() || self.partitioned(&message.from.name, &message.to.name, at) {
+            return self.undeliverable(message, at);
+        }
+        let Message { from, to, sent_at, body } = message;
+        let Some(receiver) = self.agent_mut(&to) else { return };
+        match body {
+            Body::Notification(payload) => {
+                receiver.inbox.push(Notification { from: from.name, payload });
+                self.stats.delivered += 1;
+            }
+            Body::Offer { address, offer } => {
+                let answer = check_compatible(&receiver.offer, &offer).map(|_| stamped(&receiver.offer, at));
+                let body = Body::Answer { address, offer_sent_at: sent_at, answer };
+                self.send(Message { from: to, to: from, sent_at: at, body });
+            }
+            Body::Answer { address, offer_sent_at, answer } => {
+                let accepted = answer.and_then(|peer| check_compatible(&receiver.offer, &peer).map(|_| peer));
+                match accepted {
+                    Err(refusal) => {
+                        receiver.events.push_back(PeerEvent::ConnectFailed { address, error: refusal.into() });
+                    }
+                    Ok(peer) => {
+                        let own = stamped(&receiver.offer, at);
+                        let info = PeerInfo {
+                            agent: from.name.clone(),
+                            handshake: *peer,
+                            sent_at: offer_sent_at,
+                            received_at: at,
+                        };
+                        receiver.connected(&from, info);
+                        let body = Body::Ack { offer: own, answer_sent_at: sent_at };
+                        self.send(Message { from: to, to: from, sent_at: at, body });
+                    }
+                }
+            }
+            Body::Ack { offer, answer_sent_at } => {
+                let info =
+                    PeerInfo { agent: from.name.clone(), handshake: *offer, sent_at: answer_sent_at, received_at: at };
+                receiver.connected(&from, info);
+            }
+        }
+    }
+
+    fn complete(&mut self, at: Time, poster: &Endpoint, id: TransferId) {
+        let Some(agent) = self.agent_mut(poster) else { return };
+        let Some(Transfer::InFlight { request, peer, doom }) = agent.transfers.remove(&id) else { return };
+        let status = match doom.map_or_else(|| self.copy(poster, &peer, &request), Err) {
+            Ok(()) => {
+                self.stats.transfers_done += 1;
+                if let Some(payload) = request.notification {
+                    let body = Body::Notification(payload);
+                    self.send(Message { from: poster.clone(), to: peer, sent_at: at, body });
+                }
+                TransferStatus::Done
+            }
+            Err(reason) => {
+                self.stats.transfers_failed += 1;
+                TransferStatus::Failed(TransportError::TransferFailed(reason))
+            }
+        };
+        if let Some(agent) = self.agent_mut(poster) {
+            agent.transfers.insert(id, Transfer::Finished(status));
+        }
+    }
+
+    /// Copies a transfer's bytes now, all or nothing.
+    fn copy(&self, poster: &Endpoint, peer: &Endpoint, request: &TransferRequest) -> Result<(), String> {
+        let (Some(local), Some(remote)) = (self.agent(poster), self.agent(peer)) else {
+            return Err(format!("peer {} is down", peer.name));
+        };
+        // A region deregistered in flight fails the transfer, as the port promises.
+        validate(&request.pairs, &local.regions, Some(&remote.regions)).map_err(|e| e.to_string())?;
+        let (source, target) = match request.op {
+            TransferOp::Read => (&remote.heap, &local.heap),
+            TransferOp::Write => (&local.heap, &remote.heap),
+        };
+        let ends = |pair: &DescriptorPair| match request.op {
+            TransferOp::Read => (pair.remote_addr, pair.local_addr),
+            TransferOp::Write => (pair.local_addr, pair.remote_addr),
+        };
+        // Read every source range before writing any, so overlapping ranges copy what was there.
+        let mut chunks = Vec::with_capacity(request.pairs.len());
+        for pair in &request.pairs {
+            let (from, to) = ends(pair);
+            let bytes = source.read_at(from, pair.len).ok_or("registered memory was freed in flight")?;
+            if !target.contains(to, pair.len) {
+                return Err("registered memory was freed in flight".to_owned());
+            }
+            chunks.push((to, bytes));
+        }
+        for (to, bytes) in chunks {
+            target.write_at(to, &bytes);
+        }
+        Ok(())
+    }
+
+    /// Stops one agent; transfers it posted fail now, transfers posted to it fail at completion.
+    fn crash_one(&mut self, victim: &Endpoint, detect: bool, now: Time) {
+        let Some(agent) = self.agent_mut(victim) else { return };
+        agent.up = false;
+        agent.regions.clear();
+        agent.peers.clear();
+        agent.inbox.clear();
+        agent.events.clear();
+        let mut failed = 0;
+        for transfer in agent.transfers.values_mut() {
+            if matches!(transfer, Transfer::InFlight { .. }) {
+                let error = TransportError::TransferFailed(format!("{} crashed", victim.name));
+                *transfer = Transfer::Finished(TransferStatus::Failed(error));
+                failed += 1;
+            }
+        }
+        self.stats.transfers_failed += failed;
+        if !detect {
+            return;
+        }
+        let watchers: Vec<Endpoint> = self
+            .agents
+            .iter()
+            .filter(|(_, agent)| agent.up)
+            .filter(|(_, agent)| agent.peers.get(&victim.name).is_some_and(|link| link.generation == victim.generation))
+            .map(|(name, agent)| Endpoint { name: name.clone(), generation: agent.generation })
+            .collect();
+        for to in watchers {
+            self.schedule(now + self.config.latency, Event::Lost { to, lost: victim.clone() });
+        }
+    }
+}
+
+/// `offer` as sent at `at`: the clock field is the sender's clock sample for the peer.
+fn stamped(offer: &Handshake, at: Time) -> Box<Handshake> {
+    Box::new(Handshake { clock: at, ..offer.clone() })
+}
+
+/// Checks that every pair is non-empty, does not overflow, and lies in a registered region on
+/// each side (`remote: None` skips the peer's side, whose failure shows at completion).
+fn validate(
+    pairs: &[DescriptorPair],
+    local: &BTreeMap<RegionId, Region>,
+    remote: Option<&BTreeMap<RegionId, Region>>,
+) -> Result<(), TransportError> {
+    for pair in pairs {
+        if pair.len == 0 {
+            let reason = format!("empty descriptor at local {:#x}, remote {:#x}", pair.local_addr, pair.remote_addr);
+            return Err(TransportError::InvalidTransfer(reason));
+        }
+        registered("local", local, pair.local_addr, pair.len)?;
+        if let Some(remote) = remote {
+            registered("remote", remote, pair.remote_addr, pair.len)?;
+        }
+    }
+    Ok(())
+}
+
+fn registered(
+    side: &'static str,
+    regions: &BTreeMap<RegionId, Region>,
+    addr: u64,
+    len: u64,
+) -> Result<(), TransportError> {
+    let end = addr
+        .checked_add(len)
+        .ok_or_else(|| TransportError::InvalidTransfer(format!("{side} range {addr:#x}+{len} overflows")))?;
+    if regions.values().any(|region| region.addr <= addr && end <= region.addr.saturating_add(region.len)) {
+        Ok(())
+    } else {
+        Err(TransportError::NotRegistered { side, addr, len })
+    }
+}

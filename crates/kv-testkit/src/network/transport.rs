@@ -1,0 +1,176 @@
+//! [`FakeTransport`]: one agent's [`Transport`] on the fake network.
+
+use kv_core::{
+    AgentName, Notification, PeerAddress, PeerEvent, Region, RegionId, TransferId, TransferRequest, TransferStatus,
+    Transport, TransportError,
+};
+
+use super::{stamped, validate, Agent, Body, Endpoint, Event, FakeNetwork, Message, Net, Transfer};
+
+/// One agent (one TP rank) on a [`FakeNetwork`]; every method settles the network first.
+///
+/// Once the agent crashed, or was restarted under a new handle, the calls that act fail with
+/// [`TransportError::Backend`], and polls report only what finished before.
+#[derive(Debug)]
+pub struct FakeTransport {
+    me: Endpoint,
+    network: FakeNetwork,
+}
+
+impl FakeTransport {
+    pub(super) fn new(me: Endpoint, network: FakeNetwork) -> Self {
+        FakeTransport { me, network }
+    }
+
+    /// The network this agent is on.
+    pub fn network(&self) -> &FakeNetwork {
+        &self.network
+    }
+
+    fn settled<R>(&self, f: impl FnOnce(&mut Net, &Endpoint) -> R) -> R {
+        f(&mut self.network.settled(), &self.me)
+    }
+}
+
+impl Transport for FakeTransport {
+    fn agent(&self) -> &AgentName {
+        &self.me.name
+    }
+
+    fn register(&mut self, region: &Region) -> Result<(), TransportError> {
+        self.settled(|net, me| {
+            let agent = net.caller_mut(me)?;
+            if !agent.heap.contains(region.addr, region.len) {
+                let (addr, len) = (region.addr, region.len);
+                return Err(TransportError::Backend(format!("{addr:#x}+{len} is not allocated in {}'s heap", me.name)));
+            }
+            agent.regions.insert(region.id, *region);
+            Ok(())
+        })
+    }
+
+    fn deregister(&mut self, region: RegionId) -> Result<(), TransportError> {
+        self.settled(|net, me| match net.caller_mut(me)?.regions.remove(&region) {
+            Some(_) => Ok(()),
+            None => Err(TransportError::Backend(format!("region {region:?} is not registered by {}", me.name))),
+        })
+    }
+
+    fn connect(&mut self, address: &PeerAddress) -> Result<(), TransportError> {
+        self.settled(|net, me| {
+            let now = net.clock.now();
+            let offer = stamped(&net.caller(me)?.offer, now);
+            let listener = net.listeners.get(address).and_then(|name| {
+                net.agents.get(name).map(|agent| Endpoint { name: name.clone(), generation: agent.generation })
+            });
+            match listener {
+                Some(to) => {
+                    let body = Body::Offer { address: address.clone(), offer };
+                    net.send(Message { from: me.clone(), to, sent_at: now, body });
+                }
+                None => {
+                    // Nobody listens: refused after one round trip, as a TCP connect would be.
+                    let timeout = now + net.config.latency * 2;
+                    let error = TransportError::Unreachable(address.clone());
+                    net.schedule(timeout, Event::ConnectFailed { to: me.clone(), address: address.clone(), error });
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn post(&mut self, request: TransferRequest) -> Result<TransferId, TransportError> {
+        self.settled(|net, me| {
+            let now = net.clock.now();
+            let local = net.caller(me)?;
+            let peer = local.link(&request.peer)?;
+            check_size(request.notification.as_deref())?;
+            let remote = net.agent(&peer).map(|agent| &agent.regions);
+            let peer_up = remote.is_some();
+            validate(&request.pairs, &local.regions, remote)?;
+            let injected = net.transfer_faults.iter_mut().position(|fault| fault(&me.name, &request));
+            if let Some(index) = injected {
+                // An injected failure fires once.
+                drop(net.transfer_faults.remove(index));
+            }
+            let doom = if injected.is_some() {
+                Some("injected transfer failure".to_owned())
+            } else if !peer_up {
+                Some(format!("peer {} is down", peer.name))
+            } else if net.partitioned(&me.name, &peer.name, now) {
+                Some(format!("partitioned from {}", peer.name))
+            } else {
+                None
+            };
+            let agent = net.caller_mut(me)?;
+            let id = TransferId(agent.next_transfer);
+            agent.next_transfer += 1;
+            agent.transfers.insert(id, Transfer::InFlight { request, peer, doom });
+            net.schedule(now + net.config.transfer_latency, Event::Complete { poster: me.clone(), id });
+            Ok(id)
+        })
+    }
+
+    fn poll_transfer(&mut self, id: TransferId) -> TransferStatus {
+        self.settled(|net, me| {
+            // A crashed agent still reports the transfers its crash failed.
+            let agent = net.agents.get_mut(&me.name).filter(|agent| agent.generation == me.generation);
+            let Some(transfers) = agent.map(|agent| &mut agent.transfers) else {
+                return TransferStatus::Failed(TransportError::UnknownTransfer(id));
+            };
+            match transfers.remove(&id) {
+                None => TransferStatus::Failed(TransportError::UnknownTransfer(id)),
+                Some(Transfer::Finished(status)) => status,
+                Some(in_flight) => {
+                    transfers.insert(id, in_flight);
+                    TransferStatus::InProgress
+                }
+            }
+        })
+    }
+
+    fn send_notification(&mut self, peer: &AgentName, payload: &[u8]) -> Result<(), TransportError> {
+        self.settled(|net, me| {
+            let to = net.caller(me)?.link(peer)?;
+            check_size(Some(payload))?;
+            let sent_at = net.clock.now();
+            net.send(Message { from: me.clone(), to, sent_at, body: Body::Notification(payload.to_vec()) });
+            Ok(())
+        })
+    }
+
+    fn drain_notifications(&mut self, out: &mut Vec<Notification>) {
+        self.settled(|net, me| {
+            if let Some(agent) = net.agent_mut(me) {
+                out.append(&mut agent.inbox);
+            }
+        })
+    }
+
+    fn poll_event(&mut self) -> Option<PeerEvent> {
+        self.settled(|net, me| net.agent_mut(me)?.events.pop_front())
+    }
+}
+
+impl Net {
+    /// The calling agent, if it is up.
+    fn caller(&self, me: &Endpoint) -> Result<&Agent, TransportError> {
+        self.agent(me).ok_or_else(|| down(me))
+    }
+
+    fn caller_mut(&mut self, me: &Endpoint) -> Result<&mut Agent, TransportError> {
+        self.agent_mut(me).ok_or_else(|| down(me))
+    }
+}
+
+fn down(me: &Endpoint) -> TransportError {
+    TransportError::Backend(format!("agent {} is down", me.name))
+}
+
+fn check_size(notification: Option<&[u8]>) -> Result<(), TransportError> {
+    let max = kv_core::wire::MAX_MESSAGE_BYTES;
+    match notification {
+        Some(payload) if payload.len() > max => Err(TransportError::NotificationTooLarge { len: payload.len(), max }),
+        _ => Ok(()),
+    }
+}

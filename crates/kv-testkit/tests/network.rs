@@ -1,0 +1,529 @@
+//! The fake network's behaviour as an engine sees it through the `Transport` port: bytes move,
+//! and every fault really happens, deterministically from the seed.
+
+use std::time::Duration;
+
+use kv_core::{
+    AgentName, Attention, DescriptorPair, EngineId, KvLayout, Memory, MemoryKind, MemoryOrder, Notification,
+    PeerAddress, PeerEvent, Placement, Region, Role, Time, TransferId, TransferOp, TransferRequest, TransferStatus,
+    Transport, TransportError,
+};
+use kv_testkit::{offer, FakeHeap, FakeNetwork, FakeTransport, InMemoryMemory, ManualClock, NetConfig, NetStats};
+
+const POOL_BYTES: u64 = 64 * 1024;
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn layout(block_tokens: u32) -> KvLayout {
+    KvLayout {
+        layers: 2,
+        block_tokens,
+        kv_heads: 4,
+        head_dim: 16,
+        dtype_bytes: 2,
+        attention: Attention::SplitKv,
+        order: MemoryOrder::Hnd,
+        placement: Placement::BlockMajor,
+    }
+}
+
+/// One engine rank: its agent on the network and its pool, one registered region.
+struct Rank {
+    name: AgentName,
+    address: PeerAddress,
+    transport: FakeTransport,
+    pool: InMemoryMemory,
+    region: Region,
+}
+
+impl Rank {
+    fn start(net: &FakeNetwork, engine: &str, role: Role, block_tokens: u32) -> Rank {
+        let name = AgentName::new(EngineId::new(engine), 0);
+        let address = PeerAddress(format!("{engine}:5600"));
+        // Distinct bases per engine, so that swapped addresses would not go unnoticed.
+        let base = 0x1000_0000 + u64::from(engine.bytes().map(u32::from).sum::<u32>()) * 0x100_0000;
+        let heap = FakeHeap::with_base(base);
+        let mut pool = InMemoryMemory::new(heap.clone());
+        let handshake = offer(&name, role, 1, layout(block_tokens));
+        let mut transport = net.transport(name.clone(), address.clone(), heap, handshake);
+        let region = pool.allocate(MemoryKind::Host, POOL_BYTES).unwrap();
+        transport.register(&region).unwrap();
+        Rank { name, address, transport, pool, region }
+    }
+
+    fn write(&mut self, offset: u64, bytes: &[u8]) {
+        self.pool.write(self.region.id, offset, bytes).unwrap();
+    }
+
+    fn bytes(&self, offset: u64, len: usize) -> Vec<u8> {
+        let mut out = vec![0; len];
+        self.pool.read(self.region.id, offset, &mut out).unwrap();
+        out
+    }
+
+    /// A descriptor pair from this rank's point of view.
+    fn pair(&self, local_offset: u64, peer: &Rank, remote_offset: u64, len: u64) -> DescriptorPair {
+        DescriptorPair {
+            local_region: 0,
+            local_addr: self.region.addr + local_offset,
+            remote_region: 0,
+            remote_addr: peer.region.addr + remote_offset,
+            len,
+        }
+    }
+
+    fn post(&mut self, op: TransferOp, peer: &Rank, pairs: Vec<DescriptorPair>) -> Result<TransferId, TransportError> {
+        let notification = Some(format!("{op:?} done").into_bytes());
+        self.transport.post(TransferRequest { op, peer: peer.name.clone(), pairs, notification })
+    }
+
+    fn send(&mut self, to: &Rank, payload: &str) {
+        self.transport.send_notification(&to.name, payload.as_bytes()).unwrap();
+    }
+
+    fn received(&mut self) -> Vec<String> {
+        self.notifications().into_iter().map(|n| String::from_utf8_lossy(&n.payload).into_owned()).collect()
+    }
+
+    fn notifications(&mut self) -> Vec<Notification> {
+        let mut out = Vec::new();
+        self.transport.drain_notifications(&mut out);
+        out
+    }
+
+    fn events(&mut self) -> Vec<PeerEvent> {
+        std::iter::from_fn(|| self.transport.poll_event()).collect()
+    }
+}
+
+struct World {
+    clock: ManualClock,
+    net: FakeNetwork,
+}
+
+impl World {
+    fn new(seed: u64, config: NetConfig) -> World {
+        let clock = ManualClock::default();
+        World { net: FakeNetwork::new(seed, clock.clone(), config), clock }
+    }
+
+    /// Moves time on and runs what fell due.
+    fn run(&self, by: Duration) {
+        self.clock.advance(by);
+        self.net.settle();
+    }
+
+    /// A prefill and a decode rank, with the handshake done (decode initiates).
+    fn pair(&self) -> (Rank, Rank) {
+        let mut p = Rank::start(&self.net, "prefill0", Role::Prefill, 16);
+        let mut d = Rank::start(&self.net, "decode0", Role::Decode, 16);
+        d.transport.connect(&p.address).unwrap();
+        self.run(ms(3));
+        assert!(matches!(d.events()[..], [PeerEvent::Connected(_)]));
+        assert!(matches!(p.events()[..], [PeerEvent::Connected(_)]));
+        (p, d)
+    }
+}
+
+fn engine(rank: &Rank) -> EngineId {
+    rank.name.engine.clone()
+}
+
+#[test]
+fn the_handshake_takes_three_steps_and_samples_both_clock_offsets() {
+    let world = World::new(1, NetConfig::default());
+    let mut p = Rank::start(&world.net, "prefill0", Role::Prefill, 16);
+    let mut d = Rank::start(&world.net, "decode0", Role::Decode, 16);
+    d.transport.connect(&p.address).unwrap();
+    assert_eq!(world.net.next_event_time(), Some(Time::from_millis(1)));
+    world.run(ms(2));
+    let [PeerEvent::Connected(on_d)] = &d.events()[..] else { panic!("decode should be connected at 2 ms") };
+    assert!(p.events().is_empty(), "prefill hears the acknowledgement one latency later");
+    world.run(ms(1));
+    let [PeerEvent::Connected(on_p)] = &p.events()[..] else { panic!("prefill should be connected at 3 ms") };
+    assert_eq!(
+        (on_d.agent.clone(), on_d.sent_at, on_d.received_at),
+        (p.name.clone(), Time::ZERO, Time::from_millis(2))
+    );
+    assert_eq!(
+        (on_p.agent.clone(), on_p.sent_at, on_p.received_at),
+        (d.name.clone(), Time::from_millis(1), Time::from_millis(3))
+    );
+    assert_eq!((on_d.handshake.role, on_p.handshake.role), (Role::Prefill, Role::Decode));
+    assert_eq!((on_d.clock_offset_nanos(), on_p.clock_offset_nanos()), (0, 0), "one shared clock");
+    assert_eq!(world.net.next_event_time(), None);
+}
+
+#[test]
+fn a_simulator_can_jump_from_event_to_event() {
+    let world = World::new(1, NetConfig::default());
+    let p = Rank::start(&world.net, "prefill0", Role::Prefill, 16);
+    let mut d = Rank::start(&world.net, "decode0", Role::Decode, 16);
+    d.transport.connect(&p.address).unwrap();
+    let mut steps = Vec::new();
+    while let Some(next) = world.net.next_event_time() {
+        steps.push(world.clock.advance_to(next));
+        world.net.settle();
+    }
+    assert_eq!(steps, [1, 2, 3].map(Time::from_millis));
+    assert!(matches!(d.events()[..], [PeerEvent::Connected(_)]));
+}
+
+#[test]
+fn a_read_copies_the_peers_bytes_into_local_regions() {
+    let world = World::new(1, NetConfig::default());
+    let (mut p, mut d) = world.pair();
+    let first: Vec<u8> = (0..=255).collect();
+    let second: Vec<u8> = (0..=255).rev().collect();
+    p.write(0, &first);
+    p.write(1024, &second);
+    let pairs = vec![d.pair(4096, &p, 0, 256), d.pair(0, &p, 1024, 256)];
+    let read = d.post(TransferOp::Read, &p, pairs).unwrap();
+    world.run(ms(4));
+    assert_eq!(d.transport.poll_transfer(read), TransferStatus::InProgress);
+    assert_eq!(d.bytes(0, 256), vec![0; 256], "nothing moves before completion");
+    world.run(ms(1));
+    assert_eq!(d.transport.poll_transfer(read), TransferStatus::Done);
+    assert_eq!((d.bytes(4096, 256), d.bytes(0, 256)), (first, second));
+    assert_eq!(d.transport.poll_transfer(read), TransferStatus::Failed(TransportError::UnknownTransfer(read)));
+    assert!(p.received().is_empty(), "the notification leaves at completion and takes one latency");
+    world.run(ms(1));
+    assert_eq!(p.received(), ["Read done"]);
+}
+
+#[test]
+fn a_write_copies_local_bytes_into_the_peer() {
+    let world = World::new(1, NetConfig::default());
+    let (mut p, mut d) = world.pair();
+    p.write(100, b"pushed kv");
+    let write = p.post(TransferOp::Write, &d, vec![p.pair(100, &d, 8192, 9)]).unwrap();
+    world.run(ms(6));
+    assert_eq!(p.transport.poll_transfer(write), TransferStatus::Done);
+    assert_eq!(d.bytes(8192, 9), b"pushed kv");
+    assert_eq!(d.received(), ["Write done"]);
+}
+
+#[test]
+fn bytes_are_read_at_completion_not_at_post() {
+    // A read that outlives the export sees whatever P put in the block meanwhile.
+    let world = World::new(1, NetConfig::default());
+    let (mut p, mut d) = world.pair();
+    p.write(0, b"request A");
+    let read = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 9)]).unwrap();
+    world.run(ms(2));
+    p.write(0, b"request B");
+    world.run(ms(3));
+    assert_eq!(d.transport.poll_transfer(read), TransferStatus::Done);
+    assert_eq!(d.bytes(0, 9), b"request B");
+}
+
+#[test]
+fn ranges_outside_registered_regions_are_refused() {
+    let world = World::new(1, NetConfig::default());
+    let (p, mut d) = world.pair();
+    // A good pair first: one bad pair refuses the whole request.
+    let check = |d: &mut Rank, local_offset, remote_offset, len, expected| {
+        let pairs = vec![d.pair(0, &p, 0, 8), d.pair(local_offset, &p, remote_offset, len)];
+        assert_eq!(d.post(TransferOp::Read, &p, pairs), Err(expected));
+    };
+    let (local, remote) = (d.region.addr, p.region.addr);
+    let not_registered = |side, addr, len| TransportError::NotRegistered { side, addr, len };
+    check(&mut d, POOL_BYTES - 4, 0, 8, not_registered("local", local + POOL_BYTES - 4, 8));
+    check(&mut d, 0, POOL_BYTES, 1, not_registered("remote", remote + POOL_BYTES, 1));
+    let overflow = DescriptorPair { local_addr: u64::MAX - 2, ..d.pair(0, &p, 0, 8) };
+    let refused = d.post(TransferOp::Read, &p, vec![overflow]);
+    assert!(matches!(refused, Err(TransportError::InvalidTransfer(m)) if m.contains("overflows")));
+    let empty = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 0)]);
+    assert!(matches!(empty, Err(TransportError::InvalidTransfer(_))));
+
+    d.transport.deregister(d.region.id).unwrap();
+    check(&mut d, 16, 0, 8, not_registered("local", local, 8));
+    assert!(d.transport.deregister(d.region.id).is_err());
+}
+
+#[test]
+fn a_region_deregistered_in_flight_fails_the_transfer() {
+    let world = World::new(1, NetConfig::default());
+    let (mut p, mut d) = world.pair();
+    p.write(0, b"gone");
+    let read = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 4)]).unwrap();
+    p.transport.deregister(p.region.id).unwrap();
+    world.run(ms(5));
+    assert!(matches!(d.transport.poll_transfer(read), TransferStatus::Failed(TransportError::TransferFailed(_))));
+    assert_eq!(d.bytes(0, 4), [0; 4]);
+    world.run(ms(5));
+    assert!(p.received().is_empty(), "a failed transfer sends no notification");
+}
+
+#[test]
+fn only_connected_peers_are_reachable_and_notifications_have_a_limit() {
+    let world = World::new(1, NetConfig::default());
+    let (mut p, mut d) = world.pair();
+    let stranger = Rank::start(&world.net, "decode9", Role::Decode, 16);
+    assert_eq!(p.post(TransferOp::Write, &stranger, vec![]), Err(TransportError::UnknownPeer(stranger.name.clone())));
+    assert_eq!(
+        p.transport.send_notification(&stranger.name, b"hi"),
+        Err(TransportError::UnknownPeer(stranger.name.clone()))
+    );
+    let max = kv_core::wire::MAX_MESSAGE_BYTES;
+    let huge = vec![0; max + 1];
+    assert_eq!(
+        d.transport.send_notification(&p.name, &huge),
+        Err(TransportError::NotificationTooLarge { len: max + 1, max })
+    );
+    let request =
+        TransferRequest { op: TransferOp::Read, peer: p.name.clone(), pairs: vec![], notification: Some(huge) };
+    assert_eq!(d.transport.post(request), Err(TransportError::NotificationTooLarge { len: max + 1, max }));
+    d.transport.send_notification(&p.name, &vec![7; max]).unwrap();
+    world.run(ms(1));
+    assert_eq!(p.notifications()[0].payload.len(), max);
+}
+
+#[test]
+fn unknown_addresses_are_unreachable_after_a_round_trip() {
+    let world = World::new(1, NetConfig::default());
+    let mut d = Rank::start(&world.net, "decode0", Role::Decode, 16);
+    let nowhere = PeerAddress("nowhere:5600".into());
+    d.transport.connect(&nowhere).unwrap();
+    world.run(ms(1));
+    assert!(d.events().is_empty());
+    world.run(ms(1));
+    assert_eq!(
+        d.events(),
+        [PeerEvent::ConnectFailed { address: nowhere.clone(), error: TransportError::Unreachable(nowhere) }]
+    );
+}
+
+#[test]
+fn a_refused_handshake_names_both_block_sizes_and_the_listener_keeps_serving() {
+    let world = World::new(1, NetConfig::default());
+    let mut p = Rank::start(&world.net, "prefill0", Role::Prefill, 32);
+    let mut d16 = Rank::start(&world.net, "decode0", Role::Decode, 16);
+    d16.transport.connect(&p.address).unwrap();
+    world.run(ms(10));
+    let [PeerEvent::ConnectFailed { address, error }] = &d16.events()[..] else { panic!("the connect should fail") };
+    assert_eq!(*address, p.address);
+    assert_eq!(
+        error.to_string(),
+        "handshake refused: block size mismatch: decode block of 16 tokens is not a multiple of prefill block of 32 tokens"
+    );
+    assert!(matches!(error, TransportError::Handshake(_)));
+    assert!(p.events().is_empty(), "a refused initiator is no peer of the listener");
+    assert_eq!(d16.transport.send_notification(&p.name, b"x"), Err(TransportError::UnknownPeer(p.name.clone())));
+
+    let mut d32 = Rank::start(&world.net, "decode1", Role::Decode, 32);
+    d32.transport.connect(&p.address).unwrap();
+    world.run(ms(3));
+    assert!(matches!(d32.events()[..], [PeerEvent::Connected(_)]));
+    let [PeerEvent::Connected(info)] = &p.events()[..] else { panic!("the listener should accept a compatible peer") };
+    assert_eq!(info.agent, d32.name);
+}
+
+#[test]
+fn drop_rate_one_loses_every_notification() {
+    let world = World::new(1, NetConfig { drop_rate: 1.0, ..NetConfig::default() });
+    let (mut p, mut d) = world.pair();
+    for i in 0..10 {
+        d.send(&p, &format!("n{i}"));
+    }
+    let read = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 8)]).unwrap();
+    world.run(Duration::from_secs(1));
+    assert_eq!(d.transport.poll_transfer(read), TransferStatus::Done, "transfers are not dropped");
+    assert!(p.received().is_empty());
+    assert_eq!(world.net.stats(), NetStats { dropped: 11, transfers_done: 1, ..NetStats::default() });
+}
+
+#[test]
+fn a_partition_drops_messages_both_ways_until_it_heals() {
+    let world = World::new(1, NetConfig::default());
+    let (mut p, mut d) = world.pair();
+    let start = world.clock.now();
+    d.send(&p, "in flight when the partition starts");
+    world.net.partition(engine(&d), engine(&p), start + ms(100));
+    d.send(&p, "d to p during");
+    p.send(&d, "p to d during");
+    world.run(ms(99));
+    d.send(&p, "sent during, due after");
+    world.run(ms(1));
+    d.send(&p, "healed");
+    world.run(ms(5));
+    assert_eq!(p.received(), ["healed"]);
+    assert!(d.received().is_empty());
+    assert_eq!((world.net.stats().dropped, world.net.stats().delivered), (4, 1));
+}
+
+#[test]
+fn a_partition_fails_transfers_in_flight_and_posted_during_it_and_refuses_connects() {
+    let world = World::new(1, NetConfig::default());
+    let (p, mut d) = world.pair();
+    let in_flight = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 8)]).unwrap();
+    world.run(ms(1));
+    world.net.partition(engine(&p), engine(&d), world.clock.now() + ms(50));
+    let during = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 8)]).unwrap();
+    let mut late = Rank::start(&world.net, "decode1", Role::Decode, 16);
+    world.net.partition(engine(&p), engine(&late), world.clock.now() + ms(50));
+    late.transport.connect(&p.address).unwrap();
+    world.run(ms(10));
+    for id in [in_flight, during] {
+        assert!(matches!(d.transport.poll_transfer(id), TransferStatus::Failed(TransportError::TransferFailed(_))));
+    }
+    assert!(matches!(&late.events()[..], [PeerEvent::ConnectFailed { error: TransportError::Unreachable(_), .. }]));
+    world.run(ms(50));
+    let after = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 8)]).unwrap();
+    world.run(ms(5));
+    assert_eq!(d.transport.poll_transfer(after), TransferStatus::Done);
+}
+
+#[test]
+fn duplicate_rate_one_delivers_every_notification_twice() {
+    let world = World::new(1, NetConfig { duplicate_rate: 1.0, ..NetConfig::default() });
+    let (mut p, mut d) = world.pair();
+    for payload in ["a", "b", "c"] {
+        d.send(&p, payload);
+    }
+    world.run(ms(1));
+    assert_eq!(p.received(), ["a", "a", "b", "b", "c", "c"]);
+    assert_eq!((world.net.stats().duplicated, world.net.stats().delivered), (3, 6));
+}
+
+/// Sends 20 numbered notifications at once and returns the order they arrived in.
+fn arrival_order(seed: u64, jitter: Duration) -> Vec<String> {
+    let world = World::new(seed, NetConfig { reorder_jitter: jitter, ..NetConfig::default() });
+    let (mut p, mut d) = world.pair();
+    for i in 0..20 {
+        d.send(&p, &i.to_string());
+    }
+    world.run(ms(1) + jitter);
+    p.received()
+}
+
+#[test]
+fn jitter_reorders_and_the_same_seed_reorders_the_same_way() {
+    let in_order: Vec<String> = (0..20).map(|i| i.to_string()).collect();
+    assert_eq!(arrival_order(3, Duration::ZERO), in_order, "without jitter, messages keep their order");
+    let orders: Vec<Vec<String>> = (0..5).map(|seed| arrival_order(seed, ms(10))).collect();
+    assert!(orders.iter().any(|order| *order != in_order), "10 ms of jitter should reorder 20 messages");
+    for (seed, order) in orders.iter().enumerate() {
+        let mut sorted = order.clone();
+        sorted.sort_by_key(|n| n.parse::<u32>().unwrap());
+        assert_eq!(sorted, in_order, "seed {seed}: every message arrives once");
+        assert_eq!(*order, arrival_order(seed as u64, ms(10)), "seed {seed} replays");
+    }
+}
+
+#[test]
+fn a_delay_holds_back_one_direction_until_it_ends() {
+    let world = World::new(1, NetConfig::default());
+    let (mut p, mut d) = world.pair();
+    world.net.delay(engine(&d), engine(&p), ms(7), world.clock.now() + ms(20));
+    d.send(&p, "delayed");
+    p.send(&d, "on time");
+    world.run(ms(1));
+    assert_eq!(d.received(), ["on time"]);
+    world.run(Duration::from_micros(6_999));
+    assert!(p.received().is_empty());
+    world.run(Duration::from_micros(1));
+    assert_eq!(p.received(), ["delayed"]);
+    world.run(ms(20));
+    d.send(&p, "after");
+    world.run(ms(1));
+    assert_eq!(p.received(), ["after"]);
+}
+
+#[test]
+fn a_detected_crash_reports_the_peer_lost_and_fails_its_transfers() {
+    let world = World::new(1, NetConfig::default());
+    let (mut p, mut d) = world.pair();
+    p.write(0, b"block");
+    let read = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 5)]).unwrap();
+    world.run(ms(1));
+    world.net.crash(engine(&p), true);
+    assert!(d.events().is_empty(), "the side channel closes one latency later");
+    world.run(ms(1));
+    assert_eq!(d.events(), [PeerEvent::Lost(p.name.clone())]);
+    assert_eq!(d.transport.poll_transfer(read), TransferStatus::InProgress);
+    world.run(ms(3));
+    assert!(matches!(d.transport.poll_transfer(read), TransferStatus::Failed(TransportError::TransferFailed(_))));
+    assert_eq!(d.bytes(0, 5), [0; 5]);
+    assert_eq!(d.transport.send_notification(&p.name, b"x"), Err(TransportError::PeerLost(p.name.clone())));
+    assert!(matches!(p.transport.register(&p.region), Err(TransportError::Backend(_))), "a crashed agent does nothing");
+}
+
+#[test]
+fn an_undetected_crash_is_silent_and_the_restarted_agent_is_a_new_peer() {
+    let world = World::new(1, NetConfig::default());
+    let (p, mut d) = world.pair();
+    world.net.crash(&p.name, false);
+    d.send(&p, "into the void");
+    let read = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 8)]).unwrap();
+    world.run(Duration::from_secs(1));
+    assert!(d.events().is_empty(), "nobody tells decode");
+    assert!(matches!(d.transport.poll_transfer(read), TransferStatus::Failed(TransportError::TransferFailed(_))));
+    assert_eq!(world.net.stats().dropped, 1);
+
+    let mut p2 = Rank::start(&world.net, "prefill0", Role::Prefill, 16);
+    d.send(&p2, "to the old incarnation");
+    world.run(ms(1));
+    assert!(p2.received().is_empty(), "old connections are not revived");
+    d.transport.connect(&p2.address).unwrap();
+    world.run(ms(3));
+    assert!(matches!(d.events()[..], [PeerEvent::Connected(_)]));
+    d.send(&p2, "hello again");
+    world.run(ms(1));
+    assert_eq!(p2.received(), ["hello again"]);
+}
+
+#[test]
+fn injected_garbage_arrives_as_sent() {
+    let world = World::new(1, NetConfig::default());
+    let (mut p, _d) = world.pair();
+    let mallory = AgentName::new(EngineId::new("mallory"), 0);
+    world.net.inject(&mallory, &p.name, b"\xff\x00not a frame".to_vec());
+    world.run(ms(1));
+    assert_eq!(p.notifications(), [Notification { from: mallory, payload: b"\xff\x00not a frame".to_vec() }]);
+}
+
+#[test]
+fn an_injected_transfer_failure_hits_the_next_transfer_only() {
+    let world = World::new(1, NetConfig::default());
+    let (mut p, mut d) = world.pair();
+    p.write(0, b"kv");
+    world.net.fail_next_transfer(engine(&d));
+    let first = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 2)]).unwrap();
+    let second = d.post(TransferOp::Read, &p, vec![d.pair(8, &p, 0, 2)]).unwrap();
+    world.run(ms(6));
+    assert!(matches!(d.transport.poll_transfer(first), TransferStatus::Failed(TransportError::TransferFailed(_))));
+    assert_eq!(d.transport.poll_transfer(second), TransferStatus::Done);
+    assert_eq!((d.bytes(0, 2), d.bytes(8, 2)), (vec![0, 0], b"kv".to_vec()));
+    assert_eq!(p.received(), ["Read done"], "only the transfer that succeeded notifies");
+}
+
+/// A run with every random fault on: what prefill received, in order, and the counters.
+fn faulty_trace(seed: u64) -> (Vec<String>, NetStats) {
+    let config = NetConfig { drop_rate: 0.2, duplicate_rate: 0.2, reorder_jitter: ms(3), ..NetConfig::default() };
+    let world = World::new(seed, config);
+    let (mut p, mut d) = world.pair();
+    let mut received = Vec::new();
+    for i in 0..40 {
+        d.send(&p, &format!("n{i}"));
+        if i % 10 == 0 {
+            d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 64)]).unwrap();
+        }
+        world.run(Duration::from_micros(700));
+        received.extend(p.received());
+    }
+    world.run(ms(20));
+    received.extend(p.received());
+    (received, world.net.stats())
+}
+
+#[test]
+fn the_same_seed_gives_the_same_trace() {
+    let trace = faulty_trace(11);
+    assert_eq!(trace, faulty_trace(11));
+    let stats = trace.1;
+    assert!(stats.dropped > 0 && stats.duplicated > 0, "{stats:?}");
+    assert!((12..20).map(faulty_trace).any(|other| other != trace), "other seeds should differ");
+}

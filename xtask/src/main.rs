@@ -1,0 +1,32 @@
+//! `cargo xtask <task>`: the one entry point that wires kvflow's crates together.
+//!
+//! Tasks live one per module. `ci` is what `.ci/run` and the README's test command run.
+
+mod ci;
+
+use std::process::ExitCode;
+
+const USAGE: &str = "usage: cargo xtask <task>
+
+tasks:
+  ci      fmt check, clippy with -D warnings, every test of the workspace";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("ci") => ci::run(&args[1..]),
+        Some("-h" | "--help" | "help") => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        Some(other) => Err(anyhow::anyhow!("unknown task {other:?}\n\n{USAGE}")),
+        None => Err(anyhow::anyhow!("no task given\n\n{USAGE}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("xtask: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

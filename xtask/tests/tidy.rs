@@ -1,0 +1,126 @@
+//! Tidy checks: the architecture invariants that a test can check (see ARCHITECTURE.md).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            if path.file_name().is_some_and(|n| n != "target") {
+                rust_files(&path, out);
+            }
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+fn workspace_sources() -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    rust_files(&root().join("crates"), &mut files);
+    rust_files(&root().join("xtask"), &mut files);
+    assert!(files.len() > 10, "found only {} source files", files.len());
+    files
+}
+
+/// The dependency names of every `[*dependencies]` table of a manifest.
+fn dependencies(manifest: &Path) -> Vec<String> {
+    let text = fs::read_to_string(manifest).unwrap();
+    let mut in_deps = false;
+    let mut deps = Vec::new();
+    for line in text.lines().map(str::trim) {
+        if line.starts_with('[') {
+            in_deps = line.trim_matches(|c| c == '[' || c == ']').ends_with("dependencies");
+        } else if in_deps && !line.is_empty() && !line.starts_with('#') {
+            if let Some((name, _)) = line.split_once('=') {
+                deps.push(name.trim().split('.').next().unwrap().to_owned());
+            }
+        }
+    }
+    deps
+}
+
+#[test]
+fn every_source_file_starts_with_module_docs() {
+    let missing: Vec<_> =
+        workspace_sources().into_iter().filter(|f| !fs::read_to_string(f).unwrap().starts_with("//!")).collect();
+    assert!(missing.is_empty(), "these files do not start with `//!`: {missing:#?}");
+}
+
+#[test]
+fn pure_crates_depend_on_no_runtime() {
+    for krate in ["kv-core", "kv-lease"] {
+        let deps = dependencies(&root().join("crates").join(krate).join("Cargo.toml"));
+        // The parser must see the dependencies that are there, or the check below proves nothing.
+        assert!(deps.iter().any(|d| d == "kv-core" || d == "thiserror"), "{krate}: parsed {deps:?}");
+        for forbidden in ["tokio", "nixl-sys", "cudarc", "async-std", "mio"] {
+            assert!(!deps.iter().any(|d| d == forbidden), "{krate} depends on {forbidden}");
+        }
+    }
+}
+
+#[test]
+fn pure_crates_read_no_clock_and_start_no_threads() {
+    let forbidden = [
+        concat!("Instant", "::now"),
+        concat!("SystemTime", "::now"),
+        concat!("thread", "::spawn"),
+        concat!("std::", "net"),
+        concat!("std::", "fs"),
+        concat!("println", "!"),
+    ];
+    for krate in ["kv-core", "kv-lease"] {
+        // The library sources only: benches time real operations and must read a clock.
+        let mut files = Vec::new();
+        rust_files(&root().join("crates").join(krate).join("src"), &mut files);
+        assert!(!files.is_empty(), "{krate} has no sources");
+        for file in files {
+            let text = fs::read_to_string(&file).unwrap();
+            for needle in forbidden {
+                assert!(!text.contains(needle), "{} uses {needle}", file.display());
+            }
+        }
+    }
+}
+
+#[test]
+fn adapters_know_no_other_adapter() {
+    let adapters = ["kv-transport-nixl", "kv-cuda"];
+    for krate in adapters {
+        let deps = dependencies(&root().join("crates").join(krate).join("Cargo.toml"));
+        for other in adapters.iter().filter(|o| **o != krate) {
+            assert!(!deps.iter().any(|d| d == other), "{krate} depends on {other}");
+        }
+        for inner in ["kv-sched-adapter", "kv-testkit", "kv-lease"] {
+            assert!(!deps.iter().any(|d| d == inner), "{krate} depends on {inner}");
+        }
+    }
+}
+
+#[test]
+fn libraries_do_not_print() {
+    let mut files = Vec::new();
+    rust_files(&root().join("crates"), &mut files);
+    for file in files.iter().filter(|f| f.components().any(|c| c.as_os_str() == "src")) {
+        let text = fs::read_to_string(file).unwrap();
+        for needle in [concat!("println", "!("), concat!("eprintln", "!("), concat!("dbg", "!(")] {
+            assert!(!text.contains(needle), "{} uses {needle}; libraries log through tracing", file.display());
+        }
+    }
+}
+
+#[test]
+fn no_ignored_or_should_panic_tests() {
+    for file in workspace_sources() {
+        let text = fs::read_to_string(&file).unwrap();
+        for needle in [concat!("#[", "ignore"), concat!("#[", "should_panic")] {
+            assert!(!text.contains(needle), "{} has {needle}]", file.display());
+        }
+    }
+}
