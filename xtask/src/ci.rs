@@ -23,7 +23,7 @@ pub fn workspace_root() -> PathBuf {
 }
 
 /// Runs `$CARGO args...` in `root`, failing with the command line when it fails.
-fn cargo(root: &Path, args: &[&str]) -> Result<()> {
+pub fn cargo(root: &Path, args: &[&str]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     eprintln!("xtask: cargo {}", args.join(" "));
     let status =

@@ -2,6 +2,7 @@
 //!
 //! Tasks live one per module. `ci` is what `.ci/run` and the README's test command run.
 
+mod bench;
 mod ci;
 
 use std::process::ExitCode;
@@ -9,12 +10,14 @@ use std::process::ExitCode;
 const USAGE: &str = "usage: cargo xtask <task>
 
 tasks:
-  ci      fmt check, clippy with -D warnings, every test of the workspace";
+  ci      fmt check, clippy with -D warnings, every test of the workspace
+  bench   the criterion benches, each against its baseline in the same run [--json]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci::run(&args[1..]),
+        Some("bench") => bench::run(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             Ok(())

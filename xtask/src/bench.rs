@@ -1,0 +1,103 @@
+//! `cargo xtask bench`: runs the criterion benches and prints each against its baseline.
+//!
+//! Every number printed was measured in this run: criterion writes its estimates under
+//! `target/criterion`, and this task reads them back and prints the ratio of the baseline to
+//! kvflow's implementation (above 1 means kvflow is faster).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use crate::ci::{cargo, workspace_root};
+
+/// One comparison: a criterion group, the operations measured, and which implementation is
+/// kvflow's and which the baseline.
+struct Comparison {
+    title: &'static str,
+    package: &'static str,
+    bench: &'static str,
+    group: &'static str,
+    ops: &'static [&'static str],
+    ours: &'static str,
+    baseline: &'static str,
+}
+
+const COMPARISONS: &[Comparison] = &[Comparison {
+    title: "lease table, 1,000,000 live leases (ns per operation)",
+    package: "kv-lease",
+    bench: "lease_table",
+    group: "lease_table",
+    ops: &["poll_nothing_due", "grant", "renew", "release"],
+    ours: "indexed",
+    baseline: "scan",
+}];
+
+/// Runs every bench, then prints the table (or one JSON object with `--json`).
+pub fn run(args: &[String]) -> Result<()> {
+    let mut json_out = false;
+    for arg in args {
+        match arg.as_str() {
+            "--json" => json_out = true,
+            other => bail!("unknown argument {other:?} (cargo xtask bench [--json])"),
+        }
+    }
+    let root = workspace_root();
+    for c in COMPARISONS {
+        // --noplot: the numbers are read back below; plots are not needed.
+        cargo(&root, &["bench", "--locked", "-p", c.package, "--bench", c.bench, "--", "--noplot"])?;
+    }
+    let criterion = target_dir(&root).join("criterion");
+    let mut report = serde_json::Map::new();
+    for c in COMPARISONS {
+        let mut rows = Vec::new();
+        for op in c.ops {
+            let ours = mean_ns(&criterion, c.group, op, c.ours)?;
+            let baseline = mean_ns(&criterion, c.group, op, c.baseline)?;
+            rows.push((*op, ours, baseline));
+        }
+        if json_out {
+            let ops: serde_json::Map<String, Value> = rows
+                .iter()
+                .map(|&(op, ours, base)| {
+                    (op.to_owned(), json!({ c.ours: ours, c.baseline: base, "ratio": base / ours }))
+                })
+                .collect();
+            report.insert(c.group.to_owned(), Value::Object(ops));
+        } else {
+            print_table(c, &rows);
+        }
+    }
+    if json_out {
+        println!("{}", Value::Object(report));
+    }
+    Ok(())
+}
+
+fn print_table(c: &Comparison, rows: &[(&str, f64, f64)]) {
+    println!("\n{}", c.title);
+    println!("{:<20} {:>14} {:>14} {:>14}", "operation", c.ours, c.baseline, format!("{}/{}", c.baseline, c.ours));
+    for &(op, ours, base) in rows {
+        println!("{op:<20} {:>14} {:>14} {:>13.1}x", human_ns(ours), human_ns(base), base / ours);
+    }
+}
+
+fn human_ns(ns: f64) -> String {
+    match ns {
+        n if n >= 1e6 => format!("{:.2} ms", n / 1e6),
+        n if n >= 1e3 => format!("{:.2} µs", n / 1e3),
+        n => format!("{n:.1} ns"),
+    }
+}
+
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"))
+}
+
+/// Criterion's mean estimate, in nanoseconds, of `group/op/imp` from this run.
+fn mean_ns(criterion: &Path, group: &str, op: &str, imp: &str) -> Result<f64> {
+    let path = criterion.join(group).join(op).join(imp).join("new").join("estimates.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("criterion wrote no {}", path.display()))?;
+    let value: Value = serde_json::from_str(&text).with_context(|| format!("cannot parse {}", path.display()))?;
+    value["mean"]["point_estimate"].as_f64().with_context(|| format!("no mean estimate in {}", path.display()))
+}
