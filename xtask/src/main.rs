@@ -4,6 +4,8 @@
 
 mod bench;
 mod ci;
+mod sim;
+mod sim_random;
 
 use std::process::ExitCode;
 
@@ -11,6 +13,7 @@ const USAGE: &str = "usage: cargo xtask <task>
 
 tasks:
   ci      fmt check, clippy with -D warnings, every test of the workspace
+  sim     scenario files [PATH...] [--seed N], or random workloads --random --seeds A..B
   bench   the criterion benches, each against its baseline in the same run [--json]";
 
 fn main() -> ExitCode {
@@ -18,6 +21,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci::run(&args[1..]),
         Some("bench") => bench::run(&args[1..]),
+        Some("sim") => sim::run_task(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             Ok(())

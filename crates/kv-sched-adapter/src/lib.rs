@@ -1,7 +1,55 @@
 //! The connector an engine calls: P and D, scheduler side and worker side, pull and push.
 //!
-//! This crate will hold the sans-IO state machines that keep DESIGN.md's lifecycle rules
-//! (exactly-once release with a reason, staged early completions, sibling release, rejection,
-//! abort, peer loss, the read fence, push registration and its watchdog) and a thin driver
-//! that runs them over kv-core's `Transport` port. It is filled by the lifecycle issue;
-//! nothing here works yet, so nothing is exported.
+//! Everything here except [`driver`] is sans-IO: state machines that take `now` and inputs
+//! through `handle_*` methods and hand back what to do through `poll_*` methods, as
+//! quinn-proto does. They read no clock and touch no socket, so the simulator, the tests, the
+//! demo and an engine all run this same code.
+//!
+//! Engines are built as a scheduler and one worker per TP rank, and so is the connector:
+//!
+//! - [`PrefillScheduler`] exports a finished request ([`PrefillScheduler::handle_finished`]
+//!   returns the [`RemoteRef`] the router hands D) and frees its blocks once every rank has
+//!   released it ([`PrefillEvent::Free`], with the [`ReleaseReason`]).
+//! - [`PrefillWorker`] keeps each export's lease on its rank and releases it exactly once.
+//! - [`DecodeScheduler`] admits ([`DecodeScheduler::handle_arrive`]), schedules, rejects and
+//!   aborts requests, and says when their KV is ready or their blocks may be freed.
+//! - [`DecodeWorker`] renews P's leases, fences and posts reads (or registers for a push),
+//!   and tells P when it is done.
+//!
+//! The engine carries scheduler events to workers (`ToWorker`) and worker reports back
+//! (`Action::Report`). The drive loop of a worker, after every input and at every wake-up,
+//! drains its actions in order, then sleeps until its next timeout:
+//!
+//! ```no_run
+//! # use kv_sched_adapter::*;
+//! # fn transport_step(_: &Action<PrefillReport>) {}
+//! # fn now() -> kv_core::Time { kv_core::Time::ZERO }
+//! # fn sleep_until(_: Option<kv_core::Time>) {}
+//! # let mut worker: PrefillWorker = unimplemented!();
+//! # let mut scheduler: PrefillScheduler = unimplemented!();
+//! loop {
+//!     worker.handle_timeout(now()); // a spurious wake-up is a no-op
+//!     while let Some(action) = worker.poll_action() {
+//!         match action {
+//!             Action::Report(report) => scheduler.handle_report(0, report).unwrap(),
+//!             other => transport_step(&other), // connect, send, post: see `driver`
+//!         }
+//!     }
+//!     sleep_until(worker.poll_timeout());
+//! }
+//! ```
+//!
+//! [`driver::WorkerDriver`] does exactly this over any [`kv_core::Transport`].
+
+mod common;
+mod config;
+mod decode;
+pub mod driver;
+mod prefill;
+
+pub use common::{Action, Counters, ExportInfo, LocalPool, RemoteRef, XferToken};
+pub use config::{Config, ConfigError, LoadFailurePolicy, Mode, ReleaseReason};
+pub use decode::{
+    DecodeCommand, DecodeError, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LoadOutcome,
+};
+pub use prefill::{PrefillCommand, PrefillError, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker};

@@ -15,6 +15,10 @@
 //!   transfers and garbage. Nothing happens until the clock moves and the network settles;
 //!   see the [`network`] module for the timing rules.
 //! - [`offer`]: a handshake offer for a fake engine rank.
+//! - [`cluster::Cluster`]: P and D engines with pools, TP ranks and kvflow's real connectors
+//!   over the fake network and a manual clock, and the byte oracle that checks every load.
+//! - [`scenario`]: scenario files (`scenarios/FORMAT.md`) read into a typed, validated
+//!   [`scenario::Scenario`].
 //!
 //! A decode agent reads a block from a prefill agent:
 //!
@@ -66,9 +70,11 @@
 //! ```
 
 mod clock;
+pub mod cluster;
 mod memory;
 pub mod network;
 mod rng;
+pub mod scenario;
 
 pub use clock::ManualClock;
 pub use memory::{FakeHeap, InMemoryMemory};

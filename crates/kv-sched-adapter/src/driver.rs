@@ -1,0 +1,161 @@
+//! The thin driver: runs a worker state machine over a [`Transport`].
+//!
+//! It feeds the machine what the transport has (peer events, notifications, finished
+//! transfers), then the wake-up, then carries out the machine's actions in order. It holds no
+//! lifecycle logic, so swapping the transport (NIXL, the in-memory fake) swaps nothing else.
+//! It is synchronous; a tokio engine calls [`WorkerDriver::step`] from its loop, and the
+//! simulator calls it at each simulated time.
+
+use std::collections::BTreeMap;
+
+use kv_core::{Notification, PeerEvent, Time, TransferId, TransferStatus, Transport};
+
+use crate::common::{Action, XferToken};
+use crate::decode::{DecodeReport, DecodeWorker};
+use crate::prefill::{PrefillReport, PrefillWorker};
+
+/// A worker machine the driver can run: P's or D's.
+pub trait WorkerMachine {
+    /// What the machine reports to its scheduler.
+    type Report;
+    /// A peer event from the transport.
+    fn handle_peer_event(&mut self, now: Time, event: PeerEvent);
+    /// A notification from the transport.
+    fn handle_notification(&mut self, now: Time, notification: Notification);
+    /// A transfer the machine asked for ended.
+    fn handle_transfer(&mut self, now: Time, token: XferToken, ok: bool);
+    /// A wake-up.
+    fn handle_timeout(&mut self, now: Time);
+    /// The next action.
+    fn poll_action(&mut self) -> Option<Action<Self::Report>>;
+    /// The next wake-up.
+    fn poll_timeout(&mut self) -> Option<Time>;
+}
+
+macro_rules! worker_machine {
+    ($machine:ty, $report:ty) => {
+        impl WorkerMachine for $machine {
+            type Report = $report;
+            fn handle_peer_event(&mut self, now: Time, event: PeerEvent) {
+                <$machine>::handle_peer_event(self, now, event)
+            }
+            fn handle_notification(&mut self, now: Time, notification: Notification) {
+                <$machine>::handle_notification(self, now, notification)
+            }
+            fn handle_transfer(&mut self, now: Time, token: XferToken, ok: bool) {
+                <$machine>::handle_transfer(self, now, token, ok)
+            }
+            fn handle_timeout(&mut self, now: Time) {
+                <$machine>::handle_timeout(self, now)
+            }
+            fn poll_action(&mut self) -> Option<Action<Self::Report>> {
+                <$machine>::poll_action(self)
+            }
+            fn poll_timeout(&mut self) -> Option<Time> {
+                <$machine>::poll_timeout(self)
+            }
+        }
+    };
+}
+
+worker_machine!(PrefillWorker, PrefillReport);
+worker_machine!(DecodeWorker, DecodeReport);
+
+/// A worker machine and the transport of its rank.
+pub struct WorkerDriver<M> {
+    machine: M,
+    transport: Box<dyn Transport>,
+    in_flight: BTreeMap<TransferId, XferToken>,
+    notifications: Vec<Notification>,
+}
+
+impl<M: WorkerMachine> WorkerDriver<M> {
+    /// Runs `machine` over `transport`.
+    pub fn new(machine: M, transport: Box<dyn Transport>) -> Self {
+        WorkerDriver { machine, transport, in_flight: BTreeMap::new(), notifications: Vec::new() }
+    }
+
+    /// The machine, for commands from its scheduler (call [`WorkerDriver::flush`] after).
+    pub fn machine(&mut self) -> &mut M {
+        &mut self.machine
+    }
+
+    /// The machine, read-only.
+    pub fn machine_ref(&self) -> &M {
+        &self.machine
+    }
+
+    /// The transport.
+    pub fn transport(&mut self) -> &mut dyn Transport {
+        self.transport.as_mut()
+    }
+
+    /// Feeds the machine everything the transport has, wakes it, and carries out its actions;
+    /// returns its reports for the scheduler.
+    pub fn step(&mut self, now: Time) -> Vec<M::Report> {
+        while let Some(event) = self.transport.poll_event() {
+            self.machine.handle_peer_event(now, event);
+        }
+        self.transport.drain_notifications(&mut self.notifications);
+        for notification in self.notifications.drain(..) {
+            self.machine.handle_notification(now, notification);
+        }
+        let ids: Vec<TransferId> = self.in_flight.keys().copied().collect();
+        for id in ids {
+            match self.transport.poll_transfer(id) {
+                TransferStatus::InProgress => {}
+                TransferStatus::Done => {
+                    let token = self.in_flight.remove(&id).expect("in flight");
+                    self.machine.handle_transfer(now, token, true);
+                }
+                TransferStatus::Failed(err) => {
+                    tracing::debug!(?id, %err, "transfer failed");
+                    let token = self.in_flight.remove(&id).expect("in flight");
+                    self.machine.handle_transfer(now, token, false);
+                }
+            }
+        }
+        self.machine.handle_timeout(now);
+        self.flush(now)
+    }
+
+    /// Carries out the machine's pending actions; returns its reports.
+    pub fn flush(&mut self, now: Time) -> Vec<M::Report> {
+        let mut reports = Vec::new();
+        while let Some(action) = self.machine.poll_action() {
+            match action {
+                Action::Connect(address) => {
+                    if let Err(error) = self.transport.connect(&address) {
+                        self.machine.handle_peer_event(now, PeerEvent::ConnectFailed { address, error });
+                    }
+                }
+                Action::Send { to, payload } => {
+                    if let Err(err) = self.transport.send_notification(&to, &payload) {
+                        tracing::debug!(peer = %to, %err, "notification not sent");
+                    }
+                }
+                Action::Post { token, request } => match self.transport.post(request) {
+                    Ok(id) => {
+                        self.in_flight.insert(id, token);
+                    }
+                    Err(err) => {
+                        tracing::debug!(%err, "transfer refused");
+                        self.machine.handle_transfer(now, token, false);
+                    }
+                },
+                Action::Report(report) => reports.push(report),
+            }
+        }
+        reports
+    }
+
+    /// When the machine next wants a [`WorkerDriver::step`]; transport activity may come sooner.
+    pub fn poll_timeout(&mut self) -> Option<Time> {
+        self.machine.poll_timeout()
+    }
+
+    /// Transfers posted and not yet ended.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+}

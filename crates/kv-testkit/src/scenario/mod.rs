@@ -1,0 +1,15 @@
+//! Scenario files: TOML scripts that drive a simulated cluster of P and D engines through time
+//! and check what each engine holds (the format is specified in `scenarios/FORMAT.md`).
+//!
+//! [`format`](mod@format) turns a file into a typed, validated [`Scenario`]: defaults applied, node names
+//! resolved to engines that exist, times in order, every key known. [`runner`] runs one on a
+//! [`crate::cluster::Cluster`] and checks its expectations.
+
+pub mod format;
+pub mod runner;
+
+pub use format::{
+    scenario_files, ClusterSpec, DState, Event, Expect, FailurePolicy, Location, Node, PolicySpec, ReleaseReasonName,
+    Scenario, ScenarioError, Step, TransferMode,
+};
+pub use runner::{run, Outcome};

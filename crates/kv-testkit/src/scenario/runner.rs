@@ -1,0 +1,233 @@
+//! Runs a [`Scenario`] on a [`Cluster`]: moves time to each step, carries out its event,
+//! checks its expectations, then drains and checks that nothing is left held.
+//!
+//! The runner knows nothing of any scenario's name; it implements `scenarios/FORMAT.md` and
+//! drives kvflow's real connectors through the cluster.
+
+use std::fmt::Write as _;
+
+use kv_core::{EngineId, Time};
+use kv_sched_adapter::{Config, LoadFailurePolicy, Mode};
+
+use super::format::{Event, Expect, FailurePolicy, Node, Scenario, Step, TransferMode};
+use crate::cluster::{Cluster, ClusterConfig};
+
+/// How a scenario ended.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct Outcome {
+    /// The scenario's name.
+    pub name: String,
+    /// The first expectation that did not hold, with the simulated time and what was seen.
+    pub failure: Option<String>,
+    /// A digest of the run's event trace: the same scenario and seed give the same digest.
+    pub digest: u64,
+    /// The simulated time when the run ended.
+    pub ended_at: Time,
+}
+
+impl Outcome {
+    /// Whether every expectation held.
+    pub fn passed(&self) -> bool {
+        self.failure.is_none()
+    }
+}
+
+/// The cluster a scenario describes, with the network seeded by `seed`.
+pub fn cluster_config(scenario: &Scenario, seed: u64) -> ClusterConfig {
+    let (c, p) = (&scenario.cluster, &scenario.policy);
+    let mode = match c.mode {
+        TransferMode::Pull => Mode::Pull,
+        TransferMode::Push => Mode::Push,
+    };
+    let connector = Config {
+        mode,
+        kv_lease_duration: p.kv_lease_duration,
+        heartbeat_interval: p.heartbeat_interval,
+        lease_extension: p.lease_extension,
+        decoder_kv_blocks_ttl: p.decoder_kv_blocks_ttl,
+        push_registration_timeout: p.push_registration_timeout,
+        load_failure_policy: match p.kv_load_failure_policy {
+            FailurePolicy::Fail => LoadFailurePolicy::Fail,
+            FailurePolicy::Recompute => LoadFailurePolicy::Recompute,
+        },
+        early_notification_capacity: p.early_notification_capacity,
+        ..Config::with_lease(p.kv_lease_duration)
+    };
+    ClusterConfig {
+        mode,
+        prefillers: c.prefillers,
+        decoders: c.decoders,
+        prefill_tp: c.prefill_tp,
+        decode_tp: c.decode_tp,
+        prefill_block_tokens: c.prefill_block_size,
+        decode_block_tokens: c.decode_block_size,
+        kv_heads: c.num_kv_heads,
+        mla: c.mla,
+        prefill_num_blocks: c.prefill_num_blocks,
+        decode_num_blocks: c.decode_num_blocks,
+        step_interval: c.step_interval,
+        network_latency: c.network_latency,
+        transfer_latency: c.transfer_latency,
+        worker_handoff: c.worker_handoff,
+        connector,
+        seed,
+        ..ClusterConfig::default()
+    }
+}
+
+/// Runs `scenario` with the network seeded by `seed`.
+pub fn run(scenario: &Scenario, seed: u64) -> Outcome {
+    let mut cluster = match Cluster::new(cluster_config(scenario, seed)) {
+        Ok(cluster) => cluster,
+        Err(e) => {
+            return Outcome {
+                name: scenario.name.clone(),
+                failure: Some(format!("cannot build the cluster: {e}")),
+                digest: 0,
+                ended_at: Time::ZERO,
+            }
+        }
+    };
+    let failure = run_steps(scenario, &mut cluster).err();
+    Outcome { name: scenario.name.clone(), failure, digest: cluster.digest(), ended_at: cluster.now() }
+}
+
+fn run_steps(scenario: &Scenario, cluster: &mut Cluster) -> Result<(), String> {
+    for (i, step) in scenario.steps.iter().enumerate() {
+        let at = |cluster: &Cluster| format!("step {} at {:.3}s", i + 1, cluster.now().as_secs_f64());
+        cluster.advance_to(step.at);
+        if let Some(event) = &step.event {
+            apply(cluster, event).map_err(|e| format!("{}: {} failed: {e}", at(cluster), event.name()))?;
+        }
+        check_violations(cluster).map_err(|e| format!("{}: {e}", at(cluster)))?;
+        if let Some(expect) = &step.expect {
+            check(cluster, expect).map_err(|e| format!("{}: {e}", at(cluster)))?;
+        }
+    }
+    let last = scenario.steps.last().and_then(|s: &Step| s.expect.as_ref());
+    let limit = scenario.policy.decoder_kv_blocks_ttl + scenario.policy.kv_lease_duration;
+    cluster.drain(limit);
+    let after = |cluster: &Cluster| format!("after the drain, at {:.3}s", cluster.now().as_secs_f64());
+    check_violations(cluster).map_err(|e| format!("{}: {e}", after(cluster)))?;
+    let held_expected = last.is_some_and(|e| {
+        e.p_held_blocks.is_some()
+            || e.d_held_blocks.is_some()
+            || !e.p_held_blocks_on.is_empty()
+            || !e.d_held_blocks_on.is_empty()
+    });
+    if !held_expected {
+        let held = cluster.held_everywhere();
+        if !held.is_empty() {
+            let list: Vec<String> = held.iter().map(|(n, h)| format!("{n} holds {h}")).collect();
+            return Err(format!("{}: blocks still held: {}", after(cluster), list.join(", ")));
+        }
+    }
+    if last.is_none_or(|e| e.corrupt_reads.is_none()) && cluster.corrupt_reads() != 0 {
+        return Err(format!("{}: {} corrupt reads", after(cluster), cluster.corrupt_reads()));
+    }
+    Ok(())
+}
+
+fn apply(cluster: &mut Cluster, event: &Event) -> Result<(), String> {
+    let name = |n: &Node| n.engine_id().as_str().to_owned();
+    let result = match event {
+        Event::Prefill { request, prompt_tokens, n, node } => cluster.prefill(&name(node), request, *prompt_tokens, *n),
+        Event::Arrive { request, node, from, remote_request, prompt_tokens } => {
+            cluster.arrive(&name(node), request, &name(from), remote_request, *prompt_tokens)
+        }
+        Event::Schedule { request, node, prefix_hit } => cluster.schedule(&name(node), request, *prefix_hit),
+        Event::Reject { request, node, from, remote_request } => {
+            cluster.reject(&name(node), request, &name(from), remote_request)
+        }
+        Event::Abort { request, node } => cluster.abort(&name(node), request),
+        Event::Crash { node, detect } => cluster.crash(&name(node), *detect),
+        Event::Restart { node } => cluster.restart(&name(node)),
+        Event::Partition { a, b, until } => {
+            cluster.partition(&name(a), &name(b), *until);
+            Ok(())
+        }
+        Event::Delay { a, b, by, until } => {
+            cluster.delay(&name(a), &name(b), *by, *until);
+            Ok(())
+        }
+        Event::FailTransfer { request, node } => {
+            cluster.fail_transfer(&name(node), request);
+            Ok(())
+        }
+        Event::Garbage { from, to, bytes } => {
+            cluster.garbage(&name(from), &name(to), bytes);
+            Ok(())
+        }
+        Event::Wait => Ok(()),
+    };
+    result.map_err(|e| e.to_string())
+}
+
+fn check_violations(cluster: &Cluster) -> Result<(), String> {
+    match cluster.violations().first() {
+        Some(v) => Err(format!("invariant violated: {v}")),
+        None => Ok(()),
+    }
+}
+
+fn expect_eq<T: PartialEq + std::fmt::Display>(key: &str, want: T, got: T) -> Result<(), String> {
+    if want == got {
+        Ok(())
+    } else {
+        Err(format!("expected {key} = {want}, saw {got}"))
+    }
+}
+
+fn check(cluster: &Cluster, expect: &Expect) -> Result<(), String> {
+    let p0 = Node::PREFILL0.engine_id();
+    let d0 = Node::DECODE0.engine_id();
+    if let Some(want) = expect.p_held_blocks {
+        expect_eq("p_held_blocks", want, cluster.held_blocks(p0.as_str()))?;
+    }
+    for (node, want) in &expect.p_held_blocks_on {
+        expect_eq(&format!("p_held_blocks_on.{node}"), *want, cluster.held_blocks(node.engine_id().as_str()))?;
+    }
+    if let Some(want) = expect.p_pending {
+        expect_eq("p_pending", want, cluster.pending_exports(p0.as_str()))?;
+    }
+    for (request, want) in &expect.p_released {
+        let got = cluster.release_reason(p0.as_str(), request).map_or("not released", |r| r.as_str());
+        expect_eq(&format!("p_released.{request}"), want.as_str(), got)?;
+    }
+    if let Some(want) = expect.d_held_blocks {
+        expect_eq("d_held_blocks", want, cluster.held_blocks(d0.as_str()))?;
+    }
+    for (node, want) in &expect.d_held_blocks_on {
+        expect_eq(&format!("d_held_blocks_on.{node}"), *want, cluster.held_blocks(node.engine_id().as_str()))?;
+    }
+    let d_node: EngineId = expect.d_state_node.engine_id();
+    for (request, want) in &expect.d_state {
+        let got = cluster.decode_state(d_node.as_str(), request).map_or("unknown", |s| s.as_str());
+        expect_eq(&format!("d_state.{request} on {d_node}"), want.as_str(), got)?;
+    }
+    let counters = cluster.counters();
+    if let Some(want) = expect.notifications_after_expiry {
+        expect_eq("notifications_after_expiry", want, counters.notifications_after_expiry)?;
+    }
+    if let Some(want) = expect.ignored_messages {
+        expect_eq("ignored_messages", want, counters.ignored_messages)?;
+    }
+    if let Some(want) = expect.corrupt_reads {
+        expect_eq("corrupt_reads", want, cluster.corrupt_reads())?;
+    }
+    Ok(())
+}
+
+/// One line per outcome, as `cargo xtask sim` prints it.
+pub fn report_line(outcome: &Outcome, label: &str) -> String {
+    let mut line = String::new();
+    match &outcome.failure {
+        None => {
+            let _ = write!(line, "ok   {label}: {} (digest {:016x})", outcome.name, outcome.digest);
+        }
+        Some(failure) => {
+            let _ = write!(line, "FAIL {label}: {}: {failure}", outcome.name);
+        }
+    }
+    line
+}
