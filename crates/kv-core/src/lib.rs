@@ -45,4 +45,4 @@ pub use ports::{
 };
 pub use time::Time;
 pub use tp::{DecodeRankPlan, HeadSlice, TpError, TpMapping};
-pub use wire::{Handshake, Message, PushRegistration, Renewal, Role, WireError};
+pub use wire::{Handshake, LeaseState, Message, PushRegistration, Renewal, Role, WireError};

@@ -59,13 +59,24 @@ pub enum Message {
     PushRegistration(PushRegistration),
 }
 
-/// One renewed lease, on P's clock.
+/// P's answer for one request id of a heartbeat.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
 pub struct Renewal {
-    /// P's request id.
+    /// P's request id, as the heartbeat named it.
     pub request: RequestId,
-    /// The lease's new deadline on P's clock, or `None` when P holds no such export.
-    pub deadline: Option<Time>,
+    /// Where P's export stands.
+    pub lease: LeaseState,
+}
+
+/// Where an export stands on the P rank that answers a heartbeat.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub enum LeaseState {
+    /// P holds it, bound to the heartbeat's engine, until this deadline on P's clock.
+    Held(Time),
+    /// P released it (or its lease has run out): it must not be read.
+    Released,
+    /// P's worker does not know it yet (it learns of exports a step after they finish).
+    Unknown,
 }
 
 /// Push mode: D's registration of the blocks it allocated for a request.
@@ -289,11 +300,18 @@ mod tests {
             (request_id(), any::<u32>())
                 .prop_map(|(request, expected_consumers)| Message::Completion { request, expected_consumers }),
             prop::collection::vec(request_id(), 0..20).prop_map(|requests| Message::Heartbeat { requests }),
-            prop::collection::vec((request_id(), prop::option::of(any::<u64>())), 0..20).prop_map(|v| {
+            prop::collection::vec((request_id(), prop::option::of(any::<u64>()), any::<bool>()), 0..20).prop_map(|v| {
                 Message::HeartbeatAck {
                     renewals: v
                         .into_iter()
-                        .map(|(request, d)| Renewal { request, deadline: d.map(Time::from_nanos) })
+                        .map(|(request, held, released)| {
+                            let lease = match (held, released) {
+                                (Some(d), _) => LeaseState::Held(Time::from_nanos(d)),
+                                (None, true) => LeaseState::Released,
+                                (None, false) => LeaseState::Unknown,
+                            };
+                            Renewal { request, lease }
+                        })
                         .collect(),
                 }
             }),

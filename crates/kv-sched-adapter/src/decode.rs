@@ -14,9 +14,9 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use kv_core::{
-    check_compatible, AgentName, BlockId, DecodeRankPlan, EngineId, Granularity, Handshake, Initiator, Message,
-    Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PushRegistration, RequestId, Role, Time, TpMapping,
-    TransferOp, TransferPlan, TransferRequest,
+    check_compatible, AgentName, BlockId, DecodeRankPlan, EngineId, Granularity, Handshake, Initiator, LeaseState,
+    Message, Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PushRegistration, RequestId, Role, Time,
+    TpMapping, TransferOp, TransferPlan, TransferRequest,
 };
 use kv_lease::HeartbeatPlanner;
 
@@ -547,18 +547,31 @@ impl DecodeWorker {
             return;
         };
         // The fence: every P rank's lease must outlast the read, with the margin.
-        let fenced = load.plan.reads.iter().any(|slice| {
-            let agent = AgentName::new(load.remote.engine.clone(), slice.prefill_rank);
-            let peer = &self.peers[&agent];
-            let deadline =
-                load.deadlines.get(&slice.prefill_rank).copied().unwrap_or(export.deadline).max(export.deadline);
-            now > peer.offset.last_safe_start(deadline, self.config.read_safety_margin, std::time::Duration::ZERO)
-        });
-        if fenced {
+        if self.last_safe_start(load).is_none_or(|last| now > last) {
             tracing::info!(%request, "read fenced: P's lease could end before it");
             self.counters.reads_fenced += 1;
             self.fail(request);
             return;
+        }
+        // The fence bounds the probing too: it fails the load once the lease could end.
+        // A sibling's export can be released early by another sibling's completion, unless P
+        // has bound it to this engine; P says so by acknowledging a renewal. Until every read
+        // target has, probe instead of reading.
+        if load.remote.request.parent().is_some() {
+            let unconfirmed: Vec<AgentName> = load
+                .plan
+                .reads
+                .iter()
+                .filter(|s| !load.deadlines.contains_key(&s.prefill_rank))
+                .map(|s| AgentName::new(load.remote.engine.clone(), s.prefill_rank))
+                .collect();
+            if !unconfirmed.is_empty() {
+                let probe = Message::Heartbeat { requests: vec![load.remote.request.clone()] };
+                for target in unconfirmed {
+                    self.send_to(&target, probe.clone());
+                }
+                return;
+            }
         }
         let Ok(notification) = completion.encode() else {
             self.fail(request);
@@ -599,6 +612,23 @@ impl DecodeWorker {
             load.reads.insert(token);
             self.xfers.insert(token, request.clone());
         }
+    }
+
+    /// The latest time a read of `load` may start: the earliest, over the P ranks it reads,
+    /// of P's deadline on D's clock minus the safety margin and the clock's uncertainty.
+    fn last_safe_start(&self, load: &Load) -> Option<Time> {
+        let export = load.remote.export.as_ref()?;
+        load.plan
+            .reads
+            .iter()
+            .map(|slice| {
+                let agent = AgentName::new(load.remote.engine.clone(), slice.prefill_rank);
+                let peer = self.peers.get(&agent)?;
+                let acked = load.deadlines.get(&slice.prefill_rank).copied().unwrap_or(export.deadline);
+                let deadline = acked.max(export.deadline);
+                Some(peer.offset.last_safe_start(deadline, self.config.read_safety_margin, std::time::Duration::ZERO))
+            })
+            .try_fold(Time::from_nanos(u64::MAX), |min, t| t.map(|t| min.min(t)))
     }
 
     /// Gives a load up: tells P, and finishes once nothing can touch D's blocks.
@@ -724,7 +754,7 @@ impl DecodeWorker {
     }
 
     /// A notification from the transport.
-    pub fn handle_notification(&mut self, _now: Time, notification: Notification) {
+    pub fn handle_notification(&mut self, now: Time, notification: Notification) {
         let from = notification.from;
         let message = match Message::decode(&notification.payload) {
             Ok(message) => message,
@@ -743,7 +773,7 @@ impl DecodeWorker {
                 for renewal in renewals {
                     let key = (from.engine.clone(), renewal.request.clone());
                     for request in self.by_remote.get(&key).cloned().unwrap_or_default() {
-                        self.on_renewal(&request, &from, renewal.deadline);
+                        self.on_renewal(now, &request, &from, renewal.lease);
                     }
                 }
             }
@@ -755,23 +785,31 @@ impl DecodeWorker {
         }
     }
 
-    fn on_renewal(&mut self, request: &RequestId, from: &AgentName, deadline: Option<Time>) {
+    fn on_renewal(&mut self, now: Time, request: &RequestId, from: &AgentName, lease: LeaseState) {
         let Some(load) = self.loads.get_mut(request) else { return };
-        match deadline {
-            Some(deadline) => {
+        match lease {
+            LeaseState::Held(deadline) => {
                 let entry = load.deadlines.entry(from.rank).or_insert(deadline);
                 *entry = (*entry).max(deadline);
+                if load.phase == Phase::Starting {
+                    self.try_start(now, request);
+                }
             }
-            // In push mode P may not have run the prompt yet; the watchdog bounds the wait.
-            None if self.config.mode == Mode::Push => {}
-            None => match load.phase {
+            // P's worker has not learned of the export yet; a load waiting on it asks again.
+            LeaseState::Unknown => {
+                if load.phase == Phase::Starting {
+                    self.try_start(now, request);
+                }
+            }
+            LeaseState::Released => match load.phase {
                 Phase::Waiting | Phase::Starting => {
                     tracing::info!(%request, peer = %from, "P no longer holds the export");
                     self.fail(request);
                 }
                 // A read raced the export's end: its bytes cannot be trusted.
                 Phase::Reading => load.failed = true,
-                Phase::Registered => {}
+                // Push: P released it, so no write will come from that rank.
+                Phase::Registered => self.on_push_answer(from, request, false),
             },
         }
     }
@@ -864,6 +902,13 @@ impl DecodeWorker {
             tracing::info!(%request, "waited longer than decoder_kv_blocks_ttl; letting P's lease go");
             self.fail(&request);
         }
+        // Loads waiting to start (for a handshake, or P's confirmation of a sibling) try again:
+        // they probe once more, or fail once the fence closes.
+        let starting: Vec<RequestId> =
+            self.loads.iter().filter(|(_, l)| l.phase == Phase::Starting).map(|(r, _)| r.clone()).collect();
+        for request in starting {
+            self.try_start(now, &request);
+        }
     }
 
     /// The next action for the driver.
@@ -875,6 +920,14 @@ impl DecodeWorker {
     pub fn poll_timeout(&mut self) -> Option<Time> {
         let watchdog = self.loads.values().filter(|l| l.phase == Phase::Registered).filter_map(|l| l.watchdog).min();
         let stale = self.loads.values().filter(|l| l.phase == Phase::Waiting).map(|l| l.wait_until).min();
-        [self.heartbeats.next_due(), watchdog, stale].into_iter().flatten().min()
+        // A load that cannot start yet is retried when its fence closes, and fails then.
+        let fence = self
+            .loads
+            .values()
+            .filter(|l| l.phase == Phase::Starting && self.config.mode == Mode::Pull)
+            .filter_map(|l| self.last_safe_start(l))
+            .map(|t| t + std::time::Duration::from_nanos(1))
+            .min();
+        [self.heartbeats.next_due(), watchdog, stale, fence].into_iter().flatten().min()
     }
 }

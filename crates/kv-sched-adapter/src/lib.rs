@@ -40,6 +40,21 @@
 //! ```
 //!
 //! [`driver::WorkerDriver`] does exactly this over any [`kv_core::Transport`].
+//!
+//! Decisions the simulator forced, beyond vLLM's behaviour:
+//!
+//! - A heartbeat's acknowledgement says, per request, whether P holds the export (with its
+//!   deadline), released it, or does not know it yet (P's workers learn of exports a step
+//!   late); D treats only `released` as final.
+//! - An export a D engine has renewed or registered for is bound to it, and a sibling's
+//!   completion does not release it: that engine may be reading it. D reads a sibling's export
+//!   only after P has acknowledged holding it, so P can never free a sibling under a read.
+//! - A second handshake from the same agent name is a new incarnation: P treats the old one as
+//!   lost, releasing what was bound to it and dropping what it had staged.
+//! - D stops renewing a request that has waited longer than `decoder_kv_blocks_ttl`, so a
+//!   request that is never scheduled cannot hold P's blocks for ever.
+//! - Push registrations that come before P's prefill stay staged until
+//!   `push_registration_timeout`, when D's watchdog gives up on them anyway.
 
 mod common;
 mod config;

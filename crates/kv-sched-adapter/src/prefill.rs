@@ -14,9 +14,9 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use kv_core::{
-    check_compatible, AgentName, BlockId, EngineId, Granularity, Handshake, Initiator, Message, Notification,
-    PeerAddress, PeerEvent, PlanInput, PoolSide, PushRegistration, Renewal, RequestId, Role, Time, TransferOp,
-    TransferPlan, TransferRequest,
+    check_compatible, AgentName, BlockId, EngineId, Granularity, Handshake, Initiator, LeaseState, Message,
+    Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PushRegistration, Renewal, RequestId, Role, Time,
+    TransferOp, TransferPlan, TransferRequest,
 };
 use kv_lease::LeaseTable;
 
@@ -261,6 +261,15 @@ impl PrefillWorker {
         }
     }
 
+    /// How long an early message waits for its export. A push registration may come long
+    /// before P runs the prompt; D's watchdog gives up on it after the registration timeout.
+    fn stage_lifetime(&self) -> std::time::Duration {
+        match self.config.mode {
+            Mode::Pull => self.config.kv_lease_duration,
+            Mode::Push => self.config.kv_lease_duration.max(self.config.push_registration_timeout),
+        }
+    }
+
     fn rank(&self) -> u32 {
         self.offer.rank
     }
@@ -315,28 +324,39 @@ impl PrefillWorker {
     /// A peer event from the transport.
     pub fn handle_peer_event(&mut self, now: Time, event: PeerEvent) {
         match event {
-            PeerEvent::Connected(info) => match check_compatible(&self.offer, &info.handshake) {
-                Ok(compat) => {
-                    self.peers.insert(info.agent.clone(), Peer::new(&info, compat));
+            PeerEvent::Connected(info) => {
+                if self.peers.contains_key(&info.agent) {
+                    // A second handshake under the same name is a new incarnation: the old one
+                    // is gone, and whatever it registered or sent must not reach the new one.
+                    self.peer_gone(now, &info.agent);
                 }
-                Err(err) => {
-                    tracing::warn!(peer = %info.agent, %err, "incompatible peer ignored");
-                    self.counters.ignored_messages += 1;
-                }
-            },
-            PeerEvent::ConnectFailed { .. } => {}
-            PeerEvent::Lost(agent) => {
-                self.peers.remove(&agent);
-                let bound: Vec<RequestId> = self
-                    .exports
-                    .iter()
-                    .filter(|(_, e)| e.bound.as_ref() == Some(&agent.engine))
-                    .map(|(r, _)| r.clone())
-                    .collect();
-                for request in bound {
-                    self.release(now, &request, ReleaseReason::PeerLost);
+                match check_compatible(&self.offer, &info.handshake) {
+                    Ok(compat) => {
+                        self.peers.insert(info.agent.clone(), Peer::new(&info, compat));
+                    }
+                    Err(err) => {
+                        tracing::warn!(peer = %info.agent, %err, "incompatible peer ignored");
+                        self.counters.ignored_messages += 1;
+                    }
                 }
             }
+            PeerEvent::ConnectFailed { .. } => {}
+            PeerEvent::Lost(agent) => self.peer_gone(now, &agent),
+        }
+    }
+
+    /// A D agent is gone: exports bound to its engine are released, its staged messages dropped.
+    fn peer_gone(&mut self, now: Time, agent: &AgentName) {
+        self.peers.remove(agent);
+        self.counters.late_messages += self.early.take(|_| true, |from, _| from == agent).len() as u64;
+        let bound: Vec<RequestId> = self
+            .exports
+            .iter()
+            .filter(|(_, e)| e.bound.as_ref() == Some(&agent.engine))
+            .map(|(r, _)| r.clone())
+            .collect();
+        for request in bound {
+            self.release(now, &request, ReleaseReason::PeerLost);
         }
     }
 
@@ -373,8 +393,7 @@ impl PrefillWorker {
         while let Some((request, _)) = self.leases.poll_expired(now) {
             self.release(now, &request, ReleaseReason::Expired);
         }
-        let horizon = now.saturating_sub(self.config.kv_lease_duration);
-        self.counters.early_evicted += self.early.expire(horizon);
+        self.counters.early_evicted += self.early.expire(now.saturating_sub(self.stage_lifetime()));
         self.recent.expire(now.saturating_sub(self.config.kv_lease_duration * 2));
         self.pulled.retain(|_, until| now < *until);
     }
@@ -386,7 +405,7 @@ impl PrefillWorker {
 
     /// When to call [`PrefillWorker::handle_timeout`] next.
     pub fn poll_timeout(&mut self) -> Option<Time> {
-        let staged = self.early.oldest().map(|t| t + self.config.kv_lease_duration);
+        let staged = self.early.oldest().map(|t| t + self.stage_lifetime());
         [self.leases.next_expiry(), staged].into_iter().flatten().min()
     }
 
@@ -470,13 +489,12 @@ impl PrefillWorker {
                 self.out.send(&from, &Message::Abort { request: reg.request.clone() });
             }
         }
-        if registrations.is_empty() {
-            let message = match reason {
-                ReleaseReason::Rejected => Message::Rejection { request: request.clone() },
-                _ => Message::Abort { request: request.clone() },
-            };
-            self.stage(now, from, request, message);
-        }
+        // Staged too, so that the export, when P finishes it, is released at once.
+        let message = match reason {
+            ReleaseReason::Rejected => Message::Rejection { request: request.clone() },
+            _ => Message::Abort { request: request.clone() },
+        };
+        self.stage(now, from, request, message);
     }
 
     fn on_heartbeat(&mut self, now: Time, from: AgentName, requests: Vec<RequestId>) {
@@ -484,12 +502,20 @@ impl PrefillWorker {
         let renewals: Vec<Renewal> = requests
             .into_iter()
             .map(|request| {
-                let deadline = self.resolve(&request).and_then(|id| {
-                    let deadline = self.leases.renew(&id, now, extension)?;
-                    self.exports.get_mut(&id).expect("leased exports exist").bound = Some(from.engine.clone());
-                    Some(deadline)
-                });
-                Renewal { request, deadline }
+                let lease = match self.resolve(&request) {
+                    Some(id) => match self.leases.renew(&id, now, extension) {
+                        Some(deadline) => {
+                            // Bound: only this engine's own messages, its loss or expiry end it now.
+                            self.exports.get_mut(&id).expect("leased exports exist").bound = Some(from.engine.clone());
+                            LeaseState::Held(deadline)
+                        }
+                        // Expired and about to be reaped, or released while a write finishes.
+                        None => LeaseState::Released,
+                    },
+                    None if self.recent.contains(&request) => LeaseState::Released,
+                    None => LeaseState::Unknown,
+                };
+                Renewal { request, lease }
             })
             .collect();
         self.out.send_split(&from, &renewals, |renewals| Message::HeartbeatAck { renewals });
@@ -616,10 +642,22 @@ impl PrefillWorker {
         let Some(parent) = id.parent() else { return };
         if let Some(set) = self.siblings.get_mut(&parent) {
             set.remove(id);
+            if set.is_empty() {
+                self.siblings.remove(&parent);
+            }
         }
         if reason == ReleaseReason::Transferred {
             self.pulled.insert(parent.clone(), now + self.config.kv_lease_duration);
-            let others: Vec<RequestId> = self.siblings.remove(&parent).into_iter().flatten().collect();
+            // Siblings nobody claimed are stranded: release them. A sibling a D engine has
+            // renewed or registered for may be under a read right now; that engine ends it.
+            let others: Vec<RequestId> = self
+                .siblings
+                .get(&parent)
+                .into_iter()
+                .flatten()
+                .filter(|s| self.exports.get(*s).is_some_and(|e| e.bound.is_none()))
+                .cloned()
+                .collect();
             for sibling in others {
                 self.release(now, &sibling, ReleaseReason::Sibling);
             }
