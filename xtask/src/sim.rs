@@ -4,7 +4,8 @@
 //! - `cargo xtask sim [PATH...]`: every scenario file given, or every `*.toml` under a folder
 //!   (default: the shared `scenarios/public`), one line each, then `N passed, M failed`.
 //! - `cargo xtask sim --seed N [PATH...]`: the same with the network seeded by N.
-//! - `cargo xtask sim --random --seeds A..B`: random workloads, one per seed.
+//! - `cargo xtask sim --random --seeds A..B`: random workloads, one per seed (`--trace` prints
+//!   each run's event trace, `--verbose` a line per passing seed).
 
 use std::path::PathBuf;
 
@@ -20,6 +21,7 @@ pub fn run_task(args: &[String]) -> Result<()> {
     let mut random = false;
     let mut seeds: Option<(u64, u64)> = None;
     let mut verbose = false;
+    let mut trace = false;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
@@ -33,6 +35,7 @@ pub fn run_task(args: &[String]) -> Result<()> {
             }
             "--random" => random = true,
             "--verbose" | "-v" => verbose = true,
+            "--trace" => trace = true,
             flag if flag.starts_with('-') => bail!("unknown flag {flag:?}"),
             path => paths.push(PathBuf::from(path)),
         }
@@ -46,7 +49,7 @@ pub fn run_task(args: &[String]) -> Result<()> {
             (None, Some(s)) => (s, s + 1),
             (None, None) => (0, 100),
         };
-        return crate::sim_random::run(from, to, verbose);
+        return crate::sim_random::run(from, to, verbose, trace);
     }
     if paths.is_empty() {
         paths.push(workspace_root().join("../shared/scenarios/public"));

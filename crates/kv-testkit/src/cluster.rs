@@ -316,6 +316,7 @@ pub struct Cluster {
     /// The oracle: what P computed for each export id.
     computed: BTreeMap<(EngineId, RequestId), Computed>,
     corrupt_reads: u64,
+    loads_verified: u64,
     violations: Vec<String>,
     trace: Vec<String>,
     last_step: Option<Time>,
@@ -351,6 +352,7 @@ impl Cluster {
             exports: BTreeMap::new(),
             computed: BTreeMap::new(),
             corrupt_reads: 0,
+            loads_verified: 0,
             violations: Vec::new(),
             trace: Vec::new(),
             last_step: None,
@@ -468,6 +470,11 @@ impl Cluster {
             loads: BTreeMap::new(),
             commands: VecDeque::new(),
         })
+    }
+
+    /// Adds a line to the event trace.
+    pub fn note(&mut self, line: String) {
+        self.record(line);
     }
 
     fn record(&mut self, line: String) {
@@ -664,7 +671,16 @@ impl Cluster {
             return;
         }
         let key = (load.remote.engine.clone(), load.remote.request.clone());
-        let Some(computed) = self.computed.get(&key).copied() else {
+        // Push mode matches by base id when the engines' suffixes differ; so does the oracle.
+        let by_base = || {
+            let base = key.1.base();
+            let mut matches = self.computed.iter().filter(|((e, r), _)| *e == key.0 && r.base() == base);
+            match (matches.next(), matches.next()) {
+                (Some((_, c)), None) => Some(*c),
+                _ => None,
+            }
+        };
+        let Some(computed) = self.computed.get(&key).copied().or_else(by_base) else {
             self.violation(format!("{}: {request} is ready, but its P never computed {}", engine.id, key.1));
             return;
         };
@@ -687,6 +703,8 @@ impl Cluster {
         if corrupt {
             self.corrupt_reads += 1;
             self.record(format!("{} CORRUPT {request}", engine.id));
+        } else {
+            self.loads_verified += 1;
         }
     }
 
@@ -1051,6 +1069,11 @@ impl Cluster {
         self.corrupt_reads
     }
 
+    /// Loads whose bytes matched what P computed.
+    pub fn loads_verified(&self) -> u64 {
+        self.loads_verified
+    }
+
     /// Invariant violations seen so far (blocks freed twice, writes into freed blocks, ...).
     pub fn violations(&self) -> &[String] {
         &self.violations
@@ -1066,6 +1089,17 @@ impl Cluster {
     pub fn held_everywhere(&self) -> Vec<(String, u64)> {
         let names: Vec<String> = self.prefill.keys().chain(self.decode.keys()).map(|e| e.as_str().to_owned()).collect();
         names.into_iter().map(|n| (n.clone(), self.held_blocks(&n))).filter(|(_, h)| *h > 0).collect()
+    }
+
+    /// The state of every D worker, for debugging a failed run.
+    pub fn describe_decode_workers(&self) -> String {
+        let mut out = String::new();
+        for e in self.decode.values().flatten() {
+            for w in &e.workers {
+                out.push_str(&format!("{:#?}\n", w.machine_ref()));
+            }
+        }
+        out
     }
 
     /// Runs time forward until nothing is pending or `limit` more has passed; returns when it stopped.

@@ -17,6 +17,7 @@
 //! - [`offer`]: a handshake offer for a fake engine rank.
 //! - [`cluster::Cluster`]: P and D engines with pools, TP ranks and kvflow's real connectors
 //!   over the fake network and a manual clock, and the byte oracle that checks every load.
+//! - [`random`]: seeded random workloads with faults, run with the invariants checked.
 //! - [`scenario`]: scenario files (`scenarios/FORMAT.md`) read into a typed, validated
 //!   [`scenario::Scenario`].
 //!
@@ -73,6 +74,7 @@ mod clock;
 pub mod cluster;
 mod memory;
 pub mod network;
+pub mod random;
 mod rng;
 pub mod scenario;
 

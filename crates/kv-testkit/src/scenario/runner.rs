@@ -128,7 +128,8 @@ fn run_steps(scenario: &Scenario, cluster: &mut Cluster) -> Result<(), String> {
     Ok(())
 }
 
-fn apply(cluster: &mut Cluster, event: &Event) -> Result<(), String> {
+/// Carries out one event on the cluster.
+pub fn apply(cluster: &mut Cluster, event: &Event) -> Result<(), String> {
     let name = |n: &Node| n.engine_id().as_str().to_owned();
     let result = match event {
         Event::Prefill { request, prompt_tokens, n, node } => cluster.prefill(&name(node), request, *prompt_tokens, *n),

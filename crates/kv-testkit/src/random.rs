@@ -1,0 +1,280 @@
+//! Random mode: seeded workloads with faults, run on the cluster with the invariants checked
+//! all the time.
+//!
+//! A seed picks a cluster (pull or push; TP, block-size and MLA combinations; one or two P
+//! and D engines), a policy (short leases, so that expiry happens), network noise (drops,
+//! duplicates, reordering) and a workload: prompts of assorted lengths, parallel-sampling
+//! siblings, arrivals in push mode before P's prefill, prefix hits, rejections, aborts while
+//! waiting and while loading, late schedules that the read fence must refuse, failed
+//! transfers, garbage, partitions, delays, and crashes with and without detection followed by
+//! restarts. Events that no longer apply (a schedule on an engine that crashed) are skipped,
+//! as a router would. After every step the cluster's invariants are checked: no block freed
+//! twice, no write into a freed block, no corrupt read; after the drain, nothing is held on a
+//! live engine. A panic is a failure too. The same seed gives the same run and digest.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Duration;
+
+use kv_core::{RequestId, Time};
+
+use crate::cluster::Cluster;
+use crate::scenario::format::{ClusterSpec, Event, FailurePolicy, Node, PolicySpec, Scenario, Step, TransferMode};
+use crate::scenario::runner::{apply, cluster_config};
+use crate::Rng;
+
+/// How one random run ended.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct RandomOutcome {
+    /// The seed.
+    pub seed: u64,
+    /// The first invariant that broke, or the panic.
+    pub failure: Option<String>,
+    /// A digest of the run's event trace.
+    pub digest: u64,
+    /// Events the workload generated.
+    pub events: usize,
+    /// Events skipped because they no longer applied.
+    pub skipped: usize,
+    /// Requests whose KV reached D intact.
+    pub loads_ok: u64,
+}
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+/// The workload of `seed`, as a scenario (without expectations: random mode checks invariants).
+pub fn generate(seed: u64) -> Scenario {
+    let mut rng = Rng::new(seed ^ 0x6b76_666c_6f77);
+    let mode = if rng.chance(0.4) { TransferMode::Push } else { TransferMode::Pull };
+    let mla = rng.chance(0.15);
+    // (P TP, D TP) pairs that map onto 8 heads (and MLA), both directions.
+    let tps: &[(u32, u32)] = &[(1, 1), (1, 2), (2, 2), (2, 4), (2, 1), (4, 2), (4, 1), (1, 4)];
+    let (prefill_tp, decode_tp) = tps[rng.below(tps.len() as u64) as usize];
+    let p_block = [4u32, 8, 16][rng.below(3) as usize];
+    let ratio = [1u32, 1, 2, 4][rng.below(4) as usize];
+    let prefillers = 1 + rng.below(2) as u32;
+    let decoders = 1 + rng.below(2) as u32;
+    let step_ms = [5u64, 10, 20][rng.below(3) as usize];
+    let cluster = ClusterSpec {
+        mode,
+        prefillers,
+        decoders,
+        prefill_tp,
+        decode_tp,
+        prefill_block_size: p_block,
+        decode_block_size: p_block * ratio,
+        num_kv_heads: 8,
+        mla,
+        prefill_num_blocks: 400,
+        decode_num_blocks: 400,
+        step_interval: ms(step_ms),
+        network_latency: ms(1 + rng.below(3)),
+        transfer_latency: ms(2 + rng.below(20)),
+        worker_handoff: ms(step_ms * (1 + rng.below(20))),
+    };
+    let lease_s = 2 + rng.below(9);
+    let mut policy = PolicySpec::with_lease(Duration::from_secs(lease_s));
+    policy.decoder_kv_blocks_ttl = Duration::from_secs(5 + rng.below(20));
+    policy.push_registration_timeout = policy.decoder_kv_blocks_ttl;
+    policy.kv_load_failure_policy = if rng.chance(0.5) { FailurePolicy::Recompute } else { FailurePolicy::Fail };
+    policy.early_notification_capacity = [4usize, 64, 8192][rng.below(3) as usize];
+
+    let horizon_ms = 20_000 + rng.below(20_000);
+    let requests = 5 + rng.below(40);
+    let mut steps: Vec<Step> = Vec::new();
+    let mut push =
+        |at_ms: u64, event: Event| steps.push(Step { at: Time::from_millis(at_ms), event: Some(event), expect: None });
+    let node = |rng: &mut Rng, prefill: bool| {
+        if prefill {
+            Node::prefill(rng.below(u64::from(prefillers)) as u32)
+        } else {
+            Node::decode(rng.below(u64::from(decoders)) as u32)
+        }
+    };
+    let suffix = |rng: &mut Rng| format!("-{:08x}", rng.next_u64() as u32);
+    for i in 0..requests {
+        let t0 = rng.below(horizon_ms);
+        let p = node(&mut rng, true);
+        let d = node(&mut rng, false);
+        let prompt_tokens = 1 + rng.below(200);
+        let n = if rng.chance(0.15) { 2 + rng.below(3) as u32 } else { 1 };
+        let base = format!("r{i}");
+        // Both legs carry the router's id; in push mode each engine may add its own suffix.
+        let (p_id, d_remote) = if mode == TransferMode::Push && n == 1 && rng.chance(0.5) {
+            (format!("{base}{}", suffix(&mut rng)), format!("{base}{}", suffix(&mut rng)))
+        } else {
+            (base.clone(), base.clone())
+        };
+        let sibling = |j: u32| if n > 1 { format!("{j}_{p_id}") } else { p_id.clone() };
+        let picked = rng.below(u64::from(n)) as u32;
+        let (d_request, remote_request) = if n > 1 {
+            (RequestId::new(sibling(picked)), RequestId::new(sibling(picked)))
+        } else {
+            (RequestId::new(d_remote.clone()), RequestId::new(d_remote))
+        };
+        let arrive_early = mode == TransferMode::Push && rng.chance(0.3);
+        let t_prefill = if arrive_early { t0 + rng.below(3000) } else { t0 };
+        push(t_prefill, Event::Prefill { request: RequestId::new(p_id.clone()), prompt_tokens, n, node: p });
+        let t_arrive = if arrive_early { t0 } else { t0 + rng.below(500) };
+        let roll = rng.below(100);
+        if roll < 8 {
+            // D rejects before admission.
+            push(t_arrive, Event::Reject { request: d_request, node: d, from: p, remote_request });
+            continue;
+        }
+        if roll < 12 {
+            // Nobody ever comes for it: the lease frees it.
+            continue;
+        }
+        let arrive_tokens = arrive_early.then_some(prompt_tokens);
+        let arrive = Event::Arrive {
+            request: d_request.clone(),
+            node: d,
+            from: p,
+            remote_request: remote_request.clone(),
+            prompt_tokens: arrive_tokens,
+        };
+        push(t_arrive, arrive);
+        // Usually soon; sometimes so late that the lease may have gone, which the fence must catch.
+        let wait = if rng.chance(0.15) { rng.below(lease_s * 2000) } else { rng.below(300) };
+        let t_schedule = t_arrive + wait;
+        let roll = rng.below(100);
+        if roll < 5 {
+            push(t_arrive + rng.below(200), Event::Abort { request: d_request.clone(), node: d });
+            continue;
+        }
+        if roll < 8 {
+            let failing = if mode == TransferMode::Push { p } else { d };
+            push(t_schedule, Event::FailTransfer { request: remote_request.clone(), node: failing });
+        }
+        push(t_schedule, Event::Schedule { request: d_request.clone(), node: d, prefix_hit: rng.chance(0.05) });
+        if (8..12).contains(&roll) {
+            push(t_schedule + rng.below(20), Event::Abort { request: d_request.clone(), node: d });
+        }
+        if n > 1 && rng.chance(0.5) {
+            // Another sibling, served from D's prefix cache.
+            let other = RequestId::new(sibling((picked + 1) % n));
+            let t = t_schedule + 1 + rng.below(200);
+            push(
+                t,
+                Event::Arrive {
+                    request: other.clone(),
+                    node: d,
+                    from: p,
+                    remote_request: other.clone(),
+                    prompt_tokens: None,
+                },
+            );
+            push(t + rng.below(100), Event::Schedule { request: other, node: d, prefix_hit: true });
+        }
+    }
+    let faults = rng.below(6);
+    for _ in 0..faults {
+        let t = rng.below(horizon_ms);
+        let (p, d) = (node(&mut rng, true), node(&mut rng, false));
+        match rng.below(6) {
+            0 => {
+                let victim = if rng.chance(0.5) { d } else { p };
+                push(t, Event::Crash { node: victim, detect: rng.chance(0.5) });
+                push(t + 100 + rng.below(5000), Event::Restart { node: victim });
+            }
+            1 => push(t, Event::Partition { a: p, b: d, until: Time::from_millis(t + rng.below(lease_s * 1500)) }),
+            2 => push(
+                t,
+                Event::Delay { a: d, b: p, by: ms(rng.below(300)), until: Time::from_millis(t + rng.below(3000)) },
+            ),
+            3 => push(
+                t,
+                Event::Delay { a: p, b: d, by: ms(rng.below(300)), until: Time::from_millis(t + rng.below(3000)) },
+            ),
+            _ => {
+                let bytes = (0..rng.below(64)).map(|_| rng.next_u64() as u8).collect();
+                push(t, Event::Garbage { from: d, to: p, bytes });
+            }
+        }
+    }
+    steps.sort_by_key(|s| s.at);
+    Scenario { name: format!("random seed {seed}"), cluster, policy, steps }
+}
+
+/// Generates the workload of `seed` and runs it, checking the invariants all the time.
+pub fn run(seed: u64) -> RandomOutcome {
+    run_with_trace(seed).0
+}
+
+/// As [`run`], and the run's event trace (the same seed gives the same trace).
+pub fn run_with_trace(seed: u64) -> (RandomOutcome, Vec<String>) {
+    let scenario = generate(seed);
+    let mut trace = Vec::new();
+    let events = scenario.steps.len();
+    let mut outcome = RandomOutcome { seed, failure: None, digest: 0, events, skipped: 0, loads_ok: 0 };
+    let result = catch_unwind(AssertUnwindSafe(|| run_checked(&scenario, seed, &mut outcome, &mut trace)));
+    match result {
+        Ok(Ok(())) => {}
+        Ok(Err(failure)) => outcome.failure = Some(failure),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "a panic".to_owned());
+            outcome.failure = Some(format!("panicked: {message}"));
+        }
+    }
+    (outcome, trace)
+}
+
+fn run_checked(
+    scenario: &Scenario,
+    seed: u64,
+    outcome: &mut RandomOutcome,
+    trace: &mut Vec<String>,
+) -> Result<(), String> {
+    let mut config = cluster_config(scenario, seed);
+    let mut rng = Rng::new(seed);
+    config.drop_rate = if rng.chance(0.5) { rng.below(30) as f64 / 1000.0 } else { 0.0 };
+    config.duplicate_rate = if rng.chance(0.5) { rng.below(50) as f64 / 1000.0 } else { 0.0 };
+    config.reorder_jitter = ms(rng.below(3));
+    let mut cluster = Cluster::new(config).map_err(|e| format!("cannot build the cluster: {e}"))?;
+    let check = |cluster: &Cluster| -> Result<(), String> {
+        if let Some(v) = cluster.violations().first() {
+            return Err(format!("invariant violated: {v}"));
+        }
+        if cluster.corrupt_reads() > 0 {
+            return Err(format!("{} corrupt reads by {:.3}s", cluster.corrupt_reads(), cluster.now().as_secs_f64()));
+        }
+        Ok(())
+    };
+    for step in &scenario.steps {
+        cluster.advance_to(step.at);
+        if let Some(event) = &step.event {
+            if let Err(e) = apply(&mut cluster, event) {
+                cluster.note(format!("skipped {}: {e}", event.name()));
+                outcome.skipped += 1;
+            }
+        }
+        if let Err(e) = check(&cluster) {
+            trace.extend_from_slice(cluster.trace());
+            return Err(e);
+        }
+    }
+    let limit = scenario.policy.decoder_kv_blocks_ttl + scenario.policy.kv_lease_duration + Duration::from_secs(5);
+    cluster.drain(limit);
+    trace.extend_from_slice(cluster.trace());
+    check(&cluster)?;
+    outcome.digest = cluster.digest();
+    outcome.loads_ok = cluster.loads_verified();
+    let held = cluster.held_everywhere();
+    if !held.is_empty() {
+        let list: Vec<String> = held.iter().map(|(n, h)| format!("{n} holds {h}")).collect();
+        // The state of D's workers is what a held-block failure is debugged from.
+        trace.push(cluster.describe_decode_workers());
+        return Err(format!(
+            "after the drain, at {:.3}s, blocks still held: {}",
+            cluster.now().as_secs_f64(),
+            list.join(", ")
+        ));
+    }
+    Ok(())
+}
