@@ -3,7 +3,8 @@
 //!
 //! - `cargo xtask sim [PATH...]`: every scenario file given, or every `*.toml` under a folder
 //!   (default: the shared `scenarios/public`), one line each, then `N passed, M failed`.
-//! - `cargo xtask sim --seed N [PATH...]`: the same with the network seeded by N.
+//! - `cargo xtask sim --seed N PATH...`: the same with the network seeded by N.
+//! - `cargo xtask sim --seed N`: replays random workload N, as a failure says to.
 //! - `cargo xtask sim --random --seeds A..B`: random workloads, one per seed (`--trace` prints
 //!   each run's event trace, `--verbose` a line per passing seed).
 
@@ -40,13 +41,16 @@ pub fn run_task(args: &[String]) -> Result<()> {
             path => paths.push(PathBuf::from(path)),
         }
     }
-    if random || seeds.is_some() {
+    if random || seeds.is_some() || (seed.is_some() && paths.is_empty()) {
         if !paths.is_empty() {
             bail!("--random runs generated workloads and takes no paths");
         }
         let (from, to) = match (seeds, seed) {
             (Some(range), _) => range,
-            (None, Some(s)) => (s, s + 1),
+            (None, Some(s)) => {
+                verbose = true;
+                (s, s + 1)
+            }
             (None, None) => (0, 100),
         };
         return crate::sim_random::run(from, to, verbose, trace);

@@ -33,7 +33,7 @@ pub fn run(from: u64, to: u64, verbose: bool, trace: bool) -> Result<()> {
             Some(failure) => {
                 failed += 1;
                 println!("FAIL seed {seed}: {failure}");
-                println!("     reproduce with: cargo xtask sim --random --seeds {seed}..{}", seed + 1);
+                println!("     reproduce with: cargo xtask sim --seed {seed}");
             }
         }
     }

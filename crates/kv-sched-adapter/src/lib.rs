@@ -41,6 +41,33 @@
 //!
 //! [`driver::WorkerDriver`] does exactly this over any [`kv_core::Transport`].
 //!
+//! # Calling it from an engine
+//!
+//! Prefill engine, at the moments the engine already has:
+//!
+//! | engine moment | call |
+//! |---|---|
+//! | start-up, per rank | build a transport with its handshake offer; `PrefillWorker::new(offer, config, pool)`; wrap both in a `WorkerDriver` |
+//! | a request finishes its prompt | `PrefillScheduler::handle_finished(now, id, blocks, prompt_tokens)`; hand the returned [`RemoteRef`] to the router |
+//! | every scheduler step | drain `PrefillScheduler::poll_event`: give `ToWorker` commands to the rank's worker (`handle_command`), free the blocks of `Free` |
+//! | every worker step, per rank | `WorkerDriver::step(now)`; give each report to `PrefillScheduler::handle_report(rank, report)` |
+//! | after the router aborts a finished request | nothing: the export ends by its own rules |
+//!
+//! Decode engine:
+//!
+//! | engine moment | call |
+//! |---|---|
+//! | a request with P's [`RemoteRef`] enters the waiting queue | `DecodeScheduler::handle_arrive(id, remote)` |
+//! | blocks are allocated for it | `DecodeScheduler::handle_schedule(id, blocks, prefix_hit)` |
+//! | it is rejected before admission | `DecodeScheduler::handle_reject(id, remote)` |
+//! | the router aborts it | `DecodeScheduler::handle_abort(&id)` |
+//! | every step | `WorkerDriver::step(now)` per rank, reports to `handle_report(rank, report)`; drain `DecodeScheduler::poll_event` (`ToWorker` to the rank's `handle_command` then `WorkerDriver::flush`; `Ready`: the KV is in place; `Free`: the load failed or was aborted, free the blocks, the request is [`DecodeState::Failed`], [`DecodeState::Recompute`] or [`DecodeState::Gone`]) |
+//!
+//! kv-testkit's `cluster` module is a complete engine of both kinds over the in-memory
+//! transport, and reads as a worked example.
+//!
+//! # Decisions beyond vLLM
+//!
 //! Decisions the simulator forced, beyond vLLM's behaviour:
 //!
 //! - A heartbeat's acknowledgement says, per request, whether P holds the export (with its

@@ -966,18 +966,24 @@ impl Cluster {
         self.record(format!("delay {a} {b} by {by:?} until {until}"));
     }
 
-    /// The next read or write `node` posts for `request` fails.
+    /// The next read or write `node` posts for `request` (D's id or P's, or either's base) fails.
     pub fn fail_transfer(&mut self, node: &str, request: &RequestId) {
         self.record(format!("fail next transfer of {node} for {request}"));
         let engine = EngineId::new(node);
-        let request = request.clone();
+        // A read's completion names P's id; D's request may name it differently.
+        let mut names = vec![request.clone()];
+        if let Some(Some(d)) = self.decode.get(&engine) {
+            if let Some(load) = d.loads.get(request) {
+                names.push(load.remote.request.clone());
+            }
+        }
         self.net.fail_transfer_when(move |poster, transfer| {
             if poster.engine != engine {
                 return false;
             }
             let named = transfer.notification.as_deref().and_then(|n| Message::decode(n).ok());
             let matches = match named {
-                Some(Message::Completion { request: r, .. }) => r == request || r.base() == request.base(),
+                Some(Message::Completion { request: r, .. }) => names.iter().any(|n| r == *n || r.base() == n.base()),
                 _ => false,
             };
             matches && matches!(transfer.op, TransferOp::Read | TransferOp::Write)
@@ -1018,6 +1024,11 @@ impl Cluster {
     /// Why a P engine released an export, if it did.
     pub fn release_reason(&self, node: &str, request: &RequestId) -> Option<ReleaseReason> {
         self.history.get(&EngineId::new(node)).and_then(|h| h.released.get(request).copied())
+    }
+
+    /// Why any P engine released an export of this id, prefill engines in name order.
+    pub fn release_reason_anywhere(&self, request: &RequestId) -> Option<ReleaseReason> {
+        self.prefill.keys().find_map(|e| self.release_reason(e.as_str(), request))
     }
 
     /// Where a request stands on a D engine.
