@@ -5,15 +5,24 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-/// Runs the fmt check, clippy with `-D warnings`, and every test of the workspace.
+use crate::provision;
+
+/// Runs the fmt check, provisions libclang and the NIXL runtime (see [`provision::ensure`]),
+/// then clippy with `-D warnings` and every test of the workspace, with the provisioned paths in
+/// their environment.
 pub fn run(args: &[String]) -> Result<()> {
     if let Some(arg) = args.first() {
         bail!("cargo xtask ci takes no arguments, got {arg:?}");
     }
     let root = workspace_root();
     cargo(&root, &["fmt", "--all", "--", "--check"])?;
-    cargo(&root, &["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"])?;
-    cargo(&root, &["test", "--workspace", "--locked"])?;
+    let nixl = provision::ensure().context("cannot provision what nixl-sys needs (see `cargo xtask setup`)")?;
+    let envs = nixl.envs();
+    for (key, value) in &envs {
+        eprintln!("xtask: {key}={value}");
+    }
+    cargo_env(&root, &["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"], &envs)?;
+    cargo_env(&root, &["test", "--workspace", "--locked"], &envs)?;
     Ok(())
 }
 
@@ -24,10 +33,20 @@ pub fn workspace_root() -> PathBuf {
 
 /// Runs `$CARGO args...` in `root`, failing with the command line when it fails.
 pub fn cargo(root: &Path, args: &[&str]) -> Result<()> {
+    cargo_env(root, args, &[])
+}
+
+/// Runs `$CARGO args...` in `root` with the extra environment `envs`, failing with the command
+/// line when it fails.
+pub fn cargo_env(root: &Path, args: &[&str], envs: &[(String, String)]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     eprintln!("xtask: cargo {}", args.join(" "));
-    let status =
-        Command::new(&cargo).args(args).current_dir(root).status().with_context(|| format!("cannot start {cargo}"))?;
+    let status = Command::new(&cargo)
+        .args(args)
+        .envs(envs.iter().map(|(k, v)| (k, v)))
+        .current_dir(root)
+        .status()
+        .with_context(|| format!("cannot start {cargo}"))?;
     if !status.success() {
         bail!("`cargo {}` failed ({status})", args.join(" "));
     }

@@ -4,6 +4,7 @@
 
 mod bench;
 mod ci;
+mod provision;
 mod sim;
 mod sim_random;
 
@@ -12,7 +13,8 @@ use std::process::ExitCode;
 const USAGE: &str = "usage: cargo xtask <task>
 
 tasks:
-  ci      fmt check, clippy with -D warnings, every test of the workspace
+  ci      fmt check, setup, clippy with -D warnings, every test of the workspace
+  setup   fetch what nixl-sys needs: libclang (apt-get as root) and the NIXL runtime (.nixl/)
   sim     scenario files [PATH...] [--seed N], or random workloads --random --seeds A..B
   bench   the criterion benches, each against its baseline in the same run [--json]";
 
@@ -20,6 +22,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci::run(&args[1..]),
+        Some("setup") => provision::run(&args[1..]),
         Some("bench") => bench::run(&args[1..]),
         Some("sim") => sim::run_task(&args[1..]),
         Some("-h" | "--help" | "help") => {

@@ -207,6 +207,13 @@ pub enum PeerEvent {
     },
     /// A connected peer's side channel closed: it is gone.
     Lost(AgentName),
+    /// A peer's incoming handshake was refused; the listener goes on serving others.
+    Refused {
+        /// The peer as it named itself.
+        peer: AgentName,
+        /// Why, naming both sides' values.
+        error: TransportError,
+    },
 }
 
 /// Why a transport operation failed.

@@ -731,6 +731,7 @@ impl DecodeWorker {
                 }
             }
             PeerEvent::Lost(agent) => self.peer_gone(&agent),
+            PeerEvent::Refused { peer, error } => tracing::warn!(%peer, %error, "refused a handshake"),
         }
     }
 

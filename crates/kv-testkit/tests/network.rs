@@ -310,7 +310,15 @@ fn a_refused_handshake_names_both_block_sizes_and_the_listener_keeps_serving() {
         "handshake refused: block size mismatch: decode block of 16 tokens is not a multiple of prefill block of 32 tokens"
     );
     assert!(matches!(error, TransportError::Handshake(_)));
-    assert!(p.events().is_empty(), "a refused initiator is no peer of the listener");
+    // The listener refuses too, with the same values, and the initiator is no peer of it.
+    let [PeerEvent::Refused { peer, error }] = &p.events()[..] else {
+        panic!("the listener should report the refusal")
+    };
+    assert_eq!(*peer, d16.name);
+    assert_eq!(
+        error.to_string(),
+        "handshake refused: block size mismatch: decode block of 16 tokens is not a multiple of prefill block of 32 tokens"
+    );
     assert_eq!(d16.transport.send_notification(&p.name, b"x"), Err(TransportError::UnknownPeer(p.name.clone())));
 
     let mut d32 = Rank::start(&world.net, "decode1", Role::Decode, 32);

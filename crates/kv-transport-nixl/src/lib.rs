@@ -1,6 +1,52 @@
-//! kv-core's `Transport` port over NIXL/UCX, through nixl-sys.
+//! kv-core's [`Transport`](kv_core::Transport) port over NIXL/UCX, through nixl-sys.
 //!
-//! This crate will hold `NixlTransport` (one agent per TP rank, the UCX backend, descriptor
-//! lists prepared once per peer) and the TCP side channel that runs kv-core's handshake. It is
-//! filled by the NIXL issue; nothing here works yet, so nothing is exported, and the crate does
-//! not yet depend on nixl-sys.
+//! [`NixlTransport`] is one NIXL agent with the UCX backend, for one TP rank. Its regions are
+//! registered with NIXL (host memory as DRAM, device memory as VRAM), transfers are NIXL
+//! transfer requests whose notification NIXL delivers to the peer on completion, and peers
+//! meet over a TCP side channel (port 5600 by default, loopback unless configured) that runs
+//! kv-core's handshake and then stays open: its loss is how a peer is seen gone, since NIXL
+//! reports a remote disconnect only as a generic backend error.
+//!
+//! The NIXL runtime is the `nixl-cu12` wheel that `cargo xtask setup` unpacks into the
+//! workspace's `.nixl/` folder; [`runtime`] loads it without anything exported.
+//! `KVFLOW_NIXL_DIR` or [`NixlConfig::runtime_dir`] overrides where it is.
+//!
+//! Register every region before peers connect: NIXL's metadata, which peers load at
+//! handshake, lists the registrations that exist then.
+
+pub mod runtime;
+mod side;
+mod transport;
+
+use std::path::PathBuf;
+
+pub use side::SideStats;
+pub use transport::{NixlConfig, NixlTransport, DEFAULT_SIDE_CHANNEL_PORT};
+
+/// Why a [`NixlTransport`] could not be made.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum NixlError {
+    /// The NIXL runtime is not where it was looked for.
+    #[error(
+        "NIXL runtime not found at {}: run `cargo xtask setup` to fetch the nixl-cu12 wheel into .nixl/, or set KVFLOW_NIXL_DIR to the folder holding libnixl_capi.so",
+        path.display()
+    )]
+    RuntimeMissing {
+        /// The library looked for.
+        path: PathBuf,
+    },
+    /// The runtime is there but does not load.
+    #[error("cannot load the NIXL runtime {}: {reason}", path.display())]
+    RuntimeLoad {
+        /// The library.
+        path: PathBuf,
+        /// dlopen's account.
+        reason: String,
+    },
+    /// NIXL refused to make the agent or its backend.
+    #[error("NIXL agent: {0}")]
+    Agent(String),
+    /// The side channel could not start.
+    #[error(transparent)]
+    Transport(#[from] kv_core::TransportError),
+}

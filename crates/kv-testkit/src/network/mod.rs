@@ -561,6 +561,10 @@ impl Net {
             }
             Body::Offer { address, offer } => {
                 let answer = check_compatible(&receiver.offer, &offer).map(|_| stamped(&receiver.offer, at));
+                if let Err(refusal) = &answer {
+                    let peer = AgentName::new(offer.engine.clone(), offer.rank);
+                    receiver.events.push_back(PeerEvent::Refused { peer, error: refusal.clone().into() });
+                }
                 let body = Body::Answer { address, offer_sent_at: sent_at, answer };
                 self.send(Message { from: to, to: from, sent_at: at, body });
             }

@@ -1,0 +1,71 @@
+//! Finding and loading the NIXL runtime.
+//!
+//! nixl-sys, built with `stub-api`, resolves NIXL's C API with `dlopen("libnixl_capi.so")` on
+//! first use. kvflow loads that library itself, by absolute path and with `RTLD_GLOBAL`, before
+//! any NIXL call, so glibc resolves nixl-sys's later `dlopen` by soname to the library already
+//! loaded; and it points `NIXL_PLUGIN_DIR` at the runtime's `plugins/` folder before the first
+//! agent. The runtime is the `nixl-cu12` wheel that `cargo xtask setup` unpacks into `.nixl/`;
+//! `KVFLOW_NIXL_DIR`, or an explicit path, overrides where it is looked for.
+#![allow(unsafe_code)] // dlopen and setenv: see the SAFETY notes.
+
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use crate::NixlError;
+
+/// The environment variable that overrides where the runtime is.
+pub const RUNTIME_ENV: &str = "KVFLOW_NIXL_DIR";
+
+/// Where `cargo xtask setup` puts the runtime, compiled in.
+pub const DEFAULT_RUNTIME_DIR: &str = env!("KVFLOW_NIXL_DEFAULT_DIR");
+
+static LOADED: OnceLock<Result<PathBuf, NixlError>> = OnceLock::new();
+
+/// The folder that would be used: `explicit`, else `$KVFLOW_NIXL_DIR`, else the default.
+pub fn runtime_dir(explicit: Option<&Path>) -> PathBuf {
+    explicit
+        .map(Path::to_path_buf)
+        .or_else(|| std::env::var_os(RUNTIME_ENV).map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_RUNTIME_DIR))
+}
+
+/// Whether a runtime is present where [`runtime_dir`] looks.
+pub fn runtime_present(explicit: Option<&Path>) -> bool {
+    runtime_dir(explicit).join("libnixl_capi.so").is_file()
+}
+
+/// Loads the runtime once per process; later calls return the first outcome.
+pub fn ensure_loaded(explicit: Option<&Path>) -> Result<PathBuf, NixlError> {
+    LOADED.get_or_init(|| load(&runtime_dir(explicit))).clone()
+}
+
+fn load(dir: &Path) -> Result<PathBuf, NixlError> {
+    let lib = dir.join("libnixl_capi.so");
+    if !lib.is_file() {
+        return Err(NixlError::RuntimeMissing { path: lib });
+    }
+    let plugins = dir.join("plugins");
+    if std::env::var_os("NIXL_PLUGIN_DIR").is_none() {
+        // Once, before this process creates any NIXL agent (which reads it).
+        std::env::set_var("NIXL_PLUGIN_DIR", &plugins);
+    }
+    let c_path = CString::new(lib.as_os_str().as_encoded_bytes())
+        .map_err(|_| NixlError::RuntimeMissing { path: lib.clone() })?;
+    // SAFETY: dlopen with a valid C string; the handle is kept for the life of the process.
+    let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    if handle.is_null() {
+        // SAFETY: dlerror returns a thread-local C string or null.
+        let reason = unsafe {
+            let err = libc::dlerror();
+            if err.is_null() {
+                "unknown error".to_owned()
+            } else {
+                std::ffi::CStr::from_ptr(err).to_string_lossy().into_owned()
+            }
+        };
+        return Err(NixlError::RuntimeLoad { path: lib, reason });
+    }
+    tracing::debug!(path = %lib.display(), plugins = %plugins.display(), "NIXL runtime loaded");
+    Ok(dir.to_path_buf())
+}

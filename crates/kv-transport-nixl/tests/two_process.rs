@@ -1,0 +1,283 @@
+//! Real NIXL/UCX between two processes on loopback: reads and writes of 64 blocks with a
+//! notification, handshake refusals on both sides, bad handshake bytes, and a killed peer.
+//!
+//! Each test runs as the parent; it starts this test binary again as the child (selected by
+//! `KVFLOW_TEST_ROLE`), so every NIXL agent has its own process.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kv_core::{
+    DescriptorPair, Message, PeerAddress, PeerEvent, RequestId, Role, TransferOp, TransferRequest, TransferStatus,
+    Transport,
+};
+
+const BLOCKS: usize = 64;
+
+fn role() -> Option<String> {
+    std::env::var(ROLE).ok()
+}
+
+/// The listener child: serves one peer, then reports what it received and exits.
+/// `KVFLOW_TEST_FILL` makes it fill its pool first (it is the source of a read).
+fn listener_child(role: Role) {
+    let mut pool = HostPool::new(BLOCKS);
+    let fill = std::env::var("KVFLOW_TEST_FILL").is_ok();
+    if fill {
+        for b in 0..BLOCKS {
+            pool.fill(b, 7);
+        }
+    }
+    let block_tokens = std::env::var("KVFLOW_TEST_BLOCK_TOKENS").map_or(16, |v| v.parse().unwrap());
+    let tp = std::env::var("KVFLOW_TEST_TP").map_or(1, |v| v.parse().unwrap());
+    let mut t = transport(offer("listener", role, tp, block_tokens, &pool, BLOCKS as u32), &pool);
+    println!("READY {}", t.side_channel_addr().port());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut notes = Vec::new();
+    while Instant::now() < deadline {
+        while let Some(event) = t.poll_event() {
+            match event {
+                PeerEvent::Connected(info) => println!("CONNECTED {}", info.agent),
+                PeerEvent::Refused { peer, error } => println!("REFUSED {peer}: {error}"),
+                PeerEvent::Lost(agent) => println!("LOST {agent}"),
+                PeerEvent::ConnectFailed { .. } => {}
+            }
+        }
+        t.drain_notifications(&mut notes);
+        for note in notes.drain(..) {
+            let message = Message::decode(&note.payload).map(|m| format!("{m:?}")).unwrap_or_else(|e| e.to_string());
+            // A write's notification arrives after its bytes: check them now.
+            let verified = fill || (0..BLOCKS).all(|b| pool.holds(b, BLOCKS - 1 - b, 9));
+            println!("NOTIFIED {} {message} verified={verified}", note.from);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn start_listener(
+    test: &str,
+    role: Role,
+    env: &[(&str, String)],
+) -> (std::process::Child, std::io::BufReader<std::process::ChildStdout>, u16) {
+    let role_name = match role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+    };
+    let (child, mut out) = spawn_child(test, role_name, env);
+    let port: u16 = expect_line(&mut out, "READY").parse().unwrap();
+    (child, out, port)
+}
+
+fn child_main() -> bool {
+    match role().as_deref() {
+        Some("prefill") => listener_child(Role::Prefill),
+        Some("decode") => listener_child(Role::Decode),
+        _ => return false,
+    }
+    true
+}
+
+fn connect(t: &mut kv_transport_nixl::NixlTransport, port: u16) -> kv_core::PeerInfo {
+    t.connect(&PeerAddress(format!("127.0.0.1:{port}"))).unwrap();
+    match next_event(t, Duration::from_secs(10)) {
+        Some(PeerEvent::Connected(info)) => *info,
+        other => panic!("expected a connection, got {other:?}"),
+    }
+}
+
+/// Pairs local block `l` with remote block `r`, one descriptor each (blocks are reversed so
+/// that nothing lines up by accident).
+fn pairs(local: &HostPool, remote: &kv_core::RegionBase) -> Vec<DescriptorPair> {
+    (0..BLOCKS)
+        .map(|b| DescriptorPair {
+            local_region: 0,
+            local_addr: local.base().addr + (b * BLOCK_BYTES) as u64,
+            remote_region: 0,
+            remote_addr: remote.addr + ((BLOCKS - 1 - b) * BLOCK_BYTES) as u64,
+            len: BLOCK_BYTES as u64,
+        })
+        .collect()
+}
+
+fn wait_done(t: &mut kv_transport_nixl::NixlTransport, id: kv_core::TransferId) {
+    let start = Instant::now();
+    loop {
+        match t.poll_transfer(id) {
+            TransferStatus::Done => return,
+            TransferStatus::InProgress => {
+                assert!(start.elapsed() < Duration::from_secs(30), "transfer did not finish in 30 s");
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            TransferStatus::Failed(e) => panic!("transfer failed: {e}"),
+        }
+    }
+}
+
+#[test]
+fn d_reads_64_blocks_from_p_and_p_is_notified() {
+    const NAME: &str = "d_reads_64_blocks_from_p_and_p_is_notified";
+    if child_main() || !nixl_or_skip(NAME) {
+        return;
+    }
+    let _serial = serial();
+    let (mut child, mut out, port) = start_listener(NAME, Role::Prefill, &[("KVFLOW_TEST_FILL", "1".into())]);
+    let pool = HostPool::new(BLOCKS);
+    let mut d = transport(offer("decode0", Role::Decode, 1, 16, &pool, BLOCKS as u32), &pool);
+    let info = connect(&mut d, port);
+    let completion = Message::Completion { request: RequestId::new("r1"), expected_consumers: 1 }.encode().unwrap();
+    let request = TransferRequest {
+        op: TransferOp::Read,
+        peer: info.agent.clone(),
+        pairs: pairs(&pool, &info.handshake.regions[0]),
+        notification: Some(completion),
+    };
+    let id = d.post(request).unwrap();
+    wait_done(&mut d, id);
+    for b in 0..BLOCKS {
+        assert!(pool.holds(b, BLOCKS - 1 - b, 7), "block {b} differs from P's block {}", BLOCKS - 1 - b);
+    }
+    let note = expect_line(&mut out, "NOTIFIED");
+    assert!(note.starts_with("decode0/tp0 Completion"), "{note}");
+    assert!(note.contains("\"r1\""), "{note}");
+    child.kill().ok();
+    child.wait().ok();
+}
+
+#[test]
+fn p_writes_64_blocks_into_d_and_d_is_notified() {
+    const NAME: &str = "p_writes_64_blocks_into_d_and_d_is_notified";
+    if child_main() || !nixl_or_skip(NAME) {
+        return;
+    }
+    let _serial = serial();
+    let (mut child, mut out, port) = start_listener(NAME, Role::Decode, &[]);
+    let mut pool = HostPool::new(BLOCKS);
+    for b in 0..BLOCKS {
+        pool.fill(b, 9);
+    }
+    let mut p = transport(offer("prefill0", Role::Prefill, 1, 16, &pool, BLOCKS as u32), &pool);
+    let info = connect(&mut p, port);
+    let completion = Message::Completion { request: RequestId::new("r2"), expected_consumers: 1 }.encode().unwrap();
+    // Local block b goes to the peer's block BLOCKS-1-b: the child checks exactly that.
+    let request = TransferRequest {
+        op: TransferOp::Write,
+        peer: info.agent.clone(),
+        pairs: pairs(&pool, &info.handshake.regions[0]),
+        notification: Some(completion),
+    };
+    let id = p.post(request).unwrap();
+    wait_done(&mut p, id);
+    let note = expect_line(&mut out, "NOTIFIED");
+    assert!(note.starts_with("prefill0/tp0 Completion"), "{note}");
+    assert!(note.ends_with("verified=true"), "D's blocks differ from what P wrote: {note}");
+    child.kill().ok();
+    child.wait().ok();
+}
+
+#[test]
+fn mismatched_handshakes_fail_on_both_sides_and_the_listener_keeps_serving() {
+    const NAME: &str = "mismatched_handshakes_fail_on_both_sides_and_the_listener_keeps_serving";
+    if child_main() || !nixl_or_skip(NAME) {
+        return;
+    }
+    let _serial = serial();
+    let env = [("KVFLOW_TEST_BLOCK_TOKENS", "32".to_owned()), ("KVFLOW_TEST_TP", "2".to_owned())];
+    let (mut child, mut out, port) = start_listener(NAME, Role::Prefill, &env);
+    let pool = HostPool::new(4);
+    // (what differs, the offer, text both sides' errors must hold)
+    let mut cases: Vec<(&str, kv_core::Handshake, &str)> = Vec::new();
+    cases.push((
+        "block size",
+        offer("decode-bs", Role::Decode, 1, 16, &pool, 4),
+        "decode block of 16 tokens is not a multiple of prefill block of 32 tokens",
+    ));
+    let mut layout = offer("decode-layout", Role::Decode, 1, 32, &pool, 4);
+    layout.layout.head_dim = 128;
+    layout.compat_hash = kv_core::wire::compatibility_hash(&layout.model, &layout.layout);
+    cases.push(("layout", layout, "kv layout mismatch in head_dim: prefill 64, decode 128"));
+    cases.push((
+        "tp",
+        offer("decode-tp", Role::Decode, 3, 32, &pool, 4),
+        "tensor-parallel sizes do not divide: prefill 2, decode 3",
+    ));
+    let mut version = offer("decode-version", Role::Decode, 1, 32, &pool, 4);
+    version.protocol_version = 9;
+    cases.push(("version", version, "protocol version mismatch: prefill 1, decode 9"));
+    for (what, offer, text) in cases {
+        let mut d = transport(offer, &pool);
+        d.connect(&PeerAddress(format!("127.0.0.1:{port}"))).unwrap();
+        match next_event(&mut d, Duration::from_secs(10)) {
+            Some(PeerEvent::ConnectFailed { error, .. }) => {
+                assert!(error.to_string().contains(text), "{what}: D's error {error} does not say {text:?}")
+            }
+            other => panic!("{what}: expected a refusal on D, got {other:?}"),
+        }
+        let refused = expect_line(&mut out, "REFUSED");
+        assert!(refused.contains(text), "{what}: P's error {refused} does not say {text:?}");
+    }
+    // The listener still serves a compatible peer.
+    let mut d = transport(offer("decode-ok", Role::Decode, 1, 32, &pool, 4), &pool);
+    let info = connect(&mut d, port);
+    assert_eq!(info.agent.engine.as_str(), "listener");
+    child.kill().ok();
+    child.wait().ok();
+}
+
+#[test]
+fn malformed_and_oversized_handshakes_get_an_error_and_no_crash() {
+    const NAME: &str = "malformed_and_oversized_handshakes_get_an_error_and_no_crash";
+    if child_main() || !nixl_or_skip(NAME) {
+        return;
+    }
+    let _serial = serial();
+    let (mut child, mut out, port) = start_listener(NAME, Role::Prefill, &[]);
+    let refusal = |frame: &[u8]| -> String {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(frame).unwrap();
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).unwrap();
+        let mut body = vec![0; u32::from_be_bytes(len) as usize];
+        s.read_exact(&mut body).unwrap();
+        String::from_utf8_lossy(&body).into_owned()
+    };
+    let mut garbage = 13u32.to_be_bytes().to_vec();
+    garbage.extend_from_slice(b"not a message");
+    let answer = refusal(&garbage);
+    assert!(answer.starts_with("KXmalformed handshake: not a kvflow frame"), "{answer}");
+    let answer = refusal(&u32::MAX.to_be_bytes());
+    assert!(answer.starts_with("KXhandshake frame of 4294967295 bytes exceeds the"), "{answer}");
+    // Still serving.
+    let pool = HostPool::new(4);
+    let mut d = transport(offer("decode0", Role::Decode, 1, 16, &pool, 4), &pool);
+    connect(&mut d, port);
+    assert_eq!(expect_line(&mut out, "CONNECTED"), "decode0/tp0");
+    child.kill().ok();
+    child.wait().ok();
+}
+
+#[test]
+fn a_killed_p_is_reported_lost_within_a_second() {
+    const NAME: &str = "a_killed_p_is_reported_lost_within_a_second";
+    if child_main() || !nixl_or_skip(NAME) {
+        return;
+    }
+    let _serial = serial();
+    let (mut child, _out, port) = start_listener(NAME, Role::Prefill, &[]);
+    let pool = HostPool::new(4);
+    let mut d = transport(offer("decode0", Role::Decode, 1, 16, &pool, 4), &pool);
+    let info = connect(&mut d, port);
+    // SIGKILL: no goodbye; only the closed side channel tells.
+    let killed = Instant::now();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    match next_event(&mut d, Duration::from_secs(1)) {
+        Some(PeerEvent::Lost(agent)) => assert_eq!(agent, info.agent),
+        other => panic!("expected the peer lost within 1 s, got {other:?}"),
+    }
+    assert!(killed.elapsed() < Duration::from_secs(1), "took {:?}", killed.elapsed());
+}
