@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 use crate::ci::{cargo, workspace_root};
+use crate::provision;
 
 /// One comparison: a criterion group, the operations measured, and which implementation is
 /// kvflow's and which the baseline.
@@ -45,7 +46,13 @@ pub fn run(args: &[String]) -> Result<()> {
     let root = workspace_root();
     for c in COMPARISONS {
         // --noplot: the numbers are read back below; plots are not needed.
-        cargo(&root, &["bench", "--locked", "-p", c.package, "--bench", c.bench, "--", "--noplot"])?;
+        let args = ["bench", "--locked", "-p", c.package, "--bench", c.bench, "--", "--noplot"];
+        if json_out {
+            // Stdout carries only the JSON object; criterion's own report goes to stderr.
+            run_to_stderr(&root, &args)?;
+        } else {
+            cargo(&root, &args)?;
+        }
     }
     let criterion = target_dir(&root).join("criterion");
     let mut report = serde_json::Map::new();
@@ -68,10 +75,61 @@ pub fn run(args: &[String]) -> Result<()> {
             print_table(c, &rows);
         }
     }
+    // The transport bench runs two processes over real NIXL/UCX; it needs the runtime.
+    let nixl = provision::ensure().context("the transport bench needs the NIXL runtime (see `cargo xtask setup`)")?;
+    let transport = transport_bench(&root, &nixl.envs(), json_out)?;
     if json_out {
+        if let Value::Object(fields) = transport {
+            report.extend(fields);
+        }
         println!("{}", Value::Object(report));
     }
     Ok(())
+}
+
+/// Runs `$CARGO args...` with its stdout sent to our stderr.
+fn run_to_stderr(root: &Path, args: &[&str]) -> Result<()> {
+    use std::os::fd::AsFd;
+    let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    eprintln!("xtask: cargo {}", args.join(" "));
+    let stderr = std::io::stderr().as_fd().try_clone_to_owned().context("cannot duplicate stderr")?;
+    let status = std::process::Command::new(&cargo_bin)
+        .args(args)
+        .current_dir(root)
+        .stdout(std::process::Stdio::from(stderr))
+        .status()
+        .with_context(|| format!("cannot start {cargo_bin}"))?;
+    if !status.success() {
+        bail!("`cargo {}` failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+/// Runs kv-transport-nixl's two-process bench; prints its table, or returns its JSON object.
+fn transport_bench(root: &Path, envs: &[(String, String)], json_out: bool) -> Result<Value> {
+    let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let mut args = vec!["bench", "--locked", "-p", "kv-transport-nixl", "--bench", "transport", "--"];
+    if json_out {
+        args.push("--json");
+    }
+    eprintln!("xtask: cargo {}", args.join(" "));
+    let output = std::process::Command::new(&cargo_bin)
+        .args(&args)
+        .envs(envs.iter().map(|(k, v)| (k, v)))
+        .current_dir(root)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .with_context(|| format!("cannot start {cargo_bin}"))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        bail!("the transport bench failed ({}):\n{stdout}", output.status);
+    }
+    if !json_out {
+        print!("{stdout}");
+        return Ok(Value::Null);
+    }
+    let last = stdout.lines().rev().find(|l| l.starts_with('{')).context("the transport bench printed no JSON")?;
+    serde_json::from_str(last).context("the transport bench's JSON does not parse")
 }
 
 fn print_table(c: &Comparison, rows: &[(&str, f64, f64)]) {

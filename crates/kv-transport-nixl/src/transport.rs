@@ -32,6 +32,8 @@ pub struct NixlConfig {
     pub handshake_timeout: Duration,
     /// Where the NIXL runtime is (else `$KVFLOW_NIXL_DIR`, else `.nixl/` of the workspace).
     pub runtime_dir: Option<PathBuf>,
+    /// UCX worker threads of the backend (NIXL's `num_workers`); `None` keeps NIXL's default.
+    pub ucx_workers: Option<u32>,
 }
 
 impl Default for NixlConfig {
@@ -40,6 +42,7 @@ impl Default for NixlConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], DEFAULT_SIDE_CHANNEL_PORT)),
             handshake_timeout: Duration::from_secs(5),
             runtime_dir: None,
+            ucx_workers: None,
         }
     }
 }
@@ -121,8 +124,13 @@ impl NixlTransport {
         runtime::ensure_loaded(config.runtime_dir.as_deref())?;
         let name = AgentName::new(offer.engine.clone(), offer.rank);
         let agent = Agent::new(&nixl_name(&name)).map_err(|e| NixlError::Agent(format!("create {name}: {e}")))?;
-        let (_, params) =
+        let (_, mut params) =
             agent.get_plugin_params("UCX").map_err(|e| NixlError::Agent(format!("UCX plugin parameters: {e}")))?;
+        if let Some(workers) = config.ucx_workers {
+            params
+                .set("num_workers", &workers.to_string())
+                .map_err(|e| NixlError::Agent(format!("UCX num_workers {workers}: {e}")))?;
+        }
         let backend =
             agent.create_backend("UCX", &params).map_err(|e| NixlError::Agent(format!("UCX backend: {e}")))?;
         offer.agent_metadata = agent.get_local_md().map_err(|e| NixlError::Agent(format!("local metadata: {e}")))?;

@@ -1,0 +1,283 @@
+//! The transport bench: one 128 MiB prompt's KV moved between two processes over NIXL/UCX.
+//!
+//! The layout is a 32-layer model with 8 KV heads of 128, bf16, 16-token blocks, laid out
+//! layer-major (one region per layer, as vLLM's per-layer caches are): 64 blocks of 2 MiB, in
+//! 32 regions of 4 MiB. D reads them from P four ways, and memcpy copies the same bytes:
+//!
+//! - memcpy: the ceiling, in one process;
+//! - raw: one nixl-sys descriptor over the whole buffer;
+//! - merged: kvflow's plan, runs contiguous on both sides merged (one descriptor per layer);
+//! - per-block: one descriptor per (layer, block), as production connectors post them.
+//!
+//! Each way runs once to warm up, then `--iters` times; the median is reported, in GB/s and
+//! as ratios. `--json` prints one JSON object as the last line. The child process (P) is this
+//! binary again, selected by `KVFLOW_BENCH_ROLE`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_core::{
+    Attention, BlockId, Clock, EngineId, Granularity, Handshake, HeadSlice, Initiator, KvLayout, MemoryKind,
+    MemoryOrder, Message, PeerAddress, PeerEvent, Placement, PlanInput, PoolShape, PoolSide, Region, RegionBase,
+    RegionId, RequestId, Role, Time, TransferOp, TransferPlan, TransferRequest, TransferStatus, Transport,
+};
+use kv_transport_nixl::{runtime, NixlConfig, NixlTransport};
+
+const BLOCKS: u32 = 64;
+const ROLE: &str = "KVFLOW_BENCH_ROLE";
+
+struct ProcessClock(Instant);
+
+impl Clock for ProcessClock {
+    fn now(&self) -> Time {
+        Time::from_nanos(self.0.elapsed().as_nanos() as u64)
+    }
+}
+
+fn layout() -> KvLayout {
+    KvLayout {
+        layers: 32,
+        block_tokens: 16,
+        kv_heads: 8,
+        head_dim: 128,
+        dtype_bytes: 2,
+        attention: Attention::SplitKv,
+        order: MemoryOrder::Hnd,
+        placement: Placement::LayerMajor,
+    }
+}
+
+fn shape() -> PoolShape {
+    PoolShape::new(layout(), 8, BLOCKS).expect("bench layout")
+}
+
+/// The pool: one buffer holding every layer's region back to back.
+struct Pool {
+    bytes: Vec<u8>,
+}
+
+impl Pool {
+    fn new(fill: bool) -> Pool {
+        let len = shape().pool_bytes() as usize;
+        let bytes = if fill { (0..len).map(|i| (i * 31 % 251) as u8).collect() } else { vec![0; len] };
+        Pool { bytes }
+    }
+
+    fn region(&self) -> Region {
+        Region {
+            id: RegionId(1),
+            kind: MemoryKind::Host,
+            addr: self.bytes.as_ptr() as u64,
+            len: self.bytes.len() as u64,
+        }
+    }
+
+    fn layer_regions(&self) -> Vec<RegionBase> {
+        regions_at(self.bytes.as_ptr() as u64)
+    }
+}
+
+fn regions_at(base: u64) -> Vec<RegionBase> {
+    let s = shape();
+    (0..s.region_count())
+        .map(|i| RegionBase { addr: base + u64::from(i) * s.region_len(), len: s.region_len() })
+        .collect()
+}
+
+fn offer(engine: &str, role: Role, pool: &Pool) -> Handshake {
+    let layout = layout();
+    Handshake {
+        protocol_version: kv_core::wire::PROTOCOL_VERSION,
+        engine: EngineId::new(engine),
+        rank: 0,
+        tp_size: 1,
+        role,
+        model: "bench".into(),
+        layout,
+        num_blocks: BLOCKS,
+        regions: pool.layer_regions(),
+        compat_hash: kv_core::wire::compatibility_hash("bench", &layout),
+        clock: Time::ZERO,
+        agent_metadata: Vec::new(),
+    }
+}
+
+fn transport(offer: Handshake, pool: &Pool) -> NixlTransport {
+    let ucx_workers = std::env::var("KVFLOW_BENCH_UCX_WORKERS").ok().and_then(|v| v.parse().ok());
+    let config = NixlConfig { bind: "127.0.0.1:0".parse().expect("loopback"), ucx_workers, ..NixlConfig::default() };
+    let clock: Arc<dyn Clock> = Arc::new(ProcessClock(Instant::now()));
+    let mut t = NixlTransport::new(offer, &config, clock).expect("NIXL transport");
+    t.register(&pool.region()).expect("register");
+    t
+}
+
+fn prefill_child() {
+    let pool = Pool::new(true);
+    let mut t = transport(offer("bench-prefill", Role::Prefill, &pool), &pool);
+    println!("READY {}", t.side_channel_addr().port());
+    std::io::stdout().flush().ok();
+    // Serve until the parent goes away (its side channel closes).
+    let mut notes = Vec::new();
+    loop {
+        if let Some(PeerEvent::Lost(_)) = t.poll_event() {
+            return;
+        }
+        t.drain_notifications(&mut notes);
+        notes.clear();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn plan(local: &Pool, remote: &[RegionBase], granularity: Granularity) -> TransferPlan {
+    let blocks: Vec<BlockId> = (0..BLOCKS).map(BlockId).collect();
+    let local_regions = local.layer_regions();
+    let input = PlanInput {
+        prefill: PoolSide { shape: shape(), regions: remote, blocks: &blocks },
+        decode: PoolSide { shape: shape(), regions: &local_regions, blocks: &blocks },
+        slice: HeadSlice { prefill_rank: 0, prefill_head: 0, decode_head: 0, heads: 8 },
+        initiator: Initiator::Decode,
+    };
+    TransferPlan::build(&input, granularity).expect("bench plan")
+}
+
+fn read(t: &mut NixlTransport, peer: &kv_core::AgentName, pairs: &[kv_core::DescriptorPair]) -> Duration {
+    let note =
+        Message::Completion { request: RequestId::new("bench"), expected_consumers: 1 }.encode().expect("encode");
+    let start = Instant::now();
+    let request =
+        TransferRequest { op: TransferOp::Read, peer: peer.clone(), pairs: pairs.to_vec(), notification: Some(note) };
+    let id = t.post(request).expect("post");
+    loop {
+        match t.poll_transfer(id) {
+            TransferStatus::Done => return start.elapsed(),
+            TransferStatus::InProgress => std::hint::spin_loop(),
+            TransferStatus::Failed(e) => panic!("bench read failed: {e}"),
+        }
+    }
+}
+
+fn median(mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn main() {
+    if std::env::var(ROLE).is_ok() {
+        prefill_child();
+        return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let json = args.iter().any(|a| a == "--json");
+    let iters: usize = args
+        .iter()
+        .position(|a| a == "--iters")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
+    if !runtime::runtime_present(None) {
+        eprintln!(
+            "transport bench skipped: no NIXL runtime at {} (run cargo xtask setup)",
+            runtime::runtime_dir(None).display()
+        );
+        std::process::exit(if std::env::var("CI").is_ok_and(|v| v == "true") { 1 } else { 0 });
+    }
+    let mut child = Command::new(std::env::current_exe().expect("own path"))
+        .env(ROLE, "prefill")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the P process");
+    let mut out = BufReader::new(child.stdout.take().expect("piped"));
+    let mut line = String::new();
+    let port: u16 = loop {
+        line.clear();
+        assert!(out.read_line(&mut line).expect("child output") > 0, "the P process ended early");
+        if let Some(p) = line.trim().strip_prefix("READY ") {
+            break p.parse().expect("port");
+        }
+    };
+
+    let pool = Pool::new(false);
+    let mut d = transport(offer("bench-decode", Role::Decode, &pool), &pool);
+    d.connect(&PeerAddress(format!("127.0.0.1:{port}"))).expect("connect");
+    let info = loop {
+        match d.poll_event() {
+            Some(PeerEvent::Connected(info)) => break info,
+            Some(other) => panic!("handshake failed: {other:?}"),
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+    };
+    let remote = info.handshake.regions.clone();
+    let total = shape().pool_bytes();
+    let raw = vec![kv_core::DescriptorPair {
+        local_region: 0,
+        local_addr: pool.bytes.as_ptr() as u64,
+        remote_region: 0,
+        remote_addr: remote[0].addr,
+        len: total,
+    }];
+    let merged = plan(&pool, &remote, Granularity::Merged);
+    let per_block = plan(&pool, &remote, Granularity::PerBlock);
+    assert_eq!(merged.bytes(), total);
+
+    let mut source = Pool::new(true);
+    let mut sink = vec![0u8; total as usize];
+    let mut results: Vec<(&str, usize, Duration)> = Vec::new();
+    let mut time = |name: &'static str, descriptors: usize, mut run: Box<dyn FnMut() -> Duration + '_>| {
+        run();
+        let samples = (0..iters).map(|_| run()).collect();
+        results.push((name, descriptors, median(samples)));
+    };
+    time(
+        "memcpy",
+        1,
+        Box::new(|| {
+            source.bytes[0] = source.bytes[0].wrapping_add(1);
+            let start = Instant::now();
+            sink.copy_from_slice(std::hint::black_box(&source.bytes));
+            std::hint::black_box(&sink);
+            start.elapsed()
+        }),
+    );
+    time("raw nixl-sys", raw.len(), Box::new(|| read(&mut d, &info.agent, &raw)));
+    time("merged plan", merged.len(), Box::new(|| read(&mut d, &info.agent, merged.pairs())));
+    time("per-block plan", per_block.len(), Box::new(|| read(&mut d, &info.agent, per_block.pairs())));
+    // What arrived is P's pool, byte for byte.
+    let expected = Pool::new(true);
+    assert!(std::hint::black_box(&pool.bytes) == &expected.bytes, "the bytes D read differ from P's");
+
+    let rate = |name: &str| results.iter().find(|r| r.0 == name).map(|r| gbps(total, r.2)).unwrap_or(0.0);
+    let (raw_gbps, merged_gbps, block_gbps) = (rate("raw nixl-sys"), rate("merged plan"), rate("per-block plan"));
+    println!("\ntransport: {} MiB between two processes, median of {iters}", total >> 20);
+    println!("{:<16} {:>12} {:>10} {:>12}", "way", "descriptors", "GB/s", "vs raw");
+    for (name, descriptors, d) in &results {
+        let g = gbps(total, *d);
+        println!("{name:<16} {descriptors:>12} {g:>10.2} {:>11.2}x", g / raw_gbps);
+    }
+    println!(
+        "merged / raw = {:.2} (target >= 0.9), merged / per-block = {:.2} (target >= 1.8)",
+        merged_gbps / raw_gbps,
+        merged_gbps / block_gbps
+    );
+    if json {
+        let fields: Vec<String> = results
+            .iter()
+            .map(|(name, n, d)| {
+                format!("\"{}\":{{\"descriptors\":{n},\"gbps\":{:.3}}}", name.replace(' ', "_"), gbps(total, *d))
+            })
+            .collect();
+        println!(
+            "{{\"transport\":{{\"bytes\":{total},\"iters\":{iters},{},\"merged_over_raw\":{:.3},\"merged_over_per_block\":{:.3}}}}}",
+            fields.join(","),
+            merged_gbps / raw_gbps,
+            merged_gbps / block_gbps
+        );
+    }
+    drop(d);
+    let _ = child.wait();
+}
