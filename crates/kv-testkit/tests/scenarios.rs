@@ -1,28 +1,44 @@
-//! Every scenario in the shared `scenarios/public` folder passes, and replays identically.
+//! Every scenario file passes: the shared `scenarios/public` folder, and this crate's own
+//! `scenarios` folder, which checks DESIGN.md's lifecycle rules that the public files do not
+//! cover (push ordering and base-id matching, the push watchdog, aborts, failed transfers, the
+//! read fence, partitions, heterogeneous TP, MLA, block-size ratios, siblings, crashes and
+//! restarts, late messages, several decoders). A scenario also replays with the same digest.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use kv_testkit::scenario::{run, scenario_files, Scenario};
 
-fn public_scenarios() -> Vec<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/scenarios/public");
-    assert!(dir.is_dir(), "the shared scenarios are missing: expected them at {}", dir.display());
-    scenario_files(&[dir]).expect("scenario folder")
+fn files_in(dir: &Path, at_least: usize) -> Vec<PathBuf> {
+    assert!(dir.is_dir(), "the scenarios are missing: expected them at {}", dir.display());
+    let files = scenario_files(&[dir]).expect("scenario folder");
+    assert!(files.len() >= at_least, "found only {} scenarios under {}", files.len(), dir.display());
+    files
 }
 
-#[test]
-fn every_public_scenario_passes() {
-    let files = public_scenarios();
-    assert!(files.len() >= 11, "found only {} scenarios", files.len());
+fn public_scenarios() -> Vec<PathBuf> {
+    files_in(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/scenarios/public"), 11)
+}
+
+/// Runs every file and fails with the list of those that did not pass.
+fn all_pass(files: &[PathBuf]) {
     let mut failures = Vec::new();
-    for file in &files {
+    for file in files {
         let scenario = Scenario::load(file).unwrap_or_else(|e| panic!("{e}"));
-        let outcome = run(&scenario, 0);
-        if let Some(failure) = outcome.failure {
+        if let Some(failure) = run(&scenario, 0).failure {
             failures.push(format!("{}: {failure}", file.display()));
         }
     }
     assert!(failures.is_empty(), "{} of {} scenarios failed:\n{}", failures.len(), files.len(), failures.join("\n"));
+}
+
+#[test]
+fn every_public_scenario_passes() {
+    all_pass(&public_scenarios());
+}
+
+#[test]
+fn every_own_scenario_passes() {
+    all_pass(&files_in(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios"), 40));
 }
 
 #[test]
