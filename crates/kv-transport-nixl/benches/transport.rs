@@ -9,8 +9,8 @@
 //! - merged: kvflow's plan, runs contiguous on both sides merged (one descriptor per layer);
 //! - per-block: one descriptor per (layer, block), as production connectors post them.
 //!
-//! Each way runs once to warm up, then `--iters` times; the median is reported, in GB/s and
-//! as ratios. `--json` prints one JSON object as the last line. The child process (P) is this
+//! The ways run round-robin, so that each sees the same stretch of a noisy machine: one round
+//! to warm up, then `--iters` rounds; the median of each is reported, in GB/s and as ratios. `--json` prints one JSON object as the last line. The child process (P) is this
 //! binary again, selected by `KVFLOW_BENCH_ROLE`.
 
 use std::io::{BufRead, BufReader, Write};
@@ -227,26 +227,33 @@ fn main() {
 
     let mut source = Pool::new(true);
     let mut sink = vec![0u8; total as usize];
-    let mut results: Vec<(&str, usize, Duration)> = Vec::new();
-    let mut time = |name: &'static str, descriptors: usize, mut run: Box<dyn FnMut() -> Duration + '_>| {
-        run();
-        let samples = (0..iters).map(|_| run()).collect();
-        results.push((name, descriptors, median(samples)));
+    let mut memcpy = || {
+        source.bytes[0] = source.bytes[0].wrapping_add(1);
+        let start = Instant::now();
+        sink.copy_from_slice(std::hint::black_box(&source.bytes));
+        std::hint::black_box(&sink);
+        start.elapsed()
     };
-    time(
-        "memcpy",
-        1,
-        Box::new(|| {
-            source.bytes[0] = source.bytes[0].wrapping_add(1);
-            let start = Instant::now();
-            sink.copy_from_slice(std::hint::black_box(&source.bytes));
-            std::hint::black_box(&sink);
-            start.elapsed()
-        }),
-    );
-    time("raw nixl-sys", raw.len(), Box::new(|| read(&mut d, &info.agent, &raw)));
-    time("merged plan", merged.len(), Box::new(|| read(&mut d, &info.agent, merged.pairs())));
-    time("per-block plan", per_block.len(), Box::new(|| read(&mut d, &info.agent, per_block.pairs())));
+    let ways: [(&str, usize); 4] =
+        [("memcpy", 1), ("raw nixl-sys", raw.len()), ("merged plan", merged.len()), ("per-block plan", per_block.len())];
+    // Round-robin: every way sees the same stretch of a noisy machine.
+    let mut samples: Vec<Vec<Duration>> = vec![Vec::new(); ways.len()];
+    for round in 0..=iters {
+        for (i, _) in ways.iter().enumerate() {
+            let took = match i {
+                0 => memcpy(),
+                1 => read(&mut d, &info.agent, &raw),
+                2 => read(&mut d, &info.agent, merged.pairs()),
+                _ => read(&mut d, &info.agent, per_block.pairs()),
+            };
+            // Round 0 warms up.
+            if round > 0 {
+                samples[i].push(took);
+            }
+        }
+    }
+    let results: Vec<(&str, usize, Duration)> =
+        ways.iter().zip(samples).map(|((name, n), samples)| (*name, *n, median(samples))).collect();
     // What arrived is P's pool, byte for byte.
     let expected = Pool::new(true);
     assert!(std::hint::black_box(&pool.bytes) == &expected.bytes, "the bytes D read differ from P's");
