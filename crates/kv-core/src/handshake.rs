@@ -140,6 +140,7 @@ mod tests {
             engine: EngineId::new(format!("{role:?}")),
             rank: 0,
             tp_size,
+            instance: 0,
             role,
             model: "m".into(),
             layout,

@@ -105,6 +105,9 @@ pub struct Handshake {
     pub rank: u32,
     /// The sender's TP size.
     pub tp_size: u32,
+    /// The sender engine's incarnation: a restarted engine has a new one, and D never loads
+    /// an export from an incarnation other than the one that made it.
+    pub instance: u64,
     /// `"prefill"` or `"decode"` role of the sender.
     pub role: Role,
     /// The model the sender serves.
@@ -413,6 +416,7 @@ mod tests {
             engine: EngineId::new("prefill0"),
             rank: 1,
             tp_size: 2,
+            instance: 0,
             role: Role::Prefill,
             model: "llama".into(),
             layout,

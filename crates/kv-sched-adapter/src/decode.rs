@@ -509,6 +509,14 @@ impl DecodeWorker {
         if load.phase != Phase::Starting || !load.targets.iter().all(|t| self.peers.contains_key(t)) {
             return;
         }
+        // The export lives in the P incarnation that made it; a restarted P has none of it, and
+        // its pool at those addresses holds other requests' blocks.
+        let instance = load.remote.instance;
+        if instance != 0 && load.targets.iter().any(|t| self.peers[t].handshake.instance != instance) {
+            tracing::info!(%request, "P restarted since it exported this request");
+            self.fail(request);
+            return;
+        }
         let completion = Message::Completion {
             request: load.remote.request.clone(),
             expected_consumers: load.tp.consumers_per_prefill_rank(),

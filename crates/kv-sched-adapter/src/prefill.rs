@@ -111,6 +111,7 @@ struct SchedulerExport {
 #[derive(Debug)]
 pub struct PrefillScheduler {
     engine: EngineId,
+    instance: u64,
     tp: u32,
     addresses: Vec<PeerAddress>,
     config: Config,
@@ -119,10 +120,11 @@ pub struct PrefillScheduler {
 }
 
 impl PrefillScheduler {
-    /// A scheduler for `engine`, whose rank `r` listens at `addresses[r]`.
-    pub fn new(engine: EngineId, addresses: Vec<PeerAddress>, config: Config) -> Self {
+    /// A scheduler for incarnation `instance` of `engine` (the value its workers' handshakes
+    /// carry), whose rank `r` listens at `addresses[r]`.
+    pub fn new(engine: EngineId, instance: u64, addresses: Vec<PeerAddress>, config: Config) -> Self {
         let tp = addresses.len() as u32;
-        PrefillScheduler { engine, tp, addresses, config, exports: BTreeMap::new(), events: VecDeque::new() }
+        PrefillScheduler { engine, instance, tp, addresses, config, exports: BTreeMap::new(), events: VecDeque::new() }
     }
 
     /// A request finished its prompt: export `blocks` under a lease from `now`, and return
@@ -154,6 +156,7 @@ impl PrefillScheduler {
             request,
             addresses: self.addresses.clone(),
             tp_size: self.tp,
+            instance: self.instance,
             prompt_tokens,
             export: Some(ExportInfo { blocks, deadline }),
         })

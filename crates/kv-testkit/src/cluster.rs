@@ -395,6 +395,11 @@ impl Cluster {
         0x1_0000_0000 * (1 + index) + 0x1000_0000 * history.generation
     }
 
+    /// The current incarnation of an engine: 1 at start, one more at each restart.
+    fn instance(&self, engine: &EngineId) -> u64 {
+        self.history.get(engine).map_or(0, |h| h.generation)
+    }
+
     fn start_ranks(
         &mut self,
         engine: &EngineId,
@@ -407,6 +412,7 @@ impl Cluster {
         let heads = layout.heads_per_rank(tp);
         let shape = PoolShape::new(layout, heads, num_blocks).map_err(|e| ClusterError(e.to_string()))?;
         let base = self.heap_base(engine);
+        let instance = self.instance(engine);
         let mut ranks = Vec::new();
         for rank in 0..tp {
             let heap = FakeHeap::with_base(base + u64::from(rank) * 0x100_0000 * 16);
@@ -417,6 +423,7 @@ impl Cluster {
             let agent = AgentName::new(engine.clone(), rank);
             let mut hs = offer(&agent, role, tp, layout);
             hs.num_blocks = num_blocks;
+            hs.instance = instance;
             hs.regions = vec![RegionBase { addr: region.addr, len: region.len }];
             let mut transport = self.net.transport(agent, Self::address(engine, rank), heap, hs.clone());
             kv_core::Transport::register(&mut transport, &region).map_err(|e| ClusterError(e.to_string()))?;
@@ -442,7 +449,7 @@ impl Cluster {
         }
         Ok(PrefillEngine {
             id: id.clone(),
-            scheduler: PrefillScheduler::new(id.clone(), addresses, c.connector),
+            scheduler: PrefillScheduler::new(id.clone(), self.instance(id), addresses, c.connector),
             workers,
             ranks,
             pool: Pool::new(c.prefill_num_blocks),
@@ -822,6 +829,8 @@ impl Cluster {
             request: remote_request.clone(),
             addresses: (0..self.config.prefill_tp).map(|r| Self::address(&engine, r)).collect(),
             tp_size: self.config.prefill_tp,
+            // D comes first in push mode: it cannot know P's incarnation yet.
+            instance: 0,
             prompt_tokens,
             export: None,
         })
@@ -941,9 +950,9 @@ impl Cluster {
         let id = EngineId::new(node);
         if self.prefill.get(&id).is_some_and(Option::is_none) {
             let engine = self.start_prefill(&id)?;
+            // The router keeps P's old transfer parameters, as a real one would: D must notice
+            // that the incarnation that exported them is gone.
             self.prefill.insert(id.clone(), Some(engine));
-            // P's old exports are gone with it; the router forgets them.
-            self.exports.retain(|(e, _), _| *e != id);
         } else if self.decode.get(&id).is_some_and(Option::is_none) {
             let engine = self.start_decode(&id)?;
             self.decode.insert(id.clone(), Some(engine));

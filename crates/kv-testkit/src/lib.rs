@@ -98,6 +98,7 @@ pub fn offer(agent: &AgentName, role: Role, tp_size: u32, layout: KvLayout) -> H
         engine: agent.engine.clone(),
         rank: agent.rank,
         tp_size,
+        instance: 0,
         role,
         model: FAKE_MODEL.to_owned(),
         layout,

@@ -93,6 +93,7 @@ fn offer(engine: &str, role: Role, pool: &Pool) -> Handshake {
         engine: EngineId::new(engine),
         rank: 0,
         tp_size: 1,
+        instance: 0,
         role,
         model: "bench".into(),
         layout,
@@ -234,8 +235,12 @@ fn main() {
         std::hint::black_box(&sink);
         start.elapsed()
     };
-    let ways: [(&str, usize); 4] =
-        [("memcpy", 1), ("raw nixl-sys", raw.len()), ("merged plan", merged.len()), ("per-block plan", per_block.len())];
+    let ways: [(&str, usize); 4] = [
+        ("memcpy", 1),
+        ("raw nixl-sys", raw.len()),
+        ("merged plan", merged.len()),
+        ("per-block plan", per_block.len()),
+    ];
     // Round-robin: every way sees the same stretch of a noisy machine.
     let mut samples: Vec<Vec<Duration>> = vec![Vec::new(); ways.len()];
     for round in 0..=iters {

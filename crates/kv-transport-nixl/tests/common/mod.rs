@@ -121,6 +121,7 @@ pub fn offer(engine: &str, role: Role, tp: u32, block_tokens: u32, pool: &HostPo
         engine: EngineId::new(engine),
         rank: 0,
         tp_size: tp,
+        instance: 0,
         role,
         model: "kvflow-test-model".into(),
         layout,
