@@ -78,6 +78,8 @@
 //!   only after P has acknowledged holding it, so P can never free a sibling under a read.
 //! - A second handshake from the same agent name is a new incarnation: P treats the old one as
 //!   lost, releasing what was bound to it and dropping what it had staged.
+//! - Handshakes and [`RemoteRef`]s name P's incarnation: D never loads an export from a P
+//!   incarnation other than the one that made it (a restarted P's pool holds other blocks).
 //! - D stops renewing a request that has waited longer than `decoder_kv_blocks_ttl`, so a
 //!   request that is never scheduled cannot hold P's blocks for ever.
 //! - Push registrations that come before P's prefill stay staged until
