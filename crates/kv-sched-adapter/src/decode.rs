@@ -643,6 +643,11 @@ impl DecodeWorker {
     fn fail(&mut self, request: &RequestId) {
         let Some(load) = self.loads.get_mut(request) else { return };
         load.failed = true;
+        if load.phase == Phase::Reading && !load.reads.is_empty() {
+            // An abort now would let P free blocks under these reads; `handle_transfer` tells
+            // P once the last read has ended.
+            return;
+        }
         let abort = Message::Abort { request: load.remote.request.clone() };
         let pending: Vec<AgentName> = load
             .targets
@@ -650,11 +655,7 @@ impl DecodeWorker {
             .filter(|t| !load.written.contains(&t.rank) && !load.declined.contains(&t.rank))
             .cloned()
             .collect();
-        let waits = match load.phase {
-            Phase::Reading => !load.reads.is_empty(),
-            Phase::Registered => !pending.is_empty(),
-            Phase::Waiting | Phase::Starting => false,
-        };
+        let waits = load.phase == Phase::Registered && !pending.is_empty();
         for target in &pending {
             self.send_to(target, abort.clone());
         }
