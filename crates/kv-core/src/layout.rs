@@ -207,6 +207,34 @@ impl PoolShape {
         self.region_len() * u64::from(self.region_count())
     }
 
+    /// The pool's blocks as `(address, length)` ranges to prepare once with a transport: one
+    /// per block in a block-major pool, one per (layer, block) in a layer-major one, in the
+    /// order [`PoolShape::descriptor_index`] numbers them. `bases` are the regions' addresses.
+    pub fn block_descriptors(&self, bases: &[u64]) -> Vec<(u64, u64)> {
+        let blocks = u64::from(self.num_blocks);
+        match self.layout.placement {
+            Placement::BlockMajor => {
+                let base = bases.first().copied().unwrap_or(0);
+                (0..blocks).map(|b| (base + b * self.block_bytes(), self.block_bytes())).collect()
+            }
+            Placement::LayerMajor => bases
+                .iter()
+                .take(self.layout.layers as usize)
+                .flat_map(|&base| {
+                    (0..blocks).map(move |b| (base + b * self.layer_block_bytes(), self.layer_block_bytes()))
+                })
+                .collect(),
+        }
+    }
+
+    /// The entry of [`PoolShape::block_descriptors`] that holds `(layer, block)`.
+    pub fn descriptor_index(&self, layer: u32, block: u32) -> u32 {
+        match self.layout.placement {
+            Placement::BlockMajor => block,
+            Placement::LayerMajor => layer * self.num_blocks + block,
+        }
+    }
+
     /// Where `(layer, block, plane)` starts; the caller keeps the indices in range.
     pub fn plane_offset(&self, layer: u32, block: u32, plane: u32) -> PlaneOffset {
         let plane_start = u64::from(plane) * self.plane_bytes();
@@ -261,6 +289,29 @@ pub(crate) mod tests {
         assert_eq!(shape.region_len(), 10 * shape.layer_block_bytes());
         assert_eq!(shape.pool_bytes(), 10 * shape.block_bytes());
         assert_eq!(shape.plane_offset(5, 3, 0), PlaneOffset { region: 5, offset: 3 * shape.layer_block_bytes() });
+    }
+
+    #[test]
+    fn block_descriptors_cover_the_pool_in_index_order() {
+        for placement in [Placement::BlockMajor, Placement::LayerMajor] {
+            let shape = PoolShape::new(llama_like(placement), 8, 10).unwrap();
+            let bases: Vec<u64> =
+                (0..u64::from(shape.region_count())).map(|i| (1 << 40) + i * shape.region_len()).collect();
+            let descs = shape.block_descriptors(&bases);
+            let total: u64 = descs.iter().map(|&(_, len)| len).sum();
+            assert_eq!(total, shape.pool_bytes(), "{placement:?}");
+            for layer in 0..32 {
+                for block in 0..10 {
+                    let (addr, len) = descs[shape.descriptor_index(layer, block) as usize];
+                    let at = shape.plane_offset(layer, block, 0);
+                    let start = bases[at.region as usize] + at.offset;
+                    assert!(
+                        addr <= start && start + shape.layer_block_bytes() <= addr + len,
+                        "{placement:?} {layer} {block}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

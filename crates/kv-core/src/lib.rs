@@ -40,8 +40,9 @@ pub use id::{AgentName, BlockId, EngineId, RequestId};
 pub use layout::{Attention, KvLayout, LayoutError, MemoryOrder, Placement, PoolShape};
 pub use plan::{DescriptorPair, Granularity, Initiator, PlanError, PlanInput, PoolSide, RegionBase, TransferPlan};
 pub use ports::{
-    Clock, Memory, MemoryError, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, Region, RegionId,
-    TransferId, TransferOp, TransferRequest, TransferStatus, Transport, TransportError,
+    Clock, Memory, MemoryError, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PreparedId,
+    PreparedTransfer, Region, RegionId, TransferId, TransferOp, TransferRequest, TransferStatus, Transport,
+    TransportError,
 };
 pub use time::Time;
 pub use tp::{DecodeRankPlan, HeadSlice, TpError, TpMapping};

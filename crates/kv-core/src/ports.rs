@@ -146,6 +146,29 @@ pub struct TransferRequest {
     pub notification: Option<Vec<u8>>,
 }
 
+/// A descriptor list prepared once, for reuse by index: local, or of one peer's memory.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct PreparedId(pub u64);
+
+/// A transfer that names entries of two prepared lists, pairwise, instead of addresses.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct PreparedTransfer {
+    /// Read or write.
+    pub op: TransferOp,
+    /// The peer agent (a connected one).
+    pub peer: AgentName,
+    /// A local list, from [`Transport::prepare`] with no peer.
+    pub local: PreparedId,
+    /// Entries of `local`.
+    pub local_indices: Vec<u32>,
+    /// A list of `peer`'s memory, from [`Transport::prepare`] with that peer.
+    pub remote: PreparedId,
+    /// Entries of `remote`, one per entry of `local_indices`, of equal lengths.
+    pub remote_indices: Vec<u32>,
+    /// Delivered to the peer when the transfer completes, and only then.
+    pub notification: Option<Vec<u8>>,
+}
+
 /// Where a posted transfer stands.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum TransferStatus {
@@ -280,6 +303,12 @@ pub trait Transport: Send {
     fn connect(&mut self, address: &PeerAddress) -> Result<(), TransportError>;
     /// Posts a transfer.
     fn post(&mut self, request: TransferRequest) -> Result<TransferId, TransportError>;
+    /// Prepares a descriptor list of `(address, length)` ranges once: local memory when `peer`
+    /// is `None`, else that connected peer's. Transfers then name its entries by index
+    /// ([`Transport::post_prepared`]), so that descriptors are checked once, not per transfer.
+    fn prepare(&mut self, peer: Option<&AgentName>, ranges: &[(u64, u64)]) -> Result<PreparedId, TransportError>;
+    /// Posts a transfer between entries of two prepared lists.
+    fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError>;
     /// Where a transfer stands; `Done` and `Failed` are reported once, then the id is unknown.
     fn poll_transfer(&mut self, id: TransferId) -> TransferStatus;
     /// Sends a notification to a connected peer.

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use kv_core::{
     AgentName, Attention, DescriptorPair, EngineId, KvLayout, Memory, MemoryKind, MemoryOrder, Notification,
-    PeerAddress, PeerEvent, Placement, Region, Role, Time, TransferId, TransferOp, TransferRequest, TransferStatus,
-    Transport, TransportError,
+    PeerAddress, PeerEvent, Placement, PreparedTransfer, Region, Role, Time, TransferId, TransferOp, TransferRequest,
+    TransferStatus, Transport, TransportError,
 };
 use kv_testkit::{offer, FakeHeap, FakeNetwork, FakeTransport, InMemoryMemory, ManualClock, NetConfig, NetStats};
 
@@ -191,6 +191,40 @@ fn a_read_copies_the_peers_bytes_into_local_regions() {
     assert!(p.received().is_empty(), "the notification leaves at completion and takes one latency");
     world.run(ms(1));
     assert_eq!(p.received(), ["Read done"]);
+}
+
+#[test]
+fn a_read_by_prepared_indices_moves_the_entries_it_names() {
+    let world = World::new(1, NetConfig::default());
+    let (mut p, mut d) = world.pair();
+    // Four 256-byte blocks on each side; P's block i holds the byte i.
+    for i in 0..4u8 {
+        p.write(u64::from(i) * 256, &[i + 1; 256]);
+    }
+    let blocks = |rank: &Rank| (0..4).map(|i| (rank.region.addr + i * 256, 256)).collect::<Vec<_>>();
+    let local = d.transport.prepare(None, &blocks(&d)).unwrap();
+    let remote = d.transport.prepare(Some(&p.name), &blocks(&p)).unwrap();
+    let request = PreparedTransfer {
+        op: TransferOp::Read,
+        peer: p.name.clone(),
+        local,
+        local_indices: vec![0, 1],
+        remote,
+        remote_indices: vec![3, 2],
+        notification: Some(b"prepared done".to_vec()),
+    };
+    // Lists are for one side only, and indices must pair up.
+    let swapped = PreparedTransfer { local: remote, remote: local, ..request.clone() };
+    assert!(matches!(d.transport.post_prepared(swapped), Err(TransportError::InvalidTransfer(_))));
+    let short = PreparedTransfer { remote_indices: vec![3], ..request.clone() };
+    assert!(matches!(d.transport.post_prepared(short), Err(TransportError::InvalidTransfer(_))));
+    let outside = PreparedTransfer { remote_indices: vec![3, 4], ..request.clone() };
+    assert!(matches!(d.transport.post_prepared(outside), Err(TransportError::InvalidTransfer(_))));
+    let read = d.transport.post_prepared(request).unwrap();
+    world.run(ms(6));
+    assert_eq!(d.transport.poll_transfer(read), TransferStatus::Done);
+    assert_eq!((d.bytes(0, 256), d.bytes(256, 256), d.bytes(512, 256)), (vec![4; 256], vec![3; 256], vec![0; 256]));
+    assert_eq!(p.received(), ["prepared done"]);
 }
 
 #[test]

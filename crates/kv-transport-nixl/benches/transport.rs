@@ -7,7 +7,9 @@
 //! - memcpy: the ceiling, in one process;
 //! - raw: one nixl-sys descriptor over the whole buffer;
 //! - merged: kvflow's plan, runs contiguous on both sides merged (one descriptor per layer);
-//! - per-block: one descriptor per (layer, block), as production connectors post them.
+//! - per-block: one descriptor per (layer, block), as production connectors post them;
+//! - prepared: the same per-block descriptors, prepared once with the peer, the transfer
+//!   naming only their indices (NIXL merges runs that are contiguous on both sides).
 //!
 //! The ways run round-robin, so that each sees the same stretch of a noisy machine: one round
 //! to warm up, then `--iters` rounds; the median of each is reported, in GB/s and as ratios. `--json` prints one JSON object as the last line. The child process (P) is this
@@ -20,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use kv_core::{
     Attention, BlockId, Clock, EngineId, Granularity, Handshake, HeadSlice, Initiator, KvLayout, MemoryKind,
-    MemoryOrder, Message, PeerAddress, PeerEvent, Placement, PlanInput, PoolShape, PoolSide, Region, RegionBase,
-    RegionId, RequestId, Role, Time, TransferOp, TransferPlan, TransferRequest, TransferStatus, Transport,
+    MemoryOrder, Message, PeerAddress, PeerEvent, Placement, PlanInput, PoolShape, PoolSide, PreparedTransfer, Region,
+    RegionBase, RegionId, RequestId, Role, Time, TransferOp, TransferPlan, TransferRequest, TransferStatus, Transport,
 };
 use kv_transport_nixl::{runtime, NixlConfig, NixlTransport};
 
@@ -150,6 +152,10 @@ fn read(t: &mut NixlTransport, peer: &kv_core::AgentName, pairs: &[kv_core::Desc
     let request =
         TransferRequest { op: TransferOp::Read, peer: peer.clone(), pairs: pairs.to_vec(), notification: Some(note) };
     let id = t.post(request).expect("post");
+    wait(t, id, start)
+}
+
+fn wait(t: &mut NixlTransport, id: kv_core::TransferId, start: Instant) -> Duration {
     loop {
         match t.poll_transfer(id) {
             TransferStatus::Done => return start.elapsed(),
@@ -157,6 +163,12 @@ fn read(t: &mut NixlTransport, peer: &kv_core::AgentName, pairs: &[kv_core::Desc
             TransferStatus::Failed(e) => panic!("bench read failed: {e}"),
         }
     }
+}
+
+fn read_prepared(t: &mut NixlTransport, request: &PreparedTransfer) -> Duration {
+    let start = Instant::now();
+    let id = t.post_prepared(request.clone()).expect("post prepared");
+    wait(t, id, start)
 }
 
 fn median(mut samples: Vec<Duration>) -> Duration {
@@ -223,6 +235,24 @@ fn main() {
         len: total,
     }];
     let merged = plan(&pool, &remote, Granularity::Merged);
+    // Per-block descriptors prepared once per side; the transfer names (layer, block) indices.
+    let s = shape();
+    let local_bases: Vec<u64> = pool.layer_regions().iter().map(|r| r.addr).collect();
+    let remote_bases: Vec<u64> = remote.iter().map(|r| r.addr).collect();
+    let local_list = d.prepare(None, &s.block_descriptors(&local_bases)).expect("prepare local");
+    let remote_list = d.prepare(Some(&info.agent), &s.block_descriptors(&remote_bases)).expect("prepare remote");
+    let indices: Vec<u32> = (0..32).flat_map(|l| (0..BLOCKS).map(move |b| s.descriptor_index(l, b))).collect();
+    let prepared = PreparedTransfer {
+        op: TransferOp::Read,
+        peer: info.agent.clone(),
+        local: local_list,
+        local_indices: indices.clone(),
+        remote: remote_list,
+        remote_indices: indices,
+        notification: Some(
+            Message::Completion { request: RequestId::new("bench"), expected_consumers: 1 }.encode().expect("encode"),
+        ),
+    };
     let per_block = plan(&pool, &remote, Granularity::PerBlock);
     assert_eq!(merged.bytes(), total);
 
@@ -235,11 +265,12 @@ fn main() {
         std::hint::black_box(&sink);
         start.elapsed()
     };
-    let ways: [(&str, usize); 4] = [
+    let ways: [(&str, usize); 5] = [
         ("memcpy", 1),
         ("raw nixl-sys", raw.len()),
         ("merged plan", merged.len()),
         ("per-block plan", per_block.len()),
+        ("prepared blocks", prepared.local_indices.len()),
     ];
     // Round-robin: every way sees the same stretch of a noisy machine.
     let mut samples: Vec<Vec<Duration>> = vec![Vec::new(); ways.len()];
@@ -249,7 +280,8 @@ fn main() {
                 0 => memcpy(),
                 1 => read(&mut d, &info.agent, &raw),
                 2 => read(&mut d, &info.agent, merged.pairs()),
-                _ => read(&mut d, &info.agent, per_block.pairs()),
+                3 => read(&mut d, &info.agent, per_block.pairs()),
+                _ => read_prepared(&mut d, &prepared),
             };
             // Round 0 warms up.
             if round > 0 {

@@ -9,12 +9,13 @@ use std::time::Duration;
 
 use kv_core::wire::MAX_MESSAGE_BYTES;
 use kv_core::{
-    AgentName, Clock, Handshake, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, Region, RegionId,
-    TransferId, TransferOp, TransferRequest, TransferStatus, Transport, TransportError,
+    AgentName, Clock, Handshake, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PreparedId,
+    PreparedTransfer, Region, RegionId, TransferId, TransferOp, TransferRequest, TransferStatus, Transport,
+    TransportError,
 };
 use nixl_sys::{
     Agent, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle, XferDescList,
-    XferOp, XferRequest, XferStatus,
+    XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
 
 use crate::side::{SideChannel, SideEvent, SideStats};
@@ -88,6 +89,28 @@ fn nixl_name(agent: &AgentName) -> String {
     agent.to_string()
 }
 
+/// A prepared NIXL descriptor list.
+struct Prepared {
+    handle: PreparedHandle,
+    owner: Option<AgentName>,
+    lens: Vec<u64>,
+}
+
+/// NIXL's prepared-list handle holds raw pointers, so it is not `Send` by itself.
+struct PreparedHandle(XferDlistHandle);
+
+// SAFETY: the handle is used only through `&mut NixlTransport`, one thread at a time, and NIXL's
+// agent, which it points into, is itself shared across threads behind a lock (nixl-sys marks
+// `Agent` Send and Sync). It is dropped before the agent: see the field order of NixlTransport.
+unsafe impl Send for PreparedHandle {}
+
+fn xfer_op(op: TransferOp) -> XferOp {
+    match op {
+        TransferOp::Read => XferOp::Read,
+        TransferOp::Write => XferOp::Write,
+    }
+}
+
 enum Pending {
     InFlight(XferRequest),
     Failed(TransportError),
@@ -97,6 +120,8 @@ enum Pending {
 /// channel for the handshake and liveness, and notifications that ride on transfers.
 pub struct NixlTransport {
     name: AgentName,
+    /// Declared before `agent`: prepared lists are released before the agent they belong to.
+    prepared: BTreeMap<PreparedId, Prepared>,
     agent: Agent,
     backend: Backend,
     side: SideChannel,
@@ -137,6 +162,7 @@ impl NixlTransport {
         let side = SideChannel::start(config.bind, offer, clock, config.handshake_timeout)?;
         Ok(NixlTransport {
             name,
+            prepared: BTreeMap::new(),
             agent,
             backend,
             side,
@@ -193,6 +219,18 @@ impl NixlTransport {
             };
             self.events.push_back(event);
         }
+    }
+
+    /// Posts a created transfer request and tracks it under a new id.
+    fn start(&mut self, xfer: XferRequest, args: &OptArgs) -> TransferId {
+        let id = TransferId(self.next_transfer);
+        self.next_transfer += 1;
+        let pending = match self.agent.post_xfer_req(&xfer, Some(args)) {
+            Ok(_) => Pending::InFlight(xfer),
+            Err(e) => Pending::Failed(backend_error("post transfer", e)),
+        };
+        self.transfers.insert(id, pending);
+        id
     }
 
     fn region_containing(&self, addr: u64, len: u64) -> Option<&Region> {
@@ -263,25 +301,76 @@ impl Transport for NixlTransport {
             args.set_has_notification(true).map_err(|e| backend_error("notification flag", e))?;
             args.set_notification_message(notification).map_err(|e| backend_error("notification", e))?;
         }
-        let op = match request.op {
-            TransferOp::Read => XferOp::Read,
-            TransferOp::Write => XferOp::Write,
-        };
         let xfer = self
             .agent
-            .create_xfer_req(op, &local, &remote_list, remote, Some(&args))
+            .create_xfer_req(xfer_op(request.op), &local, &remote_list, remote, Some(&args))
             .map_err(|e| backend_error("create transfer", e))?;
-        let id = TransferId(self.next_transfer);
-        self.next_transfer += 1;
-        match self.agent.post_xfer_req(&xfer, Some(&args)) {
-            Ok(_) => {
-                self.transfers.insert(id, Pending::InFlight(xfer));
+        Ok(self.start(xfer, &args))
+    }
+
+    fn prepare(&mut self, peer: Option<&AgentName>, ranges: &[(u64, u64)]) -> Result<PreparedId, TransportError> {
+        self.pump_side_channel();
+        // NIXL names the local side "" and a remote side by its agent name.
+        let agent_name = match peer {
+            Some(peer) => self.peers.get(peer).ok_or_else(|| TransportError::UnknownPeer(peer.clone()))?.clone(),
+            None => String::new(),
+        };
+        let mut list = XferDescList::new(MemType::Dram).map_err(|e| backend_error("descriptor list", e))?;
+        for &(addr, len) in ranges {
+            if len == 0 {
+                return Err(TransportError::InvalidTransfer("a prepared range of 0 bytes".into()));
             }
-            Err(e) => {
-                self.transfers.insert(id, Pending::Failed(backend_error("post transfer", e)));
+            if peer.is_none() && self.region_containing(addr, len).is_none() {
+                return Err(TransportError::NotRegistered { side: "local", addr, len });
+            }
+            list.add_desc(addr as usize, len as usize, 0);
+        }
+        let args = self.opt_args()?;
+        let handle =
+            self.agent.prepare_xfer_dlist(&agent_name, &list, Some(&args)).map_err(|e| backend_error("prepare", e))?;
+        let id = PreparedId(self.next_transfer);
+        self.next_transfer += 1;
+        let lens = ranges.iter().map(|&(_, len)| len).collect();
+        self.prepared.insert(id, Prepared { handle: PreparedHandle(handle), owner: peer.cloned(), lens });
+        Ok(id)
+    }
+
+    fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError> {
+        self.pump_side_channel();
+        if !self.peers.contains_key(&request.peer) {
+            return Err(TransportError::UnknownPeer(request.peer));
+        }
+        let list = |id: PreparedId, owner: Option<&AgentName>| match self.prepared.get(&id) {
+            Some(p) if p.owner.as_ref() == owner => Ok(p),
+            Some(_) => Err(TransportError::InvalidTransfer(format!("{id:?} is prepared for another side"))),
+            None => Err(TransportError::InvalidTransfer(format!("{id:?} was never prepared"))),
+        };
+        let (local, remote) = (list(request.local, None)?, list(request.remote, Some(&request.peer))?);
+        if request.local_indices.len() != request.remote_indices.len() || request.local_indices.is_empty() {
+            let (l, r) = (request.local_indices.len(), request.remote_indices.len());
+            return Err(TransportError::InvalidTransfer(format!("{l} local entries for {r} remote ones")));
+        }
+        for (&l, &r) in request.local_indices.iter().zip(&request.remote_indices) {
+            match (local.lens.get(l as usize), remote.lens.get(r as usize)) {
+                (Some(a), Some(b)) if a == b => {}
+                _ => return Err(TransportError::InvalidTransfer(format!("entries {l} and {r} do not pair"))),
             }
         }
-        Ok(id)
+        let to_i32 = |v: &[u32]| v.iter().map(|&i| i as i32).collect::<Vec<i32>>();
+        let (local_idx, remote_idx) = (to_i32(&request.local_indices), to_i32(&request.remote_indices));
+        let mut args = self.opt_args()?;
+        if let Some(notification) = &request.notification {
+            if notification.len() > MAX_MESSAGE_BYTES {
+                return Err(TransportError::NotificationTooLarge { len: notification.len(), max: MAX_MESSAGE_BYTES });
+            }
+            args.set_has_notification(true).map_err(|e| backend_error("notification flag", e))?;
+            args.set_notification_message(notification).map_err(|e| backend_error("notification", e))?;
+        }
+        let xfer = self
+            .agent
+            .make_xfer_req(xfer_op(request.op), &local.handle.0, &local_idx, &remote.handle.0, &remote_idx, Some(&args))
+            .map_err(|e| backend_error("make transfer", e))?;
+        Ok(self.start(xfer, &args))
     }
 
     fn poll_transfer(&mut self, id: TransferId) -> TransferStatus {

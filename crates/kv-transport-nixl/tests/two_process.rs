@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kv_core::{
-    DescriptorPair, Message, PeerAddress, PeerEvent, RequestId, Role, TransferOp, TransferRequest, TransferStatus,
-    Transport,
+    DescriptorPair, Message, PeerAddress, PeerEvent, PreparedTransfer, RequestId, Role, TransferOp, TransferRequest,
+    TransferStatus, Transport,
 };
 
 const BLOCKS: usize = 64;
@@ -143,6 +143,48 @@ fn d_reads_64_blocks_from_p_and_p_is_notified() {
     let note = expect_line(&mut out, "NOTIFIED");
     assert!(note.starts_with("decode0/tp0 Completion"), "{note}");
     assert!(note.contains("\"r1\""), "{note}");
+    child.kill().ok();
+    child.wait().ok();
+}
+
+#[test]
+fn d_reads_by_prepared_block_indices_and_p_is_notified() {
+    const NAME: &str = "d_reads_by_prepared_block_indices_and_p_is_notified";
+    if child_main() || !nixl_or_skip(NAME) {
+        return;
+    }
+    let _serial = serial();
+    let (mut child, mut out, port) = start_listener(NAME, Role::Prefill, &[("KVFLOW_TEST_FILL", "1".into())]);
+    let pool = HostPool::new(BLOCKS);
+    let mut d = transport(offer("decode0", Role::Decode, 1, 16, &pool, BLOCKS as u32), &pool);
+    let info = connect(&mut d, port);
+    // Each side's blocks prepared once; the transfer names block indices only.
+    let blocks = |base: u64| -> Vec<(u64, u64)> {
+        (0..BLOCKS as u64).map(|b| (base + b * BLOCK_BYTES as u64, BLOCK_BYTES as u64)).collect()
+    };
+    let local = d.prepare(None, &blocks(pool.base().addr)).unwrap();
+    let remote = d.prepare(Some(&info.agent), &blocks(info.handshake.regions[0].addr)).unwrap();
+    let completion = Message::Completion { request: RequestId::new("r3"), expected_consumers: 1 }.encode().unwrap();
+    let request = PreparedTransfer {
+        op: TransferOp::Read,
+        peer: info.agent.clone(),
+        local,
+        local_indices: (0..BLOCKS as u32).collect(),
+        remote,
+        remote_indices: (0..BLOCKS as u32).rev().collect(),
+        notification: Some(completion),
+    };
+    // A list prepared for the local side cannot stand for the peer's.
+    let mut wrong = request.clone();
+    wrong.remote = local;
+    assert!(d.post_prepared(wrong).is_err());
+    let id = d.post_prepared(request).unwrap();
+    wait_done(&mut d, id);
+    for b in 0..BLOCKS {
+        assert!(pool.holds(b, BLOCKS - 1 - b, 7), "block {b} differs from P's block {}", BLOCKS - 1 - b);
+    }
+    let note = expect_line(&mut out, "NOTIFIED");
+    assert!(note.starts_with("decode0/tp0 Completion") && note.contains("\"r3\""), "{note}");
     child.kill().ok();
     child.wait().ok();
 }

@@ -1,8 +1,10 @@
 //! [`FakeTransport`]: one agent's [`Transport`] on the fake network.
 
+use std::collections::BTreeMap;
+
 use kv_core::{
-    AgentName, Notification, PeerAddress, PeerEvent, Region, RegionId, TransferId, TransferRequest, TransferStatus,
-    Transport, TransportError,
+    AgentName, DescriptorPair, Notification, PeerAddress, PeerEvent, PreparedId, PreparedTransfer, Region, RegionId,
+    TransferId, TransferRequest, TransferStatus, Transport, TransportError,
 };
 
 use super::{stamped, validate, Agent, Body, Endpoint, Event, FakeNetwork, Message, Net, Transfer};
@@ -15,11 +17,25 @@ use super::{stamped, validate, Agent, Body, Endpoint, Event, FakeNetwork, Messag
 pub struct FakeTransport {
     me: Endpoint,
     network: FakeNetwork,
+    /// Prepared lists. Their ranges are checked when a transfer posts them, as every fake
+    /// transfer is.
+    prepared: BTreeMap<PreparedId, PreparedList>,
 }
+
+/// Whose memory a prepared list names (none: local) and its `(address, length)` ranges.
+type PreparedList = (Option<AgentName>, Vec<(u64, u64)>);
 
 impl FakeTransport {
     pub(super) fn new(me: Endpoint, network: FakeNetwork) -> Self {
-        FakeTransport { me, network }
+        FakeTransport { me, network, prepared: BTreeMap::new() }
+    }
+
+    fn prepared_list(&self, id: PreparedId, owner: Option<&AgentName>) -> Result<&[(u64, u64)], TransportError> {
+        match self.prepared.get(&id) {
+            Some((who, ranges)) if who.as_ref() == owner => Ok(ranges),
+            Some(_) => Err(TransportError::InvalidTransfer(format!("{id:?} is prepared for another side"))),
+            None => Err(TransportError::InvalidTransfer(format!("{id:?} was never prepared"))),
+        }
     }
 
     /// The network this agent is on.
@@ -77,6 +93,40 @@ impl Transport for FakeTransport {
             }
             Ok(())
         })
+    }
+
+    fn prepare(&mut self, peer: Option<&AgentName>, ranges: &[(u64, u64)]) -> Result<PreparedId, TransportError> {
+        if let Some(peer) = peer {
+            self.settled(|net, me| net.caller(me)?.link(peer).map(|_| ()))?;
+        }
+        let id = PreparedId(self.prepared.len() as u64);
+        self.prepared.insert(id, (peer.cloned(), ranges.to_vec()));
+        Ok(id)
+    }
+
+    fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError> {
+        if request.local_indices.len() != request.remote_indices.len() {
+            let (l, r) = (request.local_indices.len(), request.remote_indices.len());
+            return Err(TransportError::InvalidTransfer(format!("{l} local entries for {r} remote ones")));
+        }
+        let local = self.prepared_list(request.local, None)?;
+        let remote = self.prepared_list(request.remote, Some(&request.peer))?;
+        let entry = |list: &[(u64, u64)], i: u32| {
+            list.get(i as usize).copied().ok_or_else(|| {
+                TransportError::InvalidTransfer(format!("entry {i} of a list of {} prepared ranges", list.len()))
+            })
+        };
+        let mut pairs = Vec::with_capacity(request.local_indices.len());
+        for (&l, &r) in request.local_indices.iter().zip(&request.remote_indices) {
+            let ((local_addr, len), (remote_addr, remote_len)) = (entry(local, l)?, entry(remote, r)?);
+            if len != remote_len {
+                return Err(TransportError::InvalidTransfer(format!(
+                    "entry {l} is {len} bytes, remote entry {r} is {remote_len}"
+                )));
+            }
+            pairs.push(DescriptorPair { local_region: 0, local_addr, remote_region: 0, remote_addr, len });
+        }
+        self.post(TransferRequest { op: request.op, peer: request.peer, pairs, notification: request.notification })
     }
 
     fn post(&mut self, request: TransferRequest) -> Result<TransferId, TransportError> {
