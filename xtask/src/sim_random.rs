@@ -7,7 +7,7 @@ use kv_testkit::random;
 /// `trace`, prints every seed's event trace.
 pub fn run(from: u64, to: u64, verbose: bool, trace: bool) -> Result<()> {
     let (mut passed, mut failed) = (0u64, 0u64);
-    let (mut loads, mut events, mut skipped) = (0u64, 0usize, 0usize);
+    let (mut loads, mut events, mut skipped, mut prepared) = (0u64, 0usize, 0usize, 0u64);
     let mut digest = 0xcbf2_9ce4_8422_2325u64;
     for seed in from..to {
         let outcome = if trace {
@@ -20,6 +20,7 @@ pub fn run(from: u64, to: u64, verbose: bool, trace: bool) -> Result<()> {
             random::run(seed)
         };
         loads += outcome.loads_ok;
+        prepared += outcome.prepared_reads;
         events += outcome.events;
         skipped += outcome.skipped;
         digest = (digest ^ outcome.digest).wrapping_mul(0x0100_0000_01b3);
@@ -38,7 +39,7 @@ pub fn run(from: u64, to: u64, verbose: bool, trace: bool) -> Result<()> {
         }
     }
     println!(
-        "seeds {from}..{to}: {loads} loads verified byte for byte, {events} events ({skipped} skipped as no longer applicable), digest {digest:016x}"
+        "seeds {from}..{to}: {loads} loads verified byte for byte ({prepared} reads by prepared indices), {events} events ({skipped} skipped as no longer applicable), digest {digest:016x}"
     );
     println!("{passed} passed, {failed} failed");
     if failed > 0 {

@@ -3,8 +3,8 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use kv_core::{
-    AgentName, BlockId, Compatible, EngineId, Handshake, Message, PeerAddress, PeerInfo, PoolShape, RegionBase,
-    RequestId, Time, TransferRequest,
+    AgentName, BlockId, Compatible, EngineId, Handshake, Message, PeerAddress, PeerInfo, PoolShape, PreparedTransfer,
+    RegionBase, RequestId, Time, TransferRequest,
 };
 use kv_lease::ClockOffset;
 
@@ -61,6 +61,23 @@ pub enum Action<R> {
         /// What to post.
         request: TransferRequest,
     },
+    /// Prepare a descriptor list (local when `peer` is `None`); report the outcome with the
+    /// token through the machine's `handle_prepared`.
+    Prepare {
+        /// The machine's handle for it.
+        token: XferToken,
+        /// Whose memory: none for local.
+        peer: Option<AgentName>,
+        /// `(address, length)` ranges.
+        ranges: Vec<(u64, u64)>,
+    },
+    /// Post a transfer between prepared lists; report its outcome with the token.
+    PostPrepared {
+        /// The machine's handle for it.
+        token: XferToken,
+        /// What to post.
+        request: PreparedTransfer,
+    },
     /// Tell the engine's scheduler side something.
     Report(R),
 }
@@ -84,6 +101,8 @@ pub struct Counters {
     pub transfers_failed: u64,
     /// Loads D did not start because P's lease could end before the read.
     pub reads_fenced: u64,
+    /// Reads posted by prepared-list indices rather than address pairs.
+    pub prepared_reads: u64,
 }
 
 impl Counters {
@@ -97,6 +116,7 @@ impl Counters {
         self.early_evicted += other.early_evicted;
         self.transfers_failed += other.transfers_failed;
         self.reads_fenced += other.reads_fenced;
+        self.prepared_reads += other.prepared_reads;
     }
 }
 
@@ -162,9 +182,26 @@ impl<R> Outbox<R> {
     }
 
     pub fn post(&mut self, request: TransferRequest) -> XferToken {
+        let token = self.token();
+        self.actions.push_back(Action::Post { token, request });
+        token
+    }
+
+    fn token(&mut self) -> XferToken {
         let token = XferToken(self.next_token);
         self.next_token += 1;
-        self.actions.push_back(Action::Post { token, request });
+        token
+    }
+
+    pub fn prepare(&mut self, peer: Option<AgentName>, ranges: Vec<(u64, u64)>) -> XferToken {
+        let token = self.token();
+        self.actions.push_back(Action::Prepare { token, peer, ranges });
+        token
+    }
+
+    pub fn post_prepared(&mut self, request: PreparedTransfer) -> XferToken {
+        let token = self.token();
+        self.actions.push_back(Action::PostPrepared { token, request });
         token
     }
 

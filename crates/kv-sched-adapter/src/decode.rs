@@ -15,8 +15,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use kv_core::{
     check_compatible, AgentName, BlockId, DecodeRankPlan, EngineId, Granularity, Handshake, Initiator, LeaseState,
-    Message, Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PushRegistration, RequestId, Role, Time,
-    TpMapping, TransferOp, TransferPlan, TransferRequest,
+    Message, Notification, PeerAddress, PeerEvent, Placement, PlanInput, PoolShape, PoolSide, PreparedId,
+    PreparedTransfer, PushRegistration, RequestId, Role, Time, TpMapping, TransferOp, TransferPlan, TransferRequest,
+    TransportError,
 };
 use kv_lease::HeartbeatPlanner;
 
@@ -368,6 +369,37 @@ impl Load {
     }
 }
 
+/// A prepared descriptor list: not asked for, asked for, ready, or refused (then pairs).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum ListState {
+    Unprepared,
+    Pending(XferToken),
+    Ready(PreparedId),
+    Failed,
+}
+
+enum ReadPost {
+    Pairs(TransferRequest),
+    Prepared(PreparedTransfer),
+}
+
+/// The prepared-list entries of a read of whole blocks: P's blocks into D's, in memory order
+/// (by layer, then block, in a layer-major pool), so that runs contiguous on both sides are
+/// adjacent entries that NIXL merges.
+fn block_indices(d: &PoolShape, d_blocks: &[BlockId], p: &PoolShape, p_blocks: &[BlockId]) -> (Vec<u32>, Vec<u32>) {
+    let layers = match d.layout.placement {
+        Placement::BlockMajor => 1,
+        Placement::LayerMajor => d.layout.layers,
+    };
+    let pairs = (0..layers).flat_map(|layer| {
+        p_blocks
+            .iter()
+            .zip(d_blocks)
+            .map(move |(pb, db)| (d.descriptor_index(layer, db.0), p.descriptor_index(layer, pb.0)))
+    });
+    pairs.unzip()
+}
+
 /// D's worker side for one TP rank.
 ///
 /// Drive it as the crate docs describe: feed inputs through the `handle_*` methods, then drain
@@ -386,6 +418,10 @@ pub struct DecodeWorker {
     by_remote: BTreeMap<(EngineId, RequestId), BTreeSet<RequestId>>,
     heartbeats: HeartbeatPlanner<AgentName>,
     xfers: BTreeMap<XferToken, RequestId>,
+    /// This rank's pool, prepared once; and each P rank's, prepared at its first read.
+    local_list: ListState,
+    remote_lists: BTreeMap<AgentName, ListState>,
+    preparing: BTreeMap<XferToken, Option<AgentName>>,
     out: Outbox<DecodeReport>,
     counters: Counters,
 }
@@ -404,6 +440,9 @@ impl DecodeWorker {
             loads: BTreeMap::new(),
             by_remote: BTreeMap::new(),
             xfers: BTreeMap::new(),
+            local_list: ListState::Unprepared,
+            remote_lists: BTreeMap::new(),
+            preparing: BTreeMap::new(),
             out: Outbox::default(),
             counters: Counters::default(),
         }
@@ -586,39 +625,106 @@ impl DecodeWorker {
             return;
         };
         let mut posts = Vec::new();
+        let mut to_prepare = Vec::new();
         for slice in &load.plan.reads {
             let agent = AgentName::new(load.remote.engine.clone(), slice.prefill_rank);
             let peer = &self.peers[&agent];
-            let built =
-                peer.shape(load.tp.prefill_heads()).ok_or_else(|| "peer layout".to_owned()).and_then(|p_shape| {
-                    let input = PlanInput {
-                        prefill: PoolSide { shape: p_shape, regions: &peer.handshake.regions, blocks: &export.blocks },
-                        decode: PoolSide { shape: self.pool.shape, regions: &self.pool.regions, blocks: &load.blocks },
-                        slice: *slice,
-                        initiator: Initiator::Decode,
-                    };
-                    TransferPlan::build(&input, Granularity::Merged).map_err(|e| e.to_string())
-                });
-            match built {
-                Ok(plan) => posts.push(TransferRequest {
-                    op: TransferOp::Read,
-                    peer: agent,
-                    pairs: plan.pairs().to_vec(),
-                    notification: Some(notification.clone()),
-                }),
+            let Some(p_shape) = peer.shape(load.tp.prefill_heads()) else {
+                tracing::warn!(%request, peer = %agent, "cannot plan the read: the peer's pool shape is invalid");
+                self.fail(request);
+                return;
+            };
+            let input = PlanInput {
+                prefill: PoolSide { shape: p_shape, regions: &peer.handshake.regions, blocks: &export.blocks },
+                decode: PoolSide { shape: self.pool.shape, regions: &self.pool.regions, blocks: &load.blocks },
+                slice: *slice,
+                initiator: Initiator::Decode,
+            };
+            // The plan also checks every block against both pools, whichever way is posted.
+            let plan = match TransferPlan::build(&input, Granularity::Merged) {
+                Ok(plan) => plan,
                 Err(err) => {
                     tracing::warn!(%request, %err, "cannot plan the read");
                     self.fail(request);
                     return;
                 }
+            };
+            // Whole blocks, whole heads, equal block sizes: name prepared entries by index.
+            let whole = slice.heads == p_shape.heads && slice.heads == self.pool.shape.heads;
+            let same_blocks = p_shape.layout.block_tokens == self.pool.shape.layout.block_tokens;
+            if whole && same_blocks {
+                match (&self.local_list, self.remote_lists.get(&agent)) {
+                    (ListState::Ready(local), Some(ListState::Ready(remote))) => {
+                        let (local_indices, remote_indices) =
+                            block_indices(&self.pool.shape, &load.blocks, &p_shape, &export.blocks);
+                        posts.push(ReadPost::Prepared(PreparedTransfer {
+                            op: TransferOp::Read,
+                            peer: agent,
+                            local: *local,
+                            local_indices,
+                            remote: *remote,
+                            remote_indices,
+                            notification: Some(notification.clone()),
+                        }));
+                        continue;
+                    }
+                    (_, None) => to_prepare.push((agent.clone(), p_shape)),
+                    _ => {}
+                }
             }
+            posts.push(ReadPost::Pairs(TransferRequest {
+                op: TransferOp::Read,
+                peer: agent,
+                pairs: plan.pairs().to_vec(),
+                notification: Some(notification.clone()),
+            }));
+        }
+        // Lists are prepared once, the first time a peer is read; this read goes as pairs.
+        if self.local_list == ListState::Unprepared {
+            let bases: Vec<u64> = self.pool.regions.iter().map(|r| r.addr).collect();
+            let token = self.out.prepare(None, self.pool.shape.block_descriptors(&bases));
+            self.local_list = ListState::Pending(token);
+            self.preparing.insert(token, None);
+        }
+        for (agent, p_shape) in to_prepare {
+            let bases: Vec<u64> = self.peers[&agent].handshake.regions.iter().map(|r| r.addr).collect();
+            let token = self.out.prepare(Some(agent.clone()), p_shape.block_descriptors(&bases));
+            self.remote_lists.insert(agent.clone(), ListState::Pending(token));
+            self.preparing.insert(token, Some(agent));
         }
         let load = self.loads.get_mut(request).expect("exists");
         load.phase = Phase::Reading;
         for post in posts {
-            let token = self.out.post(post);
+            let token = match post {
+                ReadPost::Pairs(request) => self.out.post(request),
+                ReadPost::Prepared(request) => {
+                    self.counters.prepared_reads += 1;
+                    self.out.post_prepared(request)
+                }
+            };
             load.reads.insert(token);
             self.xfers.insert(token, request.clone());
+        }
+    }
+
+    /// A descriptor list asked for in a read is ready (or not: then reads keep using pairs).
+    pub fn handle_prepared(&mut self, _now: Time, token: XferToken, result: Result<PreparedId, TransportError>) {
+        let Some(owner) = self.preparing.remove(&token) else { return };
+        let state = match result {
+            Ok(id) => ListState::Ready(id),
+            Err(err) => {
+                tracing::debug!(%err, "descriptor list not prepared; reads go as address pairs");
+                ListState::Failed
+            }
+        };
+        match owner {
+            None => self.local_list = state,
+            Some(agent) => {
+                // Only if it is still the list of the peer as connected now.
+                if self.remote_lists.get(&agent) == Some(&ListState::Pending(token)) {
+                    self.remote_lists.insert(agent, state);
+                }
+            }
         }
     }
 
@@ -710,6 +816,8 @@ impl DecodeWorker {
                 match check_compatible(&self.offer, &info.handshake) {
                     Ok(compat) => {
                         self.connecting.remove(&agent);
+                        // A list prepared with an earlier incarnation names its metadata, not this one's.
+                        self.remote_lists.remove(&agent);
                         self.peers.insert(agent.clone(), Peer::new(&info, compat));
                         for message in self.queued.remove(&agent).unwrap_or_default() {
                             self.out.send(&agent, &message);
@@ -747,6 +855,7 @@ impl DecodeWorker {
     /// A P rank is gone or unreachable: loads that need it fail once nothing can touch D's blocks.
     fn peer_gone(&mut self, agent: &AgentName) {
         self.peers.remove(agent);
+        self.remote_lists.remove(agent);
         self.queued.remove(agent);
         self.heartbeats.forget(agent);
         let affected: Vec<RequestId> =

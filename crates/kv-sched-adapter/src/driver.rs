@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use kv_core::{Notification, PeerEvent, Time, TransferId, TransferStatus, Transport};
+use kv_core::{Notification, PeerEvent, PreparedId, Time, TransferId, TransferStatus, Transport, TransportError};
 
 use crate::common::{Action, XferToken};
 use crate::decode::{DecodeReport, DecodeWorker};
@@ -24,6 +24,8 @@ pub trait WorkerMachine {
     fn handle_notification(&mut self, now: Time, notification: Notification);
     /// A transfer the machine asked for ended.
     fn handle_transfer(&mut self, now: Time, token: XferToken, ok: bool);
+    /// A descriptor list the machine asked to prepare is ready, or could not be made.
+    fn handle_prepared(&mut self, now: Time, token: XferToken, result: Result<PreparedId, TransportError>);
     /// A wake-up.
     fn handle_timeout(&mut self, now: Time);
     /// The next action.
@@ -44,6 +46,9 @@ macro_rules! worker_machine {
             }
             fn handle_transfer(&mut self, now: Time, token: XferToken, ok: bool) {
                 <$machine>::handle_transfer(self, now, token, ok)
+            }
+            fn handle_prepared(&mut self, now: Time, token: XferToken, result: Result<PreparedId, TransportError>) {
+                <$machine>::handle_prepared(self, now, token, result)
             }
             fn handle_timeout(&mut self, now: Time) {
                 <$machine>::handle_timeout(self, now)
@@ -140,6 +145,19 @@ impl<M: WorkerMachine> WorkerDriver<M> {
                     }
                     Err(err) => {
                         tracing::debug!(%err, "transfer refused");
+                        self.machine.handle_transfer(now, token, false);
+                    }
+                },
+                Action::Prepare { token, peer, ranges } => {
+                    let result = self.transport.prepare(peer.as_ref(), &ranges);
+                    self.machine.handle_prepared(now, token, result);
+                }
+                Action::PostPrepared { token, request } => match self.transport.post_prepared(request) {
+                    Ok(id) => {
+                        self.in_flight.insert(id, token);
+                    }
+                    Err(err) => {
+                        tracing::debug!(%err, "prepared transfer refused");
                         self.machine.handle_transfer(now, token, false);
                     }
                 },

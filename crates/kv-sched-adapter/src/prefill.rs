@@ -15,8 +15,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use kv_core::{
     check_compatible, AgentName, BlockId, EngineId, Granularity, Handshake, Initiator, LeaseState, Message,
-    Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PushRegistration, Renewal, RequestId, Role, Time,
-    TransferOp, TransferPlan, TransferRequest,
+    Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PreparedId, PushRegistration, Renewal, RequestId, Role,
+    Time, TransferOp, TransferPlan, TransferRequest, TransportError,
 };
 use kv_lease::LeaseTable;
 
@@ -391,6 +391,10 @@ impl PrefillWorker {
         }
         self.settle_push(now, &request);
     }
+
+    /// A prepared descriptor list is ready. P's writes post address pairs and it asks for no
+    /// prepared list, so there is nothing to record.
+    pub fn handle_prepared(&mut self, _now: Time, _token: XferToken, _result: Result<PreparedId, TransportError>) {}
 
     /// The clock reached a wake-up (spurious wake-ups are harmless).
     pub fn handle_timeout(&mut self, now: Time) {

@@ -37,6 +37,8 @@ pub struct RandomOutcome {
     pub skipped: usize,
     /// Requests whose KV reached D intact.
     pub loads_ok: u64,
+    /// Reads D posted by prepared-list indices.
+    pub prepared_reads: u64,
 }
 
 fn ms(v: u64) -> Duration {
@@ -208,7 +210,8 @@ pub fn run_with_trace(seed: u64) -> (RandomOutcome, Vec<String>) {
     let scenario = generate(seed);
     let mut trace = Vec::new();
     let events = scenario.steps.len();
-    let mut outcome = RandomOutcome { seed, failure: None, digest: 0, events, skipped: 0, loads_ok: 0 };
+    let mut outcome =
+        RandomOutcome { seed, failure: None, digest: 0, events, skipped: 0, loads_ok: 0, prepared_reads: 0 };
     let result = catch_unwind(AssertUnwindSafe(|| run_checked(&scenario, seed, &mut outcome, &mut trace)));
     match result {
         Ok(Ok(())) => {}
@@ -265,6 +268,7 @@ fn run_checked(
     check(&cluster)?;
     outcome.digest = cluster.digest();
     outcome.loads_ok = cluster.loads_verified();
+    outcome.prepared_reads = cluster.counters().prepared_reads;
     let held = cluster.held_everywhere();
     if !held.is_empty() {
         let list: Vec<String> = held.iter().map(|(n, h)| format!("{n} holds {h}")).collect();
