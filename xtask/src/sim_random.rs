@@ -20,7 +20,7 @@ pub fn run(from: u64, to: u64, verbose: bool, trace: bool) -> Result<()> {
             random::run(seed)
         };
         loads += outcome.loads_ok;
-        prepared += outcome.prepared_reads;
+        prepared += outcome.prepared;
         events += outcome.events;
         skipped += outcome.skipped;
         digest = (digest ^ outcome.digest).wrapping_mul(0x0100_0000_01b3);
@@ -39,7 +39,7 @@ pub fn run(from: u64, to: u64, verbose: bool, trace: bool) -> Result<()> {
         }
     }
     println!(
-        "seeds {from}..{to}: {loads} loads verified byte for byte ({prepared} reads by prepared indices), {events} events ({skipped} skipped as no longer applicable), digest {digest:016x}"
+        "seeds {from}..{to}: {loads} loads verified byte for byte ({prepared} transfers by prepared indices), {events} events ({skipped} skipped as no longer applicable), digest {digest:016x}"
     );
     println!("{passed} passed, {failed} failed");
     if failed > 0 {

@@ -3,8 +3,8 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use kv_core::{
-    AgentName, BlockId, Compatible, EngineId, Handshake, Message, PeerAddress, PeerInfo, PoolShape, PreparedTransfer,
-    RegionBase, RequestId, Time, TransferRequest,
+    AgentName, BlockId, Compatible, EngineId, Handshake, Message, PeerAddress, PeerInfo, Placement, PoolShape,
+    PreparedId, PreparedTransfer, RegionBase, RequestId, Time, TransferRequest, TransportError,
 };
 use kv_lease::ClockOffset;
 
@@ -103,6 +103,8 @@ pub struct Counters {
     pub reads_fenced: u64,
     /// Reads posted by prepared-list indices rather than address pairs.
     pub prepared_reads: u64,
+    /// Push writes posted by prepared-list indices rather than address pairs.
+    pub prepared_writes: u64,
 }
 
 impl Counters {
@@ -117,6 +119,7 @@ impl Counters {
         self.transfers_failed += other.transfers_failed;
         self.reads_fenced += other.reads_fenced;
         self.prepared_reads += other.prepared_reads;
+        self.prepared_writes += other.prepared_writes;
     }
 }
 
@@ -127,6 +130,105 @@ pub struct LocalPool {
     pub shape: PoolShape,
     /// Its registered regions.
     pub regions: Vec<RegionBase>,
+}
+
+/// A prepared descriptor list: not asked for, asked for, ready, or refused (then pairs).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum ListState {
+    Pending(XferToken),
+    Ready(PreparedId),
+    Failed,
+}
+
+/// A rank's pool prepared once, and each peer's pool prepared at its first transfer, so that
+/// transfers of whole blocks name entries by index.
+#[derive(Debug, Default)]
+pub(crate) struct PreparedLists {
+    local: Option<ListState>,
+    remote: BTreeMap<AgentName, ListState>,
+    preparing: BTreeMap<XferToken, Option<AgentName>>,
+}
+
+impl PreparedLists {
+    /// The local and `peer`'s lists, if both are ready.
+    pub fn ready(&self, peer: &AgentName) -> Option<(PreparedId, PreparedId)> {
+        match (self.local, self.remote.get(peer)) {
+            (Some(ListState::Ready(local)), Some(ListState::Ready(remote))) => Some((local, *remote)),
+            _ => None,
+        }
+    }
+
+    /// Asks for whichever of the local and `peer`'s lists was never asked for.
+    pub fn want<R>(
+        &mut self,
+        out: &mut Outbox<R>,
+        pool: &LocalPool,
+        peer: &AgentName,
+        peer_shape: &PoolShape,
+        peer_regions: &[RegionBase],
+    ) {
+        if self.local.is_none() {
+            let bases: Vec<u64> = pool.regions.iter().map(|r| r.addr).collect();
+            let token = out.prepare(None, pool.shape.block_descriptors(&bases));
+            self.local = Some(ListState::Pending(token));
+            self.preparing.insert(token, None);
+        }
+        if !self.remote.contains_key(peer) {
+            let bases: Vec<u64> = peer_regions.iter().map(|r| r.addr).collect();
+            let token = out.prepare(Some(peer.clone()), peer_shape.block_descriptors(&bases));
+            self.remote.insert(peer.clone(), ListState::Pending(token));
+            self.preparing.insert(token, Some(peer.clone()));
+        }
+    }
+
+    /// Records a prepared list, or that it could not be made (transfers then go as pairs).
+    pub fn handle_prepared(&mut self, token: XferToken, result: Result<PreparedId, TransportError>) {
+        let Some(owner) = self.preparing.remove(&token) else { return };
+        let state = match result {
+            Ok(id) => ListState::Ready(id),
+            Err(err) => {
+                tracing::debug!(%err, "descriptor list not prepared; transfers go as address pairs");
+                ListState::Failed
+            }
+        };
+        match owner {
+            None => self.local = Some(state),
+            // Only if it is still the list of the peer as connected now.
+            Some(peer) => {
+                if self.remote.get(&peer) == Some(&ListState::Pending(token)) {
+                    self.remote.insert(peer, state);
+                }
+            }
+        }
+    }
+
+    /// Forgets `peer`'s list: it is gone, or a new incarnation of it connected.
+    pub fn forget(&mut self, peer: &AgentName) {
+        self.remote.remove(peer);
+    }
+}
+
+/// The prepared-list entries of a transfer of whole blocks, `local_blocks[i]` with
+/// `remote_blocks[i]`, in memory order (by layer, then block, in a layer-major pool), so that
+/// runs contiguous on both sides are adjacent entries the transport merges.
+pub(crate) fn block_indices(
+    local: &PoolShape,
+    local_blocks: &[BlockId],
+    remote: &PoolShape,
+    remote_blocks: &[BlockId],
+) -> (Vec<u32>, Vec<u32>) {
+    let layers = match local.layout.placement {
+        Placement::BlockMajor => 1,
+        Placement::LayerMajor => local.layout.layers,
+    };
+    (0..layers)
+        .flat_map(|layer| {
+            local_blocks
+                .iter()
+                .zip(remote_blocks)
+                .map(move |(l, r)| (local.descriptor_index(layer, l.0), remote.descriptor_index(layer, r.0)))
+        })
+        .unzip()
 }
 
 /// A peer that completed the handshake.

@@ -15,13 +15,12 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use kv_core::{
     check_compatible, AgentName, BlockId, DecodeRankPlan, EngineId, Granularity, Handshake, Initiator, LeaseState,
-    Message, Notification, PeerAddress, PeerEvent, Placement, PlanInput, PoolShape, PoolSide, PreparedId,
-    PreparedTransfer, PushRegistration, RequestId, Role, Time, TpMapping, TransferOp, TransferPlan, TransferRequest,
-    TransportError,
+    Message, Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer, PushRegistration,
+    RequestId, Role, Time, TpMapping, TransferOp, TransferPlan, TransferRequest, TransportError,
 };
 use kv_lease::HeartbeatPlanner;
 
-use crate::common::{Action, Counters, LocalPool, Outbox, Peer, RemoteRef, XferToken};
+use crate::common::{block_indices, Action, Counters, LocalPool, Outbox, Peer, PreparedLists, RemoteRef, XferToken};
 use crate::config::{Config, LoadFailurePolicy, Mode};
 
 /// What D's scheduler tells a worker rank.
@@ -369,35 +368,9 @@ impl Load {
     }
 }
 
-/// A prepared descriptor list: not asked for, asked for, ready, or refused (then pairs).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum ListState {
-    Unprepared,
-    Pending(XferToken),
-    Ready(PreparedId),
-    Failed,
-}
-
 enum ReadPost {
     Pairs(TransferRequest),
     Prepared(PreparedTransfer),
-}
-
-/// The prepared-list entries of a read of whole blocks: P's blocks into D's, in memory order
-/// (by layer, then block, in a layer-major pool), so that runs contiguous on both sides are
-/// adjacent entries that NIXL merges.
-fn block_indices(d: &PoolShape, d_blocks: &[BlockId], p: &PoolShape, p_blocks: &[BlockId]) -> (Vec<u32>, Vec<u32>) {
-    let layers = match d.layout.placement {
-        Placement::BlockMajor => 1,
-        Placement::LayerMajor => d.layout.layers,
-    };
-    let pairs = (0..layers).flat_map(|layer| {
-        p_blocks
-            .iter()
-            .zip(d_blocks)
-            .map(move |(pb, db)| (d.descriptor_index(layer, db.0), p.descriptor_index(layer, pb.0)))
-    });
-    pairs.unzip()
 }
 
 /// D's worker side for one TP rank.
@@ -419,9 +392,7 @@ pub struct DecodeWorker {
     heartbeats: HeartbeatPlanner<AgentName>,
     xfers: BTreeMap<XferToken, RequestId>,
     /// This rank's pool, prepared once; and each P rank's, prepared at its first read.
-    local_list: ListState,
-    remote_lists: BTreeMap<AgentName, ListState>,
-    preparing: BTreeMap<XferToken, Option<AgentName>>,
+    lists: PreparedLists,
     out: Outbox<DecodeReport>,
     counters: Counters,
 }
@@ -440,9 +411,7 @@ impl DecodeWorker {
             loads: BTreeMap::new(),
             by_remote: BTreeMap::new(),
             xfers: BTreeMap::new(),
-            local_list: ListState::Unprepared,
-            remote_lists: BTreeMap::new(),
-            preparing: BTreeMap::new(),
+            lists: PreparedLists::default(),
             out: Outbox::default(),
             counters: Counters::default(),
         }
@@ -653,24 +622,21 @@ impl DecodeWorker {
             let whole = slice.heads == p_shape.heads && slice.heads == self.pool.shape.heads;
             let same_blocks = p_shape.layout.block_tokens == self.pool.shape.layout.block_tokens;
             if whole && same_blocks {
-                match (&self.local_list, self.remote_lists.get(&agent)) {
-                    (ListState::Ready(local), Some(ListState::Ready(remote))) => {
-                        let (local_indices, remote_indices) =
-                            block_indices(&self.pool.shape, &load.blocks, &p_shape, &export.blocks);
-                        posts.push(ReadPost::Prepared(PreparedTransfer {
-                            op: TransferOp::Read,
-                            peer: agent,
-                            local: *local,
-                            local_indices,
-                            remote: *remote,
-                            remote_indices,
-                            notification: Some(notification.clone()),
-                        }));
-                        continue;
-                    }
-                    (_, None) => to_prepare.push((agent.clone(), p_shape)),
-                    _ => {}
+                if let Some((local, remote)) = self.lists.ready(&agent) {
+                    let (local_indices, remote_indices) =
+                        block_indices(&self.pool.shape, &load.blocks, &p_shape, &export.blocks);
+                    posts.push(ReadPost::Prepared(PreparedTransfer {
+                        op: TransferOp::Read,
+                        peer: agent,
+                        local,
+                        local_indices,
+                        remote,
+                        remote_indices,
+                        notification: Some(notification.clone()),
+                    }));
+                    continue;
                 }
+                to_prepare.push((agent.clone(), p_shape));
             }
             posts.push(ReadPost::Pairs(TransferRequest {
                 op: TransferOp::Read,
@@ -680,17 +646,9 @@ impl DecodeWorker {
             }));
         }
         // Lists are prepared once, the first time a peer is read; this read goes as pairs.
-        if self.local_list == ListState::Unprepared {
-            let bases: Vec<u64> = self.pool.regions.iter().map(|r| r.addr).collect();
-            let token = self.out.prepare(None, self.pool.shape.block_descriptors(&bases));
-            self.local_list = ListState::Pending(token);
-            self.preparing.insert(token, None);
-        }
         for (agent, p_shape) in to_prepare {
-            let bases: Vec<u64> = self.peers[&agent].handshake.regions.iter().map(|r| r.addr).collect();
-            let token = self.out.prepare(Some(agent.clone()), p_shape.block_descriptors(&bases));
-            self.remote_lists.insert(agent.clone(), ListState::Pending(token));
-            self.preparing.insert(token, Some(agent));
+            let regions = self.peers[&agent].handshake.regions.clone();
+            self.lists.want(&mut self.out, &self.pool, &agent, &p_shape, &regions);
         }
         let load = self.loads.get_mut(request).expect("exists");
         load.phase = Phase::Reading;
@@ -709,23 +667,7 @@ impl DecodeWorker {
 
     /// A descriptor list asked for in a read is ready (or not: then reads keep using pairs).
     pub fn handle_prepared(&mut self, _now: Time, token: XferToken, result: Result<PreparedId, TransportError>) {
-        let Some(owner) = self.preparing.remove(&token) else { return };
-        let state = match result {
-            Ok(id) => ListState::Ready(id),
-            Err(err) => {
-                tracing::debug!(%err, "descriptor list not prepared; reads go as address pairs");
-                ListState::Failed
-            }
-        };
-        match owner {
-            None => self.local_list = state,
-            Some(agent) => {
-                // Only if it is still the list of the peer as connected now.
-                if self.remote_lists.get(&agent) == Some(&ListState::Pending(token)) {
-                    self.remote_lists.insert(agent, state);
-                }
-            }
-        }
+        self.lists.handle_prepared(token, result);
     }
 
     /// The latest time a read of `load` may start: the earliest, over the P ranks it reads,
@@ -817,7 +759,7 @@ impl DecodeWorker {
                     Ok(compat) => {
                         self.connecting.remove(&agent);
                         // A list prepared with an earlier incarnation names its metadata, not this one's.
-                        self.remote_lists.remove(&agent);
+                        self.lists.forget(&agent);
                         self.peers.insert(agent.clone(), Peer::new(&info, compat));
                         for message in self.queued.remove(&agent).unwrap_or_default() {
                             self.out.send(&agent, &message);
@@ -855,7 +797,7 @@ impl DecodeWorker {
     /// A P rank is gone or unreachable: loads that need it fail once nothing can touch D's blocks.
     fn peer_gone(&mut self, agent: &AgentName) {
         self.peers.remove(agent);
-        self.remote_lists.remove(agent);
+        self.lists.forget(agent);
         self.queued.remove(agent);
         self.heartbeats.forget(agent);
         let affected: Vec<RequestId> =

@@ -15,13 +15,14 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use kv_core::{
     check_compatible, AgentName, BlockId, EngineId, Granularity, Handshake, Initiator, LeaseState, Message,
-    Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PreparedId, PushRegistration, Renewal, RequestId, Role,
-    Time, TransferOp, TransferPlan, TransferRequest, TransportError,
+    Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer, PushRegistration, Renewal,
+    RequestId, Role, Time, TransferOp, TransferPlan, TransferRequest, TransportError,
 };
 use kv_lease::LeaseTable;
 
 use crate::common::{
-    Action, Counters, EarlyStage, ExportInfo, LocalPool, Outbox, Peer, RecentlyReleased, RemoteRef, XferToken,
+    block_indices, Action, Counters, EarlyStage, ExportInfo, LocalPool, Outbox, Peer, PreparedLists, RecentlyReleased,
+    RemoteRef, XferToken,
 };
 use crate::config::{Config, Mode, ReleaseReason};
 
@@ -239,6 +240,8 @@ pub struct PrefillWorker {
     early: EarlyStage,
     recent: RecentlyReleased,
     writes: BTreeMap<XferToken, (RequestId, AgentName)>,
+    /// Push: this rank's pool, prepared once, and each D rank's, prepared at its first write.
+    lists: PreparedLists,
     out: Outbox<PrefillReport>,
     counters: Counters,
 }
@@ -259,6 +262,7 @@ impl PrefillWorker {
             pulled: BTreeMap::new(),
             recent: RecentlyReleased::default(),
             writes: BTreeMap::new(),
+            lists: PreparedLists::default(),
             out: Outbox::default(),
             counters: Counters::default(),
         }
@@ -352,6 +356,7 @@ impl PrefillWorker {
     /// A D agent is gone: exports bound to its engine are released, its staged messages dropped.
     fn peer_gone(&mut self, now: Time, agent: &AgentName) {
         self.peers.remove(agent);
+        self.lists.forget(agent);
         self.counters.late_messages += self.early.take(|_| true, |from, _| from == agent).len() as u64;
         let bound: Vec<RequestId> = self
             .exports
@@ -392,9 +397,10 @@ impl PrefillWorker {
         self.settle_push(now, &request);
     }
 
-    /// A prepared descriptor list is ready. P's writes post address pairs and it asks for no
-    /// prepared list, so there is nothing to record.
-    pub fn handle_prepared(&mut self, _now: Time, _token: XferToken, _result: Result<PreparedId, TransportError>) {}
+    /// A descriptor list asked for in a write is ready (or not: then writes keep using pairs).
+    pub fn handle_prepared(&mut self, _now: Time, token: XferToken, result: Result<PreparedId, TransportError>) {
+        self.lists.handle_prepared(token, result);
+    }
 
     /// The clock reached a wake-up (spurious wake-ups are harmless).
     pub fn handle_timeout(&mut self, now: Time) {
@@ -577,24 +583,53 @@ impl PrefillWorker {
             return;
         }
         let Some(slice) = plan_d.reads.iter().find(|s| s.prefill_rank == self.offer.rank).copied() else { return };
-        let built = peer.shape(tp.decode_heads()).ok_or_else(|| "peer layout".to_owned()).and_then(|d_shape| {
+        let d_shape = peer.shape(tp.decode_heads());
+        let built = d_shape.ok_or_else(|| "peer layout".to_owned()).and_then(|d_shape| {
             let input = PlanInput {
                 prefill: PoolSide { shape: self.pool.shape, regions: &self.pool.regions, blocks: &export.blocks },
                 decode: PoolSide { shape: d_shape, regions: &peer.handshake.regions, blocks: &reg.blocks },
                 slice,
                 initiator: Initiator::Prefill,
             };
+            // The plan also checks every block against both pools, whichever way is posted.
             TransferPlan::build(&input, Granularity::Merged).map_err(|e| e.to_string())
         });
         match (built, completion.encode()) {
             (Ok(plan), Ok(notification)) => {
-                let request = TransferRequest {
-                    op: TransferOp::Write,
-                    peer: to.clone(),
-                    pairs: plan.pairs().to_vec(),
-                    notification: Some(notification),
+                let d_shape = d_shape.expect("the plan was built from it");
+                // Whole blocks, whole heads, equal block sizes: name prepared entries by index.
+                let whole = slice.heads == self.pool.shape.heads && slice.heads == d_shape.heads;
+                let indexed = whole && d_shape.layout.block_tokens == self.pool.shape.layout.block_tokens;
+                let token = match self.lists.ready(to).filter(|_| indexed) {
+                    Some((local, remote)) => {
+                        let (local_indices, remote_indices) =
+                            block_indices(&self.pool.shape, &export.blocks, &d_shape, &reg.blocks);
+                        self.counters.prepared_writes += 1;
+                        self.out.post_prepared(PreparedTransfer {
+                            op: TransferOp::Write,
+                            peer: to.clone(),
+                            local,
+                            local_indices,
+                            remote,
+                            remote_indices,
+                            notification: Some(notification),
+                        })
+                    }
+                    None => {
+                        if indexed {
+                            // Prepared once, at the first write to this peer; this one goes as pairs.
+                            let regions = peer.handshake.regions.clone();
+                            self.lists.want(&mut self.out, &self.pool, to, &d_shape, &regions);
+                        }
+                        let request = TransferRequest {
+                            op: TransferOp::Write,
+                            peer: to.clone(),
+                            pairs: plan.pairs().to_vec(),
+                            notification: Some(notification),
+                        };
+                        self.out.post(request)
+                    }
                 };
-                let token = self.out.post(request);
                 export.writing.insert(to.clone());
                 self.writes.insert(token, (id.clone(), to.clone()));
             }

@@ -37,8 +37,8 @@ pub struct RandomOutcome {
     pub skipped: usize,
     /// Requests whose KV reached D intact.
     pub loads_ok: u64,
-    /// Reads D posted by prepared-list indices.
-    pub prepared_reads: u64,
+    /// Transfers posted by prepared-list indices (D's reads and P's push writes).
+    pub prepared: u64,
 }
 
 fn ms(v: u64) -> Duration {
@@ -210,8 +210,7 @@ pub fn run_with_trace(seed: u64) -> (RandomOutcome, Vec<String>) {
     let scenario = generate(seed);
     let mut trace = Vec::new();
     let events = scenario.steps.len();
-    let mut outcome =
-        RandomOutcome { seed, failure: None, digest: 0, events, skipped: 0, loads_ok: 0, prepared_reads: 0 };
+    let mut outcome = RandomOutcome { seed, failure: None, digest: 0, events, skipped: 0, loads_ok: 0, prepared: 0 };
     let result = catch_unwind(AssertUnwindSafe(|| run_checked(&scenario, seed, &mut outcome, &mut trace)));
     match result {
         Ok(Ok(())) => {}
@@ -268,7 +267,8 @@ fn run_checked(
     check(&cluster)?;
     outcome.digest = cluster.digest();
     outcome.loads_ok = cluster.loads_verified();
-    outcome.prepared_reads = cluster.counters().prepared_reads;
+    let counters = cluster.counters();
+    outcome.prepared = counters.prepared_reads + counters.prepared_writes;
     let held = cluster.held_everywhere();
     if !held.is_empty() {
         let list: Vec<String> = held.iter().map(|(n, h)| format!("{n} holds {h}")).collect();
