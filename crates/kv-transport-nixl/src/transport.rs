@@ -190,6 +190,19 @@ impl NixlTransport {
         Ok(args)
     }
 
+    /// The backend, and the notification NIXL delivers to the peer when the transfer completes.
+    fn transfer_args(&self, notification: Option<&[u8]>) -> Result<OptArgs, TransportError> {
+        let mut args = self.opt_args()?;
+        if let Some(notification) = notification {
+            if notification.len() > MAX_MESSAGE_BYTES {
+                return Err(TransportError::NotificationTooLarge { len: notification.len(), max: MAX_MESSAGE_BYTES });
+            }
+            args.set_has_notification(true).map_err(|e| backend_error("notification flag", e))?;
+            args.set_notification_message(notification).map_err(|e| backend_error("notification", e))?;
+        }
+        Ok(args)
+    }
+
     fn pump_side_channel(&mut self) {
         while let Some(event) = self.side.try_event() {
             let event = match event {
@@ -293,14 +306,7 @@ impl Transport for NixlTransport {
             local.add_desc(pair.local_addr as usize, pair.len as usize, dev);
             remote_list.add_desc(pair.remote_addr as usize, pair.len as usize, dev);
         }
-        let mut args = self.opt_args()?;
-        if let Some(notification) = &request.notification {
-            if notification.len() > MAX_MESSAGE_BYTES {
-                return Err(TransportError::NotificationTooLarge { len: notification.len(), max: MAX_MESSAGE_BYTES });
-            }
-            args.set_has_notification(true).map_err(|e| backend_error("notification flag", e))?;
-            args.set_notification_message(notification).map_err(|e| backend_error("notification", e))?;
-        }
+        let args = self.transfer_args(request.notification.as_deref())?;
         let xfer = self
             .agent
             .create_xfer_req(xfer_op(request.op), &local, &remote_list, remote, Some(&args))
@@ -358,14 +364,7 @@ impl Transport for NixlTransport {
         }
         let to_i32 = |v: &[u32]| v.iter().map(|&i| i as i32).collect::<Vec<i32>>();
         let (local_idx, remote_idx) = (to_i32(&request.local_indices), to_i32(&request.remote_indices));
-        let mut args = self.opt_args()?;
-        if let Some(notification) = &request.notification {
-            if notification.len() > MAX_MESSAGE_BYTES {
-                return Err(TransportError::NotificationTooLarge { len: notification.len(), max: MAX_MESSAGE_BYTES });
-            }
-            args.set_has_notification(true).map_err(|e| backend_error("notification flag", e))?;
-            args.set_notification_message(notification).map_err(|e| backend_error("notification", e))?;
-        }
+        let args = self.transfer_args(request.notification.as_deref())?;
         let xfer = self
             .agent
             .make_xfer_req(xfer_op(request.op), &local.handle.0, &local_idx, &remote.handle.0, &remote_idx, Some(&args))

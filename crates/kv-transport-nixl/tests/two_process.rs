@@ -103,6 +103,30 @@ fn pairs(local: &HostPool, remote: &kv_core::RegionBase) -> Vec<DescriptorPair> 
         .collect()
 }
 
+/// A P child with its pool filled, and D connected to it with an empty pool of its own.
+fn reader_of_filled_p(
+    test: &str,
+) -> (
+    std::process::Child,
+    std::io::BufReader<std::process::ChildStdout>,
+    HostPool,
+    kv_transport_nixl::NixlTransport,
+    kv_core::PeerInfo,
+) {
+    let (child, out, port) = start_listener(test, Role::Prefill, &[("KVFLOW_TEST_FILL", "1".into())]);
+    let pool = HostPool::new(BLOCKS);
+    let mut d = transport(offer("decode0", Role::Decode, 1, 16, &pool, BLOCKS as u32), &pool);
+    let info = connect(&mut d, port);
+    (child, out, pool, d, info)
+}
+
+/// D's block b holds what P filled its block BLOCKS-1-b with.
+fn assert_reversed_copy_of_p(pool: &HostPool) {
+    for b in 0..BLOCKS {
+        assert!(pool.holds(b, BLOCKS - 1 - b, 7), "block {b} differs from P's block {}", BLOCKS - 1 - b);
+    }
+}
+
 fn wait_done(t: &mut kv_transport_nixl::NixlTransport, id: kv_core::TransferId) {
     let start = Instant::now();
     loop {
@@ -124,10 +148,7 @@ fn d_reads_64_blocks_from_p_and_p_is_notified() {
         return;
     }
     let _serial = serial();
-    let (mut child, mut out, port) = start_listener(NAME, Role::Prefill, &[("KVFLOW_TEST_FILL", "1".into())]);
-    let pool = HostPool::new(BLOCKS);
-    let mut d = transport(offer("decode0", Role::Decode, 1, 16, &pool, BLOCKS as u32), &pool);
-    let info = connect(&mut d, port);
+    let (mut child, mut out, pool, mut d, info) = reader_of_filled_p(NAME);
     let completion = Message::Completion { request: RequestId::new("r1"), expected_consumers: 1 }.encode().unwrap();
     let request = TransferRequest {
         op: TransferOp::Read,
@@ -137,9 +158,7 @@ fn d_reads_64_blocks_from_p_and_p_is_notified() {
     };
     let id = d.post(request).unwrap();
     wait_done(&mut d, id);
-    for b in 0..BLOCKS {
-        assert!(pool.holds(b, BLOCKS - 1 - b, 7), "block {b} differs from P's block {}", BLOCKS - 1 - b);
-    }
+    assert_reversed_copy_of_p(&pool);
     let note = expect_line(&mut out, "NOTIFIED");
     assert!(note.starts_with("decode0/tp0 Completion"), "{note}");
     assert!(note.contains("\"r1\""), "{note}");
@@ -154,10 +173,7 @@ fn d_reads_by_prepared_block_indices_and_p_is_notified() {
         return;
     }
     let _serial = serial();
-    let (mut child, mut out, port) = start_listener(NAME, Role::Prefill, &[("KVFLOW_TEST_FILL", "1".into())]);
-    let pool = HostPool::new(BLOCKS);
-    let mut d = transport(offer("decode0", Role::Decode, 1, 16, &pool, BLOCKS as u32), &pool);
-    let info = connect(&mut d, port);
+    let (mut child, mut out, pool, mut d, info) = reader_of_filled_p(NAME);
     // Each side's blocks prepared once; the transfer names block indices only.
     let blocks = |base: u64| -> Vec<(u64, u64)> {
         (0..BLOCKS as u64).map(|b| (base + b * BLOCK_BYTES as u64, BLOCK_BYTES as u64)).collect()
@@ -180,9 +196,7 @@ fn d_reads_by_prepared_block_indices_and_p_is_notified() {
     assert!(d.post_prepared(wrong).is_err());
     let id = d.post_prepared(request).unwrap();
     wait_done(&mut d, id);
-    for b in 0..BLOCKS {
-        assert!(pool.holds(b, BLOCKS - 1 - b, 7), "block {b} differs from P's block {}", BLOCKS - 1 - b);
-    }
+    assert_reversed_copy_of_p(&pool);
     let note = expect_line(&mut out, "NOTIFIED");
     assert!(note.starts_with("decode0/tp0 Completion") && note.contains("\"r3\""), "{note}");
     child.kill().ok();
