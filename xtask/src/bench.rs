@@ -34,19 +34,27 @@ const COMPARISONS: &[Comparison] = &[Comparison {
     baseline: "scan",
 }];
 
-/// Runs every bench, then prints the table (or one JSON object with `--json`).
+/// Runs every bench, then prints the tables (or one JSON object with `--json`). `--quick`
+/// measures less of each, to end within a minute once built.
 pub fn run(args: &[String]) -> Result<()> {
     let mut json_out = false;
+    let mut quick = false;
     for arg in args {
         match arg.as_str() {
             "--json" => json_out = true,
-            other => bail!("unknown argument {other:?} (cargo xtask bench [--json])"),
+            "--quick" => quick = true,
+            other => bail!("unknown argument {other:?} (cargo xtask bench [--quick] [--json])"),
         }
     }
     let root = workspace_root();
+    // Build the engines first, so that building is not inside any measurement.
+    let node = crate::demo::build_node()?;
     for c in COMPARISONS {
         // --noplot: the numbers are read back below; plots are not needed.
-        let args = ["bench", "--locked", "-p", c.package, "--bench", c.bench, "--", "--noplot"];
+        let mut args = vec!["bench", "--locked", "-p", c.package, "--bench", c.bench, "--", "--noplot"];
+        if quick {
+            args.extend(["--warm-up-time", "0.5", "--measurement-time", "1", "--sample-size", "10"]);
+        }
         if json_out {
             // Stdout carries only the JSON object; criterion's own report goes to stderr.
             run_to_stderr(&root, &args)?;
@@ -77,14 +85,64 @@ pub fn run(args: &[String]) -> Result<()> {
     }
     // The transport bench runs two processes over real NIXL/UCX; it needs the runtime.
     let nixl = provision::ensure().context("the transport bench needs the NIXL runtime (see `cargo xtask setup`)")?;
-    let transport = transport_bench(&root, &nixl.envs(), json_out)?;
+    let transport = transport_bench(&root, &nixl.envs(), json_out, quick)?;
+    let latency = latency_bench(node, quick, json_out)?;
     if json_out {
         if let Value::Object(fields) = transport {
             report.extend(fields);
         }
+        report.insert("pull_vs_push".into(), latency);
         println!("{}", Value::Object(report));
     }
     Ok(())
+}
+
+/// Pull against push, end to end between processes: the time from P finishing a prompt to D
+/// holding its KV, one request at a time so that no queue is measured.
+fn latency_bench(node: crate::demo::NodeBinary, quick: bool, json_out: bool) -> Result<Value> {
+    let requests = if quick { 20 } else { 100 };
+    let base = crate::demo::DemoConfig {
+        decoders: 1,
+        requests,
+        concurrency: 1,
+        // 256 tokens: 16 blocks of 2 MiB, 32 MiB of KV per request.
+        min_tokens: 256,
+        max_tokens: 256,
+        kill: false,
+        reject_rate: 0.0,
+        abort_rate: 0.0,
+        sibling_rate: 0.0,
+        ..crate::demo::DemoConfig::default()
+    };
+    let mut results = serde_json::Map::new();
+    for push in [false, true] {
+        let config = crate::demo::DemoConfig { push, ..base.clone() };
+        let report = crate::demo::Demo::start(config, node.clone())?.run()?;
+        let failures = report.failures();
+        if !failures.is_empty() {
+            bail!("the {} run failed its checks: {}", if push { "push" } else { "pull" }, failures.join("; "));
+        }
+        results.insert(if push { "push" } else { "pull" }.into(), report.latency_json());
+    }
+    let p50 = |mode: &str| results[mode]["kv_latency_us"]["p50"].as_f64().unwrap_or(0.0);
+    let (pull, push) = (p50("pull"), p50("push"));
+    results.insert("pull_over_push_p50".into(), json!(if push > 0.0 { pull / push } else { 0.0 }));
+    if !json_out {
+        println!("\npull vs push: P done -> D holds KV, {requests} requests of 32 MiB, one at a time");
+        println!("{:<6} {:>12} {:>12} {:>16}", "mode", "p50 ms", "p99 ms", "transfer p50 ms");
+        for mode in ["pull", "push"] {
+            let r = &results[mode];
+            let ms = |v: &Value| v.as_f64().unwrap_or(0.0) / 1e3;
+            println!(
+                "{mode:<6} {:>12.2} {:>12.2} {:>16.2}",
+                ms(&r["kv_latency_us"]["p50"]),
+                ms(&r["kv_latency_us"]["p99"]),
+                ms(&r["transfer_latency_us"]["p50"])
+            );
+        }
+        println!("pull p50 / push p50 = {:.2}", pull / push.max(1.0));
+    }
+    Ok(Value::Object(results))
 }
 
 /// Runs `$CARGO args...` with its stdout sent to our stderr.
@@ -106,11 +164,14 @@ fn run_to_stderr(root: &Path, args: &[&str]) -> Result<()> {
 }
 
 /// Runs kv-transport-nixl's two-process bench; prints its table, or returns its JSON object.
-fn transport_bench(root: &Path, envs: &[(String, String)], json_out: bool) -> Result<Value> {
+fn transport_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick: bool) -> Result<Value> {
     let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut args = vec!["bench", "--locked", "-p", "kv-transport-nixl", "--bench", "transport", "--"];
     if json_out {
         args.push("--json");
+    }
+    if quick {
+        args.extend(["--iters", "5"]);
     }
     eprintln!("xtask: cargo {}", args.join(" "));
     let output = std::process::Command::new(&cargo_bin)

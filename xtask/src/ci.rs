@@ -21,8 +21,22 @@ pub fn run(args: &[String]) -> Result<()> {
     for (key, value) in &envs {
         eprintln!("xtask: {key}={value}");
     }
-    cargo_env(&root, &["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"], &envs)?;
+    // The `nixl` feature adds the demo's engine binary, which needs nixl-sys.
+    let clippy =
+        ["clippy", "--workspace", "--all-targets", "--locked", "--features", "xtask/nixl", "--", "-D", "warnings"];
+    cargo_env(&root, &clippy, &envs)?;
     cargo_env(&root, &["test", "--workspace", "--locked"], &envs)?;
+    // A short demo in each mode, real processes over NIXL: any corrupt read, block written after
+    // free, or block held after the drain fails it.
+    for mode in ["pull", "push"] {
+        eprintln!("xtask: cargo xtask demo --mode {mode} (short)");
+        let args: Vec<String> =
+            ["--mode", mode, "--requests", "40", "--layers", "4", "--max-tokens", "256", "--lease-ms", "2000"]
+                .into_iter()
+                .map(String::from)
+                .collect();
+        crate::demo::run(&args).with_context(|| format!("the short {mode} demo"))?;
+    }
     Ok(())
 }
 

@@ -4,6 +4,7 @@
 
 mod bench;
 mod ci;
+mod demo;
 mod provision;
 mod sim;
 mod sim_random;
@@ -13,6 +14,8 @@ use std::process::ExitCode;
 const USAGE: &str = "usage: cargo xtask <task>
 
 tasks:
+  demo    one P and two D engines as processes over real NIXL/UCX, a workload with faults, a report
+          [--mode pull|push] [--json] (--help for the rest)
   ci      fmt check, setup, clippy with -D warnings, every test of the workspace
   setup   fetch what nixl-sys needs: libclang (apt-get as root) and the NIXL runtime (.nixl/)
   sim     scenario files [PATH...] [--seed N], or random workloads --random --seeds A..B
@@ -22,6 +25,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci::run(&args[1..]),
+        Some("demo") => demo::run(&args[1..]),
         Some("setup") => provision::run(&args[1..]),
         Some("bench") => bench::run(&args[1..]),
         Some("sim") => sim::run_task(&args[1..]),

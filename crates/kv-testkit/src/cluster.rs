@@ -26,7 +26,7 @@ use kv_sched_adapter::{
     PrefillEvent, PrefillScheduler, PrefillWorker, ReleaseReason, RemoteRef,
 };
 
-use crate::{offer, FakeHeap, FakeNetwork, InMemoryMemory, ManualClock, NetConfig, Scope};
+use crate::{offer, BlockPool, FakeHeap, FakeNetwork, InMemoryMemory, ManualClock, NetConfig, Scope};
 
 /// The byte a freed block is scrubbed with.
 const SCRUB: u8 = 0xDB;
@@ -135,56 +135,6 @@ fn err<T>(message: impl Into<String>) -> Result<T, ClusterError> {
     Err(ClusterError(message.into()))
 }
 
-/// Block allocation with reference counts (siblings share a prompt's blocks).
-#[derive(Debug)]
-struct Pool {
-    free: BTreeSet<u32>,
-    refs: BTreeMap<u32, u32>,
-}
-
-impl Pool {
-    fn new(blocks: u32) -> Self {
-        Pool { free: (0..blocks).collect(), refs: BTreeMap::new() }
-    }
-
-    fn allocate(&mut self, count: usize) -> Option<Vec<BlockId>> {
-        if self.free.len() < count {
-            return None;
-        }
-        let blocks: Vec<u32> = self.free.iter().take(count).copied().collect();
-        for b in &blocks {
-            self.free.remove(b);
-            self.refs.insert(*b, 1);
-        }
-        Some(blocks.into_iter().map(BlockId).collect())
-    }
-
-    fn retain(&mut self, blocks: &[BlockId]) {
-        for b in blocks {
-            *self.refs.entry(b.0).or_default() += 1;
-        }
-    }
-
-    /// Drops one reference to each block; returns those now free, or the block freed twice.
-    fn release(&mut self, blocks: &[BlockId]) -> Result<Vec<BlockId>, BlockId> {
-        let mut freed = Vec::new();
-        for b in blocks {
-            let refs = self.refs.get_mut(&b.0).ok_or(*b)?;
-            *refs -= 1;
-            if *refs == 0 {
-                self.refs.remove(&b.0);
-                self.free.insert(b.0);
-                freed.push(*b);
-            }
-        }
-        Ok(freed)
-    }
-
-    fn held(&self) -> usize {
-        self.refs.len()
-    }
-}
-
 /// One TP rank's memory: its pool region and shape.
 struct RankMemory {
     memory: InMemoryMemory,
@@ -272,7 +222,7 @@ struct PrefillEngine {
     scheduler: PrefillScheduler,
     workers: Vec<WorkerDriver<PrefillWorker>>,
     ranks: Vec<RankMemory>,
-    pool: Pool,
+    pool: BlockPool,
     handoff: VecDeque<(Time, u32, PrefillCommand)>,
     export_blocks: BTreeMap<RequestId, Vec<BlockId>>,
 }
@@ -282,7 +232,7 @@ struct DecodeEngine {
     scheduler: DecodeScheduler,
     workers: Vec<WorkerDriver<DecodeWorker>>,
     ranks: Vec<RankMemory>,
-    pool: Pool,
+    pool: BlockPool,
     loads: BTreeMap<RequestId, DecodeLoad>,
     /// Commands the scheduler gave, not yet handed to the workers.
     commands: VecDeque<(u32, kv_sched_adapter::DecodeCommand)>,
@@ -452,7 +402,7 @@ impl Cluster {
             scheduler: PrefillScheduler::new(id.clone(), self.instance(id), addresses, c.connector),
             workers,
             ranks,
-            pool: Pool::new(c.prefill_num_blocks),
+            pool: BlockPool::new(c.prefill_num_blocks),
             handoff: VecDeque::new(),
             export_blocks: BTreeMap::new(),
         })
@@ -473,7 +423,7 @@ impl Cluster {
             scheduler: DecodeScheduler::new(c.decode_tp, c.connector),
             workers,
             ranks,
-            pool: Pool::new(c.decode_num_blocks),
+            pool: BlockPool::new(c.decode_num_blocks),
             loads: BTreeMap::new(),
             commands: VecDeque::new(),
         })

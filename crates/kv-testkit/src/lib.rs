@@ -74,6 +74,7 @@ mod clock;
 pub mod cluster;
 mod memory;
 pub mod network;
+mod pool;
 pub mod random;
 mod rng;
 pub mod scenario;
@@ -81,6 +82,7 @@ pub mod scenario;
 pub use clock::ManualClock;
 pub use memory::{FakeHeap, InMemoryMemory};
 pub use network::{FakeNetwork, FakeTransport, NetConfig, NetStats, Scope};
+pub use pool::BlockPool;
 pub use rng::Rng;
 
 use kv_core::wire::{compatibility_hash, PROTOCOL_VERSION};

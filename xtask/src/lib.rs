@@ -1,0 +1,14 @@
+//! The pieces of `cargo xtask demo` and the end-to-end bench that the router (the `xtask`
+//! binary) and the engine processes (`kvflow-node`, built with the `nixl` feature) share.
+//!
+//! - [`proto`]: the lines the router and the engines exchange over the engines' stdin and
+//!   stdout, one JSON object per line.
+//! - [`pattern`]: the bytes P computes for a prompt block, which D checks on arrival.
+//! - `node` (feature `nixl`): an engine process, P or D, running kvflow's connectors over
+//!   `NixlTransport` with host-memory KV pools from kv-cuda.
+
+pub mod pattern;
+pub mod proto;
+
+#[cfg(feature = "nixl")]
+pub mod node;

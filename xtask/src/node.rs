@@ -1,0 +1,664 @@
+//! An engine process: a P or D engine running kvflow's connectors over `NixlTransport`, with
+//! a host-memory KV pool from kv-cuda. It stands in for vLLM's engine core: it allocates
+//! blocks, "computes" a prompt by filling its blocks with [`pattern`] bytes, checks every
+//! byte D receives, and frees blocks when the connector says so.
+//!
+//! The router drives it with [`Command`] lines on stdin and reads [`Event`] lines on stdout.
+//! Its loop waits for a command or its next wake-up (a few milliseconds at most, since NIXL's
+//! notifications and completions are polled), then steps its worker through
+//! [`WorkerDriver`], exactly as an engine's step would.
+//!
+//! Freed blocks are scrubbed with [`pattern::SCRUB`]: a read after free then delivers scrub
+//! bytes and fails D's check. D also checks that a block it allocates again still holds its
+//! scrub, so a write into a freed block (a late push) is counted too.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::io::BufRead;
+use std::process::ExitCode;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context, Result};
+use kv_core::{
+    AgentName, BlockId, Clock, EngineId, Handshake, Memory, MemoryKind, Notification, PeerAddress, PeerEvent,
+    PoolShape, PreparedId, PreparedTransfer, Region, RegionBase, RegionId, RequestId, Role, Time, TransferId,
+    TransferRequest, TransferStatus, Transport, TransportError,
+};
+use kv_sched_adapter::driver::WorkerDriver;
+use kv_sched_adapter::{
+    Counters, DecodeEvent, DecodeScheduler, DecodeState, DecodeWorker, LocalPool, PrefillEvent, PrefillScheduler,
+    PrefillWorker,
+};
+use kv_testkit::BlockPool;
+use kv_transport_nixl::{NixlConfig, NixlTransport};
+
+use crate::pattern;
+use crate::proto::{wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Remote};
+
+/// The model name both sides' handshakes carry.
+const MODEL: &str = "kvflow-demo";
+
+/// How long the loop sleeps at most while transfers are in flight, and otherwise.
+const BUSY_POLL: Duration = Duration::from_micros(50);
+const IDLE_POLL: Duration = Duration::from_millis(2);
+
+/// Runs the engine its argument describes; the exit code says whether it stopped cleanly.
+pub fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            let message = format!("{err:#}");
+            let _ = write_line(&mut std::io::stdout(), &Event::Error { message: message.clone() });
+            eprintln!("kvflow-node: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    let arg = std::env::args().nth(1).ok_or_else(|| anyhow!("usage: kvflow-node '<NodeConfig as JSON>'"))?;
+    let config: NodeConfig = serde_json::from_str(&arg).context("the node configuration")?;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || read_commands(tx));
+    match config.role {
+        NodeRole::Prefill => PrefillNode::new(&config)?.run(rx),
+        NodeRole::Decode => DecodeNode::new(&config)?.run(rx),
+    }
+}
+
+/// Reads command lines until stdin closes (the router is gone), which means shut down.
+fn read_commands(tx: Sender<Result<Command, String>>) {
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        let parsed = serde_json::from_str(&line).map_err(|e| format!("bad command {line:?}: {e}"));
+        if tx.send(parsed).is_err() {
+            return;
+        }
+    }
+    let _ = tx.send(Ok(Command::Shutdown));
+}
+
+/// Time since the process started.
+struct ProcessClock(Instant);
+
+impl Clock for ProcessClock {
+    fn now(&self) -> Time {
+        Time::from_nanos(self.0.elapsed().as_nanos() as u64)
+    }
+}
+
+/// A transfer that ended: bytes, post-to-end time, success.
+type Ended = (u64, Duration, bool);
+
+/// The transport, timing each transfer it posts from post to completion.
+struct TimedTransport {
+    inner: NixlTransport,
+    posted: HashMap<TransferId, (Instant, u64)>,
+    local_lists: HashMap<PreparedId, Vec<u64>>,
+    ended: Sender<Ended>,
+}
+
+impl TimedTransport {
+    /// Starts timing a transfer from `start`, taken before the post: UCX may move the bytes
+    /// inside the post call itself.
+    fn posted(&mut self, id: TransferId, start: Instant, bytes: u64) -> TransferId {
+        self.posted.insert(id, (start, bytes));
+        id
+    }
+}
+
+impl Transport for TimedTransport {
+    fn agent(&self) -> &AgentName {
+        self.inner.agent()
+    }
+    fn register(&mut self, region: &Region) -> Result<(), TransportError> {
+        self.inner.register(region)
+    }
+    fn deregister(&mut self, region: RegionId) -> Result<(), TransportError> {
+        self.inner.deregister(region)
+    }
+    fn connect(&mut self, address: &PeerAddress) -> Result<(), TransportError> {
+        self.inner.connect(address)
+    }
+    fn post(&mut self, request: TransferRequest) -> Result<TransferId, TransportError> {
+        let bytes = request.pairs.iter().map(|p| p.len).sum();
+        let start = Instant::now();
+        let id = self.inner.post(request)?;
+        Ok(self.posted(id, start, bytes))
+    }
+    fn prepare(&mut self, peer: Option<&AgentName>, ranges: &[(u64, u64)]) -> Result<PreparedId, TransportError> {
+        let id = self.inner.prepare(peer, ranges)?;
+        if peer.is_none() {
+            self.local_lists.insert(id, ranges.iter().map(|r| r.1).collect());
+        }
+        Ok(id)
+    }
+    fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError> {
+        let lens = self.local_lists.get(&request.local);
+        let bytes = request.local_indices.iter().filter_map(|&i| lens.and_then(|l| l.get(i as usize))).sum();
+        let start = Instant::now();
+        let id = self.inner.post_prepared(request)?;
+        Ok(self.posted(id, start, bytes))
+    }
+    fn poll_transfer(&mut self, id: TransferId) -> TransferStatus {
+        let status = self.inner.poll_transfer(id);
+        if !matches!(status, TransferStatus::InProgress) {
+            if let Some((start, bytes)) = self.posted.remove(&id) {
+                let _ = self.ended.send((bytes, start.elapsed(), matches!(status, TransferStatus::Done)));
+            }
+        }
+        status
+    }
+    fn send_notification(&mut self, peer: &AgentName, payload: &[u8]) -> Result<(), TransportError> {
+        self.inner.send_notification(peer, payload)
+    }
+    fn drain_notifications(&mut self, out: &mut Vec<Notification>) {
+        self.inner.drain_notifications(out)
+    }
+    fn poll_event(&mut self) -> Option<PeerEvent> {
+        self.inner.poll_event()
+    }
+}
+
+/// What both engine kinds have: the clock, the pool's memory and blocks, and stdout.
+struct Engine {
+    name: String,
+    clock: Arc<ProcessClock>,
+    memory: Box<dyn Memory>,
+    region: Region,
+    shape: PoolShape,
+    blocks: BlockPool,
+    /// Blocks freed at least once (and so scrubbed); others were never written.
+    scrubbed: Vec<bool>,
+    written_after_free: u64,
+    ended: Receiver<Ended>,
+    out: std::io::Stdout,
+    chunk: Vec<u8>,
+}
+
+impl Engine {
+    /// Allocates and registers the pool, and builds the rank's transport and handshake offer.
+    fn start(config: &NodeConfig, role: Role) -> Result<(Engine, Handshake, TimedTransport)> {
+        let layout = config.model.layout();
+        let shape = PoolShape::new(layout, layout.kv_heads, config.num_blocks)
+            .map_err(|e| anyhow!("pool of {} blocks: {e}", config.num_blocks))?;
+        let mut memory = host_memory();
+        let region = memory.allocate(MemoryKind::Host, shape.pool_bytes()).context("the KV pool")?;
+        let regions = (0..shape.region_count())
+            .map(|i| RegionBase { addr: region.addr + u64::from(i) * shape.region_len(), len: shape.region_len() })
+            .collect();
+        let offer = Handshake {
+            protocol_version: kv_core::wire::PROTOCOL_VERSION,
+            engine: EngineId::new(config.name.clone()),
+            rank: 0,
+            tp_size: 1,
+            instance: config.instance,
+            role,
+            model: MODEL.to_owned(),
+            layout,
+            num_blocks: config.num_blocks,
+            regions,
+            compat_hash: kv_core::wire::compatibility_hash(MODEL, &layout),
+            clock: Time::ZERO,
+            agent_metadata: Vec::new(),
+        };
+        let clock = Arc::new(ProcessClock(Instant::now()));
+        let nixl = NixlConfig { bind: "127.0.0.1:0".parse().expect("loopback"), ..NixlConfig::default() };
+        let mut inner = NixlTransport::new(offer.clone(), &nixl, clock.clone()).context("the NIXL transport")?;
+        inner.register(&region).context("registering the KV pool")?;
+        let (tx, ended) = mpsc::channel();
+        let transport = TimedTransport { inner, posted: HashMap::new(), local_lists: HashMap::new(), ended: tx };
+        let engine = Engine {
+            name: config.name.clone(),
+            clock,
+            memory,
+            region,
+            shape,
+            blocks: BlockPool::new(config.num_blocks),
+            scrubbed: vec![false; config.num_blocks as usize],
+            written_after_free: 0,
+            ended,
+            out: std::io::stdout(),
+            chunk: vec![0; shape.layer_block_bytes() as usize],
+        };
+        Ok((engine, offer, transport))
+    }
+
+    fn now(&self) -> Time {
+        self.clock.now()
+    }
+
+    fn emit(&mut self, event: &Event) {
+        // The router reads every line; if it is gone, stdin closes and the loop ends.
+        let _ = write_line(&mut self.out, event);
+    }
+
+    fn pool(&self, offer: &Handshake) -> LocalPool {
+        LocalPool { shape: self.shape, regions: offer.regions.clone() }
+    }
+
+    /// The byte offset of `(layer, block)` in the pool region.
+    fn offset(&self, layer: u32, block: BlockId) -> u64 {
+        let at = self.shape.plane_offset(layer, block.0, 0);
+        u64::from(at.region) * self.shape.region_len() + at.offset
+    }
+
+    /// Fills `blocks`, in prompt order, with the prompt's bytes.
+    fn fill(&mut self, seed: u64, blocks: &[BlockId]) -> Result<()> {
+        for (position, &block) in blocks.iter().enumerate() {
+            for layer in 0..self.shape.layout.layers {
+                pattern::fill(&mut self.chunk, seed, layer, position as u32);
+                let at = self.offset(layer, block);
+                self.memory.write(self.region.id, at, &self.chunk)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `blocks`, in prompt order, hold the prompt's bytes.
+    fn check(&mut self, seed: u64, blocks: &[BlockId]) -> Result<bool> {
+        let mut all = true;
+        for (position, &block) in blocks.iter().enumerate() {
+            for layer in 0..self.shape.layout.layers {
+                let at = self.offset(layer, block);
+                self.memory.read(self.region.id, at, &mut self.chunk)?;
+                all &= pattern::check(&self.chunk, seed, layer, position as u32);
+            }
+        }
+        Ok(all)
+    }
+
+    /// Takes `count` blocks, counting any freed block that no longer holds its scrub.
+    fn allocate(&mut self, count: usize) -> Result<Option<Vec<BlockId>>> {
+        let Some(blocks) = self.blocks.allocate(count) else { return Ok(None) };
+        for &block in &blocks {
+            if !self.scrubbed[block.0 as usize] {
+                continue;
+            }
+            for layer in 0..self.shape.layout.layers {
+                let at = self.offset(layer, block);
+                self.memory.read(self.region.id, at, &mut self.chunk)?;
+                if self.chunk.iter().any(|&b| b != pattern::SCRUB) {
+                    self.written_after_free += 1;
+                    break;
+                }
+            }
+        }
+        Ok(Some(blocks))
+    }
+
+    /// Drops a reference to each block and scrubs those now free.
+    fn release(&mut self, blocks: &[BlockId]) -> Result<()> {
+        let freed = self.blocks.release(blocks).map_err(|b| anyhow!("{}: block {b} freed twice", self.name))?;
+        self.chunk.fill(pattern::SCRUB);
+        for block in freed {
+            for layer in 0..self.shape.layout.layers {
+                let at = self.offset(layer, block);
+                self.memory.write(self.region.id, at, &self.chunk)?;
+            }
+            self.scrubbed[block.0 as usize] = true;
+        }
+        Ok(())
+    }
+
+    /// Reports the transfers that ended.
+    fn report_transfers(&mut self) {
+        while let Ok((bytes, took, ok)) = self.ended.try_recv() {
+            self.emit(&Event::Transfer { bytes, took_ns: took.as_nanos() as u64, ok });
+        }
+    }
+
+    fn stats(&mut self, counters: Counters) {
+        let counters = [
+            ("ignored_messages", counters.ignored_messages),
+            ("duplicate_messages", counters.duplicate_messages),
+            ("notifications_after_expiry", counters.notifications_after_expiry),
+            ("late_messages", counters.late_messages),
+            ("early_staged", counters.early_staged),
+            ("early_evicted", counters.early_evicted),
+            ("transfers_failed", counters.transfers_failed),
+            ("reads_fenced", counters.reads_fenced),
+            ("prepared_reads", counters.prepared_reads),
+            ("prepared_writes", counters.prepared_writes),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect::<BTreeMap<_, _>>();
+        let event = Event::Stats {
+            held_blocks: self.blocks.held() as u64,
+            written_after_free: self.written_after_free,
+            counters,
+        };
+        self.emit(&event);
+    }
+}
+
+/// The host-memory pool the demo's engines keep their KV in.
+fn host_memory() -> Box<dyn Memory> {
+    Box::new(TempHost::default())
+}
+
+/// Plain zeroed host buffers, one per region; kv-cuda's host pools replace it when they land.
+#[derive(Default)]
+struct TempHost(Vec<Vec<u8>>);
+impl Memory for TempHost {
+    fn allocate(&mut self, kind: MemoryKind, len: u64) -> Result<Region, kv_core::MemoryError> {
+        self.0.push(vec![0; len as usize]);
+        let b = self.0.last().unwrap();
+        Ok(Region { id: RegionId(self.0.len() as u64 - 1), kind, addr: b.as_ptr() as u64, len })
+    }
+    fn free(&mut self, _: RegionId) -> Result<(), kv_core::MemoryError> {
+        Ok(())
+    }
+    fn read(&self, r: RegionId, o: u64, out: &mut [u8]) -> Result<(), kv_core::MemoryError> {
+        out.copy_from_slice(&self.0[r.0 as usize][o as usize..o as usize + out.len()]);
+        Ok(())
+    }
+    fn write(&mut self, r: RegionId, o: u64, d: &[u8]) -> Result<(), kv_core::MemoryError> {
+        self.0[r.0 as usize][o as usize..o as usize + d.len()].copy_from_slice(d);
+        Ok(())
+    }
+}
+
+/// Waits for the next command, or until the engine's next wake-up.
+fn next_command(rx: &Receiver<Result<Command, String>>, busy: bool, wake: Option<Duration>) -> Option<Command> {
+    let limit = if busy { BUSY_POLL } else { IDLE_POLL };
+    let wait = wake.map_or(limit, |w| w.min(limit));
+    match rx.recv_timeout(wait) {
+        Ok(Ok(command)) => Some(command),
+        Ok(Err(message)) => {
+            let _ = write_line(&mut std::io::stdout(), &Event::Error { message });
+            None
+        }
+        Err(RecvTimeoutError::Timeout) => None,
+        Err(RecvTimeoutError::Disconnected) => Some(Command::Shutdown),
+    }
+}
+
+fn until(now: Time, wake: Option<Time>) -> Option<Duration> {
+    wake.map(|w| Duration::from_nanos(w.as_nanos().saturating_sub(now.as_nanos())))
+}
+
+struct PrefillNode {
+    engine: Engine,
+    scheduler: PrefillScheduler,
+    worker: WorkerDriver<PrefillWorker>,
+}
+
+impl PrefillNode {
+    fn new(config: &NodeConfig) -> Result<Self> {
+        let (engine, offer, transport) = Engine::start(config, Role::Prefill)?;
+        let connector = config.connector();
+        let port = transport.inner.side_channel_addr().port();
+        let address = PeerAddress(format!("127.0.0.1:{port}"));
+        let scheduler =
+            PrefillScheduler::new(EngineId::new(config.name.clone()), config.instance, vec![address], connector);
+        let worker =
+            WorkerDriver::new(PrefillWorker::new(offer.clone(), connector, engine.pool(&offer)), Box::new(transport));
+        let mut node = PrefillNode { engine, scheduler, worker };
+        node.engine.emit(&Event::Ready { port });
+        Ok(node)
+    }
+
+    fn run(mut self, rx: Receiver<Result<Command, String>>) -> Result<()> {
+        loop {
+            let now = self.engine.now();
+            let wake = until(now, self.worker.poll_timeout());
+            if let Some(command) = next_command(&rx, self.worker.in_flight() > 0, wake) {
+                if !self.handle(command)? {
+                    return Ok(());
+                }
+            }
+            let now = self.engine.now();
+            for report in self.worker.step(now) {
+                self.scheduler.handle_report(0, report)?;
+            }
+            self.drain(now)?;
+            self.engine.report_transfers();
+        }
+    }
+
+    /// Handles one command; `false` to stop.
+    fn handle(&mut self, command: Command) -> Result<bool> {
+        match command {
+            Command::Prefill { id, prompt_tokens, n } => self.prefill(id, prompt_tokens, n)?,
+            Command::Stats => {
+                let counters = self.worker.machine_ref().counters();
+                self.engine.stats(counters);
+            }
+            Command::Shutdown => return Ok(false),
+            other => self.engine.emit(&Event::Error { message: format!("a prefill engine cannot {other:?}") }),
+        }
+        Ok(true)
+    }
+
+    /// Runs a prompt: allocates its blocks, fills them, and exports them (once per sibling).
+    fn prefill(&mut self, id: String, prompt_tokens: u64, n: u32) -> Result<()> {
+        let count = kv_core::blocks_for_tokens(prompt_tokens, self.engine.shape.layout.block_tokens) as usize;
+        if count == 0 || n == 0 {
+            let message = format!("prefill of {id}: {prompt_tokens} prompt tokens and n = {n}; both must be positive");
+            self.engine.emit(&Event::Error { message });
+            return Ok(());
+        }
+        let Some(blocks) = self.engine.allocate(count)? else {
+            self.engine.emit(&Event::Busy { id });
+            return Ok(());
+        };
+        self.engine.fill(pattern::seed(&self.engine.name, &id), &blocks)?;
+        // allocate() took one reference; each further sibling export holds its own.
+        for _ in 1..n {
+            self.engine.blocks.retain(&blocks);
+        }
+        let ids: Vec<String> = if n > 1 { (0..n).map(|i| format!("{i}_{id}")).collect() } else { vec![id.clone()] };
+        let now = self.engine.now();
+        for export in ids {
+            let remote = self.scheduler.handle_finished(now, RequestId::new(export), blocks.clone(), prompt_tokens)?;
+            let event = Event::Exported { id: id.clone(), remote: Remote::from(&remote), finished_at_ns: wall_ns() };
+            self.engine.emit(&event);
+        }
+        self.drain(now)
+    }
+
+    /// Carries the scheduler's events to the worker and the pool until none is left.
+    fn drain(&mut self, now: Time) -> Result<()> {
+        while let Some(event) = self.scheduler.poll_event() {
+            match event {
+                PrefillEvent::ToWorker { command, .. } => {
+                    self.worker.machine().handle_command(now, command);
+                    for report in self.worker.flush(now) {
+                        self.scheduler.handle_report(0, report)?;
+                    }
+                }
+                PrefillEvent::Free { request, blocks, reason } => {
+                    self.engine.release(&blocks)?;
+                    let event = Event::Freed {
+                        id: request.as_str().to_owned(),
+                        reason: reason.as_str().to_owned(),
+                        at_ns: wall_ns(),
+                    };
+                    self.engine.emit(&event);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A request D knows of.
+struct Load {
+    remote: Remote,
+    blocks: Vec<BlockId>,
+    aborted: bool,
+}
+
+struct DecodeNode {
+    engine: Engine,
+    scheduler: DecodeScheduler,
+    worker: WorkerDriver<DecodeWorker>,
+    loads: HashMap<RequestId, Load>,
+    /// Arrived, not yet given blocks, in arrival order.
+    waiting: VecDeque<RequestId>,
+}
+
+impl DecodeNode {
+    fn new(config: &NodeConfig) -> Result<Self> {
+        let (engine, offer, transport) = Engine::start(config, Role::Decode)?;
+        let connector = config.connector();
+        let port = transport.inner.side_channel_addr().port();
+        let worker =
+            WorkerDriver::new(DecodeWorker::new(offer.clone(), connector, engine.pool(&offer)), Box::new(transport));
+        let mut node = DecodeNode {
+            engine,
+            scheduler: DecodeScheduler::new(1, connector),
+            worker,
+            loads: HashMap::new(),
+            waiting: VecDeque::new(),
+        };
+        node.engine.emit(&Event::Ready { port });
+        Ok(node)
+    }
+
+    fn run(mut self, rx: Receiver<Result<Command, String>>) -> Result<()> {
+        loop {
+            let now = self.engine.now();
+            let wake = until(now, self.worker.poll_timeout());
+            if let Some(command) = next_command(&rx, self.worker.in_flight() > 0, wake) {
+                if !self.handle(command)? {
+                    return Ok(());
+                }
+            }
+            let now = self.engine.now();
+            for report in self.worker.step(now) {
+                self.scheduler.handle_report(0, report)?;
+            }
+            self.schedule()?;
+            self.drain(now)?;
+            self.engine.report_transfers();
+        }
+    }
+
+    fn outcome(&mut self, id: &RequestId, outcome: &str, bytes: u64) {
+        self.outcome_at(id, outcome, bytes, wall_ns());
+    }
+
+    fn outcome_at(&mut self, id: &RequestId, outcome: &str, bytes: u64, ready_at_ns: u64) {
+        let event = Event::Outcome { id: id.as_str().to_owned(), outcome: outcome.to_owned(), bytes, ready_at_ns };
+        self.engine.emit(&event);
+    }
+
+    /// Handles one command; `false` to stop.
+    fn handle(&mut self, command: Command) -> Result<bool> {
+        match command {
+            Command::Arrive { id, remote } => {
+                let id = RequestId::new(id);
+                match self.scheduler.handle_arrive(id.clone(), remote.to_ref()) {
+                    Ok(()) => {
+                        self.loads.insert(id.clone(), Load { remote, blocks: Vec::new(), aborted: false });
+                        self.waiting.push_back(id);
+                    }
+                    Err(err) => {
+                        self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });
+                        self.outcome(&id, "refused", 0);
+                    }
+                }
+            }
+            Command::Reject { id, remote } => {
+                let id = RequestId::new(id);
+                match self.scheduler.handle_reject(id.clone(), remote.to_ref()) {
+                    Ok(()) => self.outcome(&id, "rejected", 0),
+                    Err(err) => {
+                        self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });
+                        self.outcome(&id, "refused", 0);
+                    }
+                }
+            }
+            Command::Abort { id } => {
+                let id = RequestId::new(id);
+                let before = self.scheduler.state(&id);
+                self.scheduler.handle_abort(&id);
+                match (before, self.scheduler.state(&id)) {
+                    (Some(DecodeState::Waiting), Some(DecodeState::Gone)) => {
+                        self.loads.remove(&id);
+                        self.outcome(&id, "aborted", 0);
+                    }
+                    (Some(DecodeState::Loading), _) => {
+                        if let Some(load) = self.loads.get_mut(&id) {
+                            load.aborted = true;
+                        }
+                    }
+                    // Already done: the abort changes nothing.
+                    _ => {}
+                }
+            }
+            Command::Stats => {
+                let counters = self.worker.machine_ref().counters();
+                self.engine.stats(counters);
+            }
+            Command::Shutdown => return Ok(false),
+            other => self.engine.emit(&Event::Error { message: format!("a decode engine cannot {other:?}") }),
+        }
+        let now = self.engine.now();
+        self.schedule()?;
+        self.drain(now)?;
+        Ok(true)
+    }
+
+    /// Gives blocks to waiting requests, first come first served, while the pool has them.
+    fn schedule(&mut self) -> Result<()> {
+        while let Some(id) = self.waiting.front().cloned() {
+            if self.scheduler.state(&id) != Some(DecodeState::Waiting) {
+                self.waiting.pop_front();
+                continue;
+            }
+            let Some(load) = self.loads.get(&id) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            let tokens = self.engine.shape.layout.block_tokens;
+            let count = kv_core::blocks_for_tokens(load.remote.prompt_tokens, tokens).max(1) as usize;
+            let Some(blocks) = self.engine.allocate(count)? else { break };
+            self.waiting.pop_front();
+            if let Err(err) = self.scheduler.handle_schedule(id.clone(), blocks.clone(), false) {
+                self.engine.release(&blocks)?;
+                self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });
+                continue;
+            }
+            self.loads.get_mut(&id).expect("present").blocks = blocks;
+        }
+        Ok(())
+    }
+
+    /// Carries the scheduler's events to the worker and the pool until none is left.
+    fn drain(&mut self, now: Time) -> Result<()> {
+        while let Some(event) = self.scheduler.poll_event() {
+            match event {
+                DecodeEvent::ToWorker { command, .. } => {
+                    self.worker.machine().handle_command(now, command);
+                    for report in self.worker.flush(now) {
+                        self.scheduler.handle_report(0, report)?;
+                    }
+                }
+                DecodeEvent::Ready { request } => {
+                    // The KV is in place now; checking it is the demo's work, not the load's.
+                    let ready_at_ns = wall_ns();
+                    let Some(load) = self.loads.remove(&request) else { continue };
+                    let remote_id = RequestId::new(load.remote.request.clone());
+                    let parent = remote_id.parent().unwrap_or(remote_id);
+                    let seed = pattern::seed(&load.remote.engine, parent.as_str());
+                    let ok = self.engine.check(seed, &load.blocks)?;
+                    let bytes = load.blocks.len() as u64 * self.engine.shape.block_bytes();
+                    self.outcome_at(&request, if ok { "ok" } else { "corrupt" }, bytes, ready_at_ns);
+                    // The engine decodes and is done with the blocks.
+                    self.engine.release(&load.blocks)?;
+                }
+                DecodeEvent::Free { request, blocks, state } => {
+                    let aborted = self.loads.remove(&request).is_some_and(|l| l.aborted);
+                    self.engine.release(&blocks)?;
+                    self.outcome(&request, if aborted { "aborted" } else { state.as_str() }, 0);
+                }
+            }
+        }
+        Ok(())
+    }
+}

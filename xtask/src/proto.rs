@@ -1,0 +1,287 @@
+//! What the router and the engine processes say to each other: one JSON object per line,
+//! commands on an engine's stdin, events on its stdout.
+//!
+//! Times an engine reports (`*_at_ns`) are readings of the host's realtime clock, so that
+//! the router can compare them across processes on the one host; durations are measured on
+//! each engine's monotonic clock.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+
+use kv_core::{BlockId, EngineId, PeerAddress, RequestId, Time};
+use kv_sched_adapter::{ExportInfo, RemoteRef};
+use serde::{Deserialize, Serialize};
+
+/// Which engine a process runs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeRole {
+    /// A prefill engine.
+    Prefill,
+    /// A decode engine.
+    Decode,
+}
+
+/// The model every engine of a run serves: a K/V-split, HND, layer-major layout.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct Model {
+    /// Layers.
+    pub layers: u32,
+    /// KV heads.
+    pub kv_heads: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Bytes per element.
+    pub dtype_bytes: u32,
+    /// Tokens per block.
+    pub block_tokens: u32,
+}
+
+impl Model {
+    /// The layout of this model.
+    pub fn layout(&self) -> kv_core::KvLayout {
+        kv_core::KvLayout {
+            layers: self.layers,
+            block_tokens: self.block_tokens,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            dtype_bytes: self.dtype_bytes,
+            attention: kv_core::Attention::SplitKv,
+            order: kv_core::MemoryOrder::Hnd,
+            placement: kv_core::Placement::LayerMajor,
+        }
+    }
+
+    /// Bytes of one block, every layer.
+    pub fn block_bytes(&self) -> u64 {
+        2 * u64::from(self.layers)
+            * u64::from(self.kv_heads)
+            * u64::from(self.head_dim)
+            * u64::from(self.dtype_bytes)
+            * u64::from(self.block_tokens)
+    }
+}
+
+/// Everything an engine process is started with (its one argument, as JSON).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NodeConfig {
+    /// P or D.
+    pub role: NodeRole,
+    /// The engine's id.
+    pub name: String,
+    /// Its incarnation: 1, and one more at each restart.
+    pub instance: u64,
+    /// `true` for push mode.
+    pub push: bool,
+    /// Blocks in its KV pool.
+    pub num_blocks: u32,
+    /// The model.
+    pub model: Model,
+    /// `kv_lease_duration`, in milliseconds.
+    pub lease_ms: u64,
+    /// D's read safety margin before P's deadline, in milliseconds.
+    pub read_safety_margin_ms: u64,
+    /// `decoder_kv_blocks_ttl` and `push_registration_timeout`, in milliseconds.
+    pub decoder_ttl_ms: u64,
+}
+
+impl NodeConfig {
+    /// The connector configuration this engine runs with.
+    pub fn connector(&self) -> kv_sched_adapter::Config {
+        use std::time::Duration;
+        let mut c = kv_sched_adapter::Config::with_lease(Duration::from_millis(self.lease_ms));
+        c.mode = if self.push { kv_sched_adapter::Mode::Push } else { kv_sched_adapter::Mode::Pull };
+        c.read_safety_margin = Duration::from_millis(self.read_safety_margin_ms);
+        c.decoder_kv_blocks_ttl = Duration::from_millis(self.decoder_ttl_ms);
+        c.push_registration_timeout = Duration::from_millis(self.decoder_ttl_ms);
+        c
+    }
+}
+
+/// P's transfer parameters as the router carries them: kv-sched-adapter's [`RemoteRef`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Remote {
+    /// P's engine.
+    pub engine: String,
+    /// P's request id.
+    pub request: String,
+    /// P's side-channel address per rank.
+    pub addresses: Vec<String>,
+    /// P's incarnation (0: not known yet, push mode).
+    pub instance: u64,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// P's blocks and the lease's deadline (ns on P's clock), once P has exported.
+    pub export: Option<(Vec<u32>, u64)>,
+}
+
+impl From<&RemoteRef> for Remote {
+    fn from(r: &RemoteRef) -> Self {
+        Remote {
+            engine: r.engine.to_string(),
+            request: r.request.as_str().to_owned(),
+            addresses: r.addresses.iter().map(|a| a.0.clone()).collect(),
+            instance: r.instance,
+            prompt_tokens: r.prompt_tokens,
+            export: r.export.as_ref().map(|e| (e.blocks.iter().map(|b| b.0).collect(), e.deadline.as_nanos())),
+        }
+    }
+}
+
+impl Remote {
+    /// The connector's form.
+    pub fn to_ref(&self) -> RemoteRef {
+        RemoteRef {
+            engine: EngineId::new(self.engine.clone()),
+            request: RequestId::new(self.request.clone()),
+            addresses: self.addresses.iter().map(|a| PeerAddress(a.clone())).collect(),
+            tp_size: self.addresses.len() as u32,
+            instance: self.instance,
+            prompt_tokens: self.prompt_tokens,
+            export: self.export.as_ref().map(|(blocks, deadline)| ExportInfo {
+                blocks: blocks.iter().map(|&b| BlockId(b)).collect(),
+                deadline: Time::from_nanos(*deadline),
+            }),
+        }
+    }
+}
+
+/// The router's commands.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Command {
+    /// P: run a prompt and export it; with `n > 1`, as siblings `0_id` .. `{n-1}_id`.
+    Prefill {
+        /// The request.
+        id: String,
+        /// Its prompt.
+        prompt_tokens: u64,
+        /// Parallel samples.
+        n: u32,
+    },
+    /// D: a request with P's parameters enters the waiting queue; D schedules it when it
+    /// has blocks.
+    Arrive {
+        /// D's request id.
+        id: String,
+        /// P's parameters.
+        remote: Remote,
+    },
+    /// D: reject a request before admission.
+    Reject {
+        /// D's request id.
+        id: String,
+        /// P's parameters.
+        remote: Remote,
+    },
+    /// D: the router aborts a request.
+    Abort {
+        /// D's request id.
+        id: String,
+    },
+    /// Report [`Event::Stats`].
+    Stats,
+    /// Exit.
+    Shutdown,
+}
+
+/// What an engine reports.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Event {
+    /// Up: its side channel listens on `port`.
+    Ready {
+        /// The side channel's port.
+        port: u16,
+    },
+    /// P exported a request (one event per sibling).
+    Exported {
+        /// The router's request id (the parent of siblings).
+        id: String,
+        /// P's parameters for D.
+        remote: Remote,
+        /// When P finished the prompt.
+        finished_at_ns: u64,
+    },
+    /// P has no room for the prompt now; the router tries again later.
+    Busy {
+        /// The request.
+        id: String,
+    },
+    /// P freed an export's blocks.
+    Freed {
+        /// P's request id.
+        id: String,
+        /// Why, as [`kv_sched_adapter::ReleaseReason::as_str`] writes it.
+        reason: String,
+        /// When.
+        at_ns: u64,
+    },
+    /// D is done with a request.
+    Outcome {
+        /// D's request id.
+        id: String,
+        /// `ok`, `corrupt`, `rejected`, `aborted`, `failed`, `recompute`, or `refused` (D's
+        /// connector refused the request).
+        outcome: String,
+        /// KV bytes D checked (for `ok` and `corrupt`).
+        bytes: u64,
+        /// When its KV was in place (for `ok` and `corrupt`).
+        ready_at_ns: u64,
+    },
+    /// A transfer this engine posted ended.
+    Transfer {
+        /// Bytes moved.
+        bytes: u64,
+        /// From post to completion, in nanoseconds.
+        took_ns: u64,
+        /// Whether it succeeded.
+        ok: bool,
+    },
+    /// Counts, on [`Command::Stats`].
+    Stats {
+        /// Blocks of the pool still allocated.
+        held_blocks: u64,
+        /// Blocks found written after they were freed, when allocated again.
+        written_after_free: u64,
+        /// The connector's counters, by name.
+        counters: BTreeMap<String, u64>,
+    },
+    /// Something went wrong that the report must show.
+    Error {
+        /// What.
+        message: String,
+    },
+}
+
+/// The host's realtime clock, in nanoseconds since the epoch.
+pub fn wall_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Writes one message as a line and flushes.
+pub fn write_line<T: Serialize>(out: &mut impl Write, message: &T) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(message).map_err(std::io::Error::other)?;
+    line.push(b'\n');
+    out.write_all(&line)?;
+    out.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_remote_ref_survives_the_trip_through_the_router() {
+        let r = RemoteRef {
+            engine: EngineId::new("prefill0"),
+            request: RequestId::new("1_req-3"),
+            addresses: vec![PeerAddress("127.0.0.1:5600".into())],
+            tp_size: 1,
+            instance: 2,
+            prompt_tokens: 300,
+            export: Some(ExportInfo { blocks: vec![BlockId(4), BlockId(9)], deadline: Time::from_nanos(77) }),
+        };
+        let line = serde_json::to_string(&Remote::from(&r)).unwrap();
+        let back: Remote = serde_json::from_str(&line).unwrap();
+        assert_eq!(back.to_ref(), r);
+    }
+}
