@@ -12,8 +12,12 @@
 //! `KVFLOW_NIXL_DIR` or [`NixlConfig::runtime_dir`] overrides where it is.
 //!
 //! Register every region before peers connect: NIXL's metadata, which peers load at
-//! handshake, lists the registrations that exist then.
+//! handshake, lists the registrations that exist then. The handshake's agent metadata carries,
+//! ahead of NIXL's, a table of those registrations with their memory kind and GPU, so that each
+//! side builds the peer's descriptor lists with the peer's true memory type (DRAM or VRAM) and
+//! device id, and refuses a remote range outside them before NIXL sees it.
 
+mod metadata;
 pub mod runtime;
 mod side;
 mod transport;

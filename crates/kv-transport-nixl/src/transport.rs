@@ -18,6 +18,7 @@ use nixl_sys::{
     XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
 
+use crate::metadata::{self, mem_type, Registration, TypedRanges};
 use crate::side::{SideChannel, SideEvent, SideStats};
 use crate::{runtime, NixlError};
 
@@ -77,16 +78,25 @@ impl NixlDescriptor for RawRegion {
     }
 }
 
-fn mem_type(kind: MemoryKind) -> MemType {
-    match kind {
-        MemoryKind::Host | MemoryKind::PinnedHost => MemType::Dram,
-        MemoryKind::Device(_) => MemType::Vram,
-    }
-}
-
 /// NIXL's agent name for a kvflow agent.
 fn nixl_name(agent: &AgentName) -> String {
     agent.to_string()
+}
+
+/// A connected peer: its agent as loaded into NIXL, and its registered memory as its handshake
+/// listed it, so that remote ranges are named with their true memory type and device.
+struct Peer {
+    nixl: String,
+    memory: Vec<Registration>,
+}
+
+/// NIXL's descriptor list of typed ranges.
+fn descriptor_list(typed: &TypedRanges) -> Result<XferDescList<'static>, TransportError> {
+    let mut list = XferDescList::new(typed.mem_type).map_err(|e| backend_error("descriptor list", e))?;
+    for &(addr, len, device) in &typed.ranges {
+        list.add_desc(addr as usize, len as usize, device);
+    }
+    Ok(list)
 }
 
 /// A prepared NIXL descriptor list.
@@ -126,7 +136,7 @@ pub struct NixlTransport {
     backend: Backend,
     side: SideChannel,
     regions: BTreeMap<RegionId, (RegistrationHandle, Region)>,
-    peers: BTreeMap<AgentName, String>,
+    peers: BTreeMap<AgentName, Peer>,
     transfers: BTreeMap<TransferId, Pending>,
     next_transfer: u64,
     events: VecDeque<PeerEvent>,
@@ -158,7 +168,8 @@ impl NixlTransport {
         }
         let backend =
             agent.create_backend("UCX", &params).map_err(|e| NixlError::Agent(format!("UCX backend: {e}")))?;
-        offer.agent_metadata = agent.get_local_md().map_err(|e| NixlError::Agent(format!("local metadata: {e}")))?;
+        let nixl_md = agent.get_local_md().map_err(|e| NixlError::Agent(format!("local metadata: {e}")))?;
+        offer.agent_metadata = metadata::encode(&[], &nixl_md);
         let side = SideChannel::start(config.bind, offer, clock, config.handshake_timeout)?;
         Ok(NixlTransport {
             name,
@@ -208,9 +219,16 @@ impl NixlTransport {
             let event = match event {
                 SideEvent::Accepted { handshake, sent_at, received_at } => {
                     let agent = AgentName::new(handshake.engine.clone(), handshake.rank);
-                    match self.agent.load_remote_md(&handshake.agent_metadata) {
-                        Ok(remote) => {
-                            self.peers.insert(agent.clone(), remote);
+                    let loaded = metadata::decode(&handshake.agent_metadata)
+                        .map_err(|e| TransportError::Backend(format!("peer metadata: {e}")))
+                        .and_then(|(memory, nixl_md)| {
+                            let nixl =
+                                self.agent.load_remote_md(nixl_md).map_err(|e| backend_error("peer metadata", e))?;
+                            Ok(Peer { nixl, memory })
+                        });
+                    match loaded {
+                        Ok(peer) => {
+                            self.peers.insert(agent.clone(), peer);
                             PeerEvent::Connected(Box::new(PeerInfo {
                                 agent,
                                 handshake: *handshake,
@@ -218,14 +236,14 @@ impl NixlTransport {
                                 received_at,
                             }))
                         }
-                        Err(e) => PeerEvent::Refused { peer: agent, error: backend_error("peer metadata", e) },
+                        Err(error) => PeerEvent::Refused { peer: agent, error },
                     }
                 }
                 SideEvent::ConnectFailed { address, error } => PeerEvent::ConnectFailed { address, error },
                 SideEvent::Refused { peer, error } => PeerEvent::Refused { peer, error },
                 SideEvent::Lost(agent) => {
-                    if let Some(remote) = self.peers.remove(&agent) {
-                        let _ = self.agent.invalidate_remote_md(&remote);
+                    if let Some(peer) = self.peers.remove(&agent) {
+                        let _ = self.agent.invalidate_remote_md(&peer.nixl);
                     }
                     PeerEvent::Lost(agent)
                 }
@@ -246,9 +264,28 @@ impl NixlTransport {
         id
     }
 
-    fn region_containing(&self, addr: u64, len: u64) -> Option<&Region> {
-        let end = addr.checked_add(len)?;
-        self.regions.values().map(|(_, r)| r).find(|r| r.addr <= addr && end <= r.addr + r.len)
+    /// The local registrations, as a peer learns them.
+    fn local_memory(&self) -> impl Iterator<Item = Registration> + '_ {
+        self.regions.values().map(|(_, r)| Registration { addr: r.addr, len: r.len, kind: r.kind })
+    }
+
+    /// Local ranges typed by the local registrations that hold them.
+    fn typed_local(&self, ranges: impl IntoIterator<Item = (u64, u64)>) -> Result<TypedRanges, TransportError> {
+        metadata::typed_ranges("local", ranges, |addr, len| metadata::kind_of(self.local_memory(), addr, len))
+    }
+
+    /// A peer's ranges typed by the peer's registrations that hold them.
+    fn typed_remote(peer: &Peer, ranges: impl IntoIterator<Item = (u64, u64)>) -> Result<TypedRanges, TransportError> {
+        metadata::typed_ranges("remote", ranges, |addr, len| metadata::kind_of(peer.memory.iter().copied(), addr, len))
+    }
+
+    /// Hands the side channel the metadata that peers handshaking from now on load: NIXL's,
+    /// which lists the registrations of this moment, and kvflow's table of the same.
+    fn publish_metadata(&mut self) -> Result<(), TransportError> {
+        let nixl_md = self.agent.get_local_md().map_err(|e| backend_error("local metadata", e))?;
+        let table: Vec<Registration> = self.local_memory().collect();
+        self.side.set_agent_metadata(metadata::encode(&table, &nixl_md));
+        Ok(())
     }
 }
 
@@ -262,11 +299,8 @@ impl Transport for NixlTransport {
         let args = self.opt_args()?;
         let handle = self.agent.register_memory(&raw, Some(&args)).map_err(|e| backend_error("register", e))?;
         self.regions.insert(region.id, (handle, *region));
-        // NIXL's metadata lists the agent's registrations: peers that handshake from now on
-        // must see this region. Register before peers connect.
-        let metadata = self.agent.get_local_md().map_err(|e| backend_error("local metadata", e))?;
-        self.side.set_agent_metadata(metadata);
-        Ok(())
+        // Peers that handshake from now on must see this region. Register before peers connect.
+        self.publish_metadata()
     }
 
     fn deregister(&mut self, region: RegionId) -> Result<(), TransportError> {
@@ -274,7 +308,8 @@ impl Transport for NixlTransport {
             .regions
             .remove(&region)
             .ok_or_else(|| TransportError::Backend(format!("{region:?} is not registered")))?;
-        handle.deregister().map_err(|e| backend_error("deregister", e))
+        handle.deregister().map_err(|e| backend_error("deregister", e))?;
+        self.publish_metadata()
     }
 
     fn connect(&mut self, address: &PeerAddress) -> Result<(), TransportError> {
@@ -284,32 +319,17 @@ impl Transport for NixlTransport {
 
     fn post(&mut self, request: TransferRequest) -> Result<TransferId, TransportError> {
         self.pump_side_channel();
-        let remote = self.peers.get(&request.peer).ok_or_else(|| TransportError::UnknownPeer(request.peer.clone()))?;
+        let peer = self.peers.get(&request.peer).ok_or_else(|| TransportError::UnknownPeer(request.peer.clone()))?;
         if request.pairs.is_empty() {
             return Err(TransportError::InvalidTransfer("no descriptor pairs".into()));
         }
-        let local_region = self.region_containing(request.pairs[0].local_addr, request.pairs[0].len);
-        let kind = local_region.map(|r| r.kind).unwrap_or(MemoryKind::Host);
-        let mut local = XferDescList::new(mem_type(kind)).map_err(|e| backend_error("descriptor list", e))?;
-        // The peer's memory kind is in its registrations; NIXL checks it against the metadata.
-        let mut remote_list = XferDescList::new(mem_type(kind)).map_err(|e| backend_error("descriptor list", e))?;
-        for pair in &request.pairs {
-            if pair.len == 0 {
-                return Err(TransportError::InvalidTransfer("a descriptor of 0 bytes".into()));
-            }
-            let region = self.region_containing(pair.local_addr, pair.len).ok_or(TransportError::NotRegistered {
-                side: "local",
-                addr: pair.local_addr,
-                len: pair.len,
-            })?;
-            let dev = u64::from(region.kind.device_id());
-            local.add_desc(pair.local_addr as usize, pair.len as usize, dev);
-            remote_list.add_desc(pair.remote_addr as usize, pair.len as usize, dev);
-        }
+        // Each side's list takes the memory type and devices of that side's registrations.
+        let local = descriptor_list(&self.typed_local(request.pairs.iter().map(|p| (p.local_addr, p.len)))?)?;
+        let remote = descriptor_list(&Self::typed_remote(peer, request.pairs.iter().map(|p| (p.remote_addr, p.len)))?)?;
         let args = self.transfer_args(request.notification.as_deref())?;
         let xfer = self
             .agent
-            .create_xfer_req(xfer_op(request.op), &local, &remote_list, remote, Some(&args))
+            .create_xfer_req(xfer_op(request.op), &local, &remote, &peer.nixl, Some(&args))
             .map_err(|e| backend_error("create transfer", e))?;
         Ok(self.start(xfer, &args))
     }
@@ -317,20 +337,14 @@ impl Transport for NixlTransport {
     fn prepare(&mut self, peer: Option<&AgentName>, ranges: &[(u64, u64)]) -> Result<PreparedId, TransportError> {
         self.pump_side_channel();
         // NIXL names the local side "" and a remote side by its agent name.
-        let agent_name = match peer {
-            Some(peer) => self.peers.get(peer).ok_or_else(|| TransportError::UnknownPeer(peer.clone()))?.clone(),
-            None => String::new(),
+        let (agent_name, typed) = match peer {
+            Some(peer) => {
+                let remote = self.peers.get(peer).ok_or_else(|| TransportError::UnknownPeer(peer.clone()))?;
+                (remote.nixl.clone(), Self::typed_remote(remote, ranges.iter().copied())?)
+            }
+            None => (String::new(), self.typed_local(ranges.iter().copied())?),
         };
-        let mut list = XferDescList::new(MemType::Dram).map_err(|e| backend_error("descriptor list", e))?;
-        for &(addr, len) in ranges {
-            if len == 0 {
-                return Err(TransportError::InvalidTransfer("a prepared range of 0 bytes".into()));
-            }
-            if peer.is_none() && self.region_containing(addr, len).is_none() {
-                return Err(TransportError::NotRegistered { side: "local", addr, len });
-            }
-            list.add_desc(addr as usize, len as usize, 0);
-        }
+        let list = descriptor_list(&typed)?;
         let args = self.opt_args()?;
         let handle =
             self.agent.prepare_xfer_dlist(&agent_name, &list, Some(&args)).map_err(|e| backend_error("prepare", e))?;
@@ -392,7 +406,7 @@ impl Transport for NixlTransport {
             return Err(TransportError::NotificationTooLarge { len: payload.len(), max: MAX_MESSAGE_BYTES });
         }
         let remote = self.peers.get(peer).ok_or_else(|| TransportError::UnknownPeer(peer.clone()))?;
-        self.agent.send_notification(remote, payload, Some(&self.backend)).map_err(|e| backend_error("notify", e))
+        self.agent.send_notification(&remote.nixl, payload, Some(&self.backend)).map_err(|e| backend_error("notify", e))
     }
 
     fn drain_notifications(&mut self, out: &mut Vec<Notification>) {
@@ -403,7 +417,7 @@ impl Transport for NixlTransport {
         }
         let agents: Vec<String> = map.agents().filter_map(|a| a.ok().map(str::to_owned)).collect();
         for remote in agents {
-            let Some(from) = self.peers.iter().find(|(_, name)| **name == remote).map(|(a, _)| a.clone()) else {
+            let Some(from) = self.peers.iter().find(|(_, peer)| peer.nixl == remote).map(|(a, _)| a.clone()) else {
                 tracing::debug!(%remote, "notification from an agent without a handshake");
                 continue;
             };

@@ -1,5 +1,6 @@
 //! Real NIXL/UCX between two processes on loopback: reads and writes of 64 blocks with a
-//! notification, handshake refusals on both sides, bad handshake bytes, and a killed peer.
+//! notification, remote ranges checked against the peer's registrations, handshake refusals on
+//! both sides, bad handshake bytes, and a killed peer.
 //!
 //! Each test runs as the parent; it starts this test binary again as the child (selected by
 //! `KVFLOW_TEST_ROLE`), so every NIXL agent has its own process.
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use kv_core::{
     DescriptorPair, Message, PeerAddress, PeerEvent, PreparedTransfer, RequestId, Role, TransferOp, TransferRequest,
-    TransferStatus, Transport,
+    TransferStatus, Transport, TransportError,
 };
 
 const BLOCKS: usize = 64;
@@ -149,6 +150,14 @@ fn d_reads_64_blocks_from_p_and_p_is_notified() {
     }
     let _serial = serial();
     let (mut child, mut out, pool, mut d, info) = reader_of_filled_p(NAME);
+    // P's handshake listed its registrations: a range beyond them is refused before NIXL sees it.
+    let beyond = info.handshake.regions[0].addr + info.handshake.regions[0].len;
+    let mut stray = pairs(&pool, &info.handshake.regions[0]);
+    stray[3].remote_addr = beyond;
+    let request = TransferRequest { op: TransferOp::Read, peer: info.agent.clone(), pairs: stray, notification: None };
+    let not_registered = TransportError::NotRegistered { side: "remote", addr: beyond, len: BLOCK_BYTES as u64 };
+    assert_eq!(d.post(request), Err(not_registered.clone()));
+    assert_eq!(d.prepare(Some(&info.agent), &[(beyond, BLOCK_BYTES as u64)]), Err(not_registered));
     let completion = Message::Completion { request: RequestId::new("r1"), expected_consumers: 1 }.encode().unwrap();
     let request = TransferRequest {
         op: TransferOp::Read,
