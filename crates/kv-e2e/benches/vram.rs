@@ -1,0 +1,191 @@
+//! The VRAM bench: a 256 MiB KV pool in device memory moved between two processes on one GPU
+//! over NIXL/UCX, against a plain device-to-device copy (`cuMemcpy` between two device regions of
+//! one process, through kv-cuda) of the same bytes, in the same run.
+//!
+//! The ways run round-robin, so that each sees the same stretch of the machine: one round to
+//! warm up (UCX maps the peer's memory on first use), then `--iters` rounds (20 by default); the
+//! median of each is reported in GB/s (bytes moved per second, each byte counted once) and
+//! against the copy. `--json` prints one JSON object as the last line. P is this binary again,
+//! selected by `KVFLOW_BENCH_ROLE`. Without `KVFLOW_GPU=1`, a device or the NIXL runtime it
+//! says why it skipped and exits 0. `--host` runs the same ways over host pools (the copy is then
+//! a memcpy), which needs only the NIXL runtime.
+
+use std::time::{Duration, Instant};
+
+use kv_core::{
+    DescriptorPair, Memory, MemoryKind, Message, PeerEvent, PreparedTransfer, RequestId, Role, TransferOp,
+    TransferRequest, Transport,
+};
+use kv_cuda::CudaMemory;
+use kv_e2e::{
+    connect, expect_line, gpu_skip_reason, nixl_skip_reason, offer, pattern, shape, spawn_self, transport, wait_done,
+    BLOCKS, POOL_BYTES,
+};
+use kv_transport_nixl::NixlTransport;
+
+const ROLE: &str = "KVFLOW_BENCH_ROLE";
+/// The pools' kind, for the child: `host` or `device`.
+const KIND: &str = "KVFLOW_BENCH_KIND";
+const SEED: u8 = 5;
+
+/// The pools' kind: host memory with `--host`, else GPU 0's.
+fn pool_kind(host: bool) -> MemoryKind {
+    if host {
+        MemoryKind::Host
+    } else {
+        MemoryKind::Device(0)
+    }
+}
+
+/// P: a filled pool, served until D goes away.
+fn prefill_child() {
+    let kind = pool_kind(std::env::var(KIND).as_deref() == Ok("host"));
+    let mut memory = CudaMemory::new();
+    let pool = memory.allocate(kind, POOL_BYTES).expect("P's pool");
+    memory.write(pool.id, 0, &pattern(SEED, POOL_BYTES as usize)).expect("fill P's pool");
+    let mut t = transport(offer("bench-prefill", Role::Prefill, &pool), &[pool]).expect("P's transport");
+    println!("READY {}", t.side_channel_addr().port());
+    let mut notes = Vec::new();
+    loop {
+        if let Some(PeerEvent::Lost(_)) = t.poll_event() {
+            return;
+        }
+        t.drain_notifications(&mut notes);
+        notes.clear();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn post(t: &mut NixlTransport, request: TransferRequest) -> Duration {
+    let start = Instant::now();
+    let id = t.post(request).expect("post");
+    wait_done(t, id, start).expect("transfer")
+}
+
+fn post_prepared(t: &mut NixlTransport, request: PreparedTransfer) -> Duration {
+    let start = Instant::now();
+    let id = t.post_prepared(request).expect("post prepared");
+    wait_done(t, id, start).expect("transfer")
+}
+
+fn median(mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn main() {
+    if std::env::var(ROLE).is_ok() {
+        prefill_child();
+        return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let json = args.iter().any(|a| a == "--json");
+    let host = args.iter().any(|a| a == "--host");
+    let kind = pool_kind(host);
+    let iters: usize = args
+        .iter()
+        .position(|a| a == "--iters")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    if let Some(reason) = if host { nixl_skip_reason() } else { gpu_skip_reason() } {
+        eprintln!("vram bench skipped: {reason}");
+        return;
+    }
+    let kind_name = if host { "host" } else { "device" };
+    let (mut child, mut out) = spawn_self(&[], &[(ROLE, "prefill"), (KIND, kind_name)]).expect("spawn the P process");
+    let port: u16 = expect_line(&mut out, "READY").expect("P's port").parse().expect("port");
+
+    let mut memory = CudaMemory::new();
+    let pool = memory.allocate(kind, POOL_BYTES).expect("D's pool");
+    // The copy's source: the same bytes as P's pool, on the same GPU.
+    let source = memory.allocate(kind, POOL_BYTES).expect("the copy's source");
+    let expected = pattern(SEED, POOL_BYTES as usize);
+    memory.write(source.id, 0, &expected).expect("fill the copy's source");
+    let mut d = transport(offer("bench-decode", Role::Decode, &pool), &[pool]).expect("D's transport");
+    let info = connect(&mut d, port).expect("handshake with P");
+    let remote = info.handshake.regions[0];
+
+    let whole = vec![DescriptorPair {
+        local_region: 0,
+        local_addr: pool.addr,
+        remote_region: 0,
+        remote_addr: remote.addr,
+        len: POOL_BYTES,
+    }];
+    let read =
+        TransferRequest { op: TransferOp::Read, peer: info.agent.clone(), pairs: whole.clone(), notification: None };
+    let write = TransferRequest { op: TransferOp::Write, peer: info.agent.clone(), pairs: whole, notification: None };
+    let s = shape();
+    let local_list = d.prepare(None, &s.block_descriptors(&[pool.addr])).expect("prepare D's blocks");
+    let remote_list = d.prepare(Some(&info.agent), &s.block_descriptors(&[remote.addr])).expect("prepare P's blocks");
+    let note =
+        Message::Completion { request: RequestId::new("bench"), expected_consumers: 1 }.encode().expect("encode");
+    let blocks = PreparedTransfer {
+        op: TransferOp::Read,
+        peer: info.agent.clone(),
+        local: local_list,
+        local_indices: (0..BLOCKS).collect(),
+        remote: remote_list,
+        remote_indices: (0..BLOCKS).collect(),
+        notification: Some(note),
+    };
+
+    let copy_name = if host { "memcpy" } else { "cuMemcpy DtoD" };
+    let ways: [(&str, usize); 4] =
+        [(copy_name, 1), ("NIXL read", 1), ("NIXL read blocks", BLOCKS as usize), ("NIXL write", 1)];
+    let mut samples: Vec<Vec<Duration>> = vec![Vec::new(); ways.len()];
+    for round in 0..=iters {
+        for (i, samples) in samples.iter_mut().enumerate() {
+            let took = match i {
+                0 => {
+                    let start = Instant::now();
+                    memory.copy(pool.id, 0, source.id, 0, POOL_BYTES).expect("device copy");
+                    start.elapsed()
+                }
+                1 => post(&mut d, read.clone()),
+                2 => post_prepared(&mut d, blocks.clone()),
+                _ => post(&mut d, write.clone()),
+            };
+            // Round 0 warms up.
+            if round > 0 {
+                samples.push(took);
+            }
+        }
+    }
+    // What D's pool holds is P's pool, byte for byte (every way moved the same bytes).
+    let mut back = vec![0u8; POOL_BYTES as usize];
+    memory.read(pool.id, 0, &mut back).expect("read D's pool back");
+    assert!(back == expected, "the bytes in D's pool differ from P's");
+
+    let results: Vec<(&str, usize, Duration)> =
+        ways.iter().zip(samples).map(|((name, n), samples)| (*name, *n, median(samples))).collect();
+    let copy_gbps = gbps(POOL_BYTES, results[0].2);
+    let what = if host { "host to host" } else { "VRAM to VRAM on one GPU" };
+    println!("\nvram: {} MiB {what}, two processes for NIXL, median of {iters}", POOL_BYTES >> 20);
+    println!("{:<18} {:>12} {:>10} {:>10} {:>10}", "way", "descriptors", "ms", "GB/s", "vs copy");
+    for (name, descriptors, d) in &results {
+        let g = gbps(POOL_BYTES, *d);
+        let ms = d.as_secs_f64() * 1e3;
+        println!("{name:<18} {descriptors:>12} {ms:>10.3} {g:>10.1} {:>9.2}x", g / copy_gbps);
+    }
+    if json {
+        let fields: Vec<String> = results
+            .iter()
+            .map(|(name, n, d)| {
+                let key = name.replace(' ', "_");
+                format!("\"{key}\":{{\"descriptors\":{n},\"gbps\":{:.3}}}", gbps(POOL_BYTES, *d))
+            })
+            .collect();
+        println!(
+            "{{\"vram\":{{\"kind\":\"{kind_name}\",\"bytes\":{POOL_BYTES},\"iters\":{iters},{}}}}}",
+            fields.join(",")
+        );
+    }
+    drop(d);
+    let _ = child.wait();
+}

@@ -1,0 +1,194 @@
+//! End-to-end checks where kvflow's real adapters meet: KV pools that kv-cuda allocates (GPU
+//! memory included), moved between processes by kv-transport-nixl's `NixlTransport`.
+//!
+//! The adapters may not know each other (see ARCHITECTURE.md), so what proves that they work
+//! together lives here: `tests/pools.rs` moves a 256 MiB pool between two processes and checks
+//! every byte, VRAM to VRAM where `KVFLOW_GPU=1` and a CUDA device are there (elsewhere that
+//! test says it skipped, by name, and passes), and host to host on every machine with the NIXL
+//! runtime; `benches/vram.rs` measures the VRAM move against a plain device-to-device copy of
+//! the same bytes in the same run.
+//!
+//! This library holds what the test and the bench share: the pool's layout, the handshake offer,
+//! a transport over a pool, the child process, and the byte pattern. It is not published.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_core::{
+    Attention, Clock, EngineId, Handshake, KvLayout, MemoryOrder, PeerAddress, PeerEvent, PeerInfo, Placement,
+    PoolShape, Region, RegionBase, Role, Time, TransferId, TransferStatus, Transport, TransportError,
+};
+use kv_transport_nixl::{runtime, NixlConfig, NixlError, NixlTransport};
+
+/// Blocks in a pool.
+pub const BLOCKS: u32 = 128;
+/// Bytes of one block: 32 layers, K and V, 8 heads of 128, 16 tokens, bf16.
+pub const BLOCK_BYTES: u64 = 32 * 2 * 8 * 128 * 16 * 2;
+/// Bytes of a pool: 256 MiB.
+pub const POOL_BYTES: u64 = BLOCK_BYTES * BLOCKS as u64;
+
+/// The model's KV layout: 2 MiB blocks, block-major, so that a pool is one region.
+pub fn layout() -> KvLayout {
+    KvLayout {
+        layers: 32,
+        block_tokens: 16,
+        kv_heads: 8,
+        head_dim: 128,
+        dtype_bytes: 2,
+        attention: Attention::SplitKv,
+        order: MemoryOrder::Hnd,
+        placement: Placement::BlockMajor,
+    }
+}
+
+/// The pool's shape: every head, [`BLOCKS`] blocks.
+pub fn shape() -> PoolShape {
+    PoolShape::new(layout(), 8, BLOCKS).expect("the e2e layout is valid")
+}
+
+/// Why a check over NIXL cannot run here, if it cannot: there is no NIXL runtime.
+pub fn nixl_skip_reason() -> Option<String> {
+    if runtime::runtime_present(None) {
+        return None;
+    }
+    let dir = runtime::runtime_dir(None);
+    Some(format!("no NIXL runtime at {} (run cargo xtask setup, or set KVFLOW_NIXL_DIR)", dir.display()))
+}
+
+/// Why a GPU check over NIXL cannot run here, if it cannot: `KVFLOW_GPU` is not `1`, there is no
+/// CUDA device, or there is no NIXL runtime.
+pub fn gpu_skip_reason() -> Option<String> {
+    kv_cuda::gpu_for_tests().err().or_else(nixl_skip_reason)
+}
+
+/// A monotonic clock for a real process.
+#[derive(Debug)]
+pub struct ProcessClock(Instant);
+
+impl Clock for ProcessClock {
+    fn now(&self) -> Time {
+        Time::from_nanos(self.0.elapsed().as_nanos() as u64)
+    }
+}
+
+/// The handshake offer of rank 0 of `engine`, whose pool is `pool`.
+pub fn offer(engine: &str, role: Role, pool: &Region) -> Handshake {
+    let layout = layout();
+    Handshake {
+        protocol_version: kv_core::wire::PROTOCOL_VERSION,
+        engine: EngineId::new(engine),
+        rank: 0,
+        tp_size: 1,
+        instance: 0,
+        role,
+        model: "kvflow-e2e".into(),
+        layout,
+        num_blocks: BLOCKS,
+        regions: vec![RegionBase { addr: pool.addr, len: pool.len }],
+        compat_hash: kv_core::wire::compatibility_hash("kvflow-e2e", &layout),
+        clock: Time::ZERO,
+        agent_metadata: Vec::new(),
+    }
+}
+
+/// A transport for `offer` listening on an ephemeral loopback port, with `regions` registered.
+pub fn transport(offer: Handshake, regions: &[Region]) -> Result<NixlTransport, NixlError> {
+    let config = NixlConfig { bind: "127.0.0.1:0".parse().expect("loopback"), ..NixlConfig::default() };
+    let clock: Arc<dyn Clock> = Arc::new(ProcessClock(Instant::now()));
+    let mut t = NixlTransport::new(offer, &config, clock)?;
+    for region in regions {
+        t.register(region)?;
+    }
+    Ok(t)
+}
+
+/// Connects `t` to the listener on loopback `port` and waits for the handshake.
+pub fn connect(t: &mut NixlTransport, port: u16) -> Result<PeerInfo, String> {
+    t.connect(&PeerAddress(format!("127.0.0.1:{port}"))).map_err(|e| e.to_string())?;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(30) {
+        match t.poll_event() {
+            Some(PeerEvent::Connected(info)) => return Ok(*info),
+            Some(other) => return Err(format!("expected a connection, got {other:?}")),
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+    Err(format!("no handshake with 127.0.0.1:{port} within 30 s"))
+}
+
+/// Polls a transfer until it is done, spinning, and returns how long it took since `start`.
+pub fn wait_done(t: &mut NixlTransport, id: TransferId, start: Instant) -> Result<Duration, TransportError> {
+    loop {
+        match t.poll_transfer(id) {
+            TransferStatus::Done => return Ok(start.elapsed()),
+            TransferStatus::InProgress if start.elapsed() > Duration::from_secs(60) => {
+                return Err(TransportError::TransferFailed(format!("{id:?} did not finish in 60 s")));
+            }
+            TransferStatus::InProgress => std::hint::spin_loop(),
+            TransferStatus::Failed(e) => return Err(e),
+        }
+    }
+}
+
+/// This executable again, with `args`, and `env` set: the other process of a check. Its stdout is
+/// piped back; read it with [`expect_line`].
+pub fn spawn_self(args: &[&str], env: &[(&str, &str)]) -> std::io::Result<(Child, BufReader<ChildStdout>)> {
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args(args).envs(env.iter().copied()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let mut child = cmd.spawn()?;
+    let out = child.stdout.take().map(BufReader::new).ok_or_else(|| std::io::Error::other("no child stdout"))?;
+    Ok((child, out))
+}
+
+/// Reads the child's lines until one holds `marker`; returns what follows it, trimmed.
+pub fn expect_line(out: &mut BufReader<ChildStdout>, marker: &str) -> Result<String, String> {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = out.read_line(&mut line).map_err(|e| format!("cannot read the child's output: {e}"))?;
+        if n == 0 {
+            return Err(format!("the child ended before printing {marker:?}"));
+        }
+        // libtest prints "test NAME ... " before the test runs, so a marker may start mid-line.
+        if let Some(at) = line.find(marker) {
+            return Ok(line[at + marker.len()..].trim().to_owned());
+        }
+    }
+}
+
+/// `len` bytes in which no two 8-byte words are equal, different for each seed, so
+/// that a block moved to the wrong place, or not at all, shows.
+pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 8);
+    let mix = u64::from(seed).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+    for word in 0..len.div_ceil(8) as u64 {
+        out.extend_from_slice(&((word ^ mix).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ mix).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_is_256_mib_of_2_mib_blocks_in_one_region() {
+        let shape = shape();
+        assert_eq!(shape.block_bytes(), BLOCK_BYTES);
+        assert_eq!(BLOCK_BYTES, 2 << 20);
+        assert_eq!(shape.pool_bytes(), POOL_BYTES);
+        assert_eq!(POOL_BYTES, 256 << 20);
+        assert_eq!(shape.region_count(), 1);
+    }
+
+    #[test]
+    fn patterns_differ_by_seed_and_along_a_block() {
+        let (a, b) = (pattern(1, 1 << 16), pattern(2, 1 << 16));
+        assert_ne!(a, b);
+        assert_ne!(a[..4096], a[4096..8192]);
+        assert_eq!(pattern(1, 13), a[..13]);
+    }
+}
