@@ -6,6 +6,13 @@
 //! loaded; and it points `NIXL_PLUGIN_DIR` at the runtime's `plugins/` folder before the first
 //! agent. The runtime is the `nixl-cu12` wheel that `cargo xtask setup` unpacks into `.nixl/`;
 //! `KVFLOW_NIXL_DIR`, or an explicit path, overrides where it is looked for.
+//!
+//! It also turns on UCX's zero-copy GET over CUDA IPC ([`UCX_CUDA_IPC_GET_ENV`]) unless the
+//! environment already sets it: under UCX's default, `auto`, it is off on platforms that UCX
+//! judges slower for GET than for PUT (an H100 with no NVLink peer among them), and a read of
+//! VRAM from another process then falls back to UCX's software emulation over TCP. Seen on an
+//! H100: a 256 MiB VRAM-to-VRAM NIXL read at 0.44 GB/s with `auto`, where a write of the same
+//! bytes took the CUDA IPC path at 739 GB/s. Reads are kvflow's pull path, so it wants GET.
 #![allow(unsafe_code)] // dlopen and setenv: see the SAFETY notes.
 
 use std::ffi::CString;
@@ -16,6 +23,10 @@ use crate::NixlError;
 
 /// The environment variable that overrides where the runtime is.
 pub const RUNTIME_ENV: &str = "KVFLOW_NIXL_DIR";
+
+/// UCX's switch for zero-copy GET over CUDA IPC, set to `y` before the first agent unless the
+/// environment sets it (see the module docs).
+pub const UCX_CUDA_IPC_GET_ENV: &str = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY";
 
 /// Where `cargo xtask setup` puts the runtime, compiled in.
 pub const DEFAULT_RUNTIME_DIR: &str = env!("KVFLOW_NIXL_DEFAULT_DIR");
@@ -46,9 +57,13 @@ fn load(dir: &Path) -> Result<PathBuf, NixlError> {
         return Err(NixlError::RuntimeMissing { path: lib });
     }
     let plugins = dir.join("plugins");
+    // Once, before this process creates any NIXL agent (which reads them); what the
+    // environment already says wins.
     if std::env::var_os("NIXL_PLUGIN_DIR").is_none() {
-        // Once, before this process creates any NIXL agent (which reads it).
         std::env::set_var("NIXL_PLUGIN_DIR", &plugins);
+    }
+    if std::env::var_os(UCX_CUDA_IPC_GET_ENV).is_none() {
+        std::env::set_var(UCX_CUDA_IPC_GET_ENV, "y");
     }
     let c_path = CString::new(lib.as_os_str().as_encoded_bytes())
         .map_err(|_| NixlError::RuntimeMissing { path: lib.clone() })?;
