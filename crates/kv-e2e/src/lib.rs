@@ -10,6 +10,10 @@
 //!
 //! This library holds what the test and the bench share: the pool's layout, the handshake offer,
 //! a transport over a pool, the child process, and the byte pattern. It is not published.
+//!
+//! For a GPU machine that reaches no registry, `gpu/pack.sh` packs the release binaries and the
+//! NIXL runtime of the `nixl-cu13` wheel into one small folder, and `gpu/run.sh` runs the checks
+//! there with `KVFLOW_GPU=1`.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ChildStdout, Command, Stdio};
