@@ -7,8 +7,8 @@
 //! agent. The runtime is the `nixl-cu12` wheel that `cargo xtask setup` unpacks into `.nixl/`;
 //! `KVFLOW_NIXL_DIR`, or an explicit path, overrides where it is looked for.
 //!
-//! It also turns on UCX's zero-copy GET over CUDA IPC ([`UCX_CUDA_IPC_GET_ENV`]) unless the
-//! environment already sets it: under UCX's default, `auto`, it is off on platforms that UCX
+//! Where a CUDA driver is installed, it also turns on UCX's zero-copy GET over CUDA IPC
+//! ([`UCX_CUDA_IPC_GET_ENV`]) unless the environment already sets it: under UCX's default, `auto`, it is off on platforms that UCX
 //! judges slower for GET than for PUT (an H100 with no NVLink peer among them), and a read of
 //! VRAM from another process then falls back to UCX's software emulation over TCP. Seen on an
 //! H100: a 256 MiB VRAM-to-VRAM NIXL read at 0.44 GB/s with `auto`, where a write of the same
@@ -24,8 +24,9 @@ use crate::NixlError;
 /// The environment variable that overrides where the runtime is.
 pub const RUNTIME_ENV: &str = "KVFLOW_NIXL_DIR";
 
-/// UCX's switch for zero-copy GET over CUDA IPC, set to `y` before the first agent unless the
-/// environment sets it (see the module docs).
+/// UCX's switch for zero-copy GET over CUDA IPC, set to `y` before the first agent where a CUDA
+/// driver is installed, unless the environment sets it (see the module docs). Without a driver
+/// UCX loads no CUDA transport and would warn that the variable is unused.
 pub const UCX_CUDA_IPC_GET_ENV: &str = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY";
 
 /// Where `cargo xtask setup` puts the runtime, compiled in.
@@ -62,7 +63,7 @@ fn load(dir: &Path) -> Result<PathBuf, NixlError> {
     if std::env::var_os("NIXL_PLUGIN_DIR").is_none() {
         std::env::set_var("NIXL_PLUGIN_DIR", &plugins);
     }
-    if std::env::var_os(UCX_CUDA_IPC_GET_ENV).is_none() {
+    if std::env::var_os(UCX_CUDA_IPC_GET_ENV).is_none() && cuda_driver_installed() {
         std::env::set_var(UCX_CUDA_IPC_GET_ENV, "y");
     }
     let c_path = CString::new(lib.as_os_str().as_encoded_bytes())
@@ -83,4 +84,17 @@ fn load(dir: &Path) -> Result<PathBuf, NixlError> {
     }
     tracing::debug!(path = %lib.display(), plugins = %plugins.display(), "NIXL runtime loaded");
     Ok(dir.to_path_buf())
+}
+
+/// Whether the CUDA driver library loads, as UCX's CUDA transports need it to.
+fn cuda_driver_installed() -> bool {
+    // SAFETY: dlopen with a valid C string; a handle it returns is closed again at once.
+    unsafe {
+        let handle = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+        if handle.is_null() {
+            return false;
+        }
+        libc::dlclose(handle);
+    }
+    true
 }
