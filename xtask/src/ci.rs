@@ -21,11 +21,12 @@ pub fn run(args: &[String]) -> Result<()> {
     for (key, value) in &envs {
         eprintln!("xtask: {key}={value}");
     }
-    // The `nixl` feature adds the demo's engine binary, which needs nixl-sys.
+    // The `nixl` feature adds what needs both adapters: the demo's engine binary, and the
+    // test and bench of kv-cuda's pools moved by NixlTransport.
     let clippy =
         ["clippy", "--workspace", "--all-targets", "--locked", "--features", "xtask/nixl", "--", "-D", "warnings"];
     cargo_env(&root, &clippy, &envs)?;
-    cargo_env(&root, &["test", "--workspace", "--locked"], &envs)?;
+    cargo_env(&root, &["test", "--workspace", "--locked", "--features", "xtask/nixl"], &envs)?;
     // A short demo in each mode, real processes over NIXL: any corrupt read, block written after
     // free, or block held after the drain fails it.
     for mode in ["pull", "push"] {

@@ -17,7 +17,7 @@ use kv_core::{
     TransferRequest, Transport,
 };
 use kv_cuda::CudaMemory;
-use kv_e2e::{
+use xtask::e2e::{
     connect, expect_line, gpu_skip_reason, nixl_skip_reason, offer, pattern, shape, spawn_self, transport, wait_done,
     BLOCKS, BLOCK_BYTES, POOL_BYTES,
 };

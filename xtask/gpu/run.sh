@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kvflow GPU checks (issue 6): kv-cuda's GPU tests, the two-process VRAM test, the VRAM bench.
+# kvflow's GPU checks: kv-cuda's GPU tests, the two-process VRAM test, the VRAM bench.
 # Runs on the GPU machine from the folder that pack.sh filled (binaries, nixl-cu13 runtime, this file);
 # logs go to $OUT (the device tool), else /tmp/out. Exits non-zero if anything failed or skipped.
 set -u

@@ -17,11 +17,11 @@ use kv_core::{
     TransferRequest, Transport,
 };
 use kv_cuda::CudaMemory;
-use kv_e2e::{
+use kv_transport_nixl::NixlTransport;
+use xtask::e2e::{
     connect, expect_line, gpu_skip_reason, nixl_skip_reason, offer, pattern, shape, spawn_self, transport, wait_done,
     BLOCKS, POOL_BYTES,
 };
-use kv_transport_nixl::NixlTransport;
 
 const ROLE: &str = "KVFLOW_BENCH_ROLE";
 /// The pools' kind, for the child: `host` or `device`.

@@ -2,17 +2,17 @@
 //! memory included), moved between processes by kv-transport-nixl's `NixlTransport`.
 //!
 //! The adapters may not know each other (see ARCHITECTURE.md), so what proves that they work
-//! together lives here: `tests/pools.rs` moves a 256 MiB pool between two processes and checks
+//! together lives in xtask, which wires them: `tests/pools.rs` moves a 256 MiB pool between two processes and checks
 //! every byte, VRAM to VRAM where `KVFLOW_GPU=1` and a CUDA device are there (elsewhere that
 //! test says it skipped, by name, and passes), and host to host on every machine with the NIXL
 //! runtime; `benches/vram.rs` measures the VRAM move against a plain device-to-device copy of
 //! the same bytes in the same run.
 //!
 //! This library holds what the test and the bench share: the pool's layout, the handshake offer,
-//! a transport over a pool, the child process, and the byte pattern. It is not published.
+//! a transport over a pool, the child process, and the byte pattern.
 //!
-//! For a GPU machine that reaches no registry, `gpu/pack.sh` packs the release binaries and the
-//! NIXL runtime of the `nixl-cu13` wheel into one small folder, and `gpu/run.sh` runs the checks
+//! For a GPU machine that reaches no registry, `xtask/gpu/pack.sh` packs the release binaries and the
+//! NIXL runtime of the `nixl-cu13` wheel into one small folder, and `xtask/gpu/run.sh` runs the checks
 //! there with `KVFLOW_GPU=1`.
 
 use std::io::{BufRead, BufReader};

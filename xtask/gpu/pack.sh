@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Packs what kv-e2e's GPU checks need into one folder, for a GPU machine that reaches no registry:
+# Packs what kvflow's GPU checks need into one folder, for a GPU machine that reaches no registry:
 # the release test and bench binaries (stripped), the NIXL runtime of the nixl-cu13 wheel (CUDA 13,
 # as the GPU machine's driver) cut down to libnixl_capi.so, the UCX plugin and what they load, and
 # run.sh, which runs the checks there with KVFLOW_GPU=1.
 #
-#   crates/kv-e2e/gpu/pack.sh [DEST]        # DEST defaults to .gpu at the workspace root
+#   xtask/gpu/pack.sh [DEST]                # DEST defaults to .gpu at the workspace root
 #   (on the GPU machine, from the folder holding DEST)  bash .gpu/run.sh
 #
 # Needs what `cargo xtask ci` needs (LIBCLANG_PATH for nixl-sys's build), python3 with pip, and
 # readelf and strip (binutils). The wheel is cached under ~/.cache/kvflow, not in DEST, so that
 # DEST stays small (about 18 MiB) for the trip.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/../../.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 dest=${1:-$root/.gpu}
 wheel=nixl_cu13-1.5.1-cp311-cp311-manylinux_2_28_x86_64.whl
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/kvflow
@@ -55,13 +55,14 @@ for path in sorted(seen):
 PY
 (cd "$unpacked/wheel" && tar -czf "$dest/nixl-cu13-1.5.1.tar.gz" -T "$unpacked/files")
 
-# The release binaries: kv-cuda's unit and GPU tests, kv-e2e's pool test and VRAM bench, and
+# The release binaries: kv-cuda's unit and GPU tests, xtask's pool test and VRAM bench, and
 # kv-transport-nixl's two-process tests (DRAM, with the cu13 runtime).
 cd "$root"
 declare -A names=([kv_cuda]=kv_cuda_unit [gpu]=gpu [pools]=pools [two_process]=two_process [vram]=vram)
 {
-  cargo test --release --locked --no-run -p kv-cuda -p kv-e2e -p kv-transport-nixl --message-format=json
-  cargo bench --locked --no-run -p kv-e2e --bench vram --message-format=json
+  cargo test --release --locked --no-run -p kv-cuda -p kv-transport-nixl --message-format=json
+  cargo test --release --locked --no-run -p xtask --features nixl --test pools --message-format=json
+  cargo bench --locked --no-run -p xtask --features nixl --bench vram --message-format=json
 } | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -71,5 +72,5 @@ for line in sys.stdin:
 ' | while read -r name exe; do
   if [ -n "${names[$name]:-}" ]; then strip -o "$dest/bin/${names[$name]}" "$exe"; fi
 done
-cp "$root/crates/kv-e2e/gpu/run.sh" "$dest/run.sh"
+cp "$root/xtask/gpu/run.sh" "$dest/run.sh"
 du -sh "$dest"
