@@ -334,31 +334,10 @@ impl Engine {
     }
 }
 
-/// The host-memory pool the demo's engines keep their KV in.
+/// The host-memory pool the demo's engines keep their KV in: kv-cuda's, which hands the
+/// transport the region's kind (host memory registers as DRAM).
 fn host_memory() -> Box<dyn Memory> {
-    Box::new(TempHost::default())
-}
-
-/// Plain zeroed host buffers, one per region; kv-cuda's host pools replace it when they land.
-#[derive(Default)]
-struct TempHost(Vec<Vec<u8>>);
-impl Memory for TempHost {
-    fn allocate(&mut self, kind: MemoryKind, len: u64) -> Result<Region, kv_core::MemoryError> {
-        self.0.push(vec![0; len as usize]);
-        let b = self.0.last().unwrap();
-        Ok(Region { id: RegionId(self.0.len() as u64 - 1), kind, addr: b.as_ptr() as u64, len })
-    }
-    fn free(&mut self, _: RegionId) -> Result<(), kv_core::MemoryError> {
-        Ok(())
-    }
-    fn read(&self, r: RegionId, o: u64, out: &mut [u8]) -> Result<(), kv_core::MemoryError> {
-        out.copy_from_slice(&self.0[r.0 as usize][o as usize..o as usize + out.len()]);
-        Ok(())
-    }
-    fn write(&mut self, r: RegionId, o: u64, d: &[u8]) -> Result<(), kv_core::MemoryError> {
-        self.0[r.0 as usize][o as usize..o as usize + d.len()].copy_from_slice(d);
-        Ok(())
-    }
+    Box::new(kv_cuda::CudaMemory::new())
 }
 
 /// Waits for the next command, or until the engine's next wake-up.
