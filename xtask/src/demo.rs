@@ -191,7 +191,12 @@ pub fn run(args: &[String]) -> Result<()> {
 }
 
 /// Provisions NIXL and builds `kvflow-node`; returns its path and the environment it needs.
+/// `KVFLOW_NODE_BIN` names a `kvflow-node` built elsewhere instead (for a machine without a
+/// toolchain, with `KVFLOW_NIXL_DIR` pointing at its runtime).
 pub fn build_node() -> Result<NodeBinary> {
+    if let Some(path) = std::env::var_os("KVFLOW_NODE_BIN") {
+        return Ok(NodeBinary { path: PathBuf::from(path), envs: Vec::new() });
+    }
     let root = workspace_root();
     let nixl = provision::ensure().context("the demo's engines need NIXL (see `cargo xtask setup`)")?;
     let envs = nixl.envs();

@@ -115,7 +115,13 @@ fn offer(engine: &str, role: Role, pool: &Pool) -> Handshake {
 
 fn transport(offer: Handshake, pool: &Pool) -> NixlTransport {
     let ucx_workers = std::env::var("KVFLOW_BENCH_UCX_WORKERS").ok().and_then(|v| v.parse().ok());
-    let config = NixlConfig { bind: "127.0.0.1:0".parse().expect("loopback"), ucx_workers, ..NixlConfig::default() };
+    // `KVFLOW_BENCH_UCX_PARAMS=num_threads=4,split_batch_size=8`: more UCX backend parameters.
+    let ucx_params = std::env::var("KVFLOW_BENCH_UCX_PARAMS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect())
+        .unwrap_or_default();
+    let config =
+        NixlConfig { bind: "127.0.0.1:0".parse().expect("loopback"), ucx_workers, ucx_params, ..NixlConfig::default() };
     let clock: Arc<dyn Clock> = Arc::new(ProcessClock(Instant::now()));
     let mut t = NixlTransport::new(offer, &config, clock).expect("NIXL transport");
     t.register(&pool.region()).expect("register");

@@ -36,6 +36,10 @@ pub struct NixlConfig {
     pub runtime_dir: Option<PathBuf>,
     /// UCX worker threads of the backend (NIXL's `num_workers`); `None` keeps NIXL's default.
     pub ucx_workers: Option<u32>,
+    /// Further UCX backend parameters, by NIXL's names, set as given: for example
+    /// `num_threads` and `split_batch_size`, with which NIXL's thread-pool engine splits one
+    /// transfer's descriptors across threads. An unknown name fails `NixlTransport::new`.
+    pub ucx_params: Vec<(String, String)>,
 }
 
 impl Default for NixlConfig {
@@ -45,6 +49,7 @@ impl Default for NixlConfig {
             handshake_timeout: Duration::from_secs(5),
             runtime_dir: None,
             ucx_workers: None,
+            ucx_params: Vec::new(),
         }
     }
 }
@@ -165,6 +170,9 @@ impl NixlTransport {
             params
                 .set("num_workers", &workers.to_string())
                 .map_err(|e| NixlError::Agent(format!("UCX num_workers {workers}: {e}")))?;
+        }
+        for (key, value) in &config.ucx_params {
+            params.set(key, value).map_err(|e| NixlError::Agent(format!("UCX parameter {key}={value}: {e}")))?;
         }
         let backend =
             agent.create_backend("UCX", &params).map_err(|e| NixlError::Agent(format!("UCX backend: {e}")))?;
