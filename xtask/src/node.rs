@@ -62,8 +62,8 @@ fn run() -> Result<()> {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || read_commands(tx));
     match config.role {
-        NodeRole::Prefill => PrefillNode::new(&config)?.run(rx),
-        NodeRole::Decode => DecodeNode::new(&config)?.run(rx),
+        NodeRole::Prefill => run_node(PrefillNode::new(&config)?, rx),
+        NodeRole::Decode => run_node(DecodeNode::new(&config)?, rx),
     }
 }
 
@@ -359,6 +359,33 @@ fn until(now: Time, wake: Option<Time>) -> Option<Duration> {
     wake.map(|w| Duration::from_nanos(w.as_nanos().saturating_sub(now.as_nanos())))
 }
 
+/// What the loop needs of an engine, P or D.
+trait EngineNode {
+    fn engine(&mut self) -> &mut Engine;
+    /// Whether transfers are in flight, and the worker's next wake-up.
+    fn wake(&mut self) -> (bool, Option<Time>);
+    /// Steps the worker and carries out what follows.
+    fn step(&mut self, now: Time) -> Result<()>;
+    /// Handles one command; `false` to stop.
+    fn handle(&mut self, command: Command) -> Result<bool>;
+}
+
+/// The engine's loop: a command or the next wake-up, then a step, until told to stop.
+fn run_node(mut node: impl EngineNode, rx: Receiver<Result<Command, String>>) -> Result<()> {
+    loop {
+        let now = node.engine().now();
+        let (busy, wake) = node.wake();
+        if let Some(command) = next_command(&rx, busy, until(now, wake)) {
+            if !node.handle(command)? {
+                return Ok(());
+            }
+        }
+        let now = node.engine().now();
+        node.step(now)?;
+        node.engine().report_transfers();
+    }
+}
+
 struct PrefillNode {
     engine: Engine,
     scheduler: PrefillScheduler,
@@ -379,26 +406,24 @@ impl PrefillNode {
         node.engine.emit(&Event::Ready { port });
         Ok(node)
     }
+}
 
-    fn run(mut self, rx: Receiver<Result<Command, String>>) -> Result<()> {
-        loop {
-            let now = self.engine.now();
-            let wake = until(now, self.worker.poll_timeout());
-            if let Some(command) = next_command(&rx, self.worker.in_flight() > 0, wake) {
-                if !self.handle(command)? {
-                    return Ok(());
-                }
-            }
-            let now = self.engine.now();
-            for report in self.worker.step(now) {
-                self.scheduler.handle_report(0, report)?;
-            }
-            self.drain(now)?;
-            self.engine.report_transfers();
-        }
+impl EngineNode for PrefillNode {
+    fn engine(&mut self) -> &mut Engine {
+        &mut self.engine
     }
 
-    /// Handles one command; `false` to stop.
+    fn wake(&mut self) -> (bool, Option<Time>) {
+        (self.worker.in_flight() > 0, self.worker.poll_timeout())
+    }
+
+    fn step(&mut self, now: Time) -> Result<()> {
+        for report in self.worker.step(now) {
+            self.scheduler.handle_report(0, report)?;
+        }
+        self.drain(now)
+    }
+
     fn handle(&mut self, command: Command) -> Result<bool> {
         match command {
             Command::Prefill { id, prompt_tokens, n } => self.prefill(id, prompt_tokens, n)?,
@@ -411,7 +436,9 @@ impl PrefillNode {
         }
         Ok(true)
     }
+}
 
+impl PrefillNode {
     /// Runs a prompt: allocates its blocks, fills them, and exports them (once per sibling).
     fn prefill(&mut self, id: String, prompt_tokens: u64, n: u32) -> Result<()> {
         let count = kv_core::blocks_for_tokens(prompt_tokens, self.engine.shape.layout.block_tokens) as usize;
@@ -498,25 +525,6 @@ impl DecodeNode {
         Ok(node)
     }
 
-    fn run(mut self, rx: Receiver<Result<Command, String>>) -> Result<()> {
-        loop {
-            let now = self.engine.now();
-            let wake = until(now, self.worker.poll_timeout());
-            if let Some(command) = next_command(&rx, self.worker.in_flight() > 0, wake) {
-                if !self.handle(command)? {
-                    return Ok(());
-                }
-            }
-            let now = self.engine.now();
-            for report in self.worker.step(now) {
-                self.scheduler.handle_report(0, report)?;
-            }
-            self.schedule()?;
-            self.drain(now)?;
-            self.engine.report_transfers();
-        }
-    }
-
     fn outcome(&mut self, id: &RequestId, outcome: &str, bytes: u64) {
         self.outcome_at(id, outcome, bytes, wall_ns());
     }
@@ -525,8 +533,25 @@ impl DecodeNode {
         let event = Event::Outcome { id: id.as_str().to_owned(), outcome: outcome.to_owned(), bytes, ready_at_ns };
         self.engine.emit(&event);
     }
+}
 
-    /// Handles one command; `false` to stop.
+impl EngineNode for DecodeNode {
+    fn engine(&mut self) -> &mut Engine {
+        &mut self.engine
+    }
+
+    fn wake(&mut self) -> (bool, Option<Time>) {
+        (self.worker.in_flight() > 0, self.worker.poll_timeout())
+    }
+
+    fn step(&mut self, now: Time) -> Result<()> {
+        for report in self.worker.step(now) {
+            self.scheduler.handle_report(0, report)?;
+        }
+        self.schedule()?;
+        self.drain(now)
+    }
+
     fn handle(&mut self, command: Command) -> Result<bool> {
         match command {
             Command::Arrive { id, remote } => {
@@ -582,7 +607,9 @@ impl DecodeNode {
         self.drain(now)?;
         Ok(true)
     }
+}
 
+impl DecodeNode {
     /// Gives blocks to waiting requests, first come first served, while the pool has them.
     fn schedule(&mut self) -> Result<()> {
         while let Some(id) = self.waiting.front().cloned() {
