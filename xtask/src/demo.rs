@@ -915,7 +915,7 @@ impl Report {
         println!("  outcomes on D        {}", list(&self.outcomes));
         println!("  releases on P        {}", list(&self.releases));
         println!(
-            "  bytes moved          {:.2} GiB in {} transfers ({} failed): {:.2} GB/s while transferring, {:.2} GB/s over the run",
+            "  bytes moved          {:.2} GiB in {} transfers ({} failed): {:.2} GB/s per transfer (bytes over time in flight), {:.2} GB/s over the run",
             self.bytes as f64 / f64::from(1u32 << 30),
             self.transfers,
             self.transfers_failed,
