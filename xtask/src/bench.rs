@@ -86,10 +86,18 @@ pub fn run(args: &[String]) -> Result<()> {
     // The transport bench runs two processes over real NIXL/UCX; it needs the runtime.
     let nixl = provision::ensure().context("the transport bench needs the NIXL runtime (see `cargo xtask setup`)")?;
     let transport = transport_bench(&root, &nixl.envs(), json_out, quick)?;
+    // Again with NIXL's UCX thread pool as vLLM's NixlConnector configures it (`num_threads`
+    // 4): the pool splits one transfer's descriptors across threads, where there are cores.
+    let mut threaded_envs = nixl.envs();
+    threaded_envs.push(("KVFLOW_BENCH_UCX_PARAMS".into(), "num_threads=4".into()));
+    let threaded = transport_bench(&root, &threaded_envs, json_out, quick)?;
     let latency = latency_bench(node, quick, json_out)?;
     if json_out {
         if let Value::Object(fields) = transport {
             report.extend(fields);
+        }
+        if let Some(t) = threaded.get("transport") {
+            report.insert("transport_num_threads_4".into(), t.clone());
         }
         report.insert("pull_vs_push".into(), latency);
         println!("{}", Value::Object(report));
@@ -171,7 +179,7 @@ fn transport_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick
         args.push("--json");
     }
     if quick {
-        args.extend(["--iters", "5"]);
+        args.extend(["--iters", "11"]);
     }
     eprintln!("xtask: cargo {}", args.join(" "));
     let output = std::process::Command::new(&cargo_bin)

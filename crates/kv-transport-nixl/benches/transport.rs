@@ -18,8 +18,15 @@
 //!   naming only their indices (NIXL merges runs that are contiguous on both sides).
 //!
 //! The ways run round-robin, so that each sees the same stretch of a noisy machine: one round
-//! to warm up, then `--iters` rounds; the median of each is reported, in GB/s and as ratios. `--json` prints one JSON object as the last line. The child process (P) is this
-//! binary again, selected by `KVFLOW_BENCH_ROLE`.
+//! to warm up, then `--iters` rounds (25 by default). Each way's median is reported in GB/s.
+//! The ratios are paired: each round gives one ratio of two ways' times, taken seconds apart,
+//! and the median of those is printed with the 10th and 90th percentiles beside it, so that a
+//! machine whose speed drifts during the run moves the spread, not the ratio. `--json` prints
+//! one JSON object as the last line.
+//!
+//! `KVFLOW_BENCH_UCX_PARAMS=num_threads=4` passes UCX backend parameters to both agents (here
+//! NIXL's thread pool, as vLLM configures it); the table's title names them. The child
+//! process (P) is this binary again, selected by `KVFLOW_BENCH_ROLE`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -113,13 +120,17 @@ fn offer(engine: &str, role: Role, pool: &Pool) -> Handshake {
     }
 }
 
-fn transport(offer: Handshake, pool: &Pool) -> NixlTransport {
-    let ucx_workers = std::env::var("KVFLOW_BENCH_UCX_WORKERS").ok().and_then(|v| v.parse().ok());
-    // `KVFLOW_BENCH_UCX_PARAMS=num_threads=4,split_batch_size=8`: more UCX backend parameters.
-    let ucx_params = std::env::var("KVFLOW_BENCH_UCX_PARAMS")
+/// `KVFLOW_BENCH_UCX_PARAMS=num_threads=4,split_batch_size=8`: more UCX backend parameters.
+fn ucx_params() -> Vec<(String, String)> {
+    std::env::var("KVFLOW_BENCH_UCX_PARAMS")
         .ok()
         .map(|v| v.split(',').filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect())
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+fn transport(offer: Handshake, pool: &Pool) -> NixlTransport {
+    let ucx_workers = std::env::var("KVFLOW_BENCH_UCX_WORKERS").ok().and_then(|v| v.parse().ok());
+    let ucx_params = ucx_params();
     let config =
         NixlConfig { bind: "127.0.0.1:0".parse().expect("loopback"), ucx_workers, ucx_params, ..NixlConfig::default() };
     let clock: Arc<dyn Clock> = Arc::new(ProcessClock(Instant::now()));
@@ -205,6 +216,36 @@ fn median(mut samples: Vec<Duration>) -> Duration {
     samples[samples.len() / 2]
 }
 
+/// The `q` quantile (nearest rank) of `values`.
+fn quantile(values: &[f64], q: f64) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+/// How much faster the merged plan was than another way, round by round.
+struct Paired {
+    median: f64,
+    p10: f64,
+    p90: f64,
+}
+
+impl Paired {
+    /// `other[r] / merged[r]` for every round `r`: above 1 means the merged plan was faster.
+    fn new(merged: &[Duration], other: &[Duration]) -> Paired {
+        let ratios: Vec<f64> = merged.iter().zip(other).map(|(m, o)| o.as_secs_f64() / m.as_secs_f64()).collect();
+        Paired { median: quantile(&ratios, 0.5), p10: quantile(&ratios, 0.1), p90: quantile(&ratios, 0.9) }
+    }
+
+    fn text(&self) -> String {
+        format!("{:.2} ({:.2}..{:.2})", self.median, self.p10, self.p90)
+    }
+
+    fn json(&self) -> String {
+        format!("{{\"median\":{:.3},\"p10\":{:.3},\"p90\":{:.3}}}", self.median, self.p10, self.p90)
+    }
+}
+
 fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
@@ -221,7 +262,7 @@ fn main() {
         .position(|a| a == "--iters")
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
-        .unwrap_or(10);
+        .unwrap_or(25);
     if !runtime::runtime_present(None) {
         eprintln!(
             "transport bench skipped: no NIXL runtime at {} (run cargo xtask setup)",
@@ -305,7 +346,7 @@ fn main() {
         ("prepared blocks", prepared.local_indices.len()),
     ];
     // Round-robin: every way sees the same stretch of a noisy machine.
-    let mut samples: Vec<Vec<Duration>> = vec![Vec::new(); ways.len()];
+    let mut samples: [Vec<Duration>; 6] = Default::default();
     for round in 0..=iters {
         for (i, _) in ways.iter().enumerate() {
             let took = match i {
@@ -322,42 +363,42 @@ fn main() {
             }
         }
     }
+    let [_, raw_s, merged_s, block_s, whole_s, _] = &samples;
+    let ratios = [
+        ("merged_over_raw", "merged / raw", Paired::new(merged_s, raw_s), "target >= 0.9"),
+        ("merged_over_per_block", "merged / per-block", Paired::new(merged_s, block_s), "target >= 1.8"),
+        ("merged_over_per_block_whole", "merged / per-block whole", Paired::new(merged_s, whole_s), ""),
+    ];
     let results: Vec<(&str, usize, Duration)> =
         ways.iter().zip(samples).map(|((name, n), samples)| (*name, *n, median(samples))).collect();
     // What arrived is P's pool, byte for byte.
     let expected = Pool::new(true);
     assert!(std::hint::black_box(&pool.bytes) == &expected.bytes, "the bytes D read differ from P's");
 
-    let rate = |name: &str| results.iter().find(|r| r.0 == name).map(|r| gbps(total, r.2)).unwrap_or(0.0);
-    let (raw_gbps, merged_gbps, block_gbps, whole_gbps) =
-        (rate("raw nixl-sys"), rate("merged plan"), rate("per-block plan"), rate("per-block whole"));
-    println!("\ntransport: {} MiB between two processes, median of {iters}", total >> 20);
+    let params: Vec<String> = ucx_params().iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let params = if params.is_empty() { "UCX defaults".to_owned() } else { params.join(",") };
+    let raw_gbps = results.iter().find(|r| r.0 == "raw nixl-sys").map(|r| gbps(total, r.2)).unwrap_or(0.0);
+    println!("\ntransport: {} MiB between two processes, {params}, median of {iters} rounds", total >> 20);
     println!("{:<16} {:>12} {:>10} {:>12}", "way", "descriptors", "GB/s", "vs raw");
     for (name, descriptors, d) in &results {
         let g = gbps(total, *d);
         println!("{name:<16} {descriptors:>12} {g:>10.2} {:>11.2}x", g / raw_gbps);
     }
-    println!(
-        "merged / raw = {:.2} (target >= 0.9), merged / per-block = {:.2} (target >= 1.8), \
-         merged / per-block whole = {:.2}",
-        merged_gbps / raw_gbps,
-        merged_gbps / block_gbps,
-        merged_gbps / whole_gbps
-    );
+    println!("paired ratios, median of the rounds (10th..90th percentile):");
+    for (_, label, ratio, target) in &ratios {
+        println!("  {label:<26} {:<20} {target}", ratio.text());
+    }
     if json {
         let fields: Vec<String> = results
             .iter()
             .map(|(name, n, d)| {
                 format!("\"{}\":{{\"descriptors\":{n},\"gbps\":{:.3}}}", name.replace(' ', "_"), gbps(total, *d))
             })
+            .chain(ratios.iter().map(|(key, _, ratio, _)| format!("\"{key}\":{}", ratio.json())))
             .collect();
         println!(
-            "{{\"transport\":{{\"bytes\":{total},\"iters\":{iters},{},\"merged_over_raw\":{:.3},\
-             \"merged_over_per_block\":{:.3},\"merged_over_per_block_whole\":{:.3}}}}}",
-            fields.join(","),
-            merged_gbps / raw_gbps,
-            merged_gbps / block_gbps,
-            merged_gbps / whole_gbps
+            "{{\"transport\":{{\"bytes\":{total},\"iters\":{iters},\"ucx_params\":\"{params}\",{}}}}}",
+            fields.join(",")
         );
     }
     drop(d);
