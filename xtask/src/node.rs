@@ -279,7 +279,7 @@ impl Engine {
             for layer in 0..self.shape.layout.layers {
                 let at = self.offset(layer, block);
                 self.memory.read(self.region.id, at, &mut self.chunk)?;
-                if self.chunk.iter().any(|&b| b != pattern::SCRUB) {
+                if !pattern::is_scrub(&self.chunk) {
                     self.written_after_free += 1;
                     break;
                 }

@@ -43,6 +43,14 @@ pub fn check(got: &[u8], seed: u64, layer: u32, position: u32) -> bool {
     got.chunks(8).enumerate().all(|(i, chunk)| chunk == &word(seed, layer, position, i).to_le_bytes()[..chunk.len()])
 }
 
+/// Whether `got` holds only [`SCRUB`]. It compares 4 KiB at a time with `memcmp` rather than
+/// byte by byte: D runs it on every freed block it allocates again, before its read, so it is
+/// on the path the demo's latency measures.
+pub fn is_scrub(got: &[u8]) -> bool {
+    const LINE: [u8; 4096] = [SCRUB; 4096];
+    got.chunks(LINE.len()).all(|c| c == &LINE[..c.len()])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -60,5 +68,16 @@ mod tests {
         assert!(!check(&vec![SCRUB; 4100], s, 3, 7), "a scrubbed block");
         chunk[4099] ^= 1;
         assert!(!check(&chunk, s, 3, 7), "the last byte counts");
+    }
+
+    #[test]
+    fn only_all_scrub_is_scrub() {
+        let mut chunk = vec![SCRUB; 10_000];
+        assert!(is_scrub(&chunk));
+        for at in [0, 4095, 4096, 9_999] {
+            chunk[at] = 0;
+            assert!(!is_scrub(&chunk), "a foreign byte at {at}");
+            chunk[at] = SCRUB;
+        }
     }
 }
