@@ -171,10 +171,11 @@ fn run_to_stderr(root: &Path, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
-/// Runs kv-transport-nixl's two-process bench; prints its table, or returns its JSON object.
+/// Runs the two-process transport bench (xtask's `benches/transport.rs`); prints its table, or
+/// returns its JSON object.
 fn transport_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick: bool) -> Result<Value> {
     let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    let mut args = vec!["bench", "--locked", "-p", "kv-transport-nixl", "--bench", "transport", "--"];
+    let mut args = vec!["bench", "--locked", "-p", "xtask", "--features", "nixl", "--bench", "transport", "--"];
     if json_out {
         args.push("--json");
     }

@@ -6,7 +6,9 @@
 //! every byte, VRAM to VRAM where `KVFLOW_GPU=1` and a CUDA device are there (elsewhere that
 //! test says it skipped, by name, and passes), and host to host on every machine with the NIXL
 //! runtime; `benches/vram.rs` measures the VRAM move against a plain device-to-device copy of
-//! the same bytes in the same run.
+//! the same bytes in the same run; `benches/transport.rs` (in `cargo xtask bench`) measures
+//! kvflow's transfer plans between host pools against raw nixl-sys, per-block descriptors and
+//! memcpy.
 //!
 //! This library holds what the test and the bench share: the pool's layout, the handshake offer,
 //! a transport over a pool, the child process, and the byte pattern.
@@ -79,7 +81,11 @@ impl Clock for ProcessClock {
 
 /// The handshake offer of rank 0 of `engine`, whose pool is `pool`.
 pub fn offer(engine: &str, role: Role, pool: &Region) -> Handshake {
-    let layout = layout();
+    offer_with(engine, role, layout(), BLOCKS, vec![RegionBase { addr: pool.addr, len: pool.len }])
+}
+
+/// The handshake offer of rank 0 of `engine`, a TP of one, for a pool of `layout`.
+pub fn offer_with(engine: &str, role: Role, layout: KvLayout, num_blocks: u32, regions: Vec<RegionBase>) -> Handshake {
     Handshake {
         protocol_version: kv_core::wire::PROTOCOL_VERSION,
         engine: EngineId::new(engine),
@@ -89,19 +95,29 @@ pub fn offer(engine: &str, role: Role, pool: &Region) -> Handshake {
         role,
         model: "kvflow-e2e".into(),
         layout,
-        num_blocks: BLOCKS,
-        regions: vec![RegionBase { addr: pool.addr, len: pool.len }],
+        num_blocks,
+        regions,
         compat_hash: kv_core::wire::compatibility_hash("kvflow-e2e", &layout),
         clock: Time::ZERO,
         agent_metadata: Vec::new(),
     }
 }
 
-/// A transport for `offer` listening on an ephemeral loopback port, with `regions` registered.
+/// The transport configuration of these checks: NIXL's defaults, the side channel on an
+/// ephemeral loopback port.
+pub fn loopback() -> NixlConfig {
+    NixlConfig { bind: "127.0.0.1:0".parse().expect("loopback"), ..NixlConfig::default() }
+}
+
+/// A transport for `offer` with [`loopback`]'s configuration, with `regions` registered.
 pub fn transport(offer: Handshake, regions: &[Region]) -> Result<NixlTransport, NixlError> {
-    let config = NixlConfig { bind: "127.0.0.1:0".parse().expect("loopback"), ..NixlConfig::default() };
+    transport_with(offer, regions, &loopback())
+}
+
+/// A transport for `offer` with `config`, with `regions` registered.
+pub fn transport_with(offer: Handshake, regions: &[Region], config: &NixlConfig) -> Result<NixlTransport, NixlError> {
     let clock: Arc<dyn Clock> = Arc::new(ProcessClock(Instant::now()));
-    let mut t = NixlTransport::new(offer, &config, clock)?;
+    let mut t = NixlTransport::new(offer, config, clock)?;
     for region in regions {
         t.register(region)?;
     }

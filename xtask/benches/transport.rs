@@ -2,7 +2,9 @@
 //!
 //! The layout is a 32-layer model with 8 KV heads of 128, bf16, 16-token blocks, laid out
 //! layer-major (one region per layer, as vLLM's per-layer caches are): 64 blocks of 2 MiB, in
-//! 32 regions of 4 MiB. D reads them from P five ways, and memcpy copies the same bytes:
+//! 32 regions of 4 MiB. Each side's pool is a host pool as kv-cuda allocates it (so on
+//! transparent huge pages where the kernel gives them). D reads P's pool five ways, and
+//! memcpy copies the same bytes between two such pools in D:
 //!
 //! - memcpy: the ceiling, in one process;
 //! - raw: one nixl-sys descriptor over the whole buffer;
@@ -28,28 +30,20 @@
 //! NIXL's thread pool, as vLLM configures it); the table's title names them. The child
 //! process (P) is this binary again, selected by `KVFLOW_BENCH_ROLE`.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    Attention, BlockId, Clock, EngineId, Granularity, Handshake, HeadSlice, Initiator, KvLayout, MemoryKind,
-    MemoryOrder, Message, PeerAddress, PeerEvent, Placement, PlanInput, PoolShape, PoolSide, PreparedTransfer, Region,
-    RegionBase, RegionId, RequestId, Role, Time, TransferOp, TransferPlan, TransferRequest, TransferStatus, Transport,
+    Attention, BlockId, DescriptorPair, Granularity, HeadSlice, Initiator, KvLayout, Memory, MemoryKind, MemoryOrder,
+    Message, PeerEvent, Placement, PlanInput, PoolShape, PoolSide, PreparedTransfer, Region, RegionBase, RequestId,
+    Role, TransferOp, TransferPlan, TransferRequest, Transport,
 };
-use kv_transport_nixl::{runtime, NixlConfig, NixlTransport};
+use kv_cuda::CudaMemory;
+use kv_transport_nixl::{NixlConfig, NixlTransport};
+use xtask::e2e::{connect, expect_line, loopback, nixl_skip_reason, offer_with, pattern, spawn_self, wait_done};
 
 const BLOCKS: u32 = 64;
 const ROLE: &str = "KVFLOW_BENCH_ROLE";
-
-struct ProcessClock(Instant);
-
-impl Clock for ProcessClock {
-    fn now(&self) -> Time {
-        Time::from_nanos(self.0.elapsed().as_nanos() as u64)
-    }
-}
+const SEED: u8 = 7;
 
 fn layout() -> KvLayout {
     KvLayout {
@@ -68,56 +62,12 @@ fn shape() -> PoolShape {
     PoolShape::new(layout(), 8, BLOCKS).expect("bench layout")
 }
 
-/// The pool: one buffer holding every layer's region back to back.
-struct Pool {
-    bytes: Vec<u8>,
-}
-
-impl Pool {
-    fn new(fill: bool) -> Pool {
-        let len = shape().pool_bytes() as usize;
-        let bytes = if fill { (0..len).map(|i| (i * 31 % 251) as u8).collect() } else { vec![0; len] };
-        Pool { bytes }
-    }
-
-    fn region(&self) -> Region {
-        Region {
-            id: RegionId(1),
-            kind: MemoryKind::Host,
-            addr: self.bytes.as_ptr() as u64,
-            len: self.bytes.len() as u64,
-        }
-    }
-
-    fn layer_regions(&self) -> Vec<RegionBase> {
-        regions_at(self.bytes.as_ptr() as u64)
-    }
-}
-
-fn regions_at(base: u64) -> Vec<RegionBase> {
+/// A pool's layer regions, back to back in one host region.
+fn layer_regions(pool: &Region) -> Vec<RegionBase> {
     let s = shape();
     (0..s.region_count())
-        .map(|i| RegionBase { addr: base + u64::from(i) * s.region_len(), len: s.region_len() })
+        .map(|i| RegionBase { addr: pool.addr + u64::from(i) * s.region_len(), len: s.region_len() })
         .collect()
-}
-
-fn offer(engine: &str, role: Role, pool: &Pool) -> Handshake {
-    let layout = layout();
-    Handshake {
-        protocol_version: kv_core::wire::PROTOCOL_VERSION,
-        engine: EngineId::new(engine),
-        rank: 0,
-        tp_size: 1,
-        instance: 0,
-        role,
-        model: "bench".into(),
-        layout,
-        num_blocks: BLOCKS,
-        regions: pool.layer_regions(),
-        compat_hash: kv_core::wire::compatibility_hash("bench", &layout),
-        clock: Time::ZERO,
-        agent_metadata: Vec::new(),
-    }
 }
 
 /// `KVFLOW_BENCH_UCX_PARAMS=num_threads=4,split_batch_size=8`: more UCX backend parameters.
@@ -128,22 +78,21 @@ fn ucx_params() -> Vec<(String, String)> {
         .unwrap_or_default()
 }
 
-fn transport(offer: Handshake, pool: &Pool) -> NixlTransport {
+/// A host pool from kv-cuda, registered with a transport whose handshake lists its layers.
+fn pool_and_transport(memory: &mut CudaMemory, engine: &str, role: Role) -> (Region, NixlTransport) {
+    let pool = memory.allocate(MemoryKind::Host, shape().pool_bytes()).expect("a host pool");
     let ucx_workers = std::env::var("KVFLOW_BENCH_UCX_WORKERS").ok().and_then(|v| v.parse().ok());
-    let ucx_params = ucx_params();
-    let config =
-        NixlConfig { bind: "127.0.0.1:0".parse().expect("loopback"), ucx_workers, ucx_params, ..NixlConfig::default() };
-    let clock: Arc<dyn Clock> = Arc::new(ProcessClock(Instant::now()));
-    let mut t = NixlTransport::new(offer, &config, clock).expect("NIXL transport");
-    t.register(&pool.region()).expect("register");
-    t
+    let config = NixlConfig { ucx_workers, ucx_params: ucx_params(), ..loopback() };
+    let offer = offer_with(engine, role, layout(), BLOCKS, layer_regions(&pool));
+    let t = xtask::e2e::transport_with(offer, &[pool], &config).expect("NIXL transport");
+    (pool, t)
 }
 
 fn prefill_child() {
-    let pool = Pool::new(true);
-    let mut t = transport(offer("bench-prefill", Role::Prefill, &pool), &pool);
+    let mut memory = CudaMemory::new();
+    let (pool, mut t) = pool_and_transport(&mut memory, "bench-prefill", Role::Prefill);
+    memory.write(pool.id, 0, &pattern(SEED, pool.len as usize)).expect("fill P's pool");
     println!("READY {}", t.side_channel_addr().port());
-    std::io::stdout().flush().ok();
     // Serve until the parent goes away (its side channel closes).
     let mut notes = Vec::new();
     loop {
@@ -156,52 +105,47 @@ fn prefill_child() {
     }
 }
 
-fn plan(local: &Pool, remote: &[RegionBase], granularity: Granularity) -> TransferPlan {
+fn plan(local: &[RegionBase], remote: &[RegionBase], granularity: Granularity) -> TransferPlan {
     let blocks: Vec<BlockId> = (0..BLOCKS).map(BlockId).collect();
-    let local_regions = local.layer_regions();
     let input = PlanInput {
         prefill: PoolSide { shape: shape(), regions: remote, blocks: &blocks },
-        decode: PoolSide { shape: shape(), regions: &local_regions, blocks: &blocks },
+        decode: PoolSide { shape: shape(), regions: local, blocks: &blocks },
         slice: HeadSlice { prefill_rank: 0, prefill_head: 0, decode_head: 0, heads: 8 },
         initiator: Initiator::Decode,
     };
     TransferPlan::build(&input, granularity).expect("bench plan")
 }
 
-fn read(t: &mut NixlTransport, peer: &kv_core::AgentName, pairs: &[kv_core::DescriptorPair]) -> Duration {
-    let note =
-        Message::Completion { request: RequestId::new("bench"), expected_consumers: 1 }.encode().expect("encode");
-    let start = Instant::now();
-    let request =
-        TransferRequest { op: TransferOp::Read, peer: peer.clone(), pairs: pairs.to_vec(), notification: Some(note) };
-    let id = t.post(request).expect("post");
-    wait(t, id, start)
+fn completion() -> Vec<u8> {
+    Message::Completion { request: RequestId::new("bench"), expected_consumers: 1 }.encode().expect("encode")
 }
 
-fn wait(t: &mut NixlTransport, id: kv_core::TransferId, start: Instant) -> Duration {
-    loop {
-        match t.poll_transfer(id) {
-            TransferStatus::Done => return start.elapsed(),
-            TransferStatus::InProgress => std::hint::spin_loop(),
-            TransferStatus::Failed(e) => panic!("bench read failed: {e}"),
-        }
-    }
+fn read(t: &mut NixlTransport, peer: &kv_core::AgentName, pairs: &[DescriptorPair]) -> Duration {
+    let start = Instant::now();
+    let request = TransferRequest {
+        op: TransferOp::Read,
+        peer: peer.clone(),
+        pairs: pairs.to_vec(),
+        notification: Some(completion()),
+    };
+    let id = t.post(request).expect("post");
+    wait_done(t, id, start).expect("bench read")
 }
 
 fn read_prepared(t: &mut NixlTransport, request: &PreparedTransfer) -> Duration {
     let start = Instant::now();
     let id = t.post_prepared(request.clone()).expect("post prepared");
-    wait(t, id, start)
+    wait_done(t, id, start).expect("bench read")
 }
 
 /// Splits each whole-block descriptor into its planes (K, then V), as a connector that
 /// registers K and V separately lists them.
-fn split_planes(pairs: &[kv_core::DescriptorPair], plane: u64) -> Vec<kv_core::DescriptorPair> {
+fn split_planes(pairs: &[DescriptorPair], plane: u64) -> Vec<DescriptorPair> {
     pairs
         .iter()
         .flat_map(|p| {
             assert_eq!(p.len % plane, 0, "a whole-block descriptor holds whole planes");
-            (0..p.len / plane).map(move |i| kv_core::DescriptorPair {
+            (0..p.len / plane).map(move |i| DescriptorPair {
                 local_addr: p.local_addr + i * plane,
                 remote_addr: p.remote_addr + i * plane,
                 len: plane,
@@ -263,51 +207,30 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(25);
-    if !runtime::runtime_present(None) {
-        eprintln!(
-            "transport bench skipped: no NIXL runtime at {} (run cargo xtask setup)",
-            runtime::runtime_dir(None).display()
-        );
+    if let Some(reason) = nixl_skip_reason() {
+        eprintln!("transport bench skipped: {reason}");
         std::process::exit(if std::env::var("CI").is_ok_and(|v| v == "true") { 1 } else { 0 });
     }
-    let mut child = Command::new(std::env::current_exe().expect("own path"))
-        .env(ROLE, "prefill")
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn the P process");
-    let mut out = BufReader::new(child.stdout.take().expect("piped"));
-    let mut line = String::new();
-    let port: u16 = loop {
-        line.clear();
-        assert!(out.read_line(&mut line).expect("child output") > 0, "the P process ended early");
-        if let Some(p) = line.trim().strip_prefix("READY ") {
-            break p.parse().expect("port");
-        }
-    };
+    let (mut child, mut out) = spawn_self(&[], &[(ROLE, "prefill")]).expect("spawn the P process");
+    let port: u16 = expect_line(&mut out, "READY").expect("P's port").parse().expect("port");
 
-    let pool = Pool::new(false);
-    let mut d = transport(offer("bench-decode", Role::Decode, &pool), &pool);
-    d.connect(&PeerAddress(format!("127.0.0.1:{port}"))).expect("connect");
-    let info = loop {
-        match d.poll_event() {
-            Some(PeerEvent::Connected(info)) => break info,
-            Some(other) => panic!("handshake failed: {other:?}"),
-            None => std::thread::sleep(Duration::from_millis(1)),
-        }
-    };
+    let mut memory = CudaMemory::new();
+    let (pool, mut d) = pool_and_transport(&mut memory, "bench-decode", Role::Decode);
+    let info = connect(&mut d, port).expect("handshake with P");
     let remote = info.handshake.regions.clone();
+    let local = layer_regions(&pool);
     let total = shape().pool_bytes();
-    let raw = vec![kv_core::DescriptorPair {
+    let raw = vec![DescriptorPair {
         local_region: 0,
-        local_addr: pool.bytes.as_ptr() as u64,
+        local_addr: pool.addr,
         remote_region: 0,
         remote_addr: remote[0].addr,
         len: total,
     }];
-    let merged = plan(&pool, &remote, Granularity::Merged);
+    let merged = plan(&local, &remote, Granularity::Merged);
     // Per-block descriptors prepared once per side; the transfer names (layer, block) indices.
     let s = shape();
-    let local_bases: Vec<u64> = pool.layer_regions().iter().map(|r| r.addr).collect();
+    let local_bases: Vec<u64> = local.iter().map(|r| r.addr).collect();
     let remote_bases: Vec<u64> = remote.iter().map(|r| r.addr).collect();
     let local_list = d.prepare(None, &s.block_descriptors(&local_bases)).expect("prepare local");
     let remote_list = d.prepare(Some(&info.agent), &s.block_descriptors(&remote_bases)).expect("prepare remote");
@@ -319,24 +242,18 @@ fn main() {
         local_indices: indices.clone(),
         remote: remote_list,
         remote_indices: indices,
-        notification: Some(
-            Message::Completion { request: RequestId::new("bench"), expected_consumers: 1 }.encode().expect("encode"),
-        ),
+        notification: Some(completion()),
     };
-    let whole_blocks = plan(&pool, &remote, Granularity::PerBlock);
+    let whole_blocks = plan(&local, &remote, Granularity::PerBlock);
     let per_block = split_planes(whole_blocks.pairs(), s.plane_bytes());
     assert_eq!(merged.bytes(), total);
     assert_eq!(per_block.iter().map(|p| p.len).sum::<u64>(), total);
 
-    let mut source = Pool::new(true);
-    let mut sink = vec![0u8; total as usize];
-    let mut memcpy = || {
-        source.bytes[0] = source.bytes[0].wrapping_add(1);
-        let start = Instant::now();
-        sink.copy_from_slice(std::hint::black_box(&source.bytes));
-        std::hint::black_box(&sink);
-        start.elapsed()
-    };
+    // memcpy's source and sink: two more pools of the same kind, in this process.
+    let expected = pattern(SEED, total as usize);
+    let source = memory.allocate(MemoryKind::Host, total).expect("memcpy's source");
+    let sink = memory.allocate(MemoryKind::Host, total).expect("memcpy's sink");
+    memory.write(source.id, 0, &expected).expect("fill memcpy's source");
     let ways: [(&str, usize); 6] = [
         ("memcpy", 1),
         ("raw nixl-sys", raw.len()),
@@ -348,9 +265,13 @@ fn main() {
     // Round-robin: every way sees the same stretch of a noisy machine.
     let mut samples: [Vec<Duration>; 6] = Default::default();
     for round in 0..=iters {
-        for (i, _) in ways.iter().enumerate() {
+        for (i, samples) in samples.iter_mut().enumerate() {
             let took = match i {
-                0 => memcpy(),
+                0 => {
+                    let start = Instant::now();
+                    memory.copy(sink.id, 0, source.id, 0, total).expect("memcpy");
+                    start.elapsed()
+                }
                 1 => read(&mut d, &info.agent, &raw),
                 2 => read(&mut d, &info.agent, merged.pairs()),
                 3 => read(&mut d, &info.agent, &per_block),
@@ -359,9 +280,15 @@ fn main() {
             };
             // Round 0 warms up.
             if round > 0 {
-                samples[i].push(took);
+                samples.push(took);
             }
         }
+    }
+    // What arrived is P's pool, byte for byte, and memcpy copied it whole.
+    for (what, region) in [("D's pool", pool), ("memcpy's sink", sink)] {
+        let mut back = vec![0u8; total as usize];
+        memory.read(region.id, 0, &mut back).expect("read back");
+        assert!(back == expected, "the bytes in {what} differ from P's");
     }
     let [_, raw_s, merged_s, block_s, whole_s, _] = &samples;
     let ratios = [
@@ -371,10 +298,6 @@ fn main() {
     ];
     let results: Vec<(&str, usize, Duration)> =
         ways.iter().zip(samples).map(|((name, n), samples)| (*name, *n, median(samples))).collect();
-    // What arrived is P's pool, byte for byte.
-    let expected = Pool::new(true);
-    assert!(std::hint::black_box(&pool.bytes) == &expected.bytes, "the bytes D read differ from P's");
-
     let params: Vec<String> = ucx_params().iter().map(|(k, v)| format!("{k}={v}")).collect();
     let params = if params.is_empty() { "UCX defaults".to_owned() } else { params.join(",") };
     let raw_gbps = results.iter().find(|r| r.0 == "raw nixl-sys").map(|r| gbps(total, r.2)).unwrap_or(0.0);
