@@ -33,29 +33,24 @@
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    Attention, BlockId, DescriptorPair, Granularity, HeadSlice, Initiator, KvLayout, Memory, MemoryKind, MemoryOrder,
-    Message, PeerEvent, Placement, PlanInput, PoolShape, PoolSide, PreparedTransfer, Region, RegionBase, RequestId,
-    Role, TransferOp, TransferPlan, TransferRequest, Transport,
+    BlockId, DescriptorPair, Granularity, HeadSlice, Initiator, KvLayout, Memory, MemoryKind, Message, Placement,
+    PlanInput, PoolShape, PoolSide, PreparedTransfer, Region, RegionBase, RequestId, Role, TransferOp, TransferPlan,
+    TransferRequest, Transport,
 };
 use kv_cuda::CudaMemory;
 use kv_transport_nixl::{NixlConfig, NixlTransport};
-use xtask::e2e::{connect, expect_line, loopback, nixl_skip_reason, offer_with, pattern, spawn_self, wait_done};
+use xtask::e2e::{
+    connect, expect_line, gbps, iters_arg, loopback, median, nixl_skip_reason, offer_with, pattern,
+    serve_until_peer_leaves, spawn_self, wait_done,
+};
 
 const BLOCKS: u32 = 64;
 const ROLE: &str = "KVFLOW_BENCH_ROLE";
 const SEED: u8 = 7;
 
+/// The e2e model (32 layers, 8 KV heads of 128, bf16, 16-token blocks), laid out layer-major.
 fn layout() -> KvLayout {
-    KvLayout {
-        layers: 32,
-        block_tokens: 16,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype_bytes: 2,
-        attention: Attention::SplitKv,
-        order: MemoryOrder::Hnd,
-        placement: Placement::LayerMajor,
-    }
+    KvLayout { placement: Placement::LayerMajor, ..xtask::e2e::layout() }
 }
 
 fn shape() -> PoolShape {
@@ -93,16 +88,7 @@ fn prefill_child() {
     let (pool, mut t) = pool_and_transport(&mut memory, "bench-prefill", Role::Prefill);
     memory.write(pool.id, 0, &pattern(SEED, pool.len as usize)).expect("fill P's pool");
     println!("READY {}", t.side_channel_addr().port());
-    // Serve until the parent goes away (its side channel closes).
-    let mut notes = Vec::new();
-    loop {
-        if let Some(PeerEvent::Lost(_)) = t.poll_event() {
-            return;
-        }
-        t.drain_notifications(&mut notes);
-        notes.clear();
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    serve_until_peer_leaves(&mut t);
 }
 
 fn plan(local: &[RegionBase], remote: &[RegionBase], granularity: Granularity) -> TransferPlan {
@@ -155,11 +141,6 @@ fn split_planes(pairs: &[DescriptorPair], plane: u64) -> Vec<DescriptorPair> {
         .collect()
 }
 
-fn median(mut samples: Vec<Duration>) -> Duration {
-    samples.sort();
-    samples[samples.len() / 2]
-}
-
 /// The `q` quantile (nearest rank) of `values`.
 fn quantile(values: &[f64], q: f64) -> f64 {
     let mut sorted = values.to_vec();
@@ -190,10 +171,6 @@ impl Paired {
     }
 }
 
-fn gbps(bytes: u64, d: Duration) -> f64 {
-    bytes as f64 / d.as_secs_f64() / 1e9
-}
-
 fn main() {
     if std::env::var(ROLE).is_ok() {
         prefill_child();
@@ -201,12 +178,7 @@ fn main() {
     }
     let args: Vec<String> = std::env::args().collect();
     let json = args.iter().any(|a| a == "--json");
-    let iters: usize = args
-        .iter()
-        .position(|a| a == "--iters")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(25);
+    let iters = iters_arg(&args, 25);
     if let Some(reason) = nixl_skip_reason() {
         eprintln!("transport bench skipped: {reason}");
         std::process::exit(if std::env::var("CI").is_ok_and(|v| v == "true") { 1 } else { 0 });

@@ -13,14 +13,14 @@
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    DescriptorPair, Memory, MemoryKind, Message, PeerEvent, PreparedTransfer, RequestId, Role, TransferOp,
-    TransferRequest, Transport,
+    DescriptorPair, Memory, MemoryKind, Message, PreparedTransfer, RequestId, Role, TransferOp, TransferRequest,
+    Transport,
 };
 use kv_cuda::CudaMemory;
 use kv_transport_nixl::NixlTransport;
 use xtask::e2e::{
-    connect, expect_line, gpu_skip_reason, nixl_skip_reason, offer, pattern, shape, spawn_self, transport, wait_done,
-    BLOCKS, POOL_BYTES,
+    connect, expect_line, gbps, gpu_skip_reason, iters_arg, median, nixl_skip_reason, offer, pattern,
+    serve_until_peer_leaves, shape, spawn_self, transport, wait_done, BLOCKS, POOL_BYTES,
 };
 
 const ROLE: &str = "KVFLOW_BENCH_ROLE";
@@ -45,15 +45,7 @@ fn prefill_child() {
     memory.write(pool.id, 0, &pattern(SEED, POOL_BYTES as usize)).expect("fill P's pool");
     let mut t = transport(offer("bench-prefill", Role::Prefill, &pool), &[pool]).expect("P's transport");
     println!("READY {}", t.side_channel_addr().port());
-    let mut notes = Vec::new();
-    loop {
-        if let Some(PeerEvent::Lost(_)) = t.poll_event() {
-            return;
-        }
-        t.drain_notifications(&mut notes);
-        notes.clear();
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    serve_until_peer_leaves(&mut t);
 }
 
 fn post(t: &mut NixlTransport, request: TransferRequest) -> Duration {
@@ -68,15 +60,6 @@ fn post_prepared(t: &mut NixlTransport, request: PreparedTransfer) -> Duration {
     wait_done(t, id, start).expect("transfer")
 }
 
-fn median(mut samples: Vec<Duration>) -> Duration {
-    samples.sort();
-    samples[samples.len() / 2]
-}
-
-fn gbps(bytes: u64, d: Duration) -> f64 {
-    bytes as f64 / d.as_secs_f64() / 1e9
-}
-
 fn main() {
     if std::env::var(ROLE).is_ok() {
         prefill_child();
@@ -86,12 +69,7 @@ fn main() {
     let json = args.iter().any(|a| a == "--json");
     let host = args.iter().any(|a| a == "--host");
     let kind = pool_kind(host);
-    let iters: usize = args
-        .iter()
-        .position(|a| a == "--iters")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20);
+    let iters = iters_arg(&args, 20);
     if let Some(reason) = if host { nixl_skip_reason() } else { gpu_skip_reason() } {
         eprintln!("vram bench skipped: {reason}");
         return;

@@ -178,6 +178,40 @@ pub fn expect_line(out: &mut BufReader<ChildStdout>, marker: &str) -> Result<Str
     }
 }
 
+/// Serves peers until one goes away (its side channel closes): the P side of a bench, whose
+/// peer does the reads and writes.
+pub fn serve_until_peer_leaves(t: &mut NixlTransport) {
+    let mut notes = Vec::new();
+    loop {
+        if let Some(PeerEvent::Lost(_)) = t.poll_event() {
+            return;
+        }
+        t.drain_notifications(&mut notes);
+        notes.clear();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A bench's `--iters N`, else `default`.
+pub fn iters_arg(args: &[String], default: usize) -> usize {
+    args.iter()
+        .position(|a| a == "--iters")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The middle sample (the upper one of an even count).
+pub fn median(mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+/// `bytes` moved in `d`, in GB/s (10^9 bytes per second, each byte counted once).
+pub fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
 /// `len` bytes in which no two 8-byte words are equal, different for each seed, so
 /// that a block moved to the wrong place, or not at all, shows.
 pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
