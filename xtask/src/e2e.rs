@@ -10,8 +10,9 @@
 //! kvflow's transfer plans between host pools against raw nixl-sys, per-block descriptors and
 //! memcpy.
 //!
-//! This library holds what the test and the bench share: the pool's layout, the handshake offer,
-//! a transport over a pool, the child process, and the byte pattern.
+//! This library holds what the test and the benches share: the pool's layout, the handshake offer,
+//! a transport over a pool, the child process and its serving loop, the byte pattern, and the
+//! benches' arithmetic.
 //!
 //! For a GPU machine that reaches no registry, `xtask/gpu/pack.sh` packs the release binaries and the
 //! NIXL runtime of the `nixl-cu13` wheel into one small folder, and `xtask/gpu/run.sh` runs the checks
