@@ -182,13 +182,12 @@ pub fn expect_line(out: &mut BufReader<ChildStdout>, marker: &str) -> Result<Str
 /// Serves peers until one goes away (its side channel closes): the P side of a bench, whose
 /// peer does the reads and writes.
 pub fn serve_until_peer_leaves(t: &mut NixlTransport) {
-    let mut notes = Vec::new();
     loop {
-        if let Some(PeerEvent::Lost(_)) = t.poll_event() {
-            return;
+        while let Some(event) = t.poll_event() {
+            if let PeerEvent::Lost(_) = event {
+                return;
+            }
         }
-        t.drain_notifications(&mut notes);
-        notes.clear();
         std::thread::sleep(Duration::from_millis(1));
     }
 }

@@ -21,9 +21,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 use kv_core::{
-    AgentName, BlockId, Clock, EngineId, Handshake, Memory, MemoryKind, Notification, PeerAddress, PeerEvent,
-    PoolShape, PreparedId, PreparedTransfer, Region, RegionBase, RegionId, RequestId, Role, Time, TransferId,
-    TransferRequest, TransferStatus, Transport, TransportError,
+    AgentName, BlockId, Clock, EngineId, Handshake, Memory, MemoryKind, PeerAddress, PeerEvent, PoolShape, PreparedId,
+    PreparedTransfer, Region, RegionBase, RegionId, RequestId, Role, Time, TransferId, TransferRequest, TransferStatus,
+    Transport, TransportError,
 };
 use kv_sched_adapter::driver::WorkerDriver;
 use kv_sched_adapter::{
@@ -152,9 +152,6 @@ impl Transport for TimedTransport {
     }
     fn send_notification(&mut self, peer: &AgentName, payload: &[u8]) -> Result<(), TransportError> {
         self.inner.send_notification(peer, payload)
-    }
-    fn drain_notifications(&mut self, out: &mut Vec<Notification>) {
-        self.inner.drain_notifications(out)
     }
     fn poll_event(&mut self) -> Option<PeerEvent> {
         self.inner.poll_event()

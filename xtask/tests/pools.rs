@@ -51,20 +51,20 @@ fn prefill_child() {
     println!("READY {}", t.side_channel_addr().port());
     let written = pattern(D_SEED, POOL_BYTES as usize);
     let mut back = vec![0u8; POOL_BYTES as usize];
-    let mut notes = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(120);
     while Instant::now() < deadline {
         while let Some(event) = t.poll_event() {
-            if let PeerEvent::Lost(_) = event {
-                return;
+            match event {
+                PeerEvent::Lost(_) => return,
+                PeerEvent::Notification(note) => {
+                    let message =
+                        Message::decode(&note.payload).map(|m| format!("{m:?}")).unwrap_or_else(|e| e.to_string());
+                    // A write's notification arrives after its bytes.
+                    memory.read(pool.id, 0, &mut back).expect("read P's pool back");
+                    println!("NOTIFIED {} {message} holds_d_bytes={}", note.from, back == written);
+                }
+                _ => {}
             }
-        }
-        t.drain_notifications(&mut notes);
-        for note in notes.drain(..) {
-            let message = Message::decode(&note.payload).map(|m| format!("{m:?}")).unwrap_or_else(|e| e.to_string());
-            // A write's notification arrives after its bytes.
-            memory.read(pool.id, 0, &mut back).expect("read P's pool back");
-            println!("NOTIFIED {} {message} holds_d_bytes={}", note.from, back == written);
         }
         std::thread::sleep(Duration::from_millis(1));
     }

@@ -5,7 +5,7 @@
 //! object-safe and no method blocks: a transfer is posted and then polled, a connection is
 //! started and its outcome arrives as a [`PeerEvent`], exactly as NIXL's own API is shaped
 //! (post a transfer request, poll its status, drain notifications). A driver loop calls the
-//! `poll_*`/`drain_*` methods after every input and at its next wake-up.
+//! `poll_*` methods after every input and at its next wake-up.
 
 use std::fmt;
 
@@ -216,7 +216,9 @@ impl PeerInfo {
     }
 }
 
-/// What happened to a peer.
+/// What happened to a peer, in the order it happened: a transport hands out a peer's
+/// notifications only after its `Connected`, and its `Lost` only after every notification it
+/// sent before it was lost, so that nothing a lost peer said is dropped uncounted.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum PeerEvent {
     /// A handshake completed, in either direction: the peer may now exchange KV with us.
@@ -237,6 +239,8 @@ pub enum PeerEvent {
         /// Why, naming both sides' values.
         error: TransportError,
     },
+    /// A notification from a connected peer.
+    Notification(Notification),
 }
 
 /// Why a transport operation failed.
@@ -313,9 +317,7 @@ pub trait Transport: Send {
     fn poll_transfer(&mut self, id: TransferId) -> TransferStatus;
     /// Sends a notification to a connected peer.
     fn send_notification(&mut self, peer: &AgentName, payload: &[u8]) -> Result<(), TransportError>;
-    /// Moves every notification that arrived into `out`, oldest first.
-    fn drain_notifications(&mut self, out: &mut Vec<Notification>);
-    /// The next peer event, if any.
+    /// The next peer event or notification, if any, in the order they happened (see [`PeerEvent`]).
     fn poll_event(&mut self) -> Option<PeerEvent>;
 }
 

@@ -791,6 +791,7 @@ impl DecodeWorker {
             }
             PeerEvent::Lost(agent) => self.peer_gone(&agent),
             PeerEvent::Refused { peer, error } => tracing::warn!(%peer, %error, "refused a handshake"),
+            PeerEvent::Notification(notification) => self.handle_notification(now, notification),
         }
     }
 

@@ -71,13 +71,12 @@ pub struct WorkerDriver<M> {
     machine: M,
     transport: Box<dyn Transport>,
     in_flight: BTreeMap<TransferId, XferToken>,
-    notifications: Vec<Notification>,
 }
 
 impl<M: WorkerMachine> WorkerDriver<M> {
     /// Runs `machine` over `transport`.
     pub fn new(machine: M, transport: Box<dyn Transport>) -> Self {
-        WorkerDriver { machine, transport, in_flight: BTreeMap::new(), notifications: Vec::new() }
+        WorkerDriver { machine, transport, in_flight: BTreeMap::new() }
     }
 
     /// The machine, for commands from its scheduler (call [`WorkerDriver::flush`] after).
@@ -98,12 +97,9 @@ impl<M: WorkerMachine> WorkerDriver<M> {
     /// Feeds the machine everything the transport has, wakes it, and carries out its actions;
     /// returns its reports for the scheduler.
     pub fn step(&mut self, now: Time) -> Vec<M::Report> {
+        // One ordered stream: a lost peer's notifications come before its loss.
         while let Some(event) = self.transport.poll_event() {
             self.machine.handle_peer_event(now, event);
-        }
-        self.transport.drain_notifications(&mut self.notifications);
-        for notification in self.notifications.drain(..) {
-            self.machine.handle_notification(now, notification);
         }
         let ids: Vec<TransferId> = self.in_flight.keys().copied().collect();
         for id in ids {

@@ -350,6 +350,7 @@ impl PrefillWorker {
             PeerEvent::ConnectFailed { .. } => {}
             PeerEvent::Refused { peer, error } => tracing::warn!(%peer, %error, "refused a handshake"),
             PeerEvent::Lost(agent) => self.peer_gone(now, &agent),
+            PeerEvent::Notification(notification) => self.handle_notification(now, notification),
         }
     }
 

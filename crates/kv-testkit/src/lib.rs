@@ -64,9 +64,9 @@
 //! let mut bytes = [0; 8];
 //! d_pool.read(d_region.id, 0, &mut bytes)?;
 //! assert_eq!(&bytes, b"kv bytes");
-//! let mut notes = Vec::new();
-//! p.drain_notifications(&mut notes);
-//! assert_eq!((notes[0].from.clone(), notes[0].payload.clone()), (d_name, b"done".to_vec()));
+//! assert!(matches!(p.poll_event(), Some(PeerEvent::Connected(_))));
+//! let Some(PeerEvent::Notification(note)) = p.poll_event() else { panic!("the read's notification") };
+//! assert_eq!((note.from, note.payload), (d_name, b"done".to_vec()));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 

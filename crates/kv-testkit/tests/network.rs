@@ -36,6 +36,9 @@ struct Rank {
     transport: FakeTransport,
     pool: InMemoryMemory,
     region: Region,
+    /// What `poll_event` returned that a test has not asked for yet: notifications, and the rest.
+    notes: Vec<Notification>,
+    others: Vec<PeerEvent>,
 }
 
 impl Rank {
@@ -50,7 +53,7 @@ impl Rank {
         let mut transport = net.transport(name.clone(), address.clone(), heap, handshake);
         let region = pool.allocate(MemoryKind::Host, POOL_BYTES).unwrap();
         transport.register(&region).unwrap();
-        Rank { name, address, transport, pool, region }
+        Rank { name, address, transport, pool, region, notes: Vec::new(), others: Vec::new() }
     }
 
     fn write(&mut self, offset: u64, bytes: &[u8]) {
@@ -87,14 +90,23 @@ impl Rank {
         self.notifications().into_iter().map(|n| String::from_utf8_lossy(&n.payload).into_owned()).collect()
     }
 
+    fn poll(&mut self) {
+        while let Some(event) = self.transport.poll_event() {
+            match event {
+                PeerEvent::Notification(n) => self.notes.push(n),
+                other => self.others.push(other),
+            }
+        }
+    }
+
     fn notifications(&mut self) -> Vec<Notification> {
-        let mut out = Vec::new();
-        self.transport.drain_notifications(&mut out);
-        out
+        self.poll();
+        std::mem::take(&mut self.notes)
     }
 
     fn events(&mut self) -> Vec<PeerEvent> {
-        std::iter::from_fn(|| self.transport.poll_event()).collect()
+        self.poll();
+        std::mem::take(&mut self.others)
     }
 }
 

@@ -224,6 +224,10 @@ impl NixlTransport {
 
     fn pump_side_channel(&mut self) {
         while let Some(event) = self.side.try_event() {
+            if let SideEvent::Lost(_) = event {
+                // What the lost peer sent before its side channel closed comes before its loss.
+                self.fetch_notifications();
+            }
             let event = match event {
                 SideEvent::Accepted { handshake, sent_at, received_at } => {
                     let agent = AgentName::new(handshake.engine.clone(), handshake.rank);
@@ -417,7 +421,18 @@ impl Transport for NixlTransport {
         self.agent.send_notification(&remote.nixl, payload, Some(&self.backend)).map_err(|e| backend_error("notify", e))
     }
 
-    fn drain_notifications(&mut self, out: &mut Vec<Notification>) {
+    fn poll_event(&mut self) -> Option<PeerEvent> {
+        if self.events.is_empty() {
+            self.pump_side_channel();
+            self.fetch_notifications();
+        }
+        self.events.pop_front()
+    }
+}
+
+impl NixlTransport {
+    /// Queues every notification NIXL holds, behind the peer events already queued.
+    fn fetch_notifications(&mut self) {
         let Ok(mut map) = NotificationMap::new() else { return };
         if let Err(e) = self.agent.get_notifications(&mut map, None) {
             tracing::debug!(error = %e, "cannot fetch notifications");
@@ -432,14 +447,9 @@ impl Transport for NixlTransport {
             let count = map.get_notifications_size(&remote).unwrap_or(0);
             for i in 0..count {
                 if let Ok(payload) = map.get_notification_bytes(&remote, i) {
-                    out.push(Notification { from: from.clone(), payload });
+                    self.events.push_back(PeerEvent::Notification(Notification { from: from.clone(), payload }));
                 }
             }
         }
-    }
-
-    fn poll_event(&mut self) -> Option<PeerEvent> {
-        self.pump_side_channel();
-        self.events.pop_front()
     }
 }

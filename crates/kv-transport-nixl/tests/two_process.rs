@@ -38,7 +38,6 @@ fn listener_child(role: Role) {
     let mut t = transport(offer("listener", role, tp, block_tokens, &pool, BLOCKS as u32), &pool);
     println!("READY {}", t.side_channel_addr().port());
     let deadline = Instant::now() + Duration::from_secs(60);
-    let mut notes = Vec::new();
     while Instant::now() < deadline {
         while let Some(event) = t.poll_event() {
             match event {
@@ -46,14 +45,14 @@ fn listener_child(role: Role) {
                 PeerEvent::Refused { peer, error } => println!("REFUSED {peer}: {error}"),
                 PeerEvent::Lost(agent) => println!("LOST {agent}"),
                 PeerEvent::ConnectFailed { .. } => {}
+                PeerEvent::Notification(note) => {
+                    let message =
+                        Message::decode(&note.payload).map(|m| format!("{m:?}")).unwrap_or_else(|e| e.to_string());
+                    // A write's notification arrives after its bytes: check them now.
+                    let verified = fill || (0..BLOCKS).all(|b| pool.holds(b, BLOCKS - 1 - b, 9));
+                    println!("NOTIFIED {} {message} verified={verified}", note.from);
+                }
             }
-        }
-        t.drain_notifications(&mut notes);
-        for note in notes.drain(..) {
-            let message = Message::decode(&note.payload).map(|m| format!("{m:?}")).unwrap_or_else(|e| e.to_string());
-            // A write's notification arrives after its bytes: check them now.
-            let verified = fill || (0..BLOCKS).all(|b| pool.holds(b, BLOCKS - 1 - b, 9));
-            println!("NOTIFIED {} {message} verified={verified}", note.from);
         }
         std::thread::sleep(Duration::from_millis(1));
     }

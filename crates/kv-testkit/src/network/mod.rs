@@ -141,7 +141,7 @@ impl From<&AgentName> for Scope {
 /// What the network did so far; notifications are counted per copy.
 #[derive(Clone, Copy, PartialEq, Eq, Default, Debug)]
 pub struct NetStats {
-    /// Notifications put in an inbox.
+    /// Notifications handed to their receiver.
     pub delivered: u64,
     /// Notifications lost: to `drop_rate`, a partition, or a receiver that is down.
     pub dropped: u64,
@@ -326,7 +326,6 @@ struct Agent {
     peers: BTreeMap<AgentName, Link>,
     transfers: BTreeMap<TransferId, Transfer>,
     next_transfer: u64,
-    inbox: Vec<Notification>,
     events: VecDeque<PeerEvent>,
 }
 
@@ -431,7 +430,6 @@ impl Agent {
             peers: BTreeMap::new(),
             transfers: BTreeMap::new(),
             next_transfer: 1,
-            inbox: Vec::new(),
             events: VecDeque::new(),
         }
     }
@@ -556,7 +554,7 @@ impl Net {
         let Some(receiver) = self.agent_mut(&to) else { return };
         match body {
             Body::Notification(payload) => {
-                receiver.inbox.push(Notification { from: from.name, payload });
+                receiver.events.push_back(PeerEvent::Notification(Notification { from: from.name, payload }));
                 self.stats.delivered += 1;
             }
             Body::Offer { address, offer } => {
@@ -655,7 +653,6 @@ impl Net {
         agent.up = false;
         agent.regions.clear();
         agent.peers.clear();
-        agent.inbox.clear();
         agent.events.clear();
         let mut failed = 0;
         for transfer in agent.transfers.values_mut() {
@@ -677,7 +674,15 @@ impl Net {
             .map(|(name, agent)| Endpoint { name: name.clone(), generation: agent.generation })
             .collect();
         for to in watchers {
-            self.schedule(now + self.config.latency, Event::Lost { to, lost: victim.clone() });
+            // The close travels behind everything the victim sent before it, as on one TCP stream.
+            let behind = self
+                .queue
+                .iter()
+                .filter(|(_, event)| matches!(event, Event::Arrive(m) if m.from == *victim && m.to == to))
+                .map(|((at, _), _)| *at)
+                .max();
+            let at = behind.map_or(now + self.config.latency, |t| t.max(now + self.config.latency));
+            self.schedule(at, Event::Lost { to, lost: victim.clone() });
         }
     }
 }

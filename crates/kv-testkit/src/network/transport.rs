@@ -3,8 +3,8 @@
 use std::collections::BTreeMap;
 
 use kv_core::{
-    AgentName, DescriptorPair, Notification, PeerAddress, PeerEvent, PreparedId, PreparedTransfer, Region, RegionId,
-    TransferId, TransferRequest, TransferStatus, Transport, TransportError,
+    AgentName, DescriptorPair, PeerAddress, PeerEvent, PreparedId, PreparedTransfer, Region, RegionId, TransferId,
+    TransferRequest, TransferStatus, Transport, TransportError,
 };
 
 use super::{stamped, validate, Agent, Body, Endpoint, Event, FakeNetwork, Message, Net, Transfer};
@@ -186,14 +186,6 @@ impl Transport for FakeTransport {
             let sent_at = net.clock.now();
             net.send(Message { from: me.clone(), to, sent_at, body: Body::Notification(payload.to_vec()) });
             Ok(())
-        })
-    }
-
-    fn drain_notifications(&mut self, out: &mut Vec<Notification>) {
-        self.settled(|net, me| {
-            if let Some(agent) = net.agent_mut(me) {
-                out.append(&mut agent.inbox);
-            }
         })
     }
 
