@@ -436,7 +436,8 @@ impl Demo {
         while self.retries.front().is_some_and(|(at, _)| *at <= now) {
             let (_, id) = self.retries.pop_front().expect("front");
             if let Some((r, _)) = self.open.get(&id) {
-                let command = Command::Prefill { id: id.clone(), prompt_tokens: r.prompt_tokens, n: r.n };
+                let command =
+                    Command::Prefill { id: id.clone(), prompt_tokens: r.prompt_tokens, n: r.n, consumer: None };
                 self.send("prefill0", &command);
             }
         }
@@ -470,6 +471,7 @@ impl Demo {
                     instance: 0,
                     prompt_tokens: tokens,
                     export: None,
+                    consumer: None,
                 };
                 self.dispatch(&exports[0], &id, remote(&exports[0]), request.fate);
                 if request.fate == Fate::Reject {
@@ -479,7 +481,7 @@ impl Demo {
                     }
                 }
             }
-            self.send("prefill0", &Command::Prefill { id: id.clone(), prompt_tokens: tokens, n });
+            self.send("prefill0", &Command::Prefill { id: id.clone(), prompt_tokens: tokens, n, consumer: None });
             self.open.insert(id, (request, exports));
         }
     }

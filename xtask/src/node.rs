@@ -27,8 +27,8 @@ use kv_core::{
 };
 use kv_sched_adapter::driver::WorkerDriver;
 use kv_sched_adapter::{
-    Counters, DecodeEvent, DecodeScheduler, DecodeState, DecodeWorker, LocalPool, PrefillEvent, PrefillScheduler,
-    PrefillWorker,
+    Consumer, Counters, DecodeEvent, DecodeScheduler, DecodeState, DecodeWorker, LocalPool, PrefillEvent,
+    PrefillScheduler, PrefillWorker,
 };
 use kv_testkit::BlockPool;
 use kv_transport_nixl::{NixlConfig, NixlTransport};
@@ -423,7 +423,10 @@ impl EngineNode for PrefillNode {
 
     fn handle(&mut self, command: Command) -> Result<bool> {
         match command {
-            Command::Prefill { id, prompt_tokens, n } => self.prefill(id, prompt_tokens, n)?,
+            Command::Prefill { id, prompt_tokens, n, consumer } => {
+                let consumer = consumer.map(|(engine, instance)| Consumer { engine: EngineId::new(engine), instance });
+                self.prefill(id, prompt_tokens, n, consumer)?
+            }
             Command::Stats => {
                 let counters = self.worker.machine_ref().counters();
                 self.engine.stats(counters);
@@ -437,7 +440,7 @@ impl EngineNode for PrefillNode {
 
 impl PrefillNode {
     /// Runs a prompt: allocates its blocks, fills them, and exports them (once per sibling).
-    fn prefill(&mut self, id: String, prompt_tokens: u64, n: u32) -> Result<()> {
+    fn prefill(&mut self, id: String, prompt_tokens: u64, n: u32, consumer: Option<Consumer>) -> Result<()> {
         let count = kv_core::blocks_for_tokens(prompt_tokens, self.engine.shape.layout.block_tokens) as usize;
         if count == 0 || n == 0 {
             let message = format!("prefill of {id}: {prompt_tokens} prompt tokens and n = {n}; both must be positive");
@@ -456,7 +459,13 @@ impl PrefillNode {
         let ids: Vec<String> = if n > 1 { (0..n).map(|i| format!("{i}_{id}")).collect() } else { vec![id.clone()] };
         let now = self.engine.now();
         for export in ids {
-            let remote = self.scheduler.handle_finished(now, RequestId::new(export), blocks.clone(), prompt_tokens)?;
+            let remote = self.scheduler.handle_finished(
+                now,
+                RequestId::new(export),
+                blocks.clone(),
+                prompt_tokens,
+                consumer.clone(),
+            )?;
             let event = Event::Exported { id: id.clone(), remote: Remote::from(&remote), finished_at_ns: wall_ns() };
             self.engine.emit(&event);
         }
@@ -576,21 +585,11 @@ impl EngineNode for DecodeNode {
             }
             Command::Abort { id } => {
                 let id = RequestId::new(id);
-                let before = self.scheduler.state(&id);
-                self.scheduler.handle_abort(&id);
-                match (before, self.scheduler.state(&id)) {
-                    (Some(DecodeState::Waiting), Some(DecodeState::Gone)) => {
-                        self.loads.remove(&id);
-                        self.outcome(&id, "aborted", 0);
-                    }
-                    (Some(DecodeState::Loading), _) => {
-                        if let Some(load) = self.loads.get_mut(&id) {
-                            load.aborted = true;
-                        }
-                    }
-                    // Already done: the abort changes nothing.
-                    _ => {}
+                if let Some(load) = self.loads.get_mut(&id) {
+                    load.aborted = true;
                 }
+                // The outcome follows with the scheduler's `Ended`; a request already done stays done.
+                self.scheduler.handle_abort(&id);
             }
             Command::Stats => {
                 let counters = self.worker.machine_ref().counters();
@@ -642,7 +641,7 @@ impl DecodeNode {
                         self.scheduler.handle_report(0, report)?;
                     }
                 }
-                DecodeEvent::Ready { request } => {
+                DecodeEvent::Ended { request, state: DecodeState::Ready } => {
                     // The KV is in place now; checking it is the demo's work, not the load's.
                     let ready_at_ns = wall_ns();
                     let Some(load) = self.loads.remove(&request) else { continue };
@@ -655,10 +654,18 @@ impl DecodeNode {
                     // The engine decodes and is done with the blocks.
                     self.engine.release(&load.blocks)?;
                 }
-                DecodeEvent::Free { request, blocks, state } => {
-                    let aborted = self.loads.remove(&request).is_some_and(|l| l.aborted);
-                    self.engine.release(&blocks)?;
+                DecodeEvent::Ended { request, state } => {
+                    // A rejection was reported when it was made; it has no load.
+                    let Some(load) = self.loads.get(&request) else { continue };
+                    let aborted = load.aborted || state == DecodeState::Gone;
+                    if load.blocks.is_empty() {
+                        self.loads.remove(&request);
+                    }
                     self.outcome(&request, if aborted { "aborted" } else { state.as_str() }, 0);
+                }
+                DecodeEvent::Free { request, blocks } => {
+                    self.loads.remove(&request);
+                    self.engine.release(&blocks)?;
                 }
             }
         }

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 
 use kv_core::{BlockId, EngineId, PeerAddress, RequestId, Time};
-use kv_sched_adapter::{ExportInfo, RemoteRef};
+use kv_sched_adapter::{Consumer, ExportInfo, RemoteRef};
 use serde::{Deserialize, Serialize};
 
 /// Which engine a process runs.
@@ -113,6 +113,9 @@ pub struct Remote {
     pub prompt_tokens: u64,
     /// P's blocks and the lease's deadline (ns on P's clock), once P has exported.
     pub export: Option<(Vec<u32>, u64)>,
+    /// The D engine and incarnation the router named at prefill, to which P bound the export.
+    #[serde(default)]
+    pub consumer: Option<(String, u64)>,
 }
 
 impl From<&RemoteRef> for Remote {
@@ -124,6 +127,7 @@ impl From<&RemoteRef> for Remote {
             instance: r.instance,
             prompt_tokens: r.prompt_tokens,
             export: r.export.as_ref().map(|e| (e.blocks.iter().map(|b| b.0).collect(), e.deadline.as_nanos())),
+            consumer: r.consumer.as_ref().map(|c| (c.engine.to_string(), c.instance)),
         }
     }
 }
@@ -142,6 +146,10 @@ impl Remote {
                 blocks: blocks.iter().map(|&b| BlockId(b)).collect(),
                 deadline: Time::from_nanos(*deadline),
             }),
+            consumer: self
+                .consumer
+                .as_ref()
+                .map(|(engine, instance)| Consumer { engine: EngineId::new(engine.clone()), instance: *instance }),
         }
     }
 }
@@ -157,6 +165,9 @@ pub enum Command {
         prompt_tokens: u64,
         /// Parallel samples.
         n: u32,
+        /// The D engine (name and incarnation) the router has already chosen, if it has.
+        #[serde(default)]
+        consumer: Option<(String, u64)>,
     },
     /// D: a request with P's parameters enters the waiting queue; D schedules it when it
     /// has blocks.
@@ -279,6 +290,7 @@ mod tests {
             instance: 2,
             prompt_tokens: 300,
             export: Some(ExportInfo { blocks: vec![BlockId(4), BlockId(9)], deadline: Time::from_nanos(77) }),
+            consumer: Some(Consumer { engine: EngineId::new("decode1"), instance: 3 }),
         };
         let line = serde_json::to_string(&Remote::from(&r)).unwrap();
         let back: Remote = serde_json::from_str(&line).unwrap();

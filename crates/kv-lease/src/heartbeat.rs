@@ -1,10 +1,12 @@
 //! D's heartbeat planning: which request ids to renew with which P rank, and when.
 //!
-//! D tracks a request from the moment it enters the waiting queue until its load ends. Each
-//! peer (a P rank) gets at most one heartbeat per interval, naming every tracked request of
-//! that peer; a peer's first tracked request makes its first heartbeat due at once, so that P
-//! learns early which D engine an export is bound to. Iteration is in key order, so a seeded
-//! simulation replays exactly.
+//! D tracks a request from the moment it enters the waiting queue until its load ends. D claims
+//! each new request with a renewal of its own at once, so that P learns which D engine an
+//! export is bound to without waiting for a beat; the planner then renews it with the peer's
+//! beats. Each peer (a P rank) gets at most one heartbeat per interval, naming every tracked
+//! request of that peer; a peer with nothing tracked has no beat due, and its next tracked
+//! request (claimed at once by the caller) makes one due an interval later. Iteration is in key
+//! order, so a seeded simulation replays exactly.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -30,11 +32,14 @@ impl<P: Ord + Clone> HeartbeatPlanner<P> {
         HeartbeatPlanner { interval, peers: BTreeMap::new() }
     }
 
-    /// Starts renewing `request` with `peer`.
+    /// Starts renewing `request` with `peer`; the caller has just claimed it with a renewal of
+    /// its own, so the peer's next beat is due no sooner than an interval from now.
     pub fn track(&mut self, peer: P, request: RequestId, now: Time) {
-        let beat = self.peers.entry(peer).or_insert_with(|| PeerBeat { requests: BTreeSet::new(), next_due: now });
+        let interval = self.interval;
+        let beat =
+            self.peers.entry(peer).or_insert_with(|| PeerBeat { requests: BTreeSet::new(), next_due: now + interval });
         if beat.requests.is_empty() {
-            beat.next_due = beat.next_due.min(now);
+            beat.next_due = now + interval;
         }
         beat.requests.insert(request);
     }
@@ -78,35 +83,38 @@ mod tests {
     }
 
     #[test]
-    fn beats_at_once_then_at_the_interval() {
+    fn beats_an_interval_after_the_claim_then_at_the_interval() {
         let mut hb = HeartbeatPlanner::new(Duration::from_secs(5));
         assert_eq!(hb.poll(t(0)), None);
         hb.track("p0", "r1".into(), t(1000));
-        assert_eq!(hb.next_due(), Some(t(1000)));
-        assert_eq!(hb.poll(t(1000)), Some(("p0", vec!["r1".into()])));
-        assert_eq!(hb.poll(t(1000)), None);
-        hb.track("p0", "r2".into(), t(2000));
-        assert_eq!(hb.poll(t(5999)), None, "a new request joins the next beat");
-        assert_eq!(hb.poll(t(6000)), Some(("p0", vec!["r1".into(), "r2".into()])));
+        assert_eq!(hb.next_due(), Some(t(6000)), "the caller claimed r1 itself at 1 s");
+        assert_eq!(hb.poll(t(5999)), None);
+        assert_eq!(hb.poll(t(6000)), Some(("p0", vec!["r1".into()])));
+        assert_eq!(hb.poll(t(6000)), None);
+        hb.track("p0", "r2".into(), t(7000));
+        assert_eq!(hb.poll(t(10_999)), None, "a new request joins the next beat");
+        assert_eq!(hb.poll(t(11_000)), Some(("p0", vec!["r1".into(), "r2".into()])));
         hb.untrack(&"p0", &"r1".into());
         hb.untrack(&"p0", &"r2".into());
         assert_eq!(hb.next_due(), None);
         assert_eq!(hb.poll(t(20_000)), None);
-        // After an idle spell, a new request beats at once again.
+        // After an idle spell, the next request's claim starts a new schedule.
         hb.track("p0", "r3".into(), t(30_000));
-        assert_eq!(hb.poll(t(30_000)), Some(("p0", vec!["r3".into()])));
+        assert_eq!(hb.poll(t(34_999)), None);
+        assert_eq!(hb.poll(t(35_000)), Some(("p0", vec!["r3".into()])));
     }
 
     #[test]
     fn each_peer_has_its_own_schedule() {
         let mut hb = HeartbeatPlanner::new(Duration::from_secs(5));
         hb.track("p0", "a".into(), t(0));
-        assert_eq!(hb.poll(t(0)), Some(("p0", vec!["a".into()])));
         hb.track("p1", "b".into(), t(1000));
-        assert_eq!(hb.poll(t(1000)), Some(("p1", vec!["b".into()])));
         assert_eq!(hb.next_due(), Some(t(5000)));
-        hb.forget(&"p0");
+        assert_eq!(hb.poll(t(5000)), Some(("p0", vec!["a".into()])));
         assert_eq!(hb.next_due(), Some(t(6000)));
-        assert!(hb.is_tracked(&"p1", &"b".into()));
+        hb.forget(&"p1");
+        assert_eq!(hb.next_due(), Some(t(10_000)));
+        assert!(hb.is_tracked(&"p0", &"a".into()));
+        assert!(!hb.is_tracked(&"p1", &"b".into()));
     }
 }

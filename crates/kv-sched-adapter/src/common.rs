@@ -1,12 +1,30 @@
 //! What P's and D's machines share: transfer parameters, actions, counters, peers.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use kv_core::{
     AgentName, BlockId, Compatible, EngineId, Handshake, Message, PeerAddress, PeerInfo, Placement, PoolShape,
     PreparedId, PreparedTransfer, RegionBase, RequestId, Time, TransferRequest, TransportError,
 };
 use kv_lease::ClockOffset;
+
+/// A D engine incarnation: the one consumer an export is bound to.
+///
+/// The router may name it when it sends the prompt to P (routers that pick P and D together
+/// know it); otherwise the first handshaked D engine to claim the export is bound.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct Consumer {
+    /// The D engine.
+    pub engine: EngineId,
+    /// Its incarnation, as its handshake names it.
+    pub instance: u64,
+}
+
+impl std::fmt::Display for Consumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}#{}", self.engine, self.instance)
+    }
+}
 
 /// What P hands the router when it exports a request (vLLM's `kv_transfer_params`), and what
 /// the router hands D with the request.
@@ -26,6 +44,9 @@ pub struct RemoteRef {
     pub prompt_tokens: u64,
     /// The export, once P has finished the prompt: absent in push mode when D comes first.
     pub export: Option<ExportInfo>,
+    /// The D engine the router named at prefill, to which P bound the export at once (for the
+    /// router's and D's information: P enforces it).
+    pub consumer: Option<Consumer>,
 }
 
 /// P's exported blocks and their lease.
@@ -85,8 +106,10 @@ pub enum Action<R> {
 /// What a machine counted and dropped, and other events worth a metric.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct Counters {
-    /// Malformed, unknown or unauthorised messages dropped.
+    /// Malformed, unknown, unauthenticated or foreign messages dropped (all causes together).
     pub ignored_messages: u64,
+    /// Of those, messages about an export from an engine it is not bound to.
+    pub foreign_messages: u64,
     /// A consumer's completion (or registration) seen again, ignored.
     pub duplicate_messages: u64,
     /// Completions for exports P no longer had.
@@ -101,6 +124,10 @@ pub struct Counters {
     pub transfers_failed: u64,
     /// Loads D did not start because P's lease could end before the read.
     pub reads_fenced: u64,
+    /// Reads that completed after P's acknowledged deadline (less the margin): failed loads.
+    pub late_reads: u64,
+    /// Push loads given up whose blocks went into quarantine until P confirmed no write.
+    pub quarantined: u64,
     /// Reads posted by prepared-list indices rather than address pairs.
     pub prepared_reads: u64,
     /// Push writes posted by prepared-list indices rather than address pairs.
@@ -111,6 +138,7 @@ impl Counters {
     /// Adds another machine's counts to these.
     pub fn add(&mut self, other: &Counters) {
         self.ignored_messages += other.ignored_messages;
+        self.foreign_messages += other.foreign_messages;
         self.duplicate_messages += other.duplicate_messages;
         self.notifications_after_expiry += other.notifications_after_expiry;
         self.late_messages += other.late_messages;
@@ -118,6 +146,8 @@ impl Counters {
         self.early_evicted += other.early_evicted;
         self.transfers_failed += other.transfers_failed;
         self.reads_fenced += other.reads_fenced;
+        self.late_reads += other.late_reads;
+        self.quarantined += other.quarantined;
         self.prepared_reads += other.prepared_reads;
         self.prepared_writes += other.prepared_writes;
     }
@@ -248,6 +278,11 @@ impl Peer {
         }
     }
 
+    /// The engine incarnation this peer belongs to.
+    pub fn consumer(&self) -> Consumer {
+        Consumer { engine: self.handshake.engine.clone(), instance: self.handshake.instance }
+    }
+
     /// The peer's pool shape, from its handshake.
     pub fn shape(&self, heads: u32) -> Option<PoolShape> {
         PoolShape::new(self.handshake.layout, heads, self.handshake.num_blocks).ok()
@@ -317,161 +352,5 @@ impl<R> Outbox<R> {
 
     pub fn pop(&mut self) -> Option<Action<R>> {
         self.actions.pop_front()
-    }
-}
-
-/// Ids released recently, kept for a while so that late messages about them are told apart
-/// from early ones.
-#[derive(Debug, Default)]
-pub(crate) struct RecentlyReleased {
-    ids: BTreeSet<RequestId>,
-    order: VecDeque<(Time, RequestId)>,
-}
-
-impl RecentlyReleased {
-    pub fn insert(&mut self, id: RequestId, now: Time) {
-        if self.ids.insert(id.clone()) {
-            self.order.push_back((now, id));
-        }
-    }
-
-    pub fn contains(&self, id: &RequestId) -> bool {
-        self.ids.contains(id)
-    }
-
-    /// Forgets ids released before `horizon`.
-    pub fn expire(&mut self, horizon: Time) {
-        while self.order.front().is_some_and(|(t, _)| *t < horizon) {
-            let (_, id) = self.order.pop_front().expect("front exists");
-            self.ids.remove(&id);
-        }
-    }
-}
-
-/// Early messages, staged in arrival order, at most `capacity`, oldest evicted first.
-#[derive(Debug)]
-pub(crate) struct EarlyStage {
-    capacity: usize,
-    queue: VecDeque<(Time, AgentName, Message)>,
-    by_request: BTreeMap<RequestId, usize>,
-}
-
-impl EarlyStage {
-    pub fn new(capacity: usize) -> Self {
-        EarlyStage { capacity, queue: VecDeque::new(), by_request: BTreeMap::new() }
-    }
-
-    /// Stages a message; returns how many were evicted to make room.
-    pub fn push(&mut self, now: Time, from: AgentName, request: RequestId, message: Message) -> u64 {
-        let mut evicted = 0;
-        while self.queue.len() >= self.capacity.max(1) {
-            self.pop_front();
-            evicted += 1;
-        }
-        *self.by_request.entry(request).or_default() += 1;
-        self.queue.push_back((now, from, message));
-        evicted
-    }
-
-    fn pop_front(&mut self) -> Option<(Time, AgentName, Message)> {
-        let entry = self.queue.pop_front()?;
-        if let Some(request) = staged_request(&entry.2) {
-            if let Some(n) = self.by_request.get_mut(request) {
-                *n -= 1;
-                if *n == 0 {
-                    self.by_request.remove(request);
-                }
-            }
-        }
-        Some(entry)
-    }
-
-    /// Takes every staged message about a request that `request` accepts and that `entry`
-    /// accepts, in arrival order; the rest stay staged in their order.
-    pub fn take(
-        &mut self,
-        request: impl Fn(&RequestId) -> bool,
-        entry: impl Fn(&AgentName, &Message) -> bool,
-    ) -> Vec<(AgentName, Message)> {
-        // The index answers the common case, nothing staged for this request, without a scan.
-        if !self.by_request.keys().any(&request) {
-            return Vec::new();
-        }
-        let mut taken = Vec::new();
-        let mut kept = VecDeque::with_capacity(self.queue.len());
-        for (t, from, message) in self.queue.drain(..) {
-            match staged_request(&message) {
-                Some(r) if request(r) && entry(&from, &message) => taken.push((from, message)),
-                _ => kept.push_back((t, from, message)),
-            }
-        }
-        self.queue = kept;
-        self.by_request.clear();
-        for (_, _, message) in &self.queue {
-            if let Some(r) = staged_request(message) {
-                *self.by_request.entry(r.clone()).or_default() += 1;
-            }
-        }
-        taken
-    }
-
-    /// Drops messages staged before `horizon`; returns how many.
-    pub fn expire(&mut self, horizon: Time) -> u64 {
-        let mut dropped = 0;
-        while self.queue.front().is_some_and(|(t, _, _)| *t < horizon) {
-            self.pop_front();
-            dropped += 1;
-        }
-        dropped
-    }
-
-    /// The earliest staging time, for the expiry wake-up.
-    pub fn oldest(&self) -> Option<Time> {
-        self.queue.front().map(|(t, _, _)| *t)
-    }
-}
-
-/// The request a stageable message is about.
-pub(crate) fn staged_request(message: &Message) -> Option<&RequestId> {
-    match message {
-        Message::Completion { request, .. } | Message::Rejection { request } | Message::Abort { request } => {
-            Some(request)
-        }
-        Message::PushRegistration(reg) => Some(&reg.request),
-        Message::Heartbeat { .. } | Message::HeartbeatAck { .. } => None,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn agent() -> AgentName {
-        AgentName::new(EngineId::new("d"), 0)
-    }
-
-    #[test]
-    fn the_early_stage_is_bounded_and_evicts_the_oldest() {
-        let mut stage = EarlyStage::new(2);
-        let msg = |r: &str| Message::Rejection { request: r.into() };
-        assert_eq!(stage.push(Time::ZERO, agent(), "a".into(), msg("a")), 0);
-        assert_eq!(stage.push(Time::ZERO, agent(), "b".into(), msg("b")), 0);
-        assert_eq!(stage.push(Time::ZERO, agent(), "c".into(), msg("c")), 1);
-        assert!(stage.take(|r| r.as_str() == "a", |_, _| true).is_empty(), "a was evicted");
-        assert!(stage.take(|r| r.as_str() == "c", |_, m| matches!(m, Message::Abort { .. })).is_empty());
-        assert_eq!(stage.take(|r| r.as_str() == "c", |_, _| true), vec![(agent(), msg("c"))]);
-        assert_eq!(stage.expire(Time::from_millis(1)), 1);
-        assert_eq!(stage.oldest(), None);
-    }
-
-    #[test]
-    fn recently_released_ids_are_forgotten_after_the_horizon() {
-        let mut recent = RecentlyReleased::default();
-        recent.insert("r1".into(), Time::from_millis(5));
-        assert!(recent.contains(&"r1".into()));
-        recent.expire(Time::from_millis(5));
-        assert!(recent.contains(&"r1".into()));
-        recent.expire(Time::from_millis(6));
-        assert!(!recent.contains(&"r1".into()));
     }
 }

@@ -71,8 +71,11 @@ pub struct Config {
     pub lease_extension: Duration,
     /// `decoder_kv_blocks_ttl`: how long D holds blocks for a peer.
     pub decoder_kv_blocks_ttl: Duration,
-    /// D frees blocks registered for a push that never came, after this.
+    /// D gives up a push that never came, after this.
     pub push_registration_timeout: Duration,
+    /// How long D keeps given-up push blocks out of its pool at most, unless P confirms first
+    /// that no write can come (or is seen gone): 2 × `kv_lease_duration` by default.
+    pub push_quarantine: Duration,
     /// `kv_load_failure_policy`.
     pub load_failure_policy: LoadFailurePolicy,
     /// Completions that reached P before their export, kept until it registers (oldest evicted).
@@ -91,6 +94,7 @@ impl Config {
             lease_extension: kv_lease_duration * 2 / 3,
             decoder_kv_blocks_ttl: Duration::from_secs(480),
             push_registration_timeout: Duration::from_secs(480),
+            push_quarantine: kv_lease_duration * 2,
             load_failure_policy: LoadFailurePolicy::Recompute,
             early_notification_capacity: 8192,
             read_safety_margin: Duration::from_secs(5),

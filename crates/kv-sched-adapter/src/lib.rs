@@ -91,9 +91,11 @@ mod decode;
 pub mod driver;
 mod prefill;
 
-pub use common::{Action, Counters, ExportInfo, LocalPool, RemoteRef, XferToken};
+pub use common::{Action, Consumer, Counters, ExportInfo, LocalPool, RemoteRef, XferToken};
 pub use config::{Config, ConfigError, LoadFailurePolicy, Mode, ReleaseReason};
 pub use decode::{
     DecodeCommand, DecodeError, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LoadOutcome,
 };
-pub use prefill::{PrefillCommand, PrefillError, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker};
+pub use prefill::{
+    PrefillBook, PrefillCommand, PrefillError, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker,
+};

@@ -22,8 +22,8 @@ use kv_core::{
 };
 use kv_sched_adapter::driver::WorkerDriver;
 use kv_sched_adapter::{
-    Config, Counters, DecodeEvent, DecodeScheduler, DecodeState, DecodeWorker, LocalPool, Mode, PrefillCommand,
-    PrefillEvent, PrefillScheduler, PrefillWorker, ReleaseReason, RemoteRef,
+    Config, Consumer, Counters, DecodeEvent, DecodeScheduler, DecodeState, DecodeWorker, LocalPool, Mode,
+    PrefillCommand, PrefillEvent, PrefillScheduler, PrefillWorker, ReleaseReason, RemoteRef,
 };
 
 use crate::{offer, BlockPool, FakeHeap, FakeNetwork, InMemoryMemory, ManualClock, NetConfig, Scope};
@@ -236,6 +236,30 @@ struct DecodeEngine {
     loads: BTreeMap<RequestId, DecodeLoad>,
     /// Commands the scheduler gave, not yet handed to the workers.
     commands: VecDeque<(u32, kv_sched_adapter::DecodeCommand)>,
+    /// The final state of every request that ended here (the scheduler forgets them).
+    ended: BTreeMap<RequestId, DecodeState>,
+}
+
+/// A message a handshaked engine forges about another engine's export.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum ForgedMessage {
+    /// A completion, counting some consumers.
+    Completion,
+    /// An abort.
+    Abort,
+    /// A heartbeat renewing it.
+    Heartbeat,
+    /// A rejection.
+    Reject,
+}
+
+/// A router call that reached an engine while it was paused: it runs when the engine resumes.
+#[derive(Clone, Debug)]
+enum Deferred {
+    Arrive { request: RequestId, remote: RemoteRef },
+    Schedule { request: RequestId, prefix_hit: bool },
+    Reject { request: RequestId, remote: RemoteRef },
+    Abort { request: RequestId },
 }
 
 #[derive(Clone, Debug)]
@@ -266,7 +290,11 @@ pub struct Cluster {
     /// The oracle: what P computed for each export id.
     computed: BTreeMap<(EngineId, RequestId), Computed>,
     corrupt_reads: u64,
+    /// Blocks found written while their engine had them free (at their next allocation).
+    written_after_free: u64,
     loads_verified: u64,
+    /// Engines paused until a time, and the router calls they will handle when they resume.
+    paused: BTreeMap<EngineId, (Time, Vec<Deferred>)>,
     violations: Vec<String>,
     trace: Vec<String>,
     last_step: Option<Time>,
@@ -302,7 +330,9 @@ impl Cluster {
             exports: BTreeMap::new(),
             computed: BTreeMap::new(),
             corrupt_reads: 0,
+            written_after_free: 0,
             loads_verified: 0,
+            paused: BTreeMap::new(),
             violations: Vec::new(),
             trace: Vec::new(),
             last_step: None,
@@ -426,6 +456,7 @@ impl Cluster {
             pool: BlockPool::new(c.decode_num_blocks),
             loads: BTreeMap::new(),
             commands: VecDeque::new(),
+            ended: BTreeMap::new(),
         })
     }
 
@@ -465,13 +496,18 @@ impl Cluster {
                 due = Some(due.map_or(t, |d| d.min(t)));
             }
         };
-        for engine in self.prefill.values_mut().flatten() {
+        // A paused engine wants nothing until it resumes; then it catches up on everything.
+        for (until, _) in self.paused.values() {
+            take(Some(*until));
+        }
+        let paused = &self.paused;
+        for engine in self.prefill.values_mut().flatten().filter(|e| !paused.contains_key(&e.id)) {
             take(engine.handoff.iter().map(|(t, _, _)| *t).min());
             for w in &mut engine.workers {
                 take(w.poll_timeout());
             }
         }
-        for engine in self.decode.values_mut().flatten() {
+        for engine in self.decode.values_mut().flatten().filter(|e| !paused.contains_key(&e.id)) {
             for w in &mut engine.workers {
                 take(w.poll_timeout());
             }
@@ -503,11 +539,12 @@ impl Cluster {
         let now = self.now();
         self.last_step = Some(now);
         self.dirty_since = None;
-        let names: Vec<EngineId> = self.prefill.keys().cloned().collect();
+        self.resume_engines(now);
+        let names: Vec<EngineId> = self.prefill.keys().filter(|e| !self.paused.contains_key(*e)).cloned().collect();
         for id in &names {
             self.step_prefill(id, now);
         }
-        let names: Vec<EngineId> = self.decode.keys().cloned().collect();
+        let names: Vec<EngineId> = self.decode.keys().filter(|e| !self.paused.contains_key(*e)).cloned().collect();
         for id in &names {
             self.step_decode(id, now);
         }
@@ -579,16 +616,22 @@ impl Cluster {
                 progressed = true;
                 match event {
                     DecodeEvent::ToWorker { rank, command } => engine.commands.push_back((rank, command)),
-                    DecodeEvent::Ready { request } => {
-                        self.record(format!("{} ready {request}", engine.id));
-                        self.verify(engine, &request);
-                        if let Some(load) = engine.loads.remove(&request) {
-                            // The engine decodes and is done with the blocks.
-                            self.free_decode_blocks(engine, &load.blocks);
+                    DecodeEvent::Ended { request, state } => {
+                        self.record(format!("{} {} {request}", engine.id, state.as_str()));
+                        engine.ended.insert(request.clone(), state);
+                        if state == DecodeState::Ready {
+                            self.verify(engine, &request);
+                            if let Some(load) = engine.loads.remove(&request) {
+                                // The engine decodes and is done with the blocks.
+                                self.free_decode_blocks(engine, &load.blocks);
+                            }
+                        } else if engine.loads.get(&request).is_some_and(|l| l.blocks.is_empty()) {
+                            // Ended before it had blocks: nothing comes back.
+                            engine.loads.remove(&request);
                         }
                     }
-                    DecodeEvent::Free { request, blocks, state } => {
-                        self.record(format!("{} freed {request} {}", engine.id, state.as_str()));
+                    DecodeEvent::Free { request, blocks } => {
+                        self.record(format!("{} freed {request}", engine.id));
                         engine.loads.remove(&request);
                         self.free_decode_blocks(engine, &blocks);
                     }
@@ -683,9 +726,26 @@ impl Cluster {
         }
     }
 
-    /// P runs a prompt and exports it; with `n > 1`, the siblings `0_r` .. `{n-1}_r` share its blocks.
-    pub fn prefill(&mut self, node: &str, request: &RequestId, prompt_tokens: u64, n: u32) -> Result<(), ClusterError> {
+    /// P runs a prompt and exports it; with `n > 1`, the siblings `0_r` .. `{n-1}_r` share its
+    /// blocks. With a `consumer`, the router has already chosen that D engine (its incarnation
+    /// now), and P binds the exports to it.
+    pub fn prefill(
+        &mut self,
+        node: &str,
+        request: &RequestId,
+        prompt_tokens: u64,
+        n: u32,
+        consumer: Option<&str>,
+    ) -> Result<(), ClusterError> {
         let now = self.now();
+        self.check_running(node)?;
+        let consumer = match consumer {
+            Some(d) if self.decode.contains_key(&EngineId::new(d)) => {
+                Some(Consumer { engine: EngineId::new(d), instance: self.instance(&EngineId::new(d)) })
+            }
+            Some(d) => return err(format!("no decode engine {d} to name as the consumer")),
+            None => None,
+        };
         let p_tokens = self.config.prefill_block_tokens;
         let count = kv_core::blocks_for_tokens(prompt_tokens, p_tokens) as usize;
         if count == 0 {
@@ -712,12 +772,12 @@ impl Cluster {
         let Some(blocks) = engine.pool.allocate(count) else {
             return err(format!("{node} has no {count} free blocks for {request}"));
         };
-        let mut dirty = Vec::new();
+        let mut dirty = BTreeSet::new();
         for rank in &mut engine.ranks {
             let first = first_head(&rank.shape.layout, rank.rank, tp);
             for (i, &block) in blocks.iter().enumerate() {
                 if !rank.scrubbed(block) {
-                    dirty.push(block);
+                    dirty.insert(block);
                 }
                 let bytes: Vec<u8> = block_bytes(&rank.shape, first, seed, i as u64 * u64::from(p_tokens), u64::MAX)
                     .into_iter()
@@ -734,7 +794,7 @@ impl Cluster {
         for id in &ids {
             let remote = engine
                 .scheduler
-                .handle_finished(now, id.clone(), blocks.clone(), prompt_tokens)
+                .handle_finished(now, id.clone(), blocks.clone(), prompt_tokens, consumer.clone())
                 .map_err(|e| ClusterError(e.to_string()))?;
             engine.export_blocks.insert(id.clone(), blocks.clone());
             refs.push((id.clone(), remote));
@@ -743,9 +803,7 @@ impl Cluster {
         let mut engine = self.prefill.get_mut(&engine_id).and_then(Option::take).expect("up");
         self.drain_prefill(&mut engine, now);
         self.prefill.insert(engine_id.clone(), Some(engine));
-        for block in dirty {
-            self.violation(format!("{node}: freed block {block} was written before it was allocated again"));
-        }
+        self.count_written_after_free(node, &dirty);
         let tokens = count as u64 * u64::from(p_tokens);
         for (id, remote) in refs {
             self.record(format!("{node} exported {id}"));
@@ -753,6 +811,30 @@ impl Cluster {
             self.exports.insert((engine_id.clone(), id), remote);
         }
         Ok(())
+    }
+
+    /// Blocks found written while free, when they are allocated again.
+    fn count_written_after_free(&mut self, node: &str, dirty: &BTreeSet<BlockId>) {
+        for block in dirty {
+            self.record(format!("{node}: freed block {block} was WRITTEN AFTER FREE"));
+        }
+        self.written_after_free += dirty.len() as u64;
+    }
+
+    /// Whether `node` is up and not paused.
+    fn check_running(&self, node: &str) -> Result<(), ClusterError> {
+        match self.paused.get(&EngineId::new(node)) {
+            Some((until, _)) => err(format!("{node} is paused until {until}")),
+            None => Ok(()),
+        }
+    }
+
+    /// Defers a router call to a paused D engine until it resumes; `None` when it is running.
+    fn defer(&mut self, node: &str, call: impl FnOnce() -> Deferred) -> Option<()> {
+        let (_, calls) = self.paused.get_mut(&EngineId::new(node))?;
+        calls.push(call());
+        self.record(format!("{node} is paused; the router's call waits"));
+        Some(())
     }
 
     fn remote_for(
@@ -783,6 +865,7 @@ impl Cluster {
             instance: 0,
             prompt_tokens,
             export: None,
+            consumer: None,
         })
     }
 
@@ -796,6 +879,14 @@ impl Cluster {
         prompt_tokens: Option<u64>,
     ) -> Result<(), ClusterError> {
         let remote = self.remote_for(from, remote_request, prompt_tokens)?;
+        self.decode_engine(node)?;
+        if self.defer(node, || Deferred::Arrive { request: request.clone(), remote: remote.clone() }).is_some() {
+            return Ok(());
+        }
+        self.arrive_now(node, request, remote)
+    }
+
+    fn arrive_now(&mut self, node: &str, request: &RequestId, remote: RemoteRef) -> Result<(), ClusterError> {
         let engine = self.decode_engine(node)?;
         engine.scheduler.handle_arrive(request.clone(), remote.clone()).map_err(|e| ClusterError(e.to_string()))?;
         engine.loads.insert(request.clone(), DecodeLoad { remote, blocks: Vec::new(), prefix_hit: false });
@@ -805,6 +896,14 @@ impl Cluster {
 
     /// D allocates blocks for a waiting request and starts its load.
     pub fn schedule(&mut self, node: &str, request: &RequestId, prefix_hit: bool) -> Result<(), ClusterError> {
+        self.decode_engine(node)?;
+        if self.defer(node, || Deferred::Schedule { request: request.clone(), prefix_hit }).is_some() {
+            return Ok(());
+        }
+        self.schedule_now(node, request, prefix_hit)
+    }
+
+    fn schedule_now(&mut self, node: &str, request: &RequestId, prefix_hit: bool) -> Result<(), ClusterError> {
         let d_tokens = self.config.decode_block_tokens;
         let engine = self.decode_engine(node)?;
         let Some(load) = engine.loads.get(request) else {
@@ -814,7 +913,7 @@ impl Cluster {
         let Some(blocks) = engine.pool.allocate(count.max(1)) else {
             return err(format!("{node} has no {count} free blocks for {request}"));
         };
-        let dirty: Vec<BlockId> =
+        let dirty: BTreeSet<BlockId> =
             blocks.iter().copied().filter(|&b| engine.ranks.iter().any(|r| !r.scrubbed(b))).collect();
         if let Err(e) = engine.scheduler.handle_schedule(request.clone(), blocks.clone(), prefix_hit) {
             let _ = engine.pool.release(&blocks);
@@ -823,9 +922,7 @@ impl Cluster {
         let load = engine.loads.get_mut(request).expect("present");
         load.blocks = blocks;
         load.prefix_hit = prefix_hit;
-        for block in dirty {
-            self.violation(format!("{node}: freed block {block} was written before it was allocated again"));
-        }
+        self.count_written_after_free(node, &dirty);
         self.record(format!("{node} scheduled {request}"));
         self.flush_decode(node)
     }
@@ -839,6 +936,14 @@ impl Cluster {
         remote_request: &RequestId,
     ) -> Result<(), ClusterError> {
         let remote = self.remote_for(from, remote_request, None)?;
+        self.decode_engine(node)?;
+        if self.defer(node, || Deferred::Reject { request: request.clone(), remote: remote.clone() }).is_some() {
+            return Ok(());
+        }
+        self.reject_now(node, request, remote)
+    }
+
+    fn reject_now(&mut self, node: &str, request: &RequestId, remote: RemoteRef) -> Result<(), ClusterError> {
         let engine = self.decode_engine(node)?;
         engine.scheduler.handle_reject(request.clone(), remote).map_err(|e| ClusterError(e.to_string()))?;
         self.record(format!("{node} rejected {request}"));
@@ -853,10 +958,87 @@ impl Cluster {
             self.record(format!("{node} abort {request} (no effect on an export)"));
             return Ok(());
         }
+        self.decode_engine(node)?;
+        if self.defer(node, || Deferred::Abort { request: request.clone() }).is_some() {
+            return Ok(());
+        }
+        self.abort_now(node, request)
+    }
+
+    fn abort_now(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {
         let engine = self.decode_engine(node)?;
         engine.scheduler.handle_abort(request);
         self.record(format!("{node} aborted {request}"));
         self.flush_decode(node)
+    }
+
+    /// The engine stops for `for_`, as a process under SIGSTOP would: no step, no message,
+    /// timer or completion handled, nothing sent; its side channel stays open. Transfers it
+    /// posted complete no earlier than its resume; router calls wait for it.
+    pub fn pause(&mut self, node: &str, for_: Duration) -> Result<(), ClusterError> {
+        let id = EngineId::new(node);
+        let up = matches!(self.prefill.get(&id), Some(Some(_))) || matches!(self.decode.get(&id), Some(Some(_)));
+        if !up {
+            return err(format!("{node} is not running"));
+        }
+        let until = self.now() + for_;
+        let entry = self.paused.entry(id.clone()).or_insert((until, Vec::new()));
+        entry.0 = entry.0.max(until);
+        let until = entry.0;
+        self.net.pause(Scope::Engine(id), until);
+        self.record(format!("{node} paused until {until}"));
+        Ok(())
+    }
+
+    /// Engines whose pause is over carry on, first with the router calls that waited for them.
+    fn resume_engines(&mut self, now: Time) {
+        let due: Vec<EngineId> =
+            self.paused.iter().filter(|(_, (until, _))| *until <= now).map(|(e, _)| e.clone()).collect();
+        for id in due {
+            let (_, calls) = self.paused.remove(&id).expect("due");
+            let node = id.as_str();
+            self.record(format!("{node} resumed"));
+            for call in calls {
+                let result = match call {
+                    Deferred::Arrive { request, remote } => self.arrive_now(node, &request, remote),
+                    Deferred::Schedule { request, prefix_hit } => self.schedule_now(node, &request, prefix_hit),
+                    Deferred::Reject { request, remote } => self.reject_now(node, &request, remote),
+                    Deferred::Abort { request } => self.abort_now(node, &request),
+                };
+                if let Err(e) = result {
+                    self.record(format!("{node}: a call that waited for the resume did not apply: {e}"));
+                }
+            }
+        }
+    }
+
+    /// `from`, a handshaked D engine, sends `to` a well-formed message about `to`'s export
+    /// `request` as if it were that export's consumer (rank 0 to rank 0).
+    pub fn forge(
+        &mut self,
+        from: &str,
+        to: &str,
+        message: ForgedMessage,
+        request: &RequestId,
+        consumers: u32,
+    ) -> Result<(), ClusterError> {
+        let to_agent = AgentName::new(EngineId::new(to), 0);
+        let message = match message {
+            ForgedMessage::Completion => {
+                Message::Completion { request: request.clone(), expected_consumers: consumers }
+            }
+            ForgedMessage::Abort => Message::Abort { request: request.clone() },
+            ForgedMessage::Heartbeat => Message::Heartbeat { requests: vec![request.clone()] },
+            ForgedMessage::Reject => Message::Rejection { request: request.clone() },
+        };
+        let payload = message.encode().map_err(|e| ClusterError(e.to_string()))?;
+        let engine = self.decode_engine(from)?;
+        let transport = engine.workers[0].transport();
+        transport
+            .send_notification(&to_agent, &payload)
+            .map_err(|e| ClusterError(format!("{from} cannot speak to {to_agent}: {e}")))?;
+        self.record(format!("{from} forged {message:?} to {to_agent}"));
+        Ok(())
     }
 
     fn flush_decode(&mut self, node: &str) -> Result<(), ClusterError> {
@@ -871,6 +1053,8 @@ impl Cluster {
     /// An engine stops; with `detect`, its peers see its side channel close.
     pub fn crash(&mut self, node: &str, detect: bool) -> Result<(), ClusterError> {
         let id = EngineId::new(node);
+        // A paused process can be killed; what waited for it is lost with it.
+        self.paused.remove(&id);
         self.net.crash(Scope::Engine(id.clone()), detect);
         let retired = match (self.prefill.get_mut(&id), self.decode.get_mut(&id)) {
             (Some(slot), _) => slot.take().map(|e| {
@@ -993,7 +1177,7 @@ impl Cluster {
     /// Where a request stands on a D engine.
     pub fn decode_state(&self, node: &str, request: &RequestId) -> Option<DecodeState> {
         match self.decode.get(&EngineId::new(node)) {
-            Some(Some(e)) => e.scheduler.state(request),
+            Some(Some(e)) => e.scheduler.state(request).or_else(|| e.ended.get(request).copied()),
             _ => None,
         }
     }
@@ -1037,6 +1221,22 @@ impl Cluster {
     /// Loads whose bytes did not match what P computed.
     pub fn corrupt_reads(&self) -> u64 {
         self.corrupt_reads
+    }
+
+    /// Writes that landed in blocks their engine had already given back to its pool: those
+    /// found when the block was allocated again, and those in blocks free now.
+    pub fn written_after_free(&self) -> u64 {
+        let free_dirty = |pool: &BlockPool, ranks: &[RankMemory]| {
+            pool.free_blocks().filter(|&b| ranks.iter().any(|r| !r.scrubbed(b))).count() as u64
+        };
+        let p: u64 = self.prefill.values().flatten().map(|e| free_dirty(&e.pool, &e.ranks)).sum();
+        let d: u64 = self.decode.values().flatten().map(|e| free_dirty(&e.pool, &e.ranks)).sum();
+        self.written_after_free + p + d
+    }
+
+    /// Writes found in blocks at their next allocation after a free (cheap: no scan).
+    pub fn written_after_free_found(&self) -> u64 {
+        self.written_after_free
     }
 
     /// Loads whose bytes matched what P computed.

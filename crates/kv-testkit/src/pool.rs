@@ -58,4 +58,9 @@ impl BlockPool {
     pub fn held(&self) -> usize {
         self.refs.len()
     }
+
+    /// The free blocks, lowest first.
+    pub fn free_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.free.iter().map(|&b| BlockId(b))
+    }
 }

@@ -246,6 +246,10 @@ fn run_checked(
         if cluster.corrupt_reads() > 0 {
             return Err(format!("{} corrupt reads by {:.3}s", cluster.corrupt_reads(), cluster.now().as_secs_f64()));
         }
+        if cluster.written_after_free_found() > 0 {
+            let found = cluster.written_after_free_found();
+            return Err(format!("{found} blocks written after free by {:.3}s", cluster.now().as_secs_f64()));
+        }
         Ok(())
     };
     for step in &scenario.steps {
@@ -261,10 +265,18 @@ fn run_checked(
             return Err(e);
         }
     }
-    let limit = scenario.policy.decoder_kv_blocks_ttl + scenario.policy.kv_lease_duration + Duration::from_secs(5);
+    let p = &scenario.policy;
+    let quarantine = cluster_config(scenario, seed).connector.push_quarantine;
+    let limit = p.push_registration_timeout.max(p.decoder_kv_blocks_ttl)
+        + quarantine
+        + p.kv_lease_duration
+        + Duration::from_secs(5);
     cluster.drain(limit);
     trace.extend_from_slice(cluster.trace());
     check(&cluster)?;
+    if cluster.written_after_free() > 0 {
+        return Err(format!("after the drain, {} blocks written after free", cluster.written_after_free()));
+    }
     outcome.digest = cluster.digest();
     outcome.loads_ok = cluster.loads_verified();
     let counters = cluster.counters();

@@ -182,6 +182,7 @@ impl FakeNetwork {
             listeners: HashMap::new(),
             next_generation: 1,
             partitions: Vec::new(),
+            pauses: Vec::new(),
             delays: Vec::new(),
             transfer_faults: Vec::new(),
             stats: NetStats::default(),
@@ -262,6 +263,15 @@ impl FakeNetwork {
             }
         }
         net.partitions.push(window);
+    }
+
+    /// Stops the agents in `who` until `until`, as SIGSTOP would: the transfers they posted
+    /// complete (and copy their bytes) no earlier than then. Their side channels stay open.
+    pub fn pause(&self, who: impl Into<Scope>, until: Time) {
+        let mut net = self.settled();
+        let now = net.clock.now();
+        net.pauses.retain(|(_, t)| *t > now);
+        net.pauses.push((who.into(), until));
     }
 
     /// Delays by `by` every message from `from` to `to` sent from now until `until`.
@@ -414,6 +424,8 @@ struct Net {
     listeners: HashMap<PeerAddress, AgentName>,
     next_generation: u64,
     partitions: Vec<Window>,
+    /// Agents stopped until a time: their transfers complete no earlier than that.
+    pauses: Vec<(Scope, Time)>,
     delays: Vec<Window>,
     transfer_faults: Vec<TransferFault>,
     stats: NetStats,
@@ -595,6 +607,13 @@ impl Net {
     }
 
     fn complete(&mut self, at: Time, poster: &Endpoint, id: TransferId) {
+        // A paused poster's transfer completes when it resumes: a one-sided read copies in the
+        // reader's own process, and a write's completion is seen by the writer.
+        let resume =
+            self.pauses.iter().filter(|(who, until)| who.covers(&poster.name) && at < *until).map(|p| p.1).max();
+        if let Some(resume) = resume {
+            return self.schedule(resume, Event::Complete { poster: poster.clone(), id });
+        }
         let Some(agent) = self.agent_mut(poster) else { return };
         let Some(Transfer::InFlight { request, peer, doom }) = agent.transfers.remove(&id) else { return };
         let status = match doom.map_or_else(|| self.copy(poster, &peer, &request), Err) {

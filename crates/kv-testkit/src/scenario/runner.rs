@@ -123,7 +123,9 @@ fn run_checked_steps(scenario: &Scenario, cluster: &mut Cluster, skipped: &mut V
         }
     }
     let last = scenario.steps.last().and_then(|s: &Step| s.expect.as_ref());
-    let limit = scenario.policy.decoder_kv_blocks_ttl + scenario.policy.kv_lease_duration;
+    let p = &scenario.policy;
+    let quarantine = cluster_config(scenario, 0).connector.push_quarantine;
+    let limit = p.push_registration_timeout.max(p.decoder_kv_blocks_ttl) + quarantine + p.kv_lease_duration;
     cluster.drain(limit);
     let after = |cluster: &Cluster| format!("after the drain, at {:.3}s", cluster.now().as_secs_f64());
     check_violations(cluster).map_err(|e| format!("{}: {e}", after(cluster)))?;
@@ -143,6 +145,9 @@ fn run_checked_steps(scenario: &Scenario, cluster: &mut Cluster, skipped: &mut V
     if last.is_none_or(|e| e.corrupt_reads.is_none()) && cluster.corrupt_reads() != 0 {
         return Err(format!("{}: {} corrupt reads", after(cluster), cluster.corrupt_reads()));
     }
+    if cluster.written_after_free() != 0 {
+        return Err(format!("{}: {} blocks written after free", after(cluster), cluster.written_after_free()));
+    }
     Ok(())
 }
 
@@ -150,7 +155,9 @@ fn run_checked_steps(scenario: &Scenario, cluster: &mut Cluster, skipped: &mut V
 pub fn apply(cluster: &mut Cluster, event: &Event) -> Result<(), String> {
     let name = |n: &Node| n.engine_id().as_str().to_owned();
     let result = match event {
-        Event::Prefill { request, prompt_tokens, n, node } => cluster.prefill(&name(node), request, *prompt_tokens, *n),
+        Event::Prefill { request, prompt_tokens, n, node } => {
+            cluster.prefill(&name(node), request, *prompt_tokens, *n, None)
+        }
         Event::Arrive { request, node, from, remote_request, prompt_tokens } => {
             cluster.arrive(&name(node), request, &name(from), remote_request, *prompt_tokens)
         }

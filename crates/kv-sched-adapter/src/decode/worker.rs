@@ -1,17 +1,24 @@
-//! D's connector: the scheduler side that admits, schedules, rejects and aborts requests
-//! carrying P's transfer parameters, and the worker side, one per TP rank, that renews P's
-//! leases, loads the KV, and tells P when it is done.
+//! D's worker side, one per TP rank: renews P's leases, loads the KV, and tells P when it is
+//! done.
 //!
-//! A worker tracks a request from arrival: it connects to the P ranks it maps to and renews
-//! their leases by heartbeat; P's acknowledgements carry the new deadlines. At schedule it
-//! fences the read: a read that could outlive P's lease (deadline on D's clock, minus the
-//! safety margin and the clock offset's uncertainty) is never started, and the load-failure
-//! policy applies instead. In pull mode it reads each head slice with a completion attached;
-//! in push mode it registers its blocks with P and waits for P's writes, and its watchdog
-//! frees them when no write comes. D's blocks are freed only when no transfer can still touch
-//! them.
+//! A worker tracks a request from arrival: it connects to the P ranks it maps to, claims the
+//! export at once (its first renewal goes out on arrival) and renews P's lease by heartbeat;
+//! P's acknowledgements carry the new deadlines. It reads a parallel-sampling sibling only once
+//! P has acknowledged holding it for this engine, since a sibling's completion releases what
+//! its owner never claimed. At schedule it fences the read: a
+//! read that could outlive P's lease (the deadline on D's clock, minus the safety margin and
+//! the clock offset's uncertainty) is never started; and a read that completes after that
+//! point (D stalled, was paused, or the network was slow) is a failed load, never a success,
+//! since P may already have reused those blocks. The load-failure policy applies either way.
+//!
+//! In push mode it registers its blocks with P and waits for P's writes; its watchdog gives
+//! the load up when no write comes. A push given up (by the watchdog, an abort, or a P rank
+//! that will not write) asks P to cancel and keeps its blocks in quarantine until every P rank
+//! has said no write is or will be in flight, or is seen gone, or `push_quarantine` passes:
+//! only then can they go back to the pool. A write stalled longer than the quarantine is the
+//! one hazard no one-sided transport can fence.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 use kv_core::{
     check_compatible, AgentName, BlockId, DecodeRankPlan, EngineId, Granularity, Handshake, Initiator, LeaseState,
@@ -20,306 +27,9 @@ use kv_core::{
 };
 use kv_lease::HeartbeatPlanner;
 
+use super::scheduler::{DecodeCommand, DecodeReport, LoadOutcome};
 use crate::common::{block_indices, Action, Counters, LocalPool, Outbox, Peer, PreparedLists, RemoteRef, XferToken};
-use crate::config::{Config, LoadFailurePolicy, Mode};
-
-/// What D's scheduler tells a worker rank.
-#[derive(Clone, PartialEq, Eq, Debug)]
-pub enum DecodeCommand {
-    /// A request with P's parameters entered the waiting queue: renew its lease.
-    Track {
-        /// D's request id.
-        request: RequestId,
-        /// P's parameters.
-        remote: RemoteRef,
-    },
-    /// Blocks are allocated: load the KV into them (or, on a prefix hit, only tell P).
-    Load {
-        /// D's request id.
-        request: RequestId,
-        /// D's blocks, in prompt order.
-        blocks: Vec<BlockId>,
-        /// D already has the prompt cached.
-        prefix_hit: bool,
-    },
-    /// D rejected the request before admission: tell P.
-    Reject {
-        /// P's parameters.
-        remote: RemoteRef,
-    },
-    /// The request ends on D.
-    Abort {
-        /// D's request id.
-        request: RequestId,
-    },
-}
-
-/// How a rank's part of a load ended.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub enum LoadOutcome {
-    /// The KV is in place.
-    Loaded,
-    /// The load failed or could not be made safely.
-    Failed,
-    /// The load was aborted.
-    Aborted,
-}
-
-/// What a D worker rank tells its scheduler.
-#[derive(Clone, PartialEq, Eq, Debug)]
-pub enum DecodeReport {
-    /// The rank is done with the request: no transfer of it can touch D's blocks any more.
-    Finished {
-        /// D's request id.
-        request: RequestId,
-        /// How.
-        outcome: LoadOutcome,
-    },
-}
-
-/// Where a request stands on D.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub enum DecodeState {
-    /// Arrived; its lease is renewed while it waits.
-    Waiting,
-    /// Scheduled: reading, or registered and waiting for P's write.
-    Loading,
-    /// Its KV is in place.
-    Ready,
-    /// The load failed (policy `fail`).
-    Failed,
-    /// The load failed and the prompt is computed locally (policy `recompute`).
-    Recompute,
-    /// Aborted or rejected; nothing held.
-    Gone,
-}
-
-impl DecodeState {
-    /// The state's name, as scenario files write it.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            DecodeState::Waiting => "waiting",
-            DecodeState::Loading => "loading",
-            DecodeState::Ready => "ready",
-            DecodeState::Failed => "failed",
-            DecodeState::Recompute => "recompute",
-            DecodeState::Gone => "gone",
-        }
-    }
-}
-
-/// What D's scheduler asks the engine to do.
-#[derive(Clone, PartialEq, Eq, Debug)]
-pub enum DecodeEvent {
-    /// Hand this command to worker `rank`.
-    ToWorker {
-        /// The worker rank.
-        rank: u32,
-        /// The command.
-        command: DecodeCommand,
-    },
-    /// The request's KV is in place; its blocks now belong to the engine.
-    Ready {
-        /// D's request id.
-        request: RequestId,
-    },
-    /// The request's blocks may be freed: its load failed or was aborted.
-    Free {
-        /// D's request id.
-        request: RequestId,
-        /// The blocks.
-        blocks: Vec<BlockId>,
-        /// The state it ended in.
-        state: DecodeState,
-    },
-}
-
-/// Why D's scheduler refused a call.
-#[derive(Clone, PartialEq, Eq, Debug)]
-pub enum DecodeError {
-    /// The request is already known.
-    AlreadyKnown(RequestId),
-    /// The request is not waiting.
-    NotWaiting(RequestId, Option<DecodeState>),
-    /// Pull mode needs P's export to read from.
-    NoExport(RequestId),
-    /// A report named a rank outside the engine.
-    NoSuchRank {
-        /// The rank.
-        rank: u32,
-        /// The engine's TP size.
-        tp: u32,
-    },
-}
-
-impl std::fmt::Display for DecodeError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            DecodeError::AlreadyKnown(r) => write!(f, "request {r} is already on this engine"),
-            DecodeError::NotWaiting(r, state) => {
-                write!(f, "request {r} is not waiting (it is {})", state.map_or("unknown", |s| s.as_str()))
-            }
-            DecodeError::NoExport(r) => write!(f, "request {r} carries no export from P to read in pull mode"),
-            DecodeError::NoSuchRank { rank, tp } => write!(f, "rank {rank} is outside tp {tp}"),
-        }
-    }
-}
-
-impl std::error::Error for DecodeError {}
-
-#[derive(Debug)]
-struct SchedulerRequest {
-    state: DecodeState,
-    blocks: Vec<BlockId>,
-    finished: BTreeMap<u32, LoadOutcome>,
-    aborting: bool,
-}
-
-/// D's scheduler side.
-#[derive(Debug)]
-pub struct DecodeScheduler {
-    tp: u32,
-    config: Config,
-    requests: BTreeMap<RequestId, SchedulerRequest>,
-    events: VecDeque<DecodeEvent>,
-}
-
-impl DecodeScheduler {
-    /// A scheduler for an engine of `tp` ranks.
-    pub fn new(tp: u32, config: Config) -> Self {
-        DecodeScheduler { tp, config, requests: BTreeMap::new(), events: VecDeque::new() }
-    }
-
-    fn broadcast(&mut self, command: impl Fn() -> DecodeCommand) {
-        for rank in 0..self.tp {
-            self.events.push_back(DecodeEvent::ToWorker { rank, command: command() });
-        }
-    }
-
-    /// A request carrying P's parameters enters the waiting queue.
-    pub fn handle_arrive(&mut self, request: RequestId, remote: RemoteRef) -> Result<(), DecodeError> {
-        if self.requests.contains_key(&request) {
-            return Err(DecodeError::AlreadyKnown(request));
-        }
-        if self.config.mode == Mode::Pull && remote.export.is_none() {
-            return Err(DecodeError::NoExport(request));
-        }
-        let entry = SchedulerRequest {
-            state: DecodeState::Waiting,
-            blocks: Vec::new(),
-            finished: BTreeMap::new(),
-            aborting: false,
-        };
-        self.requests.insert(request.clone(), entry);
-        self.broadcast(|| DecodeCommand::Track { request: request.clone(), remote: remote.clone() });
-        Ok(())
-    }
-
-    /// Blocks are allocated for a waiting request: start its load.
-    pub fn handle_schedule(
-        &mut self,
-        request: RequestId,
-        blocks: Vec<BlockId>,
-        prefix_hit: bool,
-    ) -> Result<(), DecodeError> {
-        let entry = self.requests.get_mut(&request);
-        match entry {
-            Some(e) if e.state == DecodeState::Waiting => {
-                e.state = DecodeState::Loading;
-                e.blocks = blocks.clone();
-            }
-            other => return Err(DecodeError::NotWaiting(request, other.map(|e| e.state))),
-        }
-        self.broadcast(|| DecodeCommand::Load { request: request.clone(), blocks: blocks.clone(), prefix_hit });
-        Ok(())
-    }
-
-    /// D rejects `request`, carrying P's parameters, before admission; it ends `gone`.
-    pub fn handle_reject(&mut self, request: RequestId, remote: RemoteRef) -> Result<(), DecodeError> {
-        if self.requests.get(&request).is_some_and(|e| matches!(e.state, DecodeState::Waiting | DecodeState::Loading)) {
-            return Err(DecodeError::AlreadyKnown(request));
-        }
-        let entry = SchedulerRequest {
-            state: DecodeState::Gone,
-            blocks: Vec::new(),
-            finished: BTreeMap::new(),
-            aborting: false,
-        };
-        self.requests.insert(request, entry);
-        self.broadcast(|| DecodeCommand::Reject { remote: remote.clone() });
-        Ok(())
-    }
-
-    /// The router aborts the request on D.
-    pub fn handle_abort(&mut self, request: &RequestId) {
-        let Some(entry) = self.requests.get_mut(request) else { return };
-        match entry.state {
-            DecodeState::Waiting => entry.state = DecodeState::Gone,
-            DecodeState::Loading => entry.aborting = true,
-            _ => return,
-        }
-        self.broadcast(|| DecodeCommand::Abort { request: request.clone() });
-    }
-
-    /// A worker rank's report.
-    pub fn handle_report(&mut self, rank: u32, report: DecodeReport) -> Result<(), DecodeError> {
-        if rank >= self.tp {
-            return Err(DecodeError::NoSuchRank { rank, tp: self.tp });
-        }
-        let DecodeReport::Finished { request, outcome } = report;
-        let failed_state = match self.config.load_failure_policy {
-            LoadFailurePolicy::Fail => DecodeState::Failed,
-            LoadFailurePolicy::Recompute => DecodeState::Recompute,
-        };
-        let Some(entry) = self.requests.get_mut(&request) else { return Ok(()) };
-        entry.finished.insert(rank, outcome);
-        match entry.state {
-            DecodeState::Waiting if outcome != LoadOutcome::Loaded => {
-                // P's export is gone before the load began: nothing is held, tell every rank.
-                entry.state = failed_state;
-                self.broadcast(|| DecodeCommand::Abort { request: request.clone() });
-            }
-            DecodeState::Loading if entry.finished.len() as u32 == self.tp => {
-                let all_loaded = entry.finished.values().all(|o| *o == LoadOutcome::Loaded);
-                entry.state = if entry.aborting {
-                    DecodeState::Gone
-                } else if all_loaded {
-                    DecodeState::Ready
-                } else {
-                    failed_state
-                };
-                if entry.state == DecodeState::Ready {
-                    self.events.push_back(DecodeEvent::Ready { request });
-                } else {
-                    let blocks = std::mem::take(&mut entry.blocks);
-                    self.events.push_back(DecodeEvent::Free { request, blocks, state: entry.state });
-                }
-            }
-            _ => {}
-        }
-        Ok(())
-    }
-
-    /// The next thing the engine must do.
-    pub fn poll_event(&mut self) -> Option<DecodeEvent> {
-        self.events.pop_front()
-    }
-
-    /// Where a request stands, if this engine saw it.
-    pub fn state(&self, request: &RequestId) -> Option<DecodeState> {
-        self.requests.get(request).map(|e| e.state)
-    }
-
-    /// The blocks held for requests that are loading.
-    pub fn held_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
-        self.requests.values().filter(|e| e.state == DecodeState::Loading).flat_map(|e| e.blocks.iter().copied())
-    }
-
-    /// Requests that still need an outcome (waiting or loading).
-    pub fn pending(&self) -> usize {
-        self.requests.values().filter(|e| matches!(e.state, DecodeState::Waiting | DecodeState::Loading)).count()
-    }
-}
+use crate::config::{Config, Mode};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Phase {
@@ -331,6 +41,8 @@ enum Phase {
     Reading,
     /// Push: registered, waiting for P's writes.
     Registered,
+    /// Push: given up, waiting until no write can come; the blocks are in quarantine.
+    Cancelling,
 }
 
 #[derive(Debug)]
@@ -351,6 +63,8 @@ struct Load {
     written: BTreeSet<u32>,
     declined: BTreeSet<u32>,
     watchdog: Option<Time>,
+    /// Push, given up: the blocks leave quarantine at this time at the latest.
+    quarantine_until: Option<Time>,
     /// Past this, a request still waiting stops renewing P's lease: `decoder_kv_blocks_ttl`
     /// bounds how long D can keep P's blocks alive for a request it never schedules.
     wait_until: Time,
@@ -479,8 +193,12 @@ impl DecodeWorker {
             self.out.report(DecodeReport::Finished { request, outcome: LoadOutcome::Failed });
             return;
         };
+        // Claim it at once, so that P binds the export to this engine before anything else can,
+        // and learns of this engine in time to release it if this engine goes.
+        let claim = Message::Heartbeat { requests: vec![remote.request.clone()] };
         for target in &targets {
             self.heartbeats.track(target.clone(), remote.request.clone(), now);
+            self.send_to(target, claim.clone());
         }
         self.by_remote.entry((remote.engine.clone(), remote.request.clone())).or_default().insert(request.clone());
         let load = Load {
@@ -498,6 +216,7 @@ impl DecodeWorker {
             written: BTreeSet::new(),
             declined: BTreeSet::new(),
             watchdog: None,
+            quarantine_until: None,
             wait_until: now + self.config.decoder_kv_blocks_ttl,
         };
         self.loads.insert(request, load);
@@ -522,7 +241,7 @@ impl DecodeWorker {
         let instance = load.remote.instance;
         if instance != 0 && load.targets.iter().any(|t| self.peers[t].handshake.instance != instance) {
             tracing::info!(%request, "P restarted since it exported this request");
-            self.fail(request);
+            self.fail(now, request);
             return;
         }
         let completion = Message::Completion {
@@ -559,38 +278,27 @@ impl DecodeWorker {
     fn start_reads(&mut self, now: Time, request: &RequestId, completion: Message) {
         let load = &self.loads[request];
         let Some(export) = load.remote.export.clone() else {
-            self.fail(request);
+            self.fail(now, request);
             return;
         };
         // The fence: every P rank's lease must outlast the read, with the margin.
         if self.last_safe_start(load).is_none_or(|last| now > last) {
             tracing::info!(%request, "read fenced: P's lease could end before it");
             self.counters.reads_fenced += 1;
-            self.fail(request);
+            self.fail(now, request);
             return;
         }
-        // The fence bounds the probing too: it fails the load once the lease could end.
-        // A sibling's export can be released early by another sibling's completion, unless P
-        // has bound it to this engine; P says so by acknowledging a renewal. Until every read
-        // target has, probe instead of reading.
-        if load.remote.request.parent().is_some() {
-            let unconfirmed: Vec<AgentName> = load
-                .plan
-                .reads
-                .iter()
-                .filter(|s| !load.deadlines.contains_key(&s.prefill_rank))
-                .map(|s| AgentName::new(load.remote.engine.clone(), s.prefill_rank))
-                .collect();
-            if !unconfirmed.is_empty() {
-                let probe = Message::Heartbeat { requests: vec![load.remote.request.clone()] };
-                for target in unconfirmed {
-                    self.send_to(&target, probe.clone());
-                }
-                return;
-            }
+        // A sibling's export can be released early by another sibling's completion, unless its
+        // owner claimed it; P says it has by acknowledging this engine's renewal (the claim sent
+        // on arrival, or a beat; a claim that came before the export is answered when the
+        // export registers). Until every read target has, wait. The fence above bounds the
+        // wait: it fails the load once the lease could end.
+        let confirmed = |slice: &kv_core::HeadSlice| load.deadlines.contains_key(&slice.prefill_rank);
+        if load.remote.request.parent().is_some() && !load.plan.reads.iter().all(confirmed) {
+            return;
         }
         let Ok(notification) = completion.encode() else {
-            self.fail(request);
+            self.fail(now, request);
             return;
         };
         let mut posts = Vec::new();
@@ -600,7 +308,7 @@ impl DecodeWorker {
             let peer = &self.peers[&agent];
             let Some(p_shape) = peer.shape(load.tp.prefill_heads()) else {
                 tracing::warn!(%request, peer = %agent, "cannot plan the read: the peer's pool shape is invalid");
-                self.fail(request);
+                self.fail(now, request);
                 return;
             };
             let input = PlanInput {
@@ -614,7 +322,7 @@ impl DecodeWorker {
                 Ok(plan) => plan,
                 Err(err) => {
                     tracing::warn!(%request, %err, "cannot plan the read");
-                    self.fail(request);
+                    self.fail(now, request);
                     return;
                 }
             };
@@ -688,12 +396,15 @@ impl DecodeWorker {
     }
 
     /// Gives a load up: tells P, and finishes once nothing can touch D's blocks.
-    fn fail(&mut self, request: &RequestId) {
+    fn fail(&mut self, now: Time, request: &RequestId) {
         let Some(load) = self.loads.get_mut(request) else { return };
         load.failed = true;
         if load.phase == Phase::Reading && !load.reads.is_empty() {
             // An abort now would let P free blocks under these reads; `handle_transfer` tells
             // P once the last read has ended.
+            return;
+        }
+        if load.phase == Phase::Cancelling {
             return;
         }
         let abort = Message::Abort { request: load.remote.request.clone() };
@@ -703,21 +414,29 @@ impl DecodeWorker {
             .filter(|t| !load.written.contains(&t.rank) && !load.declined.contains(&t.rank))
             .cloned()
             .collect();
-        let waits = load.phase == Phase::Registered && !pending.is_empty();
+        let quarantine = load.phase == Phase::Registered && !pending.is_empty();
+        if quarantine {
+            // P may be writing into these blocks right now: they stay out of the pool until
+            // every P rank says no write can come, is seen gone, or the quarantine ends.
+            load.phase = Phase::Cancelling;
+            load.quarantine_until = Some(now + self.config.push_quarantine);
+            self.counters.quarantined += 1;
+            self.out.report(DecodeReport::Quarantined { request: request.clone() });
+        }
         for target in &pending {
             self.send_to(target, abort.clone());
         }
-        if !waits {
+        if !quarantine {
             self.finish(request, false);
         }
     }
 
-    fn abort(&mut self, _now: Time, request: &RequestId) {
+    fn abort(&mut self, now: Time, request: &RequestId) {
         let Some(load) = self.loads.get_mut(request) else { return };
         load.aborted = true;
         match load.phase {
-            Phase::Reading => {}
-            Phase::Waiting | Phase::Starting | Phase::Registered => self.fail(request),
+            Phase::Reading | Phase::Cancelling => {}
+            Phase::Waiting | Phase::Starting | Phase::Registered => self.fail(now, request),
         }
     }
 
@@ -776,7 +495,7 @@ impl DecodeWorker {
                     }
                     Err(err) => {
                         tracing::warn!(peer = %agent, %err, "incompatible prefill rank");
-                        self.peer_gone(&agent);
+                        self.peer_gone(now, &agent);
                     }
                 }
             }
@@ -786,17 +505,17 @@ impl DecodeWorker {
                 for agent in agents {
                     tracing::warn!(peer = %agent, %error, "cannot reach prefill rank");
                     self.connecting.remove(&agent);
-                    self.peer_gone(&agent);
+                    self.peer_gone(now, &agent);
                 }
             }
-            PeerEvent::Lost(agent) => self.peer_gone(&agent),
+            PeerEvent::Lost(agent) => self.peer_gone(now, &agent),
             PeerEvent::Refused { peer, error } => tracing::warn!(%peer, %error, "refused a handshake"),
             PeerEvent::Notification(notification) => self.handle_notification(now, notification),
         }
     }
 
     /// A P rank is gone or unreachable: loads that need it fail once nothing can touch D's blocks.
-    fn peer_gone(&mut self, agent: &AgentName) {
+    fn peer_gone(&mut self, now: Time, agent: &AgentName) {
         self.peers.remove(agent);
         self.lists.forget(agent);
         self.queued.remove(agent);
@@ -806,11 +525,12 @@ impl DecodeWorker {
         for request in affected {
             let load = self.loads.get_mut(&request).expect("exists");
             load.declined.insert(agent.rank);
-            if load.phase == Phase::Reading {
+            match load.phase {
                 // Its reads fail through the transport; their bytes are not trusted either way.
-                load.failed = true;
-            } else {
-                self.fail(&request);
+                Phase::Reading => load.failed = true,
+                // A P rank seen gone writes nothing more.
+                Phase::Cancelling => self.settle_cancel(&request),
+                Phase::Waiting | Phase::Starting | Phase::Registered => self.fail(now, &request),
             }
         }
     }
@@ -839,8 +559,8 @@ impl DecodeWorker {
                     }
                 }
             }
-            Message::Completion { request, .. } => self.on_push_answer(&from, &request, true),
-            Message::Abort { request } => self.on_push_answer(&from, &request, false),
+            Message::Completion { request, .. } => self.on_push_answer(now, &from, &request, true),
+            Message::Abort { request } => self.on_push_answer(now, &from, &request, false),
             Message::Heartbeat { .. } | Message::Rejection { .. } | Message::PushRegistration(_) => {
                 self.counters.ignored_messages += 1
             }
@@ -857,27 +577,24 @@ impl DecodeWorker {
                     self.try_start(now, request);
                 }
             }
-            // P's worker has not learned of the export yet; a load waiting on it asks again.
-            LeaseState::Unknown => {
-                if load.phase == Phase::Starting {
-                    self.try_start(now, request);
-                }
-            }
+            // P's worker has not learned of the export yet; it staged the claim and answers it
+            // when the export registers (and the next beat asks again).
+            LeaseState::Unknown => {}
             LeaseState::Released => match load.phase {
                 Phase::Waiting | Phase::Starting => {
                     tracing::info!(%request, peer = %from, "P no longer holds the export");
-                    self.fail(request);
+                    self.fail(now, request);
                 }
                 // A read raced the export's end: its bytes cannot be trusted.
                 Phase::Reading => load.failed = true,
                 // Push: P released it, so no write will come from that rank.
-                Phase::Registered => self.on_push_answer(from, request, false),
+                Phase::Registered | Phase::Cancelling => self.on_push_answer(now, from, request, false),
             },
         }
     }
 
     /// Push: P's write landed (`written`), or P said none will come.
-    fn on_push_answer(&mut self, from: &AgentName, request: &RequestId, written: bool) {
+    fn on_push_answer(&mut self, now: Time, from: &AgentName, request: &RequestId, written: bool) {
         let request = if self.loads.contains_key(request) {
             request.clone()
         } else {
@@ -892,7 +609,7 @@ impl DecodeWorker {
             }
         };
         let load = self.loads.get_mut(&request).expect("exists");
-        if load.phase != Phase::Registered || !load.targets.contains(from) {
+        if !matches!(load.phase, Phase::Registered | Phase::Cancelling) || !load.targets.contains(from) {
             self.counters.late_messages += 1;
             return;
         }
@@ -901,9 +618,14 @@ impl DecodeWorker {
             self.counters.duplicate_messages += 1;
             return;
         }
+        if load.phase == Phase::Cancelling {
+            // Given up already: a write that landed, or P's word that none will, both say
+            // that no write can come from that rank any more.
+            return self.settle_cancel(&request);
+        }
         if !written && !load.failed && !load.aborted {
             // One P rank will not write: the load cannot complete; stop the others too.
-            self.fail(&request);
+            self.fail(now, &request);
             return;
         }
         let load = &self.loads[&request];
@@ -914,13 +636,29 @@ impl DecodeWorker {
         }
     }
 
+    /// Push, given up: the blocks leave quarantine once every P rank has answered.
+    fn settle_cancel(&mut self, request: &RequestId) {
+        let Some(load) = self.loads.get(request) else { return };
+        if load.targets.iter().all(|t| load.written.contains(&t.rank) || load.declined.contains(&t.rank)) {
+            self.finish(request, false);
+        }
+    }
+
     /// A transfer this worker posted ended.
-    pub fn handle_transfer(&mut self, _now: Time, token: XferToken, ok: bool) {
+    pub fn handle_transfer(&mut self, now: Time, token: XferToken, ok: bool) {
         let Some(request) = self.xfers.remove(&token) else { return };
-        let Some(load) = self.loads.get_mut(&request) else { return };
+        let Some(load) = self.loads.get(&request) else { return };
+        // The late-read fence: bytes that arrived after P's lease could have ended (less the
+        // margin, across the clock offset) may be another request's; they are never accepted.
+        let late = ok && self.last_safe_start(load).is_none_or(|last| now > last);
+        let load = self.loads.get_mut(&request).expect("exists");
         load.reads.remove(&token);
         if !ok {
             self.counters.transfers_failed += 1;
+            load.failed = true;
+        } else if late {
+            tracing::warn!(%request, "a read completed after P's lease could have ended; its bytes are discarded");
+            self.counters.late_reads += 1;
             load.failed = true;
         }
         if load.reads.is_empty() {
@@ -950,8 +688,17 @@ impl DecodeWorker {
             .map(|(r, _)| r.clone())
             .collect();
         for request in overdue {
-            tracing::info!(%request, "no push came before the registration timeout; freeing D's blocks");
-            self.fail(&request);
+            tracing::info!(%request, "no push came before the registration timeout; giving the load up");
+            self.fail(now, &request);
+        }
+        let released: Vec<RequestId> = self
+            .loads
+            .iter()
+            .filter(|(_, l)| l.phase == Phase::Cancelling && l.quarantine_until.is_some_and(|t| now >= t))
+            .map(|(r, _)| r.clone())
+            .collect();
+        for request in released {
+            tracing::warn!(%request, "P never said that no write can come; the quarantine ends and the blocks go back");
             self.finish(&request, false);
         }
         let stale: Vec<RequestId> = self
@@ -962,10 +709,10 @@ impl DecodeWorker {
             .collect();
         for request in stale {
             tracing::info!(%request, "waited longer than decoder_kv_blocks_ttl; letting P's lease go");
-            self.fail(&request);
+            self.fail(now, &request);
         }
-        // Loads waiting to start (for a handshake, or P's confirmation of a sibling) try again:
-        // they probe once more, or fail once the fence closes.
+        // Loads waiting to start (for a handshake, or P's word that it holds the export) try
+        // again: they start, or fail once the fence closes.
         let starting: Vec<RequestId> =
             self.loads.iter().filter(|(_, l)| l.phase == Phase::Starting).map(|(r, _)| r.clone()).collect();
         for request in starting {
@@ -981,6 +728,8 @@ impl DecodeWorker {
     /// When to call [`DecodeWorker::handle_timeout`] next.
     pub fn poll_timeout(&mut self) -> Option<Time> {
         let watchdog = self.loads.values().filter(|l| l.phase == Phase::Registered).filter_map(|l| l.watchdog).min();
+        let quarantine =
+            self.loads.values().filter(|l| l.phase == Phase::Cancelling).filter_map(|l| l.quarantine_until).min();
         let stale = self.loads.values().filter(|l| l.phase == Phase::Waiting).map(|l| l.wait_until).min();
         // A load that cannot start yet is retried when its fence closes, and fails then.
         let fence = self
@@ -990,6 +739,6 @@ impl DecodeWorker {
             .filter_map(|l| self.last_safe_start(l))
             .map(|t| t + std::time::Duration::from_nanos(1))
             .min();
-        [self.heartbeats.next_due(), watchdog, stale, fence].into_iter().flatten().min()
+        [self.heartbeats.next_due(), watchdog, quarantine, stale, fence].into_iter().flatten().min()
     }
 }

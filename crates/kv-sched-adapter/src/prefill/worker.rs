@@ -1,214 +1,92 @@
-//! P's connector: the scheduler side that exports finished requests, and the worker side,
-//! one per TP rank, that keeps each export's lease and frees it exactly once.
+//! P's worker side, one per TP rank: the lifecycle of every export on the rank.
 //!
 //! A worker learns of an export from its scheduler (one step later, as engines hand work to
-//! their workers), grants it a lease, counts the completions of its consumer D ranks, renews
-//! the lease on D's heartbeats and answers each with the new deadline, and releases the
-//! export, with a reason, on the first of: the completion count, a rejection, an abort, a
-//! sibling's completion, lease expiry, or the loss of the D engine it is bound to. Messages
-//! about exports it does not know yet are staged and settled when the export arrives. In push
-//! mode it also matches D's block registrations to exports and writes into D's blocks.
+//! their workers), grants it a lease, and releases it exactly once, with a reason, on the first
+//! of: its owner's completions, rejection or abort; a sibling's completion; lease expiry; or
+//! the loss of its owner. In push mode it also matches D's block registrations to exports and
+//! writes into D's blocks.
 //!
-//! The scheduler frees an export's blocks once every rank has released it.
+//! Every export is bound to one D engine incarnation, its owner: the consumer the router named
+//! at prefill, else the first handshaked engine to claim it (renew, complete, reject, abort or
+//! register a push for it). The siblings of one prompt share one owner. Renewals, completions,
+//! aborts, rejections and registrations from any other engine are counted as foreign and
+//! change nothing. When the owner is seen gone (its side channel closed, or a newer incarnation
+//! handshook), its exports are released at once, as `peer_lost`; an export named for an
+//! incarnation already gone is released as soon as it registers.
+//!
+//! Messages about an export the worker does not know yet (a completion, a renewal, a push
+//! registration) are staged, bounded, and settled when it registers, in arrival order: a staged
+//! renewal claims the export then. Staged messages of an engine since gone are settled too (what
+//! it said before it went still counts) and then bind the export to the gone incarnation, which
+//! releases it, unless a live engine has claimed it as well.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 use kv_core::{
-    check_compatible, AgentName, BlockId, EngineId, Granularity, Handshake, Initiator, LeaseState, Message,
-    Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer, PushRegistration, Renewal,
-    RequestId, Role, Time, TransferOp, TransferPlan, TransferRequest, TransportError,
+    check_compatible, AgentName, BlockId, Granularity, Handshake, Initiator, LeaseState, Message, Notification,
+    PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer, PushRegistration, Renewal, RequestId, Role, Time,
+    TransferOp, TransferPlan, TransferRequest, TransportError,
 };
 use kv_lease::LeaseTable;
 
-use crate::common::{
-    block_indices, Action, Counters, EarlyStage, ExportInfo, LocalPool, Outbox, Peer, PreparedLists, RecentlyReleased,
-    RemoteRef, XferToken,
-};
+use super::book::{EarlyStage, GoneIncarnations, Recent};
+use super::scheduler::{PrefillCommand, PrefillReport};
+use crate::common::{block_indices, Action, Consumer, Counters, LocalPool, Outbox, Peer, PreparedLists, XferToken};
 use crate::config::{Config, Mode, ReleaseReason};
 
-/// What P's scheduler tells a worker rank.
-#[derive(Clone, PartialEq, Eq, Debug)]
-pub enum PrefillCommand {
-    /// A finished request's blocks are exported under a lease until `deadline`.
-    Export {
-        /// P's request id.
-        request: RequestId,
-        /// Its blocks, in prompt order.
-        blocks: Vec<BlockId>,
-        /// The lease's deadline.
-        deadline: Time,
-    },
+/// At most this many parents whose sibling was transferred are remembered (seed 002's bound),
+/// each for one lease; a sibling that registers later than that is held by its own lease.
+const PULLED_PARENTS: usize = 8192;
+/// At most this many released ids are remembered, each for two leases, to tell late messages
+/// from early ones.
+const RECENT_RELEASES: usize = 65_536;
+/// At most this many D engines' gone incarnations are remembered.
+const GONE_ENGINES: usize = 4096;
+
+/// Who sent a message about an export, as its handshake fixed it.
+#[derive(Clone, Debug)]
+struct Claimant {
+    agent: AgentName,
+    consumer: Consumer,
+    /// Completions this rank waits for in all, by that engine's TP mapping.
+    expected: usize,
+    /// Push: the writes this rank owes that engine, one per D rank it serves.
+    owed: usize,
 }
 
-/// What a P worker rank tells its scheduler.
-#[derive(Clone, PartialEq, Eq, Debug)]
-pub enum PrefillReport {
-    /// The rank released the export; it will not touch its blocks again.
-    Released {
-        /// P's request id.
-        request: RequestId,
-        /// Why.
-        reason: ReleaseReason,
-    },
-}
-
-/// What P's scheduler asks the engine to do.
-#[derive(Clone, PartialEq, Eq, Debug)]
-pub enum PrefillEvent {
-    /// Hand this command to worker `rank` (engines do it at their next step).
-    ToWorker {
-        /// The worker rank.
-        rank: u32,
-        /// The command.
-        command: PrefillCommand,
-    },
-    /// Every rank released the export: its blocks may be freed (once per export).
-    Free {
-        /// P's request id.
-        request: RequestId,
-        /// The blocks the export held.
-        blocks: Vec<BlockId>,
-        /// The first rank's reason.
-        reason: ReleaseReason,
-    },
-}
-
-/// Why P's scheduler refused a call.
-#[derive(Clone, PartialEq, Eq, Debug)]
-pub enum PrefillError {
-    /// The request is already exported.
-    AlreadyExported(RequestId),
-    /// An export needs blocks.
-    NoBlocks(RequestId),
-    /// A report named a rank outside the engine.
-    NoSuchRank {
-        /// The rank.
-        rank: u32,
-        /// The engine's TP size.
-        tp: u32,
-    },
-}
-
-impl std::fmt::Display for PrefillError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            PrefillError::AlreadyExported(r) => write!(f, "request {r} is already exported"),
-            PrefillError::NoBlocks(r) => write!(f, "request {r} has no blocks to export"),
-            PrefillError::NoSuchRank { rank, tp } => write!(f, "rank {rank} is outside tp {tp}"),
+impl Claimant {
+    fn of(agent: &AgentName, peer: &Peer, rank: u32) -> Self {
+        Claimant {
+            agent: agent.clone(),
+            consumer: peer.consumer(),
+            expected: peer.compat.tp.consumers_per_prefill_rank() as usize,
+            owed: peer.compat.tp.consumers_of_prefill_rank(rank).map_or(1, |c| c.len()),
         }
     }
 }
 
-impl std::error::Error for PrefillError {}
-
+/// A message that came before its export, with who sent it.
 #[derive(Debug)]
-struct SchedulerExport {
-    blocks: Vec<BlockId>,
-    released: BTreeSet<u32>,
-    reason: Option<ReleaseReason>,
+struct Early {
+    from: Claimant,
+    message: Message,
 }
 
-/// P's scheduler side: exports finished requests and frees their blocks when every rank is done.
-#[derive(Debug)]
-pub struct PrefillScheduler {
-    engine: EngineId,
-    instance: u64,
-    tp: u32,
-    addresses: Vec<PeerAddress>,
-    config: Config,
-    exports: BTreeMap<RequestId, SchedulerExport>,
-    events: VecDeque<PrefillEvent>,
-}
-
-impl PrefillScheduler {
-    /// A scheduler for incarnation `instance` of `engine` (the value its workers' handshakes
-    /// carry), whose rank `r` listens at `addresses[r]`.
-    pub fn new(engine: EngineId, instance: u64, addresses: Vec<PeerAddress>, config: Config) -> Self {
-        let tp = addresses.len() as u32;
-        PrefillScheduler { engine, instance, tp, addresses, config, exports: BTreeMap::new(), events: VecDeque::new() }
-    }
-
-    /// A request finished its prompt: export `blocks` under a lease from `now`, and return
-    /// the parameters the router hands D.
-    pub fn handle_finished(
-        &mut self,
-        now: Time,
-        request: RequestId,
-        blocks: Vec<BlockId>,
-        prompt_tokens: u64,
-    ) -> Result<RemoteRef, PrefillError> {
-        if self.exports.contains_key(&request) {
-            return Err(PrefillError::AlreadyExported(request));
-        }
-        if blocks.is_empty() {
-            return Err(PrefillError::NoBlocks(request));
-        }
-        let deadline = now + self.config.kv_lease_duration;
-        for rank in 0..self.tp {
-            let command = PrefillCommand::Export { request: request.clone(), blocks: blocks.clone(), deadline };
-            self.events.push_back(PrefillEvent::ToWorker { rank, command });
-        }
-        self.exports.insert(
-            request.clone(),
-            SchedulerExport { blocks: blocks.clone(), released: BTreeSet::new(), reason: None },
-        );
-        Ok(RemoteRef {
-            engine: self.engine.clone(),
-            request,
-            addresses: self.addresses.clone(),
-            tp_size: self.tp,
-            instance: self.instance,
-            prompt_tokens,
-            export: Some(ExportInfo { blocks, deadline }),
-        })
-    }
-
-    /// A worker rank's report.
-    pub fn handle_report(&mut self, rank: u32, report: PrefillReport) -> Result<(), PrefillError> {
-        if rank >= self.tp {
-            return Err(PrefillError::NoSuchRank { rank, tp: self.tp });
-        }
-        let PrefillReport::Released { request, reason } = report;
-        let Some(export) = self.exports.get_mut(&request) else {
-            tracing::debug!(%request, rank, "release of an export already freed");
-            return Ok(());
-        };
-        export.released.insert(rank);
-        let reason = *export.reason.get_or_insert(reason);
-        if export.released.len() as u32 == self.tp {
-            let export = self.exports.remove(&request).expect("present");
-            tracing::debug!(%request, %reason, "export freed");
-            self.events.push_back(PrefillEvent::Free { request, blocks: export.blocks, reason });
-        }
-        Ok(())
-    }
-
-    /// The next thing the engine must do.
-    pub fn poll_event(&mut self) -> Option<PrefillEvent> {
-        self.events.pop_front()
-    }
-
-    /// Exports not yet freed.
-    pub fn pending(&self) -> usize {
-        self.exports.len()
-    }
-
-    /// The blocks of every export not yet freed.
-    pub fn held_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
-        self.exports.values().flat_map(|e| e.blocks.iter().copied())
-    }
-
-    /// The TP size.
-    pub fn tp(&self) -> u32 {
-        self.tp
-    }
+/// The exports of one prompt (one, or its parallel-sampling siblings) and their one owner.
+#[derive(Debug, Default)]
+struct Family {
+    owner: Option<Consumer>,
+    members: BTreeSet<RequestId>,
 }
 
 #[derive(Debug)]
 struct Export {
     blocks: Vec<BlockId>,
-    /// The D engine that renewed it, registered for it or completed it; its loss releases it.
-    bound: Option<EngineId>,
+    /// The family it belongs to: its parent's id for a sibling, else its own.
+    family: RequestId,
+    /// Its owner claimed this very export: a sibling's completion does not release it, since
+    /// the owner may be reading it.
+    claimed: bool,
     completed: BTreeSet<AgentName>,
     /// Push mode: D ranks' registrations, the writes in flight and those done.
     registrations: BTreeMap<AgentName, PushRegistration>,
@@ -218,6 +96,24 @@ struct Export {
     owed_writes: usize,
     /// A release that came while a write was reading these blocks; it happens when the write ends.
     deferred: Option<ReleaseReason>,
+    /// Push mode: D ranks that asked to cancel, with the id they named; each is told when no
+    /// write can come any more.
+    cancels: BTreeMap<AgentName, RequestId>,
+}
+
+/// The sizes of a P rank's tables; each but `exports` (bounded by the pool) has a fixed bound.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct PrefillBook {
+    /// Exports held.
+    pub exports: usize,
+    /// Messages staged before their export (at most `early_notification_capacity`).
+    pub staged: usize,
+    /// Released ids remembered to tell late messages from early ones (at most 65 536, two leases each).
+    pub recent: usize,
+    /// Parents whose sibling was transferred (at most 8192, one lease each).
+    pub pulled: usize,
+    /// D engines whose gone incarnations are remembered (at most 4096).
+    pub gone_engines: usize,
 }
 
 /// P's worker side for one TP rank: the lifecycle of every export on this rank.
@@ -234,11 +130,12 @@ pub struct PrefillWorker {
     exports: BTreeMap<RequestId, Export>,
     leases: LeaseTable<RequestId>,
     by_base: BTreeMap<RequestId, BTreeSet<RequestId>>,
-    siblings: BTreeMap<RequestId, BTreeSet<RequestId>>,
-    /// Parents whose sibling completed, until when late siblings are still released.
-    pulled: BTreeMap<RequestId, Time>,
-    early: EarlyStage,
-    recent: RecentlyReleased,
+    families: BTreeMap<RequestId, Family>,
+    /// Parents whose sibling was transferred: a sibling that registers later is released at once.
+    pulled: Recent,
+    gone: GoneIncarnations,
+    early: EarlyStage<Early>,
+    recent: Recent,
     writes: BTreeMap<XferToken, (RequestId, AgentName)>,
     /// Push: this rank's pool, prepared once, and each D rank's, prepared at its first write.
     lists: PreparedLists,
@@ -258,9 +155,10 @@ impl PrefillWorker {
             exports: BTreeMap::new(),
             leases: LeaseTable::new(),
             by_base: BTreeMap::new(),
-            siblings: BTreeMap::new(),
-            pulled: BTreeMap::new(),
-            recent: RecentlyReleased::default(),
+            families: BTreeMap::new(),
+            pulled: Recent::new(PULLED_PARENTS),
+            gone: GoneIncarnations::new(GONE_ENGINES),
+            recent: Recent::new(RECENT_RELEASES),
             writes: BTreeMap::new(),
             lists: PreparedLists::default(),
             out: Outbox::default(),
@@ -277,10 +175,6 @@ impl PrefillWorker {
         }
     }
 
-    fn rank(&self) -> u32 {
-        self.offer.rank
-    }
-
     /// What this rank counted.
     pub fn counters(&self) -> Counters {
         self.counters
@@ -291,41 +185,69 @@ impl PrefillWorker {
         self.exports.len()
     }
 
+    /// How much this rank keeps in its bounded tables, for metrics and bound checks.
+    pub fn book(&self) -> PrefillBook {
+        PrefillBook {
+            exports: self.exports.len(),
+            staged: self.early.len(),
+            recent: self.recent.len(),
+            pulled: self.pulled.len(),
+            gone_engines: self.gone.len(),
+        }
+    }
+
+    /// The D engine incarnation an export this rank holds is bound to, if any yet.
+    pub fn owner(&self, request: &RequestId) -> Option<&Consumer> {
+        let export = self.exports.get(request)?;
+        self.families.get(&export.family)?.owner.as_ref()
+    }
+
     /// A command from the scheduler.
     pub fn handle_command(&mut self, now: Time, command: PrefillCommand) {
-        let PrefillCommand::Export { request, blocks, deadline } = command;
+        let PrefillCommand::Export { request, blocks, deadline, consumer } = command;
         if self.exports.contains_key(&request) || self.recent.contains(&request) {
             self.counters.duplicate_messages += 1;
             return;
         }
+        let family_id = request.parent().unwrap_or_else(|| request.clone());
         let export = Export {
             blocks,
-            bound: None,
+            family: family_id.clone(),
+            claimed: false,
             completed: BTreeSet::new(),
             registrations: BTreeMap::new(),
             writing: BTreeSet::new(),
             written: BTreeSet::new(),
             owed_writes: 0,
             deferred: None,
+            cancels: BTreeMap::new(),
         };
         self.exports.insert(request.clone(), export);
         self.leases.grant(request.clone(), deadline).expect("a new export has no lease");
         self.by_base.entry(request.base()).or_default().insert(request.clone());
-        let parent = request.parent();
-        if let Some(parent) = &parent {
-            self.siblings.entry(parent.clone()).or_default().insert(request.clone());
+        let family = self.families.entry(family_id).or_default();
+        family.members.insert(request.clone());
+        if let Some(consumer) = consumer {
+            // The router's choice binds the family; siblings were exported with the same one.
+            family.owner.get_or_insert(consumer);
         }
-        // Everything staged for it, in arrival order; in push mode, registrations may name it by base id.
-        let push = self.config.mode == Mode::Push;
-        let base = request.base();
-        let staged = self.early.take(|r| *r == request || (push && r.base() == base), |_, _| true);
-        if parent.as_ref().is_some_and(|p| self.pulled.get(p).is_some_and(|&until| now < until)) {
+        // Everything staged for it, in arrival order; in push mode, registrations may name it
+        // by base id. A claim staged by an engine since gone still binds it (and so releases
+        // it), unless a live engine has claimed it too.
+        let mut staged = self.early.take(&request, self.config.mode == Mode::Push, |_, _| true);
+        if staged.iter().any(|(_, e)| !self.gone.is_gone(&e.from.consumer)) {
+            let before = staged.len();
+            staged.retain(|(_, e)| !self.gone.is_gone(&e.from.consumer));
+            self.counters.late_messages += (before - staged.len()) as u64;
+        }
+        if request.parent().is_some_and(|p| self.pulled.contains(&p)) {
             // A late sibling of a parent already pulled.
             self.release(now, &request, ReleaseReason::Sibling);
         }
-        for (from, message) in staged {
-            self.on_message(now, from, message);
+        for (_, early) in staged {
+            self.on_claim(now, early.from, early.message);
         }
+        self.release_if_owner_gone(now, &request);
     }
 
     /// A peer event from the transport.
@@ -337,6 +259,12 @@ impl PrefillWorker {
                     // is gone, and whatever it registered or sent must not reach the new one.
                     self.peer_gone(now, &info.agent);
                 }
+                let incarnation = Consumer { engine: info.handshake.engine.clone(), instance: info.handshake.instance };
+                if self.gone.is_gone(&incarnation) {
+                    tracing::warn!(peer = %info.agent, %incarnation, "a stale incarnation handshook; ignored");
+                    self.counters.ignored_messages += 1;
+                    return;
+                }
                 match check_compatible(&self.offer, &info.handshake) {
                     Ok(compat) => {
                         self.peers.insert(info.agent.clone(), Peer::new(&info, compat));
@@ -346,27 +274,46 @@ impl PrefillWorker {
                         self.counters.ignored_messages += 1;
                     }
                 }
+                // A newer incarnation handshaking says every older one of its engine is gone.
+                self.gone.mark_below(&incarnation.engine, incarnation.instance);
+                self.release_gone_owners(now);
             }
             PeerEvent::ConnectFailed { .. } => {}
-            PeerEvent::Refused { peer, error } => tracing::warn!(%peer, %error, "refused a handshake"),
+            PeerEvent::Refused { peer, error } => {
+                tracing::warn!(%peer, %error, "refused a handshake");
+                self.counters.ignored_messages += 1;
+            }
             PeerEvent::Lost(agent) => self.peer_gone(now, &agent),
             PeerEvent::Notification(notification) => self.handle_notification(now, notification),
         }
     }
 
-    /// A D agent is gone: exports bound to its engine are released, its staged messages dropped.
+    /// A D agent is gone: its engine incarnation is, and so are the exports bound to it.
+    /// What it staged stays staged: settled when its export registers, then released.
     fn peer_gone(&mut self, now: Time, agent: &AgentName) {
-        self.peers.remove(agent);
+        let Some(peer) = self.peers.remove(agent) else { return };
         self.lists.forget(agent);
-        self.counters.late_messages += self.early.take(|_| true, |from, _| from == agent).len() as u64;
-        let bound: Vec<RequestId> = self
+        let gone = peer.consumer();
+        self.gone.mark_below(&gone.engine, gone.instance.saturating_add(1));
+        self.release_gone_owners(now);
+    }
+
+    /// Releases every export whose owner is known to be gone.
+    fn release_gone_owners(&mut self, now: Time) {
+        let orphans: Vec<RequestId> = self
             .exports
             .iter()
-            .filter(|(_, e)| e.bound.as_ref() == Some(&agent.engine))
+            .filter(|(_, e)| self.families[&e.family].owner.as_ref().is_some_and(|o| self.gone.is_gone(o)))
             .map(|(r, _)| r.clone())
             .collect();
-        for request in bound {
+        for request in orphans {
             self.release(now, &request, ReleaseReason::PeerLost);
+        }
+    }
+
+    fn release_if_owner_gone(&mut self, now: Time, id: &RequestId) {
+        if self.owner(id).is_some_and(|o| self.gone.is_gone(o)) {
+            self.release(now, id, ReleaseReason::PeerLost);
         }
     }
 
@@ -410,7 +357,7 @@ impl PrefillWorker {
         }
         self.counters.early_evicted += self.early.expire(now.saturating_sub(self.stage_lifetime()));
         self.recent.expire(now.saturating_sub(self.config.kv_lease_duration * 2));
-        self.pulled.retain(|_, until| now < *until);
+        self.pulled.expire(now.saturating_sub(self.config.kv_lease_duration));
     }
 
     /// The next action for the driver.
@@ -430,12 +377,19 @@ impl PrefillWorker {
             self.counters.ignored_messages += 1;
             return;
         };
+        let rank = self.offer.rank;
         if peer.handshake.role != Role::Decode
-            || !peer.compat.tp.consumers_of_prefill_rank(self.rank()).is_ok_and(|c| c.contains(&from.rank))
+            || !peer.compat.tp.consumers_of_prefill_rank(rank).is_ok_and(|c| c.contains(&from.rank))
         {
             self.counters.ignored_messages += 1;
             return;
         }
+        let claimant = Claimant::of(&from, peer, rank);
+        self.on_claim(now, claimant, message);
+    }
+
+    /// A message from a D rank, now or as staged.
+    fn on_claim(&mut self, now: Time, from: Claimant, message: Message) {
         match message {
             Message::Completion { request, .. } => self.on_completion(now, from, request),
             Message::Heartbeat { requests } => self.on_heartbeat(now, from, requests),
@@ -444,6 +398,24 @@ impl PrefillWorker {
             Message::PushRegistration(reg) => self.on_registration(now, from, reg),
             Message::HeartbeatAck { .. } => self.counters.ignored_messages += 1,
         }
+    }
+
+    /// Binds export `id`'s family to `from`'s engine if it has no owner yet; whether `from` owns it.
+    fn bind(&mut self, id: &RequestId, from: &Claimant) -> bool {
+        let Some(export) = self.exports.get_mut(id) else { return false };
+        let family = self.families.get_mut(&export.family).expect("an export's family exists");
+        let owner = family.owner.get_or_insert_with(|| from.consumer.clone());
+        if *owner != from.consumer {
+            tracing::debug!(request = %id, %owner, from = %from.consumer, "message from an engine the export is not bound to");
+            return false;
+        }
+        export.claimed = true;
+        true
+    }
+
+    fn foreign(&mut self) {
+        self.counters.ignored_messages += 1;
+        self.counters.foreign_messages += 1;
     }
 
     /// The export a D message names: exactly, or in push mode by base id when that is unambiguous.
@@ -458,50 +430,78 @@ impl PrefillWorker {
         (candidates.len() == 1).then(|| candidates.first().expect("one").clone())
     }
 
-    fn stage(&mut self, now: Time, from: AgentName, request: RequestId, message: Message) {
+    fn stage(&mut self, now: Time, from: Claimant, request: RequestId, message: Message) {
         self.counters.early_staged += 1;
-        self.counters.early_evicted += self.early.push(now, from, request, message);
+        self.counters.early_evicted += self.early.push(now, request, Early { from, message });
     }
 
-    fn on_completion(&mut self, now: Time, from: AgentName, request: RequestId) {
+    /// Sends `message` to `to` if it is still connected (a staged claim's sender may be gone).
+    fn answer(&mut self, to: &AgentName, message: &Message) {
+        if self.peers.contains_key(to) {
+            self.out.send(to, message);
+        }
+    }
+
+    fn on_completion(&mut self, now: Time, from: Claimant, request: RequestId) {
         let Some(id) = self.resolve(&request) else {
             if self.recent.contains(&request) {
                 self.counters.notifications_after_expiry += 1;
             } else {
-                self.stage(now, from.clone(), request.clone(), Message::Completion { request, expected_consumers: 0 });
+                let message = Message::Completion { request: request.clone(), expected_consumers: 0 };
+                self.stage(now, from, request, message);
             }
             return;
         };
-        let expected = self.peers[&from].compat.tp.consumers_per_prefill_rank() as usize;
+        if !self.bind(&id, &from) {
+            return self.foreign();
+        }
         let export = self.exports.get_mut(&id).expect("resolved");
-        export.bound = Some(from.engine.clone());
-        if !export.completed.insert(from) {
+        if !export.completed.insert(from.agent) {
             self.counters.duplicate_messages += 1;
             return;
         }
-        if export.completed.len() >= expected {
+        if export.completed.len() >= from.expected {
             self.release(now, &id, ReleaseReason::Transferred);
         }
     }
 
-    fn on_ended(&mut self, now: Time, from: AgentName, request: RequestId, reason: ReleaseReason) {
+    fn on_ended(&mut self, now: Time, from: Claimant, request: RequestId, reason: ReleaseReason) {
+        let push = self.config.mode == Mode::Push;
         if let Some(id) = self.resolve(&request) {
+            if !self.bind(&id, &from) {
+                return self.foreign();
+            }
+            if push {
+                // D asks P to cancel; P says so once no write can come (at release).
+                self.exports.get_mut(&id).expect("resolved").cancels.insert(from.agent.clone(), request);
+            }
             self.release(now, &id, reason);
             return;
         }
-        if self.recent.contains(&request) {
+        if self.recent.contains(&request) || (push && self.recent.contains(&request.base())) {
             self.counters.late_messages += 1;
+            if push {
+                // Released already: no write is or will be in flight.
+                self.answer(&from.agent, &Message::Abort { request });
+            }
             return;
         }
-        // Push: D gave up a registration P had staged; P will never write, and says so.
-        let base = request.base();
-        let registrations = self.early.take(
-            |r| *r == request || r.base() == base,
-            |agent, message| *agent == from && matches!(message, Message::PushRegistration(_)),
-        );
-        for (_, message) in &registrations {
-            if let Message::PushRegistration(reg) = message {
-                self.out.send(&from, &Message::Abort { request: reg.request.clone() });
+        if push {
+            // D gave up a registration P had staged, or one that never came: P will never
+            // write for it, and says so at once.
+            let agent = from.agent.clone();
+            let registrations = self.early.take(&request, true, |_, early| {
+                early.from.agent == agent && matches!(early.message, Message::PushRegistration(_))
+            });
+            let mut answered = false;
+            for (_, early) in registrations {
+                if let Message::PushRegistration(reg) = early.message {
+                    answered |= reg.request == request;
+                    self.answer(&agent, &Message::Abort { request: reg.request });
+                }
+            }
+            if !answered {
+                self.answer(&agent, &Message::Abort { request: request.clone() });
             }
         }
         // Staged too, so that the export, when P finishes it, is released at once.
@@ -512,57 +512,74 @@ impl PrefillWorker {
         self.stage(now, from, request, message);
     }
 
-    fn on_heartbeat(&mut self, now: Time, from: AgentName, requests: Vec<RequestId>) {
+    fn on_heartbeat(&mut self, now: Time, from: Claimant, requests: Vec<RequestId>) {
         let extension = self.config.lease_extension;
-        let renewals: Vec<Renewal> = requests
-            .into_iter()
-            .map(|request| {
-                let lease = match self.resolve(&request) {
-                    Some(id) => match self.leases.renew(&id, now, extension) {
-                        Some(deadline) => {
-                            // Bound: only this engine's own messages, its loss or expiry end it now.
-                            self.exports.get_mut(&id).expect("leased exports exist").bound = Some(from.engine.clone());
-                            LeaseState::Held(deadline)
-                        }
-                        // Expired and about to be reaped, or released while a write finishes.
-                        None => LeaseState::Released,
-                    },
-                    None if self.recent.contains(&request) => LeaseState::Released,
-                    None => LeaseState::Unknown,
-                };
-                Renewal { request, lease }
-            })
-            .collect();
-        self.out.send_split(&from, &renewals, |renewals| Message::HeartbeatAck { renewals });
+        let mut foreign = false;
+        let mut renewals = Vec::with_capacity(requests.len());
+        for request in requests {
+            let lease = match self.resolve(&request) {
+                Some(id) if self.bind(&id, &from) => match self.leases.renew(&id, now, extension) {
+                    Some(deadline) => LeaseState::Held(deadline),
+                    // Expired and about to be reaped, or released while a write finishes.
+                    None => LeaseState::Released,
+                },
+                // Bound to another engine: never safe for this one to read.
+                Some(_) => {
+                    foreign = true;
+                    LeaseState::Released
+                }
+                None if self.recent.contains(&request) => LeaseState::Released,
+                None => {
+                    // Staged: it claims the export when the export registers, and is answered then.
+                    let message = Message::Heartbeat { requests: vec![request.clone()] };
+                    self.stage(now, from.clone(), request.clone(), message);
+                    LeaseState::Unknown
+                }
+            };
+            renewals.push(Renewal { request, lease });
+        }
+        if foreign {
+            self.foreign();
+        }
+        if self.peers.contains_key(&from.agent) {
+            self.out.send_split(&from.agent, &renewals, |renewals| Message::HeartbeatAck { renewals });
+        }
     }
 
-    fn on_registration(&mut self, now: Time, from: AgentName, reg: PushRegistration) {
-        if self.config.mode != Mode::Push || reg.decode_engine != from.engine || reg.decode_rank != from.rank {
+    fn on_registration(&mut self, now: Time, from: Claimant, reg: PushRegistration) {
+        let agent = from.agent.clone();
+        if self.config.mode != Mode::Push || reg.decode_engine != agent.engine || reg.decode_rank != agent.rank {
             self.counters.ignored_messages += 1;
             return;
         }
         let Some(id) = self.resolve(&reg.request) else {
             if self.recent.contains(&reg.request) || self.recent.contains(&reg.request.base()) {
                 self.counters.late_messages += 1;
-                self.out.send(&from, &Message::Abort { request: reg.request });
+                self.answer(&agent, &Message::Abort { request: reg.request });
             } else {
                 let request = reg.request.clone();
                 self.stage(now, from, request, Message::PushRegistration(reg));
             }
             return;
         };
+        if !self.bind(&id, &from) {
+            self.foreign();
+            self.answer(&agent, &Message::Abort { request: reg.request });
+            return;
+        }
         let export = self.exports.get_mut(&id).expect("resolved");
-        if export.registrations.contains_key(&from) {
+        if export.registrations.contains_key(&agent) {
             self.counters.duplicate_messages += 1;
             return;
         }
-        export.bound = Some(from.engine.clone());
-        export.registrations.insert(from.clone(), reg);
+        export.registrations.insert(agent.clone(), reg);
         if export.owed_writes == 0 {
-            let consumers = self.peers[&from].compat.tp.consumers_of_prefill_rank(self.offer.rank);
-            export.owed_writes = consumers.map_or(1, |c| c.len());
+            export.owed_writes = from.owed;
         }
-        self.write(&id, &from);
+        // A registration staged by an engine since gone binds the export but gets no write.
+        if self.peers.contains_key(&agent) {
+            self.write(&id, &agent);
+        }
         self.settle_push(now, &id);
     }
 
@@ -675,36 +692,34 @@ impl PrefillWorker {
             }
         }
         self.recent.insert(id.clone(), now);
-        // Push: D ranks that registered and got no write learn that none will come.
+        // Push: D ranks that registered and got no write, or asked to cancel, learn that none will come.
         for (agent, reg) in &export.registrations {
             if !export.written.contains(agent) && self.peers.contains_key(agent) {
                 self.out.send(agent, &Message::Abort { request: reg.request.clone() });
             }
         }
-        tracing::debug!(request = %id, %reason, rank = self.offer.rank, "export released");
-        self.out.report(PrefillReport::Released { request: id.clone(), reason });
-        let Some(parent) = id.parent() else { return };
-        if let Some(set) = self.siblings.get_mut(&parent) {
-            set.remove(id);
-            if set.is_empty() {
-                self.siblings.remove(&parent);
+        for (agent, request) in &export.cancels {
+            if !export.registrations.contains_key(agent) && self.peers.contains_key(agent) {
+                self.out.send(agent, &Message::Abort { request: request.clone() });
             }
         }
-        if reason == ReleaseReason::Transferred {
-            self.pulled.insert(parent.clone(), now + self.config.kv_lease_duration);
-            // Siblings nobody claimed are stranded: release them. A sibling a D engine has
-            // renewed or registered for may be under a read right now; that engine ends it.
-            let others: Vec<RequestId> = self
-                .siblings
-                .get(&parent)
-                .into_iter()
-                .flatten()
-                .filter(|s| self.exports.get(*s).is_some_and(|e| e.bound.is_none()))
-                .cloned()
-                .collect();
-            for sibling in others {
-                self.release(now, &sibling, ReleaseReason::Sibling);
-            }
+        tracing::debug!(request = %id, %reason, rank = self.offer.rank, "export released");
+        self.out.report(PrefillReport::Released { request: id.clone(), reason });
+        let family = self.families.get_mut(&export.family).expect("an export's family exists");
+        family.members.remove(id);
+        let siblings: Vec<RequestId> = if reason == ReleaseReason::Transferred && id.parent().is_some() {
+            self.pulled.insert(export.family.clone(), now);
+            // Siblings their owner never claimed are stranded: release them. One it claimed may
+            // be under a read right now; the owner ends it.
+            family.members.iter().filter(|s| self.exports.get(*s).is_some_and(|e| !e.claimed)).cloned().collect()
+        } else {
+            Vec::new()
+        };
+        if family.members.is_empty() {
+            self.families.remove(&export.family);
+        }
+        for sibling in siblings {
+            self.release(now, &sibling, ReleaseReason::Sibling);
         }
     }
 }

@@ -1,0 +1,328 @@
+//! D's scheduler side: admits, schedules, rejects and aborts requests carrying P's transfer
+//! parameters, and tells the engine when each request has ended and when its blocks may go.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use kv_core::{BlockId, RequestId};
+
+use crate::common::RemoteRef;
+use crate::config::{Config, LoadFailurePolicy, Mode};
+
+/// What D's scheduler tells a worker rank.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum DecodeCommand {
+    /// A request with P's parameters entered the waiting queue: claim and renew its lease.
+    Track {
+        /// D's request id.
+        request: RequestId,
+        /// P's parameters.
+        remote: RemoteRef,
+    },
+    /// Blocks are allocated: load the KV into them (or, on a prefix hit, only tell P).
+    Load {
+        /// D's request id.
+        request: RequestId,
+        /// D's blocks, in prompt order.
+        blocks: Vec<BlockId>,
+        /// D already has the prompt cached.
+        prefix_hit: bool,
+    },
+    /// D rejected the request before admission: tell P.
+    Reject {
+        /// P's parameters.
+        remote: RemoteRef,
+    },
+    /// The request ends on D.
+    Abort {
+        /// D's request id.
+        request: RequestId,
+    },
+}
+
+/// How a rank's part of a load ended.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum LoadOutcome {
+    /// The KV is in place.
+    Loaded,
+    /// The load failed or could not be made safely.
+    Failed,
+    /// The load was aborted.
+    Aborted,
+}
+
+/// What a D worker rank tells its scheduler.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum DecodeReport {
+    /// The rank is done with the request: no transfer of it can touch D's blocks any more.
+    Finished {
+        /// D's request id.
+        request: RequestId,
+        /// How.
+        outcome: LoadOutcome,
+    },
+    /// Push: the rank gave the load up, but P may still be writing into its blocks; they stay
+    /// in quarantine until the rank reports `Finished`.
+    Quarantined {
+        /// D's request id.
+        request: RequestId,
+    },
+}
+
+/// Where a request stands on D.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum DecodeState {
+    /// Arrived; its lease is renewed while it waits.
+    Waiting,
+    /// Scheduled: reading, or registered and waiting for P's write.
+    Loading,
+    /// Its KV is in place.
+    Ready,
+    /// The load failed (policy `fail`).
+    Failed,
+    /// The load failed and the prompt is computed locally (policy `recompute`).
+    Recompute,
+    /// Aborted or rejected.
+    Gone,
+}
+
+impl DecodeState {
+    /// The state's name, as scenario files write it.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DecodeState::Waiting => "waiting",
+            DecodeState::Loading => "loading",
+            DecodeState::Ready => "ready",
+            DecodeState::Failed => "failed",
+            DecodeState::Recompute => "recompute",
+            DecodeState::Gone => "gone",
+        }
+    }
+
+    /// Whether the request has ended (ready, failed, recompute or gone).
+    pub fn is_final(&self) -> bool {
+        !matches!(self, DecodeState::Waiting | DecodeState::Loading)
+    }
+}
+
+/// What D's scheduler asks the engine to do.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum DecodeEvent {
+    /// Hand this command to worker `rank`.
+    ToWorker {
+        /// The worker rank.
+        rank: u32,
+        /// The command.
+        command: DecodeCommand,
+    },
+    /// The request reached its final state, once per request: `Ready` (its KV is in place and
+    /// its blocks now belong to the engine), `Failed` or `Recompute` (the load failed), or
+    /// `Gone` (aborted or rejected). A failed or aborted load's blocks come back with `Free`,
+    /// at once or, for a push given up while P may still write, after its quarantine.
+    Ended {
+        /// D's request id.
+        request: RequestId,
+        /// The final state.
+        state: DecodeState,
+    },
+    /// The request's blocks may return to the pool: no transfer can touch them any more.
+    Free {
+        /// D's request id.
+        request: RequestId,
+        /// The blocks.
+        blocks: Vec<BlockId>,
+    },
+}
+
+/// Why D's scheduler refused a call.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// The request is already known.
+    #[error("request {0} is already on this engine")]
+    AlreadyKnown(RequestId),
+    /// The request is not waiting.
+    #[error("request {0} is not waiting (it is {state})", state = .1.map_or("unknown", |s| s.as_str()))]
+    NotWaiting(RequestId, Option<DecodeState>),
+    /// Pull mode needs P's export to read from.
+    #[error("request {0} carries no export from P to read in pull mode")]
+    NoExport(RequestId),
+    /// A report named a rank outside the engine.
+    #[error("rank {rank} is outside tp {tp}")]
+    NoSuchRank {
+        /// The rank.
+        rank: u32,
+        /// The engine's TP size.
+        tp: u32,
+    },
+}
+
+#[derive(Debug)]
+struct SchedulerRequest {
+    state: DecodeState,
+    blocks: Vec<BlockId>,
+    finished: BTreeMap<u32, LoadOutcome>,
+    aborting: bool,
+}
+
+/// D's scheduler side. It keeps a request only while it is waiting, loading, or its blocks are
+/// in quarantine; an ended request is forgotten once its blocks are back.
+#[derive(Debug)]
+pub struct DecodeScheduler {
+    tp: u32,
+    config: Config,
+    requests: BTreeMap<RequestId, SchedulerRequest>,
+    events: VecDeque<DecodeEvent>,
+}
+
+impl DecodeScheduler {
+    /// A scheduler for an engine of `tp` ranks.
+    pub fn new(tp: u32, config: Config) -> Self {
+        DecodeScheduler { tp, config, requests: BTreeMap::new(), events: VecDeque::new() }
+    }
+
+    fn broadcast(&mut self, command: impl Fn() -> DecodeCommand) {
+        for rank in 0..self.tp {
+            self.events.push_back(DecodeEvent::ToWorker { rank, command: command() });
+        }
+    }
+
+    fn failed_state(&self) -> DecodeState {
+        match self.config.load_failure_policy {
+            LoadFailurePolicy::Fail => DecodeState::Failed,
+            LoadFailurePolicy::Recompute => DecodeState::Recompute,
+        }
+    }
+
+    /// A request carrying P's parameters enters the waiting queue.
+    pub fn handle_arrive(&mut self, request: RequestId, remote: RemoteRef) -> Result<(), DecodeError> {
+        if self.requests.contains_key(&request) {
+            return Err(DecodeError::AlreadyKnown(request));
+        }
+        if self.config.mode == Mode::Pull && remote.export.is_none() {
+            return Err(DecodeError::NoExport(request));
+        }
+        let entry = SchedulerRequest {
+            state: DecodeState::Waiting,
+            blocks: Vec::new(),
+            finished: BTreeMap::new(),
+            aborting: false,
+        };
+        self.requests.insert(request.clone(), entry);
+        self.broadcast(|| DecodeCommand::Track { request: request.clone(), remote: remote.clone() });
+        Ok(())
+    }
+
+    /// Blocks are allocated for a waiting request: start its load.
+    pub fn handle_schedule(
+        &mut self,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        prefix_hit: bool,
+    ) -> Result<(), DecodeError> {
+        match self.requests.get_mut(&request) {
+            Some(e) if e.state == DecodeState::Waiting => {
+                e.state = DecodeState::Loading;
+                e.blocks = blocks.clone();
+            }
+            other => return Err(DecodeError::NotWaiting(request, other.map(|e| e.state))),
+        }
+        self.broadcast(|| DecodeCommand::Load { request: request.clone(), blocks: blocks.clone(), prefix_hit });
+        Ok(())
+    }
+
+    /// D rejects `request`, carrying P's parameters, before admission; it ends `gone`.
+    pub fn handle_reject(&mut self, request: RequestId, remote: RemoteRef) -> Result<(), DecodeError> {
+        if self.requests.contains_key(&request) {
+            return Err(DecodeError::AlreadyKnown(request));
+        }
+        self.broadcast(|| DecodeCommand::Reject { remote: remote.clone() });
+        self.events.push_back(DecodeEvent::Ended { request, state: DecodeState::Gone });
+        Ok(())
+    }
+
+    /// The router aborts the request on D.
+    pub fn handle_abort(&mut self, request: &RequestId) {
+        let Some(entry) = self.requests.get_mut(request) else { return };
+        match entry.state {
+            DecodeState::Waiting => {
+                self.requests.remove(request);
+                self.events.push_back(DecodeEvent::Ended { request: request.clone(), state: DecodeState::Gone });
+            }
+            DecodeState::Loading => entry.aborting = true,
+            _ => return,
+        }
+        self.broadcast(|| DecodeCommand::Abort { request: request.clone() });
+    }
+
+    /// A worker rank's report.
+    pub fn handle_report(&mut self, rank: u32, report: DecodeReport) -> Result<(), DecodeError> {
+        if rank >= self.tp {
+            return Err(DecodeError::NoSuchRank { rank, tp: self.tp });
+        }
+        let failed_state = self.failed_state();
+        match report {
+            DecodeReport::Quarantined { request } => {
+                let Some(entry) = self.requests.get_mut(&request) else { return Ok(()) };
+                if entry.state == DecodeState::Loading {
+                    // The request moves on (recompute, fail, gone); its blocks wait for P.
+                    entry.state = if entry.aborting { DecodeState::Gone } else { failed_state };
+                    let state = entry.state;
+                    self.events.push_back(DecodeEvent::Ended { request, state });
+                }
+            }
+            DecodeReport::Finished { request, outcome } => {
+                let Some(entry) = self.requests.get_mut(&request) else { return Ok(()) };
+                entry.finished.insert(rank, outcome);
+                match entry.state {
+                    DecodeState::Waiting if outcome != LoadOutcome::Loaded => {
+                        // P's export is gone before the load began: nothing is held, tell every rank.
+                        self.requests.remove(&request);
+                        self.events.push_back(DecodeEvent::Ended { request: request.clone(), state: failed_state });
+                        self.broadcast(|| DecodeCommand::Abort { request: request.clone() });
+                    }
+                    DecodeState::Waiting => {}
+                    _ if entry.finished.len() as u32 == self.tp => {
+                        let entry = self.requests.remove(&request).expect("present");
+                        if entry.state == DecodeState::Loading {
+                            let all_loaded = entry.finished.values().all(|o| *o == LoadOutcome::Loaded);
+                            let state = if entry.aborting {
+                                DecodeState::Gone
+                            } else if all_loaded {
+                                DecodeState::Ready
+                            } else {
+                                failed_state
+                            };
+                            self.events.push_back(DecodeEvent::Ended { request: request.clone(), state });
+                            if state == DecodeState::Ready {
+                                return Ok(());
+                            }
+                        }
+                        self.events.push_back(DecodeEvent::Free { request, blocks: entry.blocks });
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The next thing the engine must do.
+    pub fn poll_event(&mut self) -> Option<DecodeEvent> {
+        self.events.pop_front()
+    }
+
+    /// Where a request stands, while this engine keeps it (ended requests are forgotten once
+    /// their blocks are back; [`DecodeEvent::Ended`] gave their final state).
+    pub fn state(&self, request: &RequestId) -> Option<DecodeState> {
+        self.requests.get(request).map(|e| e.state)
+    }
+
+    /// The blocks held for requests that are loading, or in quarantine after a push given up.
+    pub fn held_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.requests.values().filter(|e| e.state != DecodeState::Waiting).flat_map(|e| e.blocks.iter().copied())
+    }
+
+    /// Requests still kept: waiting, loading, or with blocks in quarantine.
+    pub fn pending(&self) -> usize {
+        self.requests.len()
+    }
+}
