@@ -30,9 +30,9 @@ const USAGE: &str = "usage: cargo xtask demo [--mode pull|push] [--decoders N] [
        [--concurrency N] [--min-tokens N] [--max-tokens N] [--layers N] [--blocks N]
        [--lease-ms N] [--no-kill] [--json]";
 
-/// How far past the lease a release may come and still count as "by the lease": P's loop
-/// wakes every few milliseconds, and a loaded machine delays it further.
-const LEASE_SLACK_MS: u64 = 500;
+/// The longest a dead D engine's export may stay held on P after the death: P hears of the
+/// death when the engine's side channel closes, and releases what was bound to it at once.
+const DEATH_RELEASE_BOUND_MS: u64 = 1000;
 
 /// The run's settings; the defaults end within 60 s on a 2-core machine.
 #[derive(Clone, Debug)]
@@ -461,6 +461,16 @@ impl Demo {
                     self.tracks.get_mut(export).expect("tracked").outcome = Some("prefix_cache".into());
                 }
             }
+            // The router picks D before it sends the prompt to P, and names it: P binds the
+            // exports to that engine at once, so they go with it if it dies.
+            if !self.config.push {
+                if let Some(decode) = self.pick_decode() {
+                    let chosen = (decode.clone(), self.nodes[&decode].instance);
+                    for export in &exports {
+                        self.tracks.get_mut(export).expect("tracked").decode = Some(chosen.clone());
+                    }
+                }
+            }
             if self.config.push {
                 // D hears first: it allocates and registers its blocks with P.
                 let address = self.prefill_address();
@@ -481,17 +491,28 @@ impl Demo {
                     }
                 }
             }
-            self.send("prefill0", &Command::Prefill { id: id.clone(), prompt_tokens: tokens, n, consumer: None });
+            let consumer = self.tracks.get(&exports[0]).and_then(|t| t.decode.clone());
+            self.send("prefill0", &Command::Prefill { id: id.clone(), prompt_tokens: tokens, n, consumer });
             self.open.insert(id, (request, exports));
         }
     }
 
-    /// Hands an export to a D engine: arrival, or rejection before admission.
+    /// Hands an export to a D engine: the one named at prefill, else the next live one;
+    /// arrival, or rejection before admission.
     fn dispatch(&mut self, export: &str, parent: &str, remote: Remote, fate: Fate) {
-        let Some(decode) = self.pick_decode() else {
-            // The only D engine is down: hand it over once one is back.
-            self.undelivered.push_back((export.to_owned(), parent.to_owned(), remote, fate));
-            return;
+        let named = self.tracks.get(export).and_then(|t| t.decode.clone());
+        let decode = match named {
+            Some((decode, instance)) if self.nodes.get(&decode).is_some_and(|n| n.instance == instance) => decode,
+            // The engine P bound it to is gone: P releases it; the request is lost with it.
+            Some(_) => return self.finish_export(export, "lost", None),
+            None => match self.pick_decode() {
+                Some(decode) => decode,
+                None => {
+                    // The only D engine is down: hand it over once one is back.
+                    self.undelivered.push_back((export.to_owned(), parent.to_owned(), remote, fate));
+                    return;
+                }
+            },
         };
         let instance = self.nodes[&decode].instance;
         let track = self.tracks.entry(export.to_owned()).or_default();
@@ -748,6 +769,7 @@ pub struct Report {
     kv_samples: usize,
     killed: Option<String>,
     held_after_death_ms: Option<u64>,
+    dead_engine_releases: BTreeMap<String, u64>,
     lease_ms: u64,
     corrupt_reads: u64,
     written_after_free: u64,
@@ -790,6 +812,16 @@ impl Report {
                 .max()
                 .unwrap_or(0)
         });
+        let mut dead_engine_releases = BTreeMap::new();
+        if let Some(k) = &demo.kill {
+            let dead = demo
+                .tracks
+                .values()
+                .filter(|t| t.decode.as_ref().is_some_and(|(d, i)| *d == k.engine && *i == k.instance));
+            for (reason, _) in dead.filter_map(|t| t.freed.as_ref()) {
+                *dead_engine_releases.entry(reason.clone()).or_insert(0) += 1;
+            }
+        }
         let mut counters = BTreeMap::new();
         let mut held_after_drain = BTreeMap::new();
         let (mut written_after_free, mut corrupt_reads) = (0, 0);
@@ -821,6 +853,7 @@ impl Report {
             kv_samples: kv.len(),
             killed: demo.kill.as_ref().map(|k| k.engine.clone()),
             held_after_death_ms,
+            dead_engine_releases,
             lease_ms: demo.config.lease_ms,
             corrupt_reads,
             written_after_free,
@@ -852,10 +885,9 @@ impl Report {
         if self.unreleased_exports > 0 {
             f.push(format!("{} exports P never released", self.unreleased_exports));
         }
-        // The lease, plus the slack of an engine's wake-ups on a loaded machine.
-        if let Some(ms) = self.held_after_death_ms.filter(|&ms| ms > self.lease_ms + LEASE_SLACK_MS) {
+        if let Some(ms) = self.held_after_death_ms.filter(|&ms| ms > DEATH_RELEASE_BOUND_MS) {
             f.push(format!(
-                "a block stayed held {ms} ms after its D engine died, longer than the lease ({} ms) and {LEASE_SLACK_MS} ms of slack",
+                "a block stayed held {ms} ms after its D engine died, longer than {DEATH_RELEASE_BOUND_MS} ms (lease {} ms)",
                 self.lease_ms
             ));
         }
@@ -884,6 +916,7 @@ impl Report {
             "kv_latency_us": { "p50": self.kv_p50_us, "p99": self.kv_p99_us, "samples": self.kv_samples },
             "killed": self.killed,
             "longest_held_after_death_ms": self.held_after_death_ms,
+            "dead_engine_releases": self.dead_engine_releases,
             "lease_ms": self.lease_ms,
             "corrupt_reads": self.corrupt_reads,
             "written_after_free": self.written_after_free,
@@ -937,9 +970,12 @@ impl Report {
         );
         match (&self.killed, self.held_after_death_ms) {
             (Some(engine), Some(ms)) => {
+                let list = self.dead_engine_releases.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>();
                 println!(
-                    "  {engine} killed         its exports on P were all released {ms} ms after (lease {} ms)",
-                    self.lease_ms
+                    "  {engine} killed         its exports on P were all released within {ms} ms of its death \
+                     (bound {DEATH_RELEASE_BOUND_MS} ms, lease {} ms): {}",
+                    self.lease_ms,
+                    if list.is_empty() { "none were held".to_owned() } else { list.join(", ") }
                 )
             }
             _ => println!("  no engine killed"),
