@@ -30,6 +30,7 @@ pub mod id;
 pub mod layout;
 pub mod plan;
 pub mod ports;
+pub mod side;
 pub mod time;
 pub mod tp;
 pub mod wire;
