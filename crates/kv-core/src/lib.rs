@@ -4,8 +4,8 @@
 //! parallel-sampling siblings, blocks, engines, the NIXL agents of their TP ranks), the shape
 //! of a KV pool, the mapping between a prefill engine's and a decode engine's TP ranks and
 //! block sizes, the transfer plans that turn block ids into merged descriptor pairs, the wire
-//! messages with their codec, and the ports ([`Clock`], [`Transport`], [`Memory`]) that
-//! adapters implement. It reads no clock, opens no socket and starts no thread: time and bytes
+//! messages with their codec, the side channel's authenticated handshake ([`side`]), and the
+//! ports ([`Clock`], [`Transport`], [`Memory`]) that adapters implement. It reads no clock, opens no socket and starts no thread: time and bytes
 //! come in as arguments, which is what lets the simulator and the engines run the same code.
 //!
 //! ```
@@ -30,6 +30,7 @@ pub mod id;
 pub mod layout;
 pub mod plan;
 pub mod ports;
+pub mod side;
 pub mod time;
 pub mod tp;
 pub mod wire;

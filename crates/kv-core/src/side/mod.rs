@@ -1,0 +1,1043 @@
+//! The side channel, sans-IO: an authenticated, encrypted handshake between two agents, and
+//! the tags that let NIXL notifications between them be trusted.
+//!
+//! NIXL agent metadata is a capability: whoever loads it can read and write the sender's
+//! registered KV pool. So the side channel proves, before anything else is said, that the peer
+//! holds the cluster's pre-shared [`ClusterKey`] (a mutual HMAC-SHA256 challenge and response
+//! over both nonces and both identities), derives a session from it (HKDF-SHA256), and only
+//! then exchanges the [`Handshake`] offers, sealed with ChaCha20-Poly1305. A peer is its
+//! authenticated connection, never a name it claims later; notifications carry a tag made with
+//! a key of that connection's session ([`SideEndpoint::seal_notification`]).
+//!
+//! [`SideEndpoint`] is the whole protocol for all side-channel connections of one agent, once,
+//! for every adapter: it opens no socket, reads no clock and draws no randomness. The adapter
+//! (NIXL's TCP side channel, the simulator's fake network) moves bytes and reports connections
+//! through `handle_*`, and carries out what `poll_*` hands back. After every `handle_*` call,
+//! drain in this order:
+//!
+//! 1. [`SideEndpoint::poll_transmit`] until `None`: write each [`Transmit`] to its connection,
+//!    in order;
+//! 2. [`SideEndpoint::poll_close`] until `None`: close each connection once what was queued
+//!    for it before is written (every connection the endpoint is done with is named once,
+//!    whether or not the peer closed it first);
+//! 3. [`SideEndpoint::poll_event`] until `None`;
+//! 4. [`SideEndpoint::poll_timeout`]: call [`SideEndpoint::handle_timeout`] then (a spurious
+//!    or late wake-up is harmless).
+//!
+//! The protocol, every frame field by field, with test vectors that
+//! `crates/kv-core/tests/side_vectors.rs` replays against this code, is in
+//! `docs/side-channel.md` at the workspace root.
+//!
+//! ```no_run
+//! use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint};
+//! # fn offer() -> kv_core::Handshake { unimplemented!() }
+//! # fn now() -> kv_core::Time { unimplemented!() }
+//! # fn random_nonce() -> [u8; 32] { unimplemented!() }
+//! # fn write(_: ConnId, _: &[u8]) {}
+//! # fn close(_: ConnId) {}
+//! # fn read_some() -> Option<(ConnId, Vec<u8>)> { None }
+//! let key = ClusterKey::from_hex("000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f")?;
+//! let mut side = SideEndpoint::new(SideConfig::new(key), offer())?;
+//! // Our listener accepted a TCP connection:
+//! side.handle_accept(now(), ConnId(1), random_nonce());
+//! while let Some((conn, bytes)) = read_some() {
+//!     side.handle_bytes(now(), conn, &bytes);
+//!     while let Some(t) = side.poll_transmit() {
+//!         write(t.conn, &t.bytes);
+//!     }
+//!     while let Some(conn) = side.poll_close() {
+//!         close(conn);
+//!     }
+//!     while let Some(event) = side.poll_event() {
+//!         // Connected: load the peer's agent metadata; Lost: release what it held; ...
+//!         let _ = event;
+//!     }
+//!     // ... and wake up at side.poll_timeout() to call side.handle_timeout(now()).
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod crypto;
+mod frame;
+mod key;
+mod notify;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::fmt;
+use std::time::Duration;
+
+use crate::handshake::check_compatible;
+use crate::id::AgentName;
+use crate::ports::{PeerAddress, PeerInfo, TransportError};
+use crate::time::Time;
+use crate::wire::{Handshake, Role, WireError, MAX_HANDSHAKE_BYTES};
+
+use crypto::{derive, mac, verify, Direction, SessionKeys, AEAD_TAG_BYTES, INITIATOR_LABEL, LISTENER_LABEL, MAC_BYTES};
+use frame::{
+    frame, header, parse_greeting, peer_text, truncated, Identity, Kind, ParseError, HEADER_BYTES, RECORD_OFFER,
+    RECORD_REFUSE,
+};
+use notify::Tags;
+
+pub use frame::MAX_ENGINE_NAME_BYTES;
+pub use key::{ClusterKey, KeyError, CLUSTER_KEY_BYTES};
+pub use notify::{NotifyError, NOTIFICATION_OVERHEAD, REPLAY_WINDOW};
+
+/// The side protocol version this build speaks (HELLO and CHALLENGE carry it).
+pub const SIDE_PROTOCOL_VERSION: u16 = 1;
+
+/// The largest length field (kind and body) of a frame before the peer has authenticated.
+pub const MAX_CLEAR_FRAME: usize = 256;
+
+/// The largest length field of a SEALED frame: kind, record type, a handshake of at most
+/// [`MAX_HANDSHAKE_BYTES`], and the AEAD tag.
+pub const MAX_SEALED_FRAME: usize = 1 + 1 + MAX_HANDSHAKE_BYTES + AEAD_TAG_BYTES;
+
+/// The longest reason an ERROR frame carries, in bytes.
+pub const MAX_ERROR_TEXT: usize = 200;
+
+/// The longest reason a sealed REFUSE record carries, in bytes.
+pub const MAX_REFUSE_TEXT: usize = 1024;
+
+/// The bounds on what peers can make an endpoint hold (DESIGN.md rule 12).
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct SideLimits {
+    /// Accepted connections that have not completed the handshake; one more evicts the oldest.
+    pub max_unauthenticated: usize,
+    /// How long a connection, accepted or our own, may take to complete the handshake.
+    pub auth_timeout: Duration,
+    /// Established peers; a handshake beyond them is refused.
+    pub max_peers: usize,
+    /// Agents whose gone incarnation is remembered; the oldest is forgotten first.
+    pub max_gone_remembered: usize,
+    /// Events waiting for [`SideEndpoint::poll_event`]; refusals beyond it are only counted.
+    pub max_queued_events: usize,
+}
+
+impl Default for SideLimits {
+    fn default() -> Self {
+        SideLimits {
+            max_unauthenticated: 64,
+            auth_timeout: Duration::from_secs(5),
+            max_peers: 1024,
+            max_gone_remembered: 4096,
+            max_queued_events: 4096,
+        }
+    }
+}
+
+/// What an endpoint is set up with.
+#[derive(Clone, Debug)]
+pub struct SideConfig {
+    /// The cluster's key, or [`ClusterKey::none`].
+    pub key: ClusterKey,
+    /// The bounds.
+    pub limits: SideLimits,
+}
+
+impl SideConfig {
+    /// `key` with the default limits.
+    pub fn new(key: ClusterKey) -> Self {
+        SideConfig { key, limits: SideLimits::default() }
+    }
+}
+
+/// Why an endpoint cannot be set up with a configuration or an offer.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The offer's engine name does not fit in HELLO.
+    #[error("engine name of {len} bytes is outside the side channel's 1..={MAX_ENGINE_NAME_BYTES}")]
+    EngineName {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The offer does not encode within the handshake limit.
+    #[error("offer does not encode: {0}")]
+    Offer(#[from] WireError),
+    /// A new offer names another agent or incarnation than the endpoint's.
+    #[error("a new offer cannot change who the agent is: was {was}, now {now}")]
+    Identity {
+        /// The endpoint's agent, incarnation and role.
+        was: String,
+        /// The new offer's.
+        now: String,
+    },
+    /// A limit that must be positive is zero.
+    #[error("side-channel limit {name} is 0")]
+    ZeroLimit {
+        /// The limit's field name.
+        name: &'static str,
+    },
+}
+
+/// A connection, named by the adapter; unique within one endpoint, never reused.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct ConnId(pub u64);
+
+/// Bytes to write to a connection.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct Transmit {
+    /// Where.
+    pub conn: ConnId,
+    /// One whole frame.
+    pub bytes: Vec<u8>,
+}
+
+/// Why an accepted connection was refused.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum RefusalCause {
+    /// Bytes that are not the protocol, a frame over its limit, or a close before the peer
+    /// said enough to be judged.
+    Malformed,
+    /// The peer did not prove it holds the cluster key.
+    Unauthenticated,
+    /// The peer speaks another side protocol or wire version.
+    Version,
+    /// The engines cannot exchange KV ([`check_compatible`] refused).
+    Incompatible,
+    /// The peer's offer contradicts its HELLO, or its name is live on another connection.
+    Impersonation,
+    /// The peer's incarnation is at or below one already seen gone.
+    Stale,
+    /// A bound was reached ([`SideLimits`]).
+    Overloaded,
+    /// The handshake did not complete within [`SideLimits::auth_timeout`].
+    Timeout,
+}
+
+/// What happened on the side channel.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum SideEvent {
+    /// A handshake completed, in either direction: load the peer's metadata.
+    Connected {
+        /// The peer's connection.
+        conn: ConnId,
+        /// The peer's offer and the clock readings around it.
+        info: Box<PeerInfo>,
+    },
+    /// A connection we opened did not become a peer.
+    ConnectFailed {
+        /// The connection.
+        conn: ConnId,
+        /// Where we connected.
+        address: PeerAddress,
+        /// Why, naming the values that disagree.
+        error: TransportError,
+    },
+    /// A connection we accepted did not become a peer; each is reported exactly once.
+    Refused {
+        /// The connection.
+        conn: ConnId,
+        /// The agent its HELLO named, if it got that far (unauthenticated unless the cause
+        /// comes after the proof).
+        claimed: Option<AgentName>,
+        /// Why, as a category to count.
+        cause: RefusalCause,
+        /// Why, naming the values.
+        reason: String,
+    },
+    /// An established peer's connection closed, misbehaved, or was replaced by a newer
+    /// incarnation of the same agent: that incarnation is gone.
+    Lost {
+        /// The connection.
+        conn: ConnId,
+        /// The peer.
+        agent: AgentName,
+        /// Its incarnation.
+        instance: u64,
+    },
+}
+
+/// An established peer, as adapters need it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct PeerState {
+    /// Its connection.
+    pub conn: ConnId,
+    /// Its incarnation.
+    pub incarnation: u64,
+    /// Its role.
+    pub role: Role,
+}
+
+/// The side-channel protocol for every connection of one agent (see the module docs).
+pub struct SideEndpoint {
+    config: SideConfig,
+    offer: Handshake,
+    conns: HashMap<ConnId, Conn>,
+    peers: HashMap<AgentName, Peer>,
+    /// The highest incarnation seen gone per agent, and the order they were recorded in.
+    gone: HashMap<AgentName, u64>,
+    gone_order: VecDeque<AgentName>,
+    /// Handshake deadlines of connections not yet established.
+    deadlines: BTreeSet<(Time, ConnId)>,
+    /// Accepted connections not yet established, oldest first.
+    accepted: VecDeque<ConnId>,
+    transmits: VecDeque<Transmit>,
+    closes: VecDeque<ConnId>,
+    events: VecDeque<SideEvent>,
+    refusals_dropped: u64,
+}
+
+struct Peer {
+    conn: ConnId,
+    incarnation: u64,
+    role: Role,
+    tags: Tags,
+}
+
+enum Side {
+    Initiator { address: PeerAddress },
+    Listener,
+}
+
+struct Conn {
+    side: Side,
+    /// The agent the peer's HELLO named (listener side).
+    claimed: Option<AgentName>,
+    /// The incomplete frame that has arrived so far.
+    buf: Vec<u8>,
+    received: bool,
+    deadline: Time,
+    state: State,
+}
+
+/// The session of a connection whose peer proved the key.
+struct Session {
+    seal: Direction,
+    open: Direction,
+    tag_out: [u8; 32],
+    tag_in: [u8; 32],
+}
+
+impl Session {
+    fn new(keys: &SessionKeys, initiator: bool) -> Self {
+        if initiator {
+            Session {
+                seal: Direction::new(&keys.seal_i2l),
+                open: Direction::new(&keys.seal_l2i),
+                tag_out: keys.tag_i2l,
+                tag_in: keys.tag_l2i,
+            }
+        } else {
+            Session {
+                seal: Direction::new(&keys.seal_l2i),
+                open: Direction::new(&keys.seal_i2l),
+                tag_out: keys.tag_l2i,
+                tag_in: keys.tag_i2l,
+            }
+        }
+    }
+}
+
+enum State {
+    /// Initiator: HELLO queued, waiting for CHALLENGE.
+    Helloed { nonce_i: [u8; 32], hello: Vec<u8> },
+    /// Initiator: PROOF and our OFFER sent, waiting for the listener's OFFER.
+    Offered { session: Session, listener: Identity, sent_at: Time },
+    /// Listener: waiting for HELLO.
+    Accepted { nonce_l: [u8; 32] },
+    /// Listener: CHALLENGE sent, waiting for PROOF.
+    Challenged {
+        hello: Identity,
+        transcript: Vec<u8>,
+        mac_l: [u8; MAC_BYTES],
+        nonce_i: [u8; 32],
+        nonce_l: [u8; 32],
+        sent_at: Time,
+    },
+    /// Listener: PROOF verified, waiting for the initiator's OFFER.
+    Proven { hello: Identity, session: Session, sent_at: Time },
+    /// Both offers exchanged: only watched from now on.
+    Established { agent: AgentName, incarnation: u64 },
+    /// Moved out while a frame is handled.
+    Taken,
+}
+
+impl State {
+    /// The largest length field a frame may have in this state; 0 for an established
+    /// connection, on which v1 allows nothing.
+    fn frame_limit(&self) -> usize {
+        match self {
+            State::Helloed { .. } | State::Accepted { .. } | State::Challenged { .. } | State::Taken => MAX_CLEAR_FRAME,
+            State::Offered { .. } | State::Proven { .. } => MAX_SEALED_FRAME,
+            State::Established { .. } => 0,
+        }
+    }
+
+    fn stage(&self) -> &'static str {
+        match self {
+            State::Helloed { .. } => "waiting for CHALLENGE",
+            State::Offered { .. } => "waiting for the listener's OFFER",
+            State::Accepted { .. } => "waiting for HELLO",
+            State::Challenged { .. } => "waiting for PROOF",
+            State::Proven { .. } => "waiting for the initiator's OFFER",
+            State::Established { .. } => "established",
+            State::Taken => "busy",
+        }
+    }
+
+    /// The frame that tells the peer `reason`: a sealed REFUSE once there is a session, else
+    /// a clear ERROR.
+    fn tell(&mut self, reason: &str) -> Vec<u8> {
+        match self {
+            State::Offered { session, .. } | State::Proven { session, .. } => {
+                session.seal.seal(RECORD_REFUSE, truncated(reason, MAX_REFUSE_TEXT).as_bytes())
+            }
+            _ => frame(Kind::Error, truncated(reason, MAX_ERROR_TEXT).as_bytes()),
+        }
+    }
+
+    /// How a listener reports a connection that ends in this state without a better reason.
+    fn abandoned(&self) -> (RefusalCause, &'static str) {
+        match self {
+            State::Challenged { .. } => (RefusalCause::Unauthenticated, "closed before proving the cluster key"),
+            State::Proven { .. } => (RefusalCause::Malformed, "closed before its offer"),
+            _ => (RefusalCause::Malformed, "closed before the handshake"),
+        }
+    }
+}
+
+/// Why a connection ends before it is established.
+struct Failure {
+    cause: RefusalCause,
+    reason: String,
+    /// What to tell the peer before closing, if anything.
+    tell: Option<String>,
+    /// The initiator's error, when more specific than the reason.
+    error: Option<TransportError>,
+}
+
+impl Failure {
+    fn new(cause: RefusalCause, reason: impl Into<String>) -> Self {
+        Failure { cause, reason: reason.into(), tell: None, error: None }
+    }
+
+    /// Tells the peer the reason too.
+    fn told(mut self) -> Self {
+        self.tell = Some(self.reason.clone());
+        self
+    }
+
+    fn telling(mut self, text: impl Into<String>) -> Self {
+        self.tell = Some(text.into());
+        self
+    }
+
+    fn error(mut self, error: TransportError) -> Self {
+        self.error = Some(error);
+        self
+    }
+}
+
+/// What the bytes of one connection amount to so far.
+enum Feed {
+    /// The bytes are used up; the frame is incomplete.
+    NeedMore,
+    /// A whole frame.
+    Frame(Vec<u8>),
+    /// The length field is over the state's limit, or 0.
+    Oversized { len: usize, limit: usize },
+    /// Bytes on an established connection.
+    AfterHandshake,
+}
+
+fn check_offer(offer: &Handshake) -> Result<(), ConfigError> {
+    let len = offer.engine.as_str().len();
+    if len == 0 || len > MAX_ENGINE_NAME_BYTES {
+        return Err(ConfigError::EngineName { len });
+    }
+    // The clock is stamped when the offer is sent; the largest clock encodes longest.
+    let mut stamped = offer.clone();
+    stamped.clock = Time::from_nanos(u64::MAX);
+    stamped.encode()?;
+    Ok(())
+}
+
+fn check_limits(limits: &SideLimits) -> Result<(), ConfigError> {
+    for (name, value) in [
+        ("max_unauthenticated", limits.max_unauthenticated),
+        ("max_peers", limits.max_peers),
+        ("auth_timeout", usize::from(!limits.auth_timeout.is_zero())),
+    ] {
+        if value == 0 {
+            return Err(ConfigError::ZeroLimit { name });
+        }
+    }
+    Ok(())
+}
+
+fn describe(identity: &Identity) -> String {
+    format!("{} incarnation {} ({:?})", identity.agent(), identity.incarnation, identity.role)
+}
+
+impl SideEndpoint {
+    /// An endpoint for the agent `offer` describes; fails when a limit is zero, or the offer's
+    /// engine name or size does not fit the protocol.
+    pub fn new(config: SideConfig, offer: Handshake) -> Result<Self, ConfigError> {
+        check_limits(&config.limits)?;
+        check_offer(&offer)?;
+        Ok(SideEndpoint {
+            config,
+            offer,
+            conns: HashMap::new(),
+            peers: HashMap::new(),
+            gone: HashMap::new(),
+            gone_order: VecDeque::new(),
+            deadlines: BTreeSet::new(),
+            accepted: VecDeque::new(),
+            transmits: VecDeque::new(),
+            closes: VecDeque::new(),
+            events: VecDeque::new(),
+            refusals_dropped: 0,
+        })
+    }
+
+    /// Replaces the offer that handshakes from now on send (the adapter updates the agent
+    /// metadata after registering memory); it may not change the agent, incarnation or role.
+    pub fn set_offer(&mut self, offer: Handshake) -> Result<(), ConfigError> {
+        check_offer(&offer)?;
+        let (was, now) = (Identity::of(&self.offer), Identity::of(&offer));
+        if was != now {
+            return Err(ConfigError::Identity { was: describe(&was), now: describe(&now) });
+        }
+        self.offer = offer;
+        Ok(())
+    }
+
+    /// The offer handshakes send (its clock is the last one stamped).
+    pub fn offer(&self) -> &Handshake {
+        &self.offer
+    }
+
+    /// We open a connection to `address`: HELLO is queued at once, for the adapter to write
+    /// when the transport connects. `nonce` must be fresh random bytes.
+    pub fn handle_connect(&mut self, now: Time, conn: ConnId, address: PeerAddress, nonce: [u8; 32]) {
+        self.expire(now);
+        if self.conns.contains_key(&conn) {
+            return;
+        }
+        let hello = frame(Kind::Hello, &Identity::of(&self.offer).body(SIDE_PROTOCOL_VERSION, &nonce));
+        self.transmits.push_back(Transmit { conn, bytes: hello.clone() });
+        let state = State::Helloed { nonce_i: nonce, hello };
+        self.insert(now, conn, Side::Initiator { address }, state);
+    }
+
+    /// Our listener accepted a connection. At most [`SideLimits::max_unauthenticated`] wait
+    /// for their handshake: one more evicts the oldest. `nonce` must be fresh random bytes.
+    pub fn handle_accept(&mut self, now: Time, conn: ConnId, nonce: [u8; 32]) {
+        self.expire(now);
+        if self.conns.contains_key(&conn) {
+            return;
+        }
+        while self.accepted.len() >= self.config.limits.max_unauthenticated {
+            let Some(oldest) = self.accepted.pop_front() else { break };
+            let reason = format!(
+                "too many unauthenticated connections ({}); the oldest is dropped",
+                self.config.limits.max_unauthenticated
+            );
+            self.fail(oldest, Failure::new(RefusalCause::Overloaded, reason).told());
+        }
+        self.insert(now, conn, Side::Listener, State::Accepted { nonce_l: nonce });
+        self.accepted.push_back(conn);
+    }
+
+    /// Bytes arrived on a connection, in any chunking. Bytes for a connection the endpoint
+    /// does not know (never opened, or already ended) are ignored.
+    pub fn handle_bytes(&mut self, now: Time, conn: ConnId, mut bytes: &[u8]) {
+        self.expire(now);
+        while !bytes.is_empty() {
+            let Some(c) = self.conns.get_mut(&conn) else { return };
+            match feed(c, &mut bytes) {
+                Feed::NeedMore => return,
+                Feed::Frame(frame) => self.on_frame(now, conn, frame),
+                Feed::Oversized { len, limit } => {
+                    let reason = if len == 0 {
+                        "frame of length 0 (a frame has at least its kind byte)".to_owned()
+                    } else {
+                        format!("frame of {len} bytes exceeds the {limit}-byte limit while {}", c.state.stage())
+                    };
+                    self.fail(conn, Failure::new(RefusalCause::Malformed, reason).told());
+                    return;
+                }
+                Feed::AfterHandshake => {
+                    self.lose(conn);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A connection closed or failed, or a connection we opened could not connect. Its
+    /// outcome is reported unless it was reported already.
+    pub fn handle_closed(&mut self, now: Time, conn: ConnId) {
+        self.expire(now);
+        let Some(c) = self.conns.get(&conn) else { return };
+        let failure = match (&c.side, &c.state) {
+            (_, State::Established { .. }) => return self.lose(conn),
+            (Side::Initiator { address }, State::Helloed { .. }) if !c.received => {
+                Failure::new(RefusalCause::Malformed, "unreachable").error(TransportError::Unreachable(address.clone()))
+            }
+            (Side::Initiator { .. }, state) => {
+                Failure::new(RefusalCause::Malformed, format!("closed while {}", state.stage()))
+            }
+            (Side::Listener, state) => {
+                let (cause, reason) = state.abandoned();
+                Failure::new(cause, reason)
+            }
+        };
+        self.fail(conn, failure);
+    }
+
+    /// Time passed: connections past their handshake deadline fail.
+    pub fn handle_timeout(&mut self, now: Time) {
+        self.expire(now);
+    }
+
+    /// The next frame to write.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    /// The next connection to close, after writing what was queued for it.
+    pub fn poll_close(&mut self) -> Option<ConnId> {
+        self.closes.pop_front()
+    }
+
+    /// The next event.
+    pub fn poll_event(&mut self) -> Option<SideEvent> {
+        self.events.pop_front()
+    }
+
+    /// When to call [`SideEndpoint::handle_timeout`] next, if anything waits.
+    pub fn poll_timeout(&self) -> Option<Time> {
+        self.deadlines.first().map(|&(deadline, _)| deadline)
+    }
+
+    /// The established peer of this name, if any.
+    pub fn peer(&self, agent: &AgentName) -> Option<PeerState> {
+        self.peers.get(agent).map(|p| PeerState { conn: p.conn, incarnation: p.incarnation, role: p.role })
+    }
+
+    /// How many peers are established.
+    pub fn peer_count(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// How many connections are open and not yet established, ours and accepted ones.
+    pub fn pending_count(&self) -> usize {
+        self.conns.len() - self.peers.len()
+    }
+
+    /// Refusals that were not queued because the event queue was full.
+    pub fn refusals_dropped(&self) -> u64 {
+        self.refusals_dropped
+    }
+
+    /// Bytes held for incomplete frames, over all connections (allocated, not claimed).
+    pub fn buffered_bytes(&self) -> usize {
+        self.conns.values().map(|c| c.buf.capacity()).sum()
+    }
+
+    /// Tags `payload` for the established peer `to`: `b"KT"`, a sequence number, the payload
+    /// and a tag only this connection's session can make. Send the result as the NIXL
+    /// notification.
+    pub fn seal_notification(&mut self, to: &AgentName, payload: &[u8]) -> Result<Vec<u8>, NotifyError> {
+        let peer = self.peers.get_mut(to).ok_or_else(|| NotifyError::UnknownPeer { agent: to.clone() })?;
+        peer.tags.seal(payload)
+    }
+
+    /// The payload of a tagged notification that NIXL says came from `from`, if the
+    /// established peer of that name made it, and it was not seen before.
+    pub fn open_notification(&mut self, from: &AgentName, sealed: &[u8]) -> Result<Vec<u8>, NotifyError> {
+        let peer = self.peers.get_mut(from).ok_or_else(|| NotifyError::UnknownPeer { agent: from.clone() })?;
+        peer.tags.open(from, sealed)
+    }
+
+    fn insert(&mut self, now: Time, conn: ConnId, side: Side, state: State) {
+        let deadline = now + self.config.limits.auth_timeout;
+        self.deadlines.insert((deadline, conn));
+        self.conns.insert(conn, Conn { side, claimed: None, buf: Vec::new(), received: false, deadline, state });
+    }
+
+    /// Fails every connection whose deadline has come.
+    fn expire(&mut self, now: Time) {
+        while let Some(&(deadline, conn)) = self.deadlines.first() {
+            if deadline > now {
+                break;
+            }
+            let reason = format!("no handshake within {:?}", self.config.limits.auth_timeout);
+            self.fail(conn, Failure::new(RefusalCause::Timeout, reason).told());
+            // `fail` removes the deadline; make sure even of a connection it did not know.
+            self.deadlines.remove(&(deadline, conn));
+        }
+    }
+
+    /// Ends a connection that is not established, and reports it once.
+    fn fail(&mut self, id: ConnId, failure: Failure) {
+        let Some(mut c) = self.conns.remove(&id) else { return };
+        self.deadlines.remove(&(c.deadline, id));
+        self.accepted.retain(|&a| a != id);
+        if let Some(text) = &failure.tell {
+            let bytes = c.state.tell(text);
+            self.transmits.push_back(Transmit { conn: id, bytes });
+        }
+        self.closes.push_back(id);
+        match c.side {
+            Side::Initiator { address } => {
+                let error = failure.error.unwrap_or_else(|| {
+                    TransportError::Backend(format!("side channel to {address}: {}", failure.reason))
+                });
+                self.events.push_back(SideEvent::ConnectFailed { conn: id, address, error });
+            }
+            Side::Listener => {
+                let event =
+                    SideEvent::Refused { conn: id, claimed: c.claimed, cause: failure.cause, reason: failure.reason };
+                if self.events.len() >= self.config.limits.max_queued_events {
+                    self.refusals_dropped += 1;
+                } else {
+                    self.events.push_back(event);
+                }
+            }
+        }
+    }
+
+    /// Ends an established connection: its peer, and that incarnation, are gone.
+    fn lose(&mut self, id: ConnId) {
+        let Some(c) = self.conns.remove(&id) else { return };
+        let State::Established { agent, incarnation } = c.state else {
+            // Not established: put it back and fail it instead, so it is reported once.
+            self.conns.insert(id, c);
+            let failure = Failure::new(RefusalCause::Malformed, "lost before the handshake completed");
+            return self.fail(id, failure);
+        };
+        if self.peers.get(&agent).is_some_and(|p| p.conn == id) {
+            self.peers.remove(&agent);
+        }
+        self.remember_gone(agent.clone(), incarnation);
+        self.closes.push_back(id);
+        self.events.push_back(SideEvent::Lost { conn: id, agent, instance: incarnation });
+    }
+
+    fn remember_gone(&mut self, agent: AgentName, incarnation: u64) {
+        if self.config.limits.max_gone_remembered == 0 {
+            return;
+        }
+        let highest = self.gone.get(&agent).map_or(incarnation, |&g| g.max(incarnation));
+        if self.gone.insert(agent.clone(), highest).is_some() {
+            self.gone_order.retain(|a| *a != agent);
+        }
+        self.gone_order.push_back(agent);
+        while self.gone_order.len() > self.config.limits.max_gone_remembered {
+            if let Some(oldest) = self.gone_order.pop_front() {
+                self.gone.remove(&oldest);
+            }
+        }
+    }
+
+    /// Whether `agent` at `incarnation` may become a peer: it is not gone, and not live unless
+    /// as an older incarnation, which it then replaces.
+    fn admit(&self, agent: &AgentName, incarnation: u64) -> Result<(), Failure> {
+        if let Some(&gone) = self.gone.get(agent) {
+            if incarnation <= gone {
+                let reason = format!("{agent} incarnation {incarnation} is stale: incarnation {gone} was seen gone");
+                return Err(Failure::new(RefusalCause::Stale, reason).told());
+            }
+        }
+        if let Some(peer) = self.peers.get(agent) {
+            if incarnation > peer.incarnation {
+                return Ok(());
+            }
+            let reason = format!("{agent} is already connected as incarnation {}", peer.incarnation);
+            return Err(Failure::new(RefusalCause::Impersonation, reason).told());
+        }
+        if self.peers.len() >= self.config.limits.max_peers {
+            let reason = format!("too many side-channel peers ({})", self.config.limits.max_peers);
+            return Err(Failure::new(RefusalCause::Overloaded, reason).told());
+        }
+        Ok(())
+    }
+
+    /// Makes `id` the connection of the peer that sent `offer`, replacing an older incarnation.
+    fn establish(&mut self, now: Time, id: ConnId, offer: Handshake, sent_at: Time, session: Session) {
+        let agent = AgentName::new(offer.engine.clone(), offer.rank);
+        if let Some(old) = self.peers.get(&agent).map(|p| p.conn) {
+            self.lose(old);
+        }
+        let peer = Peer {
+            conn: id,
+            incarnation: offer.instance,
+            role: offer.role,
+            tags: Tags::new(session.tag_out, session.tag_in),
+        };
+        self.peers.insert(agent.clone(), peer);
+        let info = PeerInfo { agent, handshake: offer, sent_at, received_at: now };
+        self.events.push_back(SideEvent::Connected { conn: id, info: Box::new(info) });
+    }
+
+    /// Our offer, stamped with `now`.
+    fn stamped_offer(&mut self, now: Time) -> Result<Vec<u8>, Failure> {
+        self.offer.clock = now;
+        self.offer
+            .encode()
+            .map_err(|e| Failure::new(RefusalCause::Malformed, format!("own offer does not encode: {e}")))
+    }
+
+    fn on_frame(&mut self, now: Time, id: ConnId, frame: Vec<u8>) {
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        let mut state = std::mem::replace(&mut c.state, State::Taken);
+        let address = match &c.side {
+            Side::Initiator { address } => Some(address.clone()),
+            Side::Listener => None,
+        };
+        let result = self.step(now, id, &mut state, address.as_ref(), &frame);
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        match result {
+            Ok(Some(next)) => {
+                let established = matches!(next, State::Established { .. });
+                c.state = next;
+                if established {
+                    self.deadlines.remove(&(c.deadline, id));
+                    self.accepted.retain(|&a| a != id);
+                }
+            }
+            Ok(None) => c.state = state,
+            Err(failure) => {
+                c.state = state;
+                self.fail(id, failure);
+            }
+        }
+    }
+
+    /// Handles one whole frame; `Ok(Some(state))` moves on, `Err` ends the connection.
+    fn step(
+        &mut self,
+        now: Time,
+        id: ConnId,
+        state: &mut State,
+        address: Option<&PeerAddress>,
+        frame: &[u8],
+    ) -> Result<Option<State>, Failure> {
+        let kind_byte = frame[4];
+        let body = &frame[HEADER_BYTES..];
+        let Some(kind) = Kind::from_byte(kind_byte) else {
+            return Err(Failure::new(RefusalCause::Malformed, format!("unknown frame kind {kind_byte}")).told());
+        };
+        match (&mut *state, kind, address) {
+            (State::Accepted { nonce_l }, Kind::Hello, None) => {
+                let nonce_l = *nonce_l;
+                self.on_hello(now, id, nonce_l, frame).map(Some)
+            }
+            (State::Helloed { nonce_i, hello }, Kind::Challenge, Some(address)) => {
+                let (nonce_i, hello) = (*nonce_i, std::mem::take(hello));
+                self.on_challenge(now, id, address, nonce_i, &hello, frame).map(Some)
+            }
+            (State::Challenged { hello, transcript, mac_l, nonce_i, nonce_l, sent_at }, Kind::Proof, None) => {
+                if body.len() != MAC_BYTES {
+                    let reason = format!("PROOF of {} bytes, expected {MAC_BYTES}", body.len());
+                    return Err(Failure::new(RefusalCause::Malformed, reason).told());
+                }
+                let key = self.config.key.bytes();
+                if !verify(key, &[INITIATOR_LABEL, transcript, mac_l], body) {
+                    return Err(Failure::new(RefusalCause::Unauthenticated, "authentication failed: wrong proof")
+                        .telling("authentication failed"));
+                }
+                let keys = derive(key, nonce_i, nonce_l, transcript);
+                Ok(Some(State::Proven { hello: hello.clone(), session: Session::new(&keys, false), sent_at: *sent_at }))
+            }
+            (State::Proven { hello, session, .. }, Kind::Sealed, None) => {
+                let peer = open_offer(session, frame)?;
+                hello.check(&peer, "HELLO").map_err(|r| Failure::new(RefusalCause::Impersonation, r).told())?;
+                check_compatible(&self.offer, &peer)
+                    .map_err(|e| Failure::new(RefusalCause::Incompatible, e.to_string()).told())?;
+                self.admit(&AgentName::new(peer.engine.clone(), peer.rank), peer.instance)?;
+                let ours = self.stamped_offer(now)?;
+                let reply = session.seal.seal(RECORD_OFFER, &ours);
+                self.transmits.push_back(Transmit { conn: id, bytes: reply });
+                let (agent, incarnation) = (AgentName::new(peer.engine.clone(), peer.rank), peer.instance);
+                let State::Proven { session, sent_at, .. } = std::mem::replace(state, State::Taken) else {
+                    unreachable!("matched Proven above")
+                };
+                self.establish(now, id, peer, sent_at, session);
+                Ok(Some(State::Established { agent, incarnation }))
+            }
+            (State::Offered { session, listener, sent_at }, Kind::Sealed, Some(address)) => {
+                let Some((record, body)) = session.open.open(frame) else {
+                    return Err(Failure::new(RefusalCause::Malformed, "its sealed record does not open").told());
+                };
+                if record == RECORD_REFUSE {
+                    let text = peer_text(&body, MAX_REFUSE_TEXT);
+                    return Err(Failure::new(RefusalCause::Incompatible, format!("refused: {text}"))
+                        .error(TransportError::Backend(format!("{address} refused the handshake: {text}"))));
+                }
+                let peer = decode_offer(record, &body)?;
+                listener.check(&peer, "CHALLENGE").map_err(|r| Failure::new(RefusalCause::Impersonation, r).told())?;
+                if let Err(e) = check_compatible(&self.offer, &peer) {
+                    return Err(Failure::new(RefusalCause::Incompatible, e.to_string()).told().error(e.into()));
+                }
+                self.admit(&AgentName::new(peer.engine.clone(), peer.rank), peer.instance)?;
+                let (agent, incarnation, sent_at) =
+                    (AgentName::new(peer.engine.clone(), peer.rank), peer.instance, *sent_at);
+                let State::Offered { session, .. } = std::mem::replace(state, State::Taken) else {
+                    unreachable!("matched Offered above")
+                };
+                self.establish(now, id, peer, sent_at, session);
+                Ok(Some(State::Established { agent, incarnation }))
+            }
+            (_, Kind::Error, Some(address)) => {
+                let text = peer_text(body, MAX_ERROR_TEXT);
+                Err(Failure::new(RefusalCause::Malformed, format!("refused: {text}"))
+                    .error(TransportError::Backend(format!("{address} refused the side channel: {text}"))))
+            }
+            (state, Kind::Error, None) => {
+                let (cause, _) = state.abandoned();
+                let text = peer_text(body, MAX_ERROR_TEXT);
+                Err(Failure::new(cause, format!("the peer gave up: {text}")))
+            }
+            (state, kind, _) => {
+                let reason = format!("unexpected {} frame while {}", kind.name(), state.stage());
+                Err(Failure::new(RefusalCause::Malformed, reason).told())
+            }
+        }
+    }
+
+    /// Listener: a HELLO arrived; answer with CHALLENGE.
+    fn on_hello(&mut self, now: Time, id: ConnId, nonce_l: [u8; 32], hello: &[u8]) -> Result<State, Failure> {
+        let greeting = match parse_greeting(&hello[HEADER_BYTES..], SIDE_PROTOCOL_VERSION, false) {
+            Ok(greeting) => greeting,
+            Err(ParseError::Version(peer)) => {
+                let reason = format!("side protocol version mismatch: peer {peer}, local {SIDE_PROTOCOL_VERSION}");
+                return Err(Failure::new(RefusalCause::Version, reason).told());
+            }
+            Err(ParseError::Malformed(reason)) => {
+                return Err(Failure::new(RefusalCause::Malformed, format!("malformed HELLO: {reason}")).told());
+            }
+        };
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.claimed = Some(greeting.identity.agent());
+        }
+        let body = Identity::of(&self.offer).body(SIDE_PROTOCOL_VERSION, &nonce_l);
+        let mut transcript = hello.to_vec();
+        transcript.extend_from_slice(&header(Kind::Challenge, 1 + body.len() + MAC_BYTES));
+        transcript.extend_from_slice(&body);
+        let mac_l = mac(self.config.key.bytes(), &[LISTENER_LABEL, &transcript]);
+        let mut challenge = transcript[hello.len()..].to_vec();
+        challenge.extend_from_slice(&mac_l);
+        self.transmits.push_back(Transmit { conn: id, bytes: challenge });
+        Ok(State::Challenged {
+            hello: greeting.identity,
+            transcript,
+            mac_l,
+            nonce_i: greeting.nonce,
+            nonce_l,
+            sent_at: now,
+        })
+    }
+
+    /// Initiator: the CHALLENGE arrived; verify the listener, then send PROOF and our OFFER.
+    fn on_challenge(
+        &mut self,
+        now: Time,
+        id: ConnId,
+        address: &PeerAddress,
+        nonce_i: [u8; 32],
+        hello: &[u8],
+        challenge: &[u8],
+    ) -> Result<State, Failure> {
+        let greeting = match parse_greeting(&challenge[HEADER_BYTES..], SIDE_PROTOCOL_VERSION, true) {
+            Ok(greeting) => greeting,
+            Err(ParseError::Version(peer)) => {
+                let reason = format!("side protocol version mismatch: peer {peer}, local {SIDE_PROTOCOL_VERSION}");
+                return Err(Failure::new(RefusalCause::Version, reason).told());
+            }
+            Err(ParseError::Malformed(reason)) => {
+                return Err(Failure::new(RefusalCause::Malformed, format!("malformed CHALLENGE: {reason}")).told());
+            }
+        };
+        let mac_l = greeting.mac.unwrap_or([0; MAC_BYTES]);
+        let mut transcript = hello.to_vec();
+        transcript.extend_from_slice(&challenge[..challenge.len() - MAC_BYTES]);
+        let key = self.config.key.bytes();
+        if !verify(key, &[LISTENER_LABEL, &transcript], &mac_l) {
+            let error = TransportError::Backend(format!("the peer at {address} does not hold the cluster key"));
+            return Err(Failure::new(RefusalCause::Unauthenticated, "authentication failed").told().error(error));
+        }
+        let mac_i = mac(key, &[INITIATOR_LABEL, &transcript, &mac_l]);
+        let keys = derive(key, &nonce_i, &greeting.nonce, &transcript);
+        let mut session = Session::new(&keys, true);
+        let ours = self.stamped_offer(now)?;
+        self.transmits.push_back(Transmit { conn: id, bytes: frame(Kind::Proof, &mac_i) });
+        self.transmits.push_back(Transmit { conn: id, bytes: session.seal.seal(RECORD_OFFER, &ours) });
+        Ok(State::Offered { session, listener: greeting.identity, sent_at: now })
+    }
+}
+
+/// Opens the initiator's sealed OFFER.
+fn open_offer(session: &mut Session, frame: &[u8]) -> Result<Handshake, Failure> {
+    let Some((record, body)) = session.open.open(frame) else {
+        return Err(Failure::new(RefusalCause::Malformed, "sealed record does not open").told());
+    };
+    decode_offer(record, &body)
+}
+
+fn decode_offer(record: u8, body: &[u8]) -> Result<Handshake, Failure> {
+    if record != RECORD_OFFER {
+        let reason = format!("expected an OFFER record, got record type {record}");
+        return Err(Failure::new(RefusalCause::Malformed, reason).told());
+    }
+    Handshake::decode(body).map_err(|e| {
+        let cause = match e {
+            WireError::Version { .. } => RefusalCause::Version,
+            _ => RefusalCause::Malformed,
+        };
+        Failure::new(cause, format!("offer: {e}")).told()
+    })
+}
+
+/// Takes what `bytes` holds of the connection's current frame, up to its end.
+fn feed(c: &mut Conn, bytes: &mut &[u8]) -> Feed {
+    c.received = true;
+    if matches!(c.state, State::Established { .. }) {
+        return Feed::AfterHandshake;
+    }
+    if c.buf.len() < 4 {
+        let take = (4 - c.buf.len()).min(bytes.len());
+        c.buf.extend_from_slice(&bytes[..take]);
+        *bytes = &bytes[take..];
+        if c.buf.len() < 4 {
+            return Feed::NeedMore;
+        }
+    }
+    let len = u32::from_be_bytes([c.buf[0], c.buf[1], c.buf[2], c.buf[3]]) as usize;
+    let limit = c.state.frame_limit();
+    if len == 0 || len > limit {
+        return Feed::Oversized { len, limit };
+    }
+    let total = 4 + len;
+    let take = (total - c.buf.len()).min(bytes.len());
+    // Grow with what arrived, never to the claimed length ahead of the bytes: at most twice
+    // what is buffered, and never past the frame.
+    let need = c.buf.len() + take;
+    if need > c.buf.capacity() {
+        let target = need.max((2 * c.buf.capacity()).min(total));
+        c.buf.reserve_exact(target - c.buf.len());
+    }
+    c.buf.extend_from_slice(&bytes[..take]);
+    *bytes = &bytes[take..];
+    if c.buf.len() < total {
+        return Feed::NeedMore;
+    }
+    Feed::Frame(std::mem::take(&mut c.buf))
+}
+
+impl fmt::Debug for SideEndpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SideEndpoint")
+            .field("agent", &AgentName::new(self.offer.engine.clone(), self.offer.rank))
+            .field("key", &self.config.key)
+            .field("peers", &self.peers.len())
+            .field("pending", &self.pending_count())
+            .finish()
+    }
+}

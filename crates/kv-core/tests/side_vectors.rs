@@ -1,0 +1,373 @@
+//! Replays the test vectors of `docs/side-channel.md` against [`SideEndpoint`], so that the
+//! document and the code cannot drift apart.
+//!
+//! The listener is fed the recorded initiator frames and must answer with the recorded
+//! listener frames, byte for byte, and the same events; the initiator likewise. The
+//! intermediate values the document gives (transcript hash, MACs, session keys, sealed
+//! plaintexts, tags) are recomputed here from the document's description with the crates
+//! directly, not through kv-core, as an implementation in another language would. On a mismatch
+//! the test prints the vector block the code produces.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use chacha20poly1305::aead::{AeadInPlace, KeyInit};
+use chacha20poly1305::ChaCha20Poly1305;
+use hkdf::Hkdf;
+use hmac::{Hmac, Mac};
+use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint, SideEvent, Transmit};
+use kv_core::wire::compatibility_hash;
+use kv_core::{
+    AgentName, Attention, EngineId, Handshake, KvLayout, LeaseState, MemoryOrder, Message, PeerAddress, Placement,
+    RegionBase, Renewal, Role, Time,
+};
+use sha2::{Digest, Sha256};
+
+const FENCE: &str = "```vectors";
+
+fn doc_path() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/side-channel.md")
+}
+
+/// The `name value` lines of the document's vector block; indented lines continue a value.
+fn read_vectors() -> BTreeMap<String, String> {
+    let text = std::fs::read_to_string(doc_path()).expect("docs/side-channel.md is readable");
+    let start = text.find(FENCE).expect("docs/side-channel.md has a ```vectors block") + FENCE.len();
+    let block = &text[start..start + text[start..].find("```").expect("the vectors block is closed")];
+    let mut vectors: BTreeMap<String, String> = BTreeMap::new();
+    let mut last: Option<String> = None;
+    for line in block.lines() {
+        if line.trim().is_empty() || line.trim_start().starts_with('#') {
+            continue;
+        }
+        if line.starts_with(char::is_whitespace) {
+            let name = last.as_ref().expect("a continuation line follows a named line");
+            if let Some(value) = vectors.get_mut(name) {
+                value.push_str(line.trim());
+            }
+        } else {
+            let (name, value) = line.split_once(char::is_whitespace).unwrap_or((line, ""));
+            vectors.insert(name.to_owned(), value.trim().to_owned());
+            last = Some(name.to_owned());
+        }
+    }
+    vectors
+}
+
+fn unhex(text: &str) -> Vec<u8> {
+    assert!(text.len() % 2 == 0, "odd hex length {}", text.len());
+    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).expect("hex")).collect()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The vector block as the code produces it, in the document's layout.
+struct Block(Vec<(String, String)>);
+
+impl Block {
+    fn bytes(&mut self, name: &str, bytes: &[u8]) {
+        self.0.push((name.to_owned(), hex(bytes)));
+    }
+
+    fn text(&mut self, name: &str, value: impl ToString) {
+        self.0.push((name.to_owned(), value.to_string()));
+    }
+
+    fn render(&self) -> String {
+        let mut out = String::new();
+        for (name, value) in &self.0 {
+            let is_hex = !value.is_empty() && value.len() > 64 && value.bytes().all(|b| b.is_ascii_hexdigit());
+            if is_hex {
+                for (i, chunk) in value.as_bytes().chunks(64).enumerate() {
+                    let chunk = std::str::from_utf8(chunk).unwrap();
+                    if i == 0 {
+                        writeln!(out, "{name:<22}{chunk}").unwrap();
+                    } else {
+                        writeln!(out, "{:<22}{chunk}", "").unwrap();
+                    }
+                }
+            } else {
+                writeln!(out, "{name:<22}{value}").unwrap();
+            }
+        }
+        out
+    }
+}
+
+fn layout(block_tokens: u32) -> KvLayout {
+    KvLayout {
+        layers: 32,
+        block_tokens,
+        kv_heads: 8,
+        head_dim: 128,
+        dtype_bytes: 2,
+        attention: Attention::SplitKv,
+        order: MemoryOrder::Hnd,
+        placement: Placement::BlockMajor,
+    }
+}
+
+/// kvflow's agent metadata for one host region, with a stand-in for NIXL's own bytes.
+fn metadata(addr: u64, len: u64, nixl: &str) -> Vec<u8> {
+    let mut md = b"KVNX".to_vec();
+    md.push(1);
+    md.extend_from_slice(&1u32.to_le_bytes());
+    md.extend_from_slice(&addr.to_le_bytes());
+    md.extend_from_slice(&len.to_le_bytes());
+    md.push(0);
+    md.extend_from_slice(&0u32.to_le_bytes());
+    md.extend_from_slice(nixl.as_bytes());
+    md
+}
+
+/// The two offers the document describes field by field.
+fn documented_offer(role: Role) -> Handshake {
+    let (engine, instance, block_tokens, num_blocks, addr) = match role {
+        Role::Prefill => ("prefill-a", 3, 16, 1000, 0x7f3a_0000_0000),
+        Role::Decode => ("decode-b", 7, 32, 400, 0x7f5b_0000_0000),
+    };
+    let layout = layout(block_tokens);
+    // 32 layers x K and V x 4 heads per rank x tokens x 128 dims x 2 bytes, per block.
+    let len = u64::from(num_blocks) * 32 * 2 * 4 * u64::from(block_tokens) * 128 * 2;
+    Handshake {
+        protocol_version: 1,
+        engine: EngineId::new(engine),
+        rank: 1,
+        tp_size: 2,
+        instance,
+        role,
+        model: "llama-3.1-8b".into(),
+        layout,
+        num_blocks,
+        regions: vec![RegionBase { addr, len }],
+        compat_hash: compatibility_hash("llama-3.1-8b", &layout),
+        clock: Time::ZERO,
+        agent_metadata: metadata(addr, len, &format!("nixl:{engine}/tp1")),
+    }
+}
+
+fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap();
+    for part in parts {
+        mac.update(part);
+    }
+    mac.finalize().into_bytes().into()
+}
+
+fn open(key: &[u8], counter: u64, frame: &[u8]) -> Vec<u8> {
+    if frame.len() < 5 + 16 {
+        return b"<too short>".to_vec();
+    }
+    let cipher = ChaCha20Poly1305::new_from_slice(key).unwrap();
+    let mut nonce = [0u8; 12];
+    nonce[4..].copy_from_slice(&counter.to_be_bytes());
+    let (aad, rest) = frame.split_at(5);
+    let (ciphertext, tag) = rest.split_at(rest.len() - 16);
+    let mut plaintext = ciphertext.to_vec();
+    match cipher.decrypt_in_place_detached(&nonce.into(), aad, &mut plaintext, tag.into()) {
+        Ok(()) => plaintext,
+        Err(_) => b"<does not open>".to_vec(),
+    }
+}
+
+/// The frames and events an endpoint handed back; missing frames read as empty, so that a
+/// drifted vector still leads to the comparison that prints what the code produces.
+fn drain(e: &mut SideEndpoint) -> (Frames, Vec<SideEvent>) {
+    let mut frames = Vec::new();
+    while let Some(Transmit { bytes, .. }) = e.poll_transmit() {
+        frames.push(bytes);
+    }
+    while e.poll_close().is_some() {}
+    let mut events = Vec::new();
+    while let Some(event) = e.poll_event() {
+        events.push(event);
+    }
+    (Frames(frames), events)
+}
+
+struct Frames(Vec<Vec<u8>>);
+
+impl std::ops::Index<usize> for Frames {
+    type Output = Vec<u8>;
+    fn index(&self, i: usize) -> &Vec<u8> {
+        static EMPTY: Vec<u8> = Vec::new();
+        self.0.get(i).unwrap_or(&EMPTY)
+    }
+}
+
+fn describe(events: &[SideEvent]) -> String {
+    match events {
+        [SideEvent::Connected { info, .. }] => format!(
+            "Connected {} incarnation {} sent_at {} received_at {} clock {}",
+            info.agent,
+            info.handshake.instance,
+            info.sent_at.as_nanos(),
+            info.received_at.as_nanos(),
+            info.handshake.clock.as_nanos()
+        ),
+        other => format!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_documented_handshake_replays_byte_for_byte() {
+    let doc = read_vectors();
+    let mut block = Block(Vec::new());
+    let get = |name: &str| doc.get(name).cloned();
+    let bytes_or = |name: &str, fallback: &[u8]| get(name).map(|v| unhex(&v)).unwrap_or_else(|| fallback.to_vec());
+    let time = |name: &str| Time::from_nanos(get(name).and_then(|v| v.parse().ok()).unwrap_or(0));
+
+    // Inputs.
+    let key_bytes = bytes_or("key", &(0u8..32).collect::<Vec<_>>());
+    let nonce_i: [u8; 32] = bytes_or("nonce_i", &(0x20u8..0x40).collect::<Vec<_>>()).try_into().unwrap();
+    let nonce_l: [u8; 32] = bytes_or("nonce_l", &(0x40u8..0x60).collect::<Vec<_>>()).try_into().unwrap();
+    let offer_i = Handshake::decode(&bytes_or("offer_i", &documented_offer(Role::Decode).encode().unwrap())).unwrap();
+    let offer_l = Handshake::decode(&bytes_or("offer_l", &documented_offer(Role::Prefill).encode().unwrap())).unwrap();
+    assert_eq!(offer_i, documented_offer(Role::Decode), "offer_i is the documented decode offer");
+    assert_eq!(offer_l, documented_offer(Role::Prefill), "offer_l is the documented prefill offer");
+    let address = get("address").unwrap_or_else(|| "127.0.0.1:5600".into());
+    let (t_i_connect, t_i_challenge, t_i_offer) = (time("t_i_connect"), time("t_i_challenge"), time("t_i_offer"));
+    let (t_l_accept, t_l_hello, t_l_offer) = (time("t_l_accept"), time("t_l_hello"), time("t_l_offer"));
+    block.bytes("key", &key_bytes);
+    block.bytes("nonce_i", &nonce_i);
+    block.bytes("nonce_l", &nonce_l);
+    block.bytes("offer_i", &offer_i.encode().unwrap());
+    block.bytes("offer_l", &offer_l.encode().unwrap());
+    block.text("address", &address);
+    for (name, t) in [
+        ("t_i_connect", t_i_connect),
+        ("t_i_challenge", t_i_challenge),
+        ("t_i_offer", t_i_offer),
+        ("t_l_accept", t_l_accept),
+        ("t_l_hello", t_l_hello),
+        ("t_l_offer", t_l_offer),
+    ] {
+        block.text(name, t.as_nanos());
+    }
+    let key = || ClusterKey::from_bytes(&key_bytes).unwrap();
+
+    // The initiator opens the connection; its HELLO.
+    let mut initiator = SideEndpoint::new(SideConfig::new(key()), offer_i.clone()).unwrap();
+    initiator.handle_connect(t_i_connect, ConnId(1), PeerAddress(address.clone()), nonce_i);
+    let (frames, _) = drain(&mut initiator);
+    let hello = frames[0].clone();
+    block.bytes("hello", &hello);
+
+    // The listener answers the recorded HELLO with its CHALLENGE.
+    let mut listener = SideEndpoint::new(SideConfig::new(key()), offer_l.clone()).unwrap();
+    listener.handle_accept(t_l_accept, ConnId(1), nonce_l);
+    listener.handle_bytes(t_l_hello, ConnId(1), &bytes_or("hello", &hello));
+    let (frames, _) = drain(&mut listener);
+    let challenge = frames[0].clone();
+    block.bytes("challenge", &challenge);
+
+    // The initiator answers the recorded CHALLENGE with PROOF and its sealed OFFER.
+    initiator.handle_bytes(t_i_challenge, ConnId(1), &bytes_or("challenge", &challenge));
+    let (frames, _) = drain(&mut initiator);
+    let (proof, offer_i_sealed) = (frames[0].clone(), frames[1].clone());
+    block.bytes("proof", &proof);
+    block.bytes("offer_i_sealed", &offer_i_sealed);
+
+    // The listener takes the recorded PROOF and OFFER, and answers with its sealed OFFER.
+    let mut stream = bytes_or("proof", &proof);
+    stream.extend(bytes_or("offer_i_sealed", &offer_i_sealed));
+    listener.handle_bytes(t_l_offer, ConnId(1), &stream);
+    let (frames, listener_events) = drain(&mut listener);
+    let offer_l_sealed = frames[0].clone();
+    block.bytes("offer_l_sealed", &offer_l_sealed);
+
+    // The initiator takes the recorded OFFER.
+    initiator.handle_bytes(t_i_offer, ConnId(1), &bytes_or("offer_l_sealed", &offer_l_sealed));
+    let (_, initiator_events) = drain(&mut initiator);
+    block.text("listener_event", describe(&listener_events));
+    block.text("initiator_event", describe(&initiator_events));
+
+    // The intermediate values, recomputed from the document's description.
+    let mut transcript = hello.clone();
+    transcript.extend_from_slice(&challenge[..challenge.len() - 32]);
+    let transcript_hash: [u8; 32] = Sha256::digest(&transcript).into();
+    let mac_l = hmac(&key_bytes, &[b"kvflow-side-v1 listener", &transcript]);
+    let mac_i = hmac(&key_bytes, &[b"kvflow-side-v1 initiator", &transcript, &mac_l]);
+    let mut problems = Vec::new();
+    let mut check = |ok: bool, what: &str| {
+        if !ok {
+            problems.push(what.to_owned());
+        }
+    };
+    check(challenge.ends_with(&mac_l), "CHALLENGE ends with mac_l");
+    check(proof.get(5..) == Some(&mac_i[..]), "PROOF carries mac_i");
+    let mut salt = nonce_i.to_vec();
+    salt.extend_from_slice(&nonce_l);
+    let mut info = b"kvflow-side-v1 session".to_vec();
+    info.extend_from_slice(&transcript_hash);
+    let mut okm = [0u8; 128];
+    Hkdf::<Sha256>::new(Some(&salt), &key_bytes).expand(&info, &mut okm).unwrap();
+    block.bytes("transcript_sha256", &transcript_hash);
+    block.bytes("mac_l", &mac_l);
+    block.bytes("mac_i", &mac_i);
+    for (i, name) in ["k_seal_i2l", "k_seal_l2i", "k_tag_i2l", "k_tag_l2i"].iter().enumerate() {
+        block.bytes(name, &okm[32 * i..32 * (i + 1)]);
+    }
+    let plain_i = open(&okm[..32], 0, &offer_i_sealed);
+    let plain_l = open(&okm[32..64], 0, &offer_l_sealed);
+    block.bytes("offer_i_plaintext", &plain_i);
+    block.bytes("offer_l_plaintext", &plain_l);
+    let stamped = |mut offer: Handshake, at: Time| {
+        offer.clock = at;
+        let mut record = vec![1u8];
+        record.extend(offer.encode().unwrap());
+        record
+    };
+    check(plain_i == stamped(offer_i.clone(), t_i_challenge), "the initiator's OFFER record is its stamped offer");
+    check(plain_l == stamped(offer_l.clone(), t_l_offer), "the listener's OFFER record is its stamped offer");
+
+    // Notifications, one each way.
+    let completion = Message::Completion { request: "cmpl-42-0".into(), expected_consumers: 2 }.encode().unwrap();
+    let lease = LeaseState::Held(Time::from_nanos(5_030_003_000_000));
+    let ack = Message::HeartbeatAck { renewals: vec![Renewal { request: "cmpl-42-0".into(), lease }] };
+    let ack = ack.encode().unwrap();
+    let (agent_i, agent_l) = (AgentName::new(offer_i.engine.clone(), 1), AgentName::new(offer_l.engine.clone(), 1));
+    let notify_i2l = initiator.seal_notification(&agent_l, &completion).unwrap_or_default();
+    let notify_l2i = listener.seal_notification(&agent_i, &ack).unwrap_or_default();
+    block.bytes("notify_i2l_payload", &completion);
+    block.bytes("notify_i2l", &notify_i2l);
+    block.bytes("notify_l2i_payload", &ack);
+    block.bytes("notify_l2i", &notify_l2i);
+    check(
+        listener.open_notification(&agent_i, &bytes_or("notify_i2l", &notify_i2l)) == Ok(completion.clone()),
+        "the listener opens notify_i2l",
+    );
+    check(
+        initiator.open_notification(&agent_l, &bytes_or("notify_l2i", &notify_l2i)) == Ok(ack.clone()),
+        "the initiator opens notify_l2i",
+    );
+    for (sealed, key, payload) in [(&notify_i2l, &okm[64..96], &completion), (&notify_l2i, &okm[96..], &ack)] {
+        let mut expected = b"KT".to_vec();
+        expected.extend_from_slice(&0u64.to_be_bytes());
+        expected.extend_from_slice(payload);
+        expected.extend_from_slice(&hmac(key, &[b"kvflow-notify-v1", &0u64.to_be_bytes(), payload])[..16]);
+        check(*sealed == expected, "a notification is KT, seq, payload and the truncated tag");
+    }
+
+    // A listener refuses a HELLO of side protocol version 3 with an ERROR naming both.
+    let mut hello_v3 = hello.clone();
+    hello_v3[9..11].copy_from_slice(&3u16.to_be_bytes());
+    let mut refusing = SideEndpoint::new(SideConfig::new(key()), offer_l.clone()).unwrap();
+    refusing.handle_accept(t_l_accept, ConnId(2), nonce_l);
+    refusing.handle_bytes(t_l_hello, ConnId(2), &bytes_or("hello_v3", &hello_v3));
+    let (frames, _) = drain(&mut refusing);
+    block.bytes("hello_v3", &hello_v3);
+    block.bytes("error_v3", &frames[0]);
+
+    let rendered = block.render();
+    let produced: BTreeMap<String, String> = block.0.iter().cloned().collect();
+    let mismatched: Vec<&String> = produced.keys().filter(|name| doc.get(*name) != produced.get(*name)).collect();
+    let unknown: Vec<&String> = doc.keys().filter(|name| !produced.contains_key(*name)).collect();
+    assert!(
+        mismatched.is_empty() && unknown.is_empty() && problems.is_empty(),
+        "docs/side-channel.md's vectors disagree with the code at {mismatched:?} (unknown names {unknown:?}), \
+         and these checks failed: {problems:?}; the code produces:\n{rendered}"
+    );
+}
