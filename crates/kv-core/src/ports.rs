@@ -12,6 +12,7 @@ use std::fmt;
 use crate::handshake::HandshakeError;
 use crate::id::AgentName;
 use crate::plan::DescriptorPair;
+pub use crate::side::RefusalCause;
 use crate::time::Time;
 use crate::wire::Handshake;
 
@@ -232,12 +233,17 @@ pub enum PeerEvent {
     },
     /// A connected peer's side channel closed: it is gone.
     Lost(AgentName),
-    /// A peer's incoming handshake was refused; the listener goes on serving others.
+    /// Input the transport refused before any machine saw it, and goes on serving others: a
+    /// handshake from a peer that did not prove it holds the cluster key, is incompatible, or
+    /// claims a live or stale name; or a notification whose tag does not verify. Machines count
+    /// it as an ignored message.
     Refused {
-        /// The peer as it named itself.
-        peer: AgentName,
-        /// Why, naming both sides' values.
-        error: TransportError,
+        /// The peer as it named itself, if it said.
+        peer: Option<AgentName>,
+        /// Why, by kind.
+        cause: RefusalCause,
+        /// Why, in words, naming both sides' values where they disagree.
+        reason: String,
     },
     /// A notification from a connected peer.
     Notification(Notification),

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use kv_core::{
     AgentName, BlockId, Compatible, EngineId, Handshake, Message, PeerAddress, PeerInfo, Placement, PoolShape,
-    PreparedId, PreparedTransfer, RegionBase, RequestId, Time, TransferRequest, TransportError,
+    PreparedId, PreparedTransfer, RefusalCause, RegionBase, RequestId, Time, TransferRequest, TransportError,
 };
 use kv_lease::ClockOffset;
 
@@ -110,6 +110,12 @@ pub struct Counters {
     pub ignored_messages: u64,
     /// Of those, messages about an export from an engine it is not bound to.
     pub foreign_messages: u64,
+    /// Of those, input the transport refused: handshakes and notifications that did not
+    /// authenticate, incompatible or impersonating peers, connections past a bound.
+    pub refused: u64,
+    /// Of those refusals, peers that did not prove they hold the cluster key (bad
+    /// notification tags included).
+    pub unauthenticated: u64,
     /// A consumer's completion (or registration) seen again, ignored.
     pub duplicate_messages: u64,
     /// Completions for exports P no longer had.
@@ -135,10 +141,23 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// Counts input the transport refused as an ignored message, by cause.
+    pub(crate) fn refused(&mut self, peer: Option<&AgentName>, cause: RefusalCause, reason: &str) {
+        let peer = peer.map_or_else(|| "an unnamed peer".to_owned(), AgentName::to_string);
+        tracing::warn!(%peer, ?cause, %reason, "the transport refused input");
+        self.ignored_messages += 1;
+        self.refused += 1;
+        if cause == RefusalCause::Unauthenticated {
+            self.unauthenticated += 1;
+        }
+    }
+
     /// Adds another machine's counts to these.
     pub fn add(&mut self, other: &Counters) {
         self.ignored_messages += other.ignored_messages;
         self.foreign_messages += other.foreign_messages;
+        self.refused += other.refused;
+        self.unauthenticated += other.unauthenticated;
         self.duplicate_messages += other.duplicate_messages;
         self.notifications_after_expiry += other.notifications_after_expiry;
         self.late_messages += other.late_messages;

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use kv_core::{
     AgentName, Attention, DescriptorPair, EngineId, KvLayout, Memory, MemoryKind, MemoryOrder, Notification,
-    PeerAddress, PeerEvent, Placement, PreparedTransfer, Region, Role, Time, TransferId, TransferOp, TransferRequest,
-    TransferStatus, Transport, TransportError,
+    PeerAddress, PeerEvent, Placement, PreparedTransfer, RefusalCause, Region, Role, Time, TransferId, TransferOp,
+    TransferRequest, TransferStatus, Transport, TransportError,
 };
 use kv_testkit::{offer, FakeHeap, FakeNetwork, FakeTransport, InMemoryMemory, ManualClock, NetConfig, NetStats};
 
@@ -357,13 +357,14 @@ fn a_refused_handshake_names_both_block_sizes_and_the_listener_keeps_serving() {
     );
     assert!(matches!(error, TransportError::Handshake(_)));
     // The listener refuses too, with the same values, and the initiator is no peer of it.
-    let [PeerEvent::Refused { peer, error }] = &p.events()[..] else {
+    let [PeerEvent::Refused { peer, cause, reason }] = &p.events()[..] else {
         panic!("the listener should report the refusal")
     };
-    assert_eq!(*peer, d16.name);
+    assert_eq!(*peer, Some(d16.name.clone()));
+    assert_eq!(*cause, RefusalCause::Incompatible);
     assert_eq!(
-        error.to_string(),
-        "handshake refused: block size mismatch: decode block of 16 tokens is not a multiple of prefill block of 32 tokens"
+        reason,
+        "block size mismatch: decode block of 16 tokens is not a multiple of prefill block of 32 tokens"
     );
     assert_eq!(d16.transport.send_notification(&p.name, b"x"), Err(TransportError::UnknownPeer(p.name.clone())));
 

@@ -10,8 +10,8 @@ use std::time::Duration;
 use kv_core::wire::MAX_MESSAGE_BYTES;
 use kv_core::{
     AgentName, Clock, Handshake, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PreparedId,
-    PreparedTransfer, Region, RegionId, TransferId, TransferOp, TransferRequest, TransferStatus, Transport,
-    TransportError,
+    PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp, TransferRequest, TransferStatus,
+    Transport, TransportError,
 };
 use nixl_sys::{
     Agent, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle, XferDescList,
@@ -248,11 +248,19 @@ impl NixlTransport {
                                 received_at,
                             }))
                         }
-                        Err(error) => PeerEvent::Refused { peer: agent, error },
+                        Err(error) => PeerEvent::Refused {
+                            peer: Some(agent),
+                            cause: RefusalCause::Malformed,
+                            reason: error.to_string(),
+                        },
                     }
                 }
                 SideEvent::ConnectFailed { address, error } => PeerEvent::ConnectFailed { address, error },
-                SideEvent::Refused { peer, error } => PeerEvent::Refused { peer, error },
+                SideEvent::Refused { peer, error } => PeerEvent::Refused {
+                    peer: Some(peer),
+                    cause: RefusalCause::Incompatible,
+                    reason: error.to_string(),
+                },
                 SideEvent::Lost(agent) => {
                     if let Some(peer) = self.peers.remove(&agent) {
                         let _ = self.agent.invalidate_remote_md(&peer.nixl);

@@ -42,7 +42,9 @@ fn listener_child(role: Role) {
         while let Some(event) = t.poll_event() {
             match event {
                 PeerEvent::Connected(info) => println!("CONNECTED {}", info.agent),
-                PeerEvent::Refused { peer, error } => println!("REFUSED {peer}: {error}"),
+                PeerEvent::Refused { peer, reason, .. } => {
+                    println!("REFUSED {}: {reason}", peer.map_or_else(|| "?".to_owned(), |p| p.to_string()))
+                }
                 PeerEvent::Lost(agent) => println!("LOST {agent}"),
                 PeerEvent::ConnectFailed { .. } => {}
                 PeerEvent::Notification(note) => {

@@ -509,7 +509,7 @@ impl DecodeWorker {
                 }
             }
             PeerEvent::Lost(agent) => self.peer_gone(now, &agent),
-            PeerEvent::Refused { peer, error } => tracing::warn!(%peer, %error, "refused a handshake"),
+            PeerEvent::Refused { peer, cause, reason } => self.counters.refused(peer.as_ref(), cause, &reason),
             PeerEvent::Notification(notification) => self.handle_notification(now, notification),
         }
     }

@@ -279,10 +279,7 @@ impl PrefillWorker {
                 self.release_gone_owners(now);
             }
             PeerEvent::ConnectFailed { .. } => {}
-            PeerEvent::Refused { peer, error } => {
-                tracing::warn!(%peer, %error, "refused a handshake");
-                self.counters.ignored_messages += 1;
-            }
+            PeerEvent::Refused { peer, cause, reason } => self.counters.refused(peer.as_ref(), cause, &reason),
             PeerEvent::Lost(agent) => self.peer_gone(now, &agent),
             PeerEvent::Notification(notification) => self.handle_notification(now, notification),
         }

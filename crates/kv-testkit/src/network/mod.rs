@@ -59,7 +59,7 @@ use std::time::Duration;
 
 use kv_core::{
     check_compatible, AgentName, DescriptorPair, EngineId, Handshake, HandshakeError, Notification, PeerAddress,
-    PeerEvent, PeerInfo, Region, RegionId, Time, TransferId, TransferOp, TransferRequest, TransferStatus,
+    PeerEvent, PeerInfo, RefusalCause, Region, RegionId, Time, TransferId, TransferOp, TransferRequest, TransferStatus,
     TransportError,
 };
 
@@ -573,7 +573,8 @@ impl Net {
                 let answer = check_compatible(&receiver.offer, &offer).map(|_| stamped(&receiver.offer, at));
                 if let Err(refusal) = &answer {
                     let peer = AgentName::new(offer.engine.clone(), offer.rank);
-                    receiver.events.push_back(PeerEvent::Refused { peer, error: refusal.clone().into() });
+                    let (cause, reason) = (RefusalCause::Incompatible, refusal.to_string());
+                    receiver.events.push_back(PeerEvent::Refused { peer: Some(peer), cause, reason });
                 }
                 let body = Body::Answer { address, offer_sent_at: sent_at, answer };
                 self.send(Message { from: to, to: from, sent_at: at, body });
