@@ -141,8 +141,13 @@ pub struct Counters {
 }
 
 impl Counters {
-    /// Counts input the transport refused as an ignored message, by cause.
+    /// Counts input the transport refused as an ignored message, by cause; a notification seen
+    /// twice counts as a duplicate.
     pub(crate) fn refused(&mut self, peer: Option<&AgentName>, cause: RefusalCause, reason: &str) {
+        if cause == RefusalCause::Replayed {
+            self.duplicate_messages += 1;
+            return;
+        }
         let peer = peer.map_or_else(|| "an unnamed peer".to_owned(), AgentName::to_string);
         tracing::warn!(%peer, ?cause, %reason, "the transport refused input");
         self.ignored_messages += 1;

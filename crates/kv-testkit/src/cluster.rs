@@ -405,7 +405,10 @@ impl Cluster {
             hs.num_blocks = num_blocks;
             hs.instance = instance;
             hs.regions = vec![RegionBase { addr: region.addr, len: region.len }];
-            let mut transport = self.net.transport(agent, Self::address(engine, rank), heap, hs.clone());
+            let mut transport = self
+                .net
+                .transport(agent, Self::address(engine, rank), heap, hs.clone())
+                .map_err(|e| ClusterError(e.to_string()))?;
             kv_core::Transport::register(&mut transport, &region).map_err(|e| ClusterError(e.to_string()))?;
             let mut mem = RankMemory { memory, region, shape, rank };
             let all: Vec<BlockId> = (0..num_blocks).map(BlockId).collect();
@@ -631,7 +634,8 @@ impl Cluster {
                         }
                     }
                     DecodeEvent::Free { request, blocks } => {
-                        self.record(format!("{} freed {request}", engine.id));
+                        let list: Vec<String> = blocks.iter().map(|b| b.to_string()).collect();
+                        self.record(format!("{} freed {request} blocks {}", engine.id, list.join(",")));
                         engine.loads.remove(&request);
                         self.free_decode_blocks(engine, &blocks);
                     }

@@ -10,9 +10,10 @@
 //! - [`FakeHeap`] and [`InMemoryMemory`]: [`kv_core::Memory`] over byte buffers at synthetic
 //!   addresses, shared with the transport that copies between them.
 //! - [`FakeNetwork`] and [`FakeTransport`]: [`kv_core::Transport`] between in-process agents,
-//!   with latency, handshakes, transfers whose bytes really move (at completion time),
-//!   notifications, and faults: drop, duplicate, reorder, delay, partition, crash, failed
-//!   transfers and garbage. Nothing happens until the clock moves and the network settles;
+//!   with latency, kv-core's authenticated side-channel protocol over an in-order byte stream,
+//!   transfers whose bytes really move (at completion time), sealed notifications, and faults:
+//!   drop, duplicate, reorder, delay, partition, pause, crash, failed transfers, garbage and
+//!   intruders without the cluster key. Nothing happens until the clock moves and the network settles;
 //!   see the [`network`] module for the timing rules.
 //! - [`offer`]: a handshake offer for a fake engine rank.
 //! - [`cluster::Cluster`]: P and D engines with pools, TP ranks and kvflow's real connectors
@@ -38,9 +39,9 @@
 //! let (p_heap, d_heap) = (FakeHeap::with_base(0x1000_0000), FakeHeap::with_base(0x9000_0000));
 //! let (mut p_pool, mut d_pool) = (InMemoryMemory::new(p_heap.clone()), InMemoryMemory::new(d_heap.clone()));
 //! let p_address = PeerAddress("prefill0".into());
-//! let mut p = net.transport(p_name.clone(), p_address.clone(), p_heap, offer(&p_name, Role::Prefill, 1, layout));
+//! let mut p = net.transport(p_name.clone(), p_address.clone(), p_heap, offer(&p_name, Role::Prefill, 1, layout))?;
 //! let d_address = PeerAddress("decode0".into());
-//! let mut d = net.transport(d_name.clone(), d_address, d_heap, offer(&d_name, Role::Decode, 1, layout));
+//! let mut d = net.transport(d_name.clone(), d_address, d_heap, offer(&d_name, Role::Decode, 1, layout))?;
 //!
 //! let p_region = p_pool.allocate(MemoryKind::Host, 4096)?;
 //! let d_region = d_pool.allocate(MemoryKind::Device(0), 4096)?;
@@ -49,7 +50,7 @@
 //! p_pool.write(p_region.id, 512, b"kv bytes")?;
 //!
 //! d.connect(&p_address)?;
-//! clock.advance(Duration::from_millis(2)); // one round trip
+//! clock.advance(Duration::from_millis(4)); // the authenticated handshake: two round trips
 //! assert!(matches!(d.poll_event(), Some(PeerEvent::Connected(_))));
 //!
 //! let pairs = vec![DescriptorPair {

@@ -43,14 +43,20 @@ struct Rank {
 
 impl Rank {
     fn start(net: &FakeNetwork, engine: &str, role: Role, block_tokens: u32) -> Rank {
+        Rank::restart(net, engine, role, block_tokens, 0)
+    }
+
+    /// An agent as incarnation `instance` of its engine.
+    fn restart(net: &FakeNetwork, engine: &str, role: Role, block_tokens: u32, instance: u64) -> Rank {
         let name = AgentName::new(EngineId::new(engine), 0);
         let address = PeerAddress(format!("{engine}:5600"));
         // Distinct bases per engine, so that swapped addresses would not go unnoticed.
         let base = 0x1000_0000 + u64::from(engine.bytes().map(u32::from).sum::<u32>()) * 0x100_0000;
         let heap = FakeHeap::with_base(base);
         let mut pool = InMemoryMemory::new(heap.clone());
-        let handshake = offer(&name, role, 1, layout(block_tokens));
-        let mut transport = net.transport(name.clone(), address.clone(), heap, handshake);
+        let mut handshake = offer(&name, role, 1, layout(block_tokens));
+        handshake.instance = instance;
+        let mut transport = net.transport(name.clone(), address.clone(), heap, handshake).unwrap();
         let region = pool.allocate(MemoryKind::Host, POOL_BYTES).unwrap();
         transport.register(&region).unwrap();
         Rank { name, address, transport, pool, region, notes: Vec::new(), others: Vec::new() }
@@ -132,7 +138,7 @@ impl World {
         let mut p = Rank::start(&self.net, "prefill0", Role::Prefill, 16);
         let mut d = Rank::start(&self.net, "decode0", Role::Decode, 16);
         d.transport.connect(&p.address).unwrap();
-        self.run(ms(3));
+        self.run(ms(4));
         assert!(matches!(d.events()[..], [PeerEvent::Connected(_)]));
         assert!(matches!(p.events()[..], [PeerEvent::Connected(_)]));
         (p, d)
@@ -144,20 +150,21 @@ fn engine(rank: &Rank) -> EngineId {
 }
 
 #[test]
-fn the_handshake_takes_three_steps_and_samples_both_clock_offsets() {
+fn the_authenticated_handshake_takes_four_steps_and_samples_both_clock_offsets() {
     let world = World::new(1, NetConfig::default());
     let mut p = Rank::start(&world.net, "prefill0", Role::Prefill, 16);
     let mut d = Rank::start(&world.net, "decode0", Role::Decode, 16);
     d.transport.connect(&p.address).unwrap();
     assert_eq!(world.net.next_event_time(), Some(Time::from_millis(1)));
-    world.run(ms(2));
-    let [PeerEvent::Connected(on_d)] = &d.events()[..] else { panic!("decode should be connected at 2 ms") };
-    assert!(p.events().is_empty(), "prefill hears the acknowledgement one latency later");
-    world.run(ms(1));
+    // HELLO at 1 ms, CHALLENGE back at 2, PROOF and D's sealed offer at 3: P is connected.
+    world.run(ms(3));
+    assert!(d.events().is_empty(), "decode hears P's offer one latency later");
     let [PeerEvent::Connected(on_p)] = &p.events()[..] else { panic!("prefill should be connected at 3 ms") };
+    world.run(ms(1));
+    let [PeerEvent::Connected(on_d)] = &d.events()[..] else { panic!("decode should be connected at 4 ms") };
     assert_eq!(
         (on_d.agent.clone(), on_d.sent_at, on_d.received_at),
-        (p.name.clone(), Time::ZERO, Time::from_millis(2))
+        (p.name.clone(), Time::from_millis(2), Time::from_millis(4))
     );
     assert_eq!(
         (on_p.agent.clone(), on_p.sent_at, on_p.received_at),
@@ -179,7 +186,7 @@ fn a_simulator_can_jump_from_event_to_event() {
         steps.push(world.clock.advance_to(next));
         world.net.settle();
     }
-    assert_eq!(steps, [1, 2, 3].map(Time::from_millis));
+    assert_eq!(steps, [1, 2, 3, 4].map(Time::from_millis));
     assert!(matches!(d.events()[..], [PeerEvent::Connected(_)]));
 }
 
@@ -353,9 +360,8 @@ fn a_refused_handshake_names_both_block_sizes_and_the_listener_keeps_serving() {
     assert_eq!(*address, p.address);
     assert_eq!(
         error.to_string(),
-        "handshake refused: block size mismatch: decode block of 16 tokens is not a multiple of prefill block of 32 tokens"
+        "transport backend: prefill0:5600 refused the handshake: block size mismatch: decode block of 16 tokens is not a multiple of prefill block of 32 tokens"
     );
-    assert!(matches!(error, TransportError::Handshake(_)));
     // The listener refuses too, with the same values, and the initiator is no peer of it.
     let [PeerEvent::Refused { peer, cause, reason }] = &p.events()[..] else {
         panic!("the listener should report the refusal")
@@ -370,7 +376,7 @@ fn a_refused_handshake_names_both_block_sizes_and_the_listener_keeps_serving() {
 
     let mut d32 = Rank::start(&world.net, "decode1", Role::Decode, 32);
     d32.transport.connect(&p.address).unwrap();
-    world.run(ms(3));
+    world.run(ms(4));
     assert!(matches!(d32.events()[..], [PeerEvent::Connected(_)]));
     let [PeerEvent::Connected(info)] = &p.events()[..] else { panic!("the listener should accept a compatible peer") };
     assert_eq!(info.agent, d32.name);
@@ -432,14 +438,17 @@ fn a_partition_fails_transfers_in_flight_and_posted_during_it_and_refuses_connec
 }
 
 #[test]
-fn duplicate_rate_one_delivers_every_notification_twice() {
+fn duplicate_rate_one_sends_every_notification_twice_and_the_copy_is_refused_as_a_replay() {
     let world = World::new(1, NetConfig { duplicate_rate: 1.0, ..NetConfig::default() });
     let (mut p, mut d) = world.pair();
     for payload in ["a", "b", "c"] {
         d.send(&p, payload);
     }
     world.run(ms(1));
-    assert_eq!(p.received(), ["a", "a", "b", "b", "c", "c"]);
+    assert_eq!(p.received(), ["a", "b", "c"]);
+    let refused = p.events();
+    assert_eq!(refused.len(), 3);
+    assert!(refused.iter().all(|e| matches!(e, PeerEvent::Refused { cause: RefusalCause::Replayed, .. })));
     assert_eq!((world.net.stats().duplicated, world.net.stats().delivered), (3, 6));
 }
 
@@ -518,26 +527,60 @@ fn an_undetected_crash_is_silent_and_the_restarted_agent_is_a_new_peer() {
     assert!(matches!(d.transport.poll_transfer(read), TransferStatus::Failed(TransportError::TransferFailed(_))));
     assert_eq!(world.net.stats().dropped, 1);
 
-    let mut p2 = Rank::start(&world.net, "prefill0", Role::Prefill, 16);
+    let mut p2 = Rank::restart(&world.net, "prefill0", Role::Prefill, 16, 2);
     d.send(&p2, "to the old incarnation");
     world.run(ms(1));
     assert!(p2.received().is_empty(), "old connections are not revived");
     d.transport.connect(&p2.address).unwrap();
-    world.run(ms(3));
-    assert!(matches!(d.events()[..], [PeerEvent::Connected(_)]));
+    world.run(ms(4));
+    // A newer incarnation under the old name replaces the silent one: lost, then connected.
+    let events = d.events();
+    let [PeerEvent::Lost(old), PeerEvent::Connected(new)] = &events[..] else { panic!("{events:?}") };
+    assert_eq!((old, &new.agent, new.handshake.instance), (&p2.name, &p2.name, 2));
     d.send(&p2, "hello again");
     world.run(ms(1));
     assert_eq!(p2.received(), ["hello again"]);
 }
 
 #[test]
-fn injected_garbage_arrives_as_sent() {
+fn injected_garbage_and_forged_senders_are_refused_not_delivered() {
     let world = World::new(1, NetConfig::default());
-    let (mut p, _d) = world.pair();
+    let (mut p, d) = world.pair();
     let mallory = AgentName::new(EngineId::new("mallory"), 0);
     world.net.inject(&mallory, &p.name, b"\xff\x00not a frame".to_vec());
+    // Even under a connected peer's name, bytes without that session's tag do not pass.
+    world.net.inject(&d.name, &p.name, b"KT\0\0\0\0\0\0\0\0done0123456789abcdef".to_vec());
     world.run(ms(1));
-    assert_eq!(p.notifications(), [Notification { from: mallory, payload: b"\xff\x00not a frame".to_vec() }]);
+    assert!(p.notifications().is_empty());
+    let events = p.events();
+    let [PeerEvent::Refused { peer: first, cause: c1, .. }, PeerEvent::Refused { peer: second, cause: c2, .. }] =
+        &events[..]
+    else {
+        panic!("both should be refused: {events:?}")
+    };
+    assert_eq!((first.clone(), *c1), (Some(mallory), RefusalCause::Unauthenticated));
+    assert_eq!((second.clone(), *c2), (Some(d.name.clone()), RefusalCause::Unauthenticated));
+}
+
+#[test]
+fn an_intruder_without_the_key_is_refused_once_and_the_real_peer_stays() {
+    let world = World::new(1, NetConfig::default());
+    let (mut p, mut d) = world.pair();
+    // It claims decode0's name, as a newer incarnation, which would replace the real one if it
+    // could authenticate.
+    let mut claim = offer(&d.name, Role::Decode, 1, layout(16));
+    claim.instance = 7;
+    world.net.intrude(&p.address, claim).unwrap();
+    world.run(ms(10));
+    let events = p.events();
+    let [PeerEvent::Refused { peer, cause: RefusalCause::Unauthenticated, .. }] = &events[..] else {
+        panic!("the intruder should be refused once: {events:?}")
+    };
+    assert_eq!(*peer, Some(d.name.clone()));
+    assert!(d.events().is_empty(), "decode's connection is untouched");
+    d.send(&p, "still here");
+    world.run(ms(1));
+    assert_eq!(p.received(), ["still here"]);
 }
 
 #[test]

@@ -205,6 +205,8 @@ pub enum RefusalCause {
     Overloaded,
     /// The handshake did not complete within [`SideLimits::auth_timeout`].
     Timeout,
+    /// A notification whose sequence number was already seen: a duplicate, or a replay.
+    Replayed,
 }
 
 /// What happened on the side channel.

@@ -100,21 +100,21 @@ impl<T> EarlyStage<T> {
     }
 }
 
-/// Ids remembered until a horizon, at most `capacity` of them (the oldest forgotten first).
+/// Keys remembered until a horizon, at most `capacity` of them (the oldest forgotten first).
 #[derive(Debug)]
-pub(crate) struct Recent {
+pub(crate) struct Recent<K = RequestId> {
     capacity: usize,
-    ids: BTreeMap<RequestId, Time>,
-    order: VecDeque<(Time, RequestId)>,
+    ids: BTreeMap<K, Time>,
+    order: VecDeque<(Time, K)>,
 }
 
-impl Recent {
+impl<K: Ord + Clone> Recent<K> {
     pub fn new(capacity: usize) -> Self {
         Recent { capacity: capacity.max(1), ids: BTreeMap::new(), order: VecDeque::new() }
     }
 
     /// Remembers `id` as of `at` (a second insert keeps the first time).
-    pub fn insert(&mut self, id: RequestId, at: Time) {
+    pub fn insert(&mut self, id: K, at: Time) {
         if self.ids.contains_key(&id) {
             return;
         }
@@ -126,8 +126,13 @@ impl Recent {
         self.order.push_back((at, id));
     }
 
-    pub fn contains(&self, id: &RequestId) -> bool {
+    pub fn contains(&self, id: &K) -> bool {
         self.ids.contains_key(id)
+    }
+
+    /// Whether one more key would make the oldest be forgotten.
+    pub fn is_full(&self) -> bool {
+        self.ids.len() >= self.capacity
     }
 
     /// Forgets ids remembered before `horizon`.
@@ -205,7 +210,7 @@ mod tests {
 
     #[test]
     fn recent_ids_are_bounded_and_forgotten_after_the_horizon() {
-        let mut recent = Recent::new(2);
+        let mut recent: Recent = Recent::new(2);
         recent.insert("r1".into(), Time::from_millis(5));
         recent.expire(Time::from_millis(5));
         assert!(recent.contains(&"r1".into()));

@@ -133,6 +133,9 @@ pub struct PrefillWorker {
     families: BTreeMap<RequestId, Family>,
     /// Parents whose sibling was transferred: a sibling that registers later is released at once.
     pulled: Recent,
+    /// Push: cancels P answered before it knew the export, by D rank and base id: a
+    /// registration that comes later for one of them gets no write, only the answer again.
+    cancelled: Recent<(AgentName, RequestId)>,
     gone: GoneIncarnations,
     early: EarlyStage<Early>,
     recent: Recent,
@@ -157,6 +160,7 @@ impl PrefillWorker {
             by_base: BTreeMap::new(),
             families: BTreeMap::new(),
             pulled: Recent::new(PULLED_PARENTS),
+            cancelled: Recent::new(config.early_notification_capacity),
             gone: GoneIncarnations::new(GONE_ENGINES),
             recent: Recent::new(RECENT_RELEASES),
             writes: BTreeMap::new(),
@@ -355,6 +359,7 @@ impl PrefillWorker {
         self.counters.early_evicted += self.early.expire(now.saturating_sub(self.stage_lifetime()));
         self.recent.expire(now.saturating_sub(self.config.kv_lease_duration * 2));
         self.pulled.expire(now.saturating_sub(self.config.kv_lease_duration));
+        self.cancelled.expire(now.saturating_sub(self.stage_lifetime()));
     }
 
     /// The next action for the driver.
@@ -484,21 +489,27 @@ impl PrefillWorker {
             return;
         }
         if push {
-            // D gave up a registration P had staged, or one that never came: P will never
-            // write for it, and says so at once.
+            // D gave up a registration P had staged, or one that has not come (yet): P will
+            // never write for it, and says so at once, but only if it can remember the promise
+            // for a registration that comes later. When it cannot (the record is full), D's
+            // blocks wait out their quarantine instead.
             let agent = from.agent.clone();
-            let registrations = self.early.take(&request, true, |_, early| {
-                early.from.agent == agent && matches!(early.message, Message::PushRegistration(_))
-            });
-            let mut answered = false;
-            for (_, early) in registrations {
-                if let Message::PushRegistration(reg) = early.message {
-                    answered |= reg.request == request;
-                    self.answer(&agent, &Message::Abort { request: reg.request });
+            let promise = (agent.clone(), request.base());
+            if !self.cancelled.is_full() || self.cancelled.contains(&promise) {
+                self.cancelled.insert(promise, now);
+                let registrations = self.early.take(&request, true, |_, early| {
+                    early.from.agent == agent && matches!(early.message, Message::PushRegistration(_))
+                });
+                let mut answered = false;
+                for (_, early) in registrations {
+                    if let Message::PushRegistration(reg) = early.message {
+                        answered |= reg.request == request;
+                        self.answer(&agent, &Message::Abort { request: reg.request });
+                    }
                 }
-            }
-            if !answered {
-                self.answer(&agent, &Message::Abort { request: request.clone() });
+                if !answered {
+                    self.answer(&agent, &Message::Abort { request: request.clone() });
+                }
             }
         }
         // Staged too, so that the export, when P finishes it, is released at once.
@@ -547,6 +558,12 @@ impl PrefillWorker {
         let agent = from.agent.clone();
         if self.config.mode != Mode::Push || reg.decode_engine != agent.engine || reg.decode_rank != agent.rank {
             self.counters.ignored_messages += 1;
+            return;
+        }
+        if self.cancelled.contains(&(agent.clone(), reg.request.base())) {
+            // It came after D's cancel, which P answered: no write, ever.
+            self.counters.late_messages += 1;
+            self.answer(&agent, &Message::Abort { request: reg.request });
             return;
         }
         let Some(id) = self.resolve(&reg.request) else {

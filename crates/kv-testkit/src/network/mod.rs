@@ -16,12 +16,17 @@
 //! - A message (handshake step or notification) arrives [`NetConfig::latency`] after it was
 //!   sent, plus any active [`FakeNetwork::delay`], plus, for notifications only, a random
 //!   jitter in `0..=`[`NetConfig::reorder_jitter`] drawn for each copy.
-//! - `connect` is a three-step handshake over a reliable side channel: the initiator's offer
-//!   reaches the listener after one latency, the listener's answer comes back after two (the
-//!   initiator's `Connected`, or `ConnectFailed` with the refusal), and the initiator's
-//!   acknowledgement gives the listener its `Connected` after three. Each side's
-//!   [`kv_core::PeerInfo`] spans its own round trip, so both clock offsets come out right.
-//!   Both sides run [`kv_core::check_compatible`]. Each offer's `clock` is stamped when it leaves.
+//! - Every agent runs kv-core's side-channel protocol ([`kv_core::side::SideEndpoint`]) with
+//!   the network's cluster key, exactly as the NIXL adapter does over TCP: the network only
+//!   moves its bytes, one latency per frame, in order and without loss, as a TCP stream does.
+//!   `connect` opens a connection; HELLO reaches the listener after one latency, CHALLENGE
+//!   comes back after two, PROOF and the initiator's sealed offer reach the listener after
+//!   three (its `Connected`), and the listener's sealed offer reaches the initiator after four
+//!   (its `Connected`). Each side's [`kv_core::PeerInfo`] spans its own round trip, so both
+//!   clock offsets come out right. Nonces come from the seed.
+//! - Notifications carry the side channel's tag ([`kv_core::side::SideEndpoint::seal_notification`]);
+//!   one that does not open (a forged sender, garbage, a duplicate) is reported as
+//!   [`kv_core::PeerEvent::Refused`], never delivered.
 //! - A transfer completes [`NetConfig::transfer_latency`] after it is posted. Its bytes are
 //!   copied at completion, not at post: a read sees what the remote blocks hold when the read
 //!   completes, so a test can catch a read of blocks that were freed and rewritten in flight.
@@ -32,24 +37,31 @@
 //! All random choices come from the seed. Notifications (sent, riding on a completed transfer,
 //! or injected) may be dropped ([`NetConfig::drop_rate`]), duplicated
 //! ([`NetConfig::duplicate_rate`], each copy with its own jitter) and reordered (jitter);
-//! handshake steps and [`kv_core::PeerEvent::Lost`] travel a reliable side channel and only
-//! partitions and crashes stop them. Scheduled faults name a [`Scope`]: an engine, which takes
+//! side-channel bytes travel a reliable stream: a partition or a pause holds them until it
+//! ends (TCP retransmits; neither closes a side channel), and only a crash loses them. Scheduled faults name a [`Scope`]: an engine, which takes
 //! all of its TP-rank agents together as scenario files do, or one agent.
 //!
-//! - [`FakeNetwork::partition`]: a message between the two sides is dropped if the partition
-//!   was active when it was sent or when it arrives; a connect across it fails as unreachable;
-//!   a transfer across it that is in flight when it starts, or is posted during it, fails.
+//! - [`FakeNetwork::partition`]: a notification between the two sides is dropped if the
+//!   partition was active when it was sent or when it arrives; side-channel bytes wait for its
+//!   end; a connect across it fails as unreachable; a transfer across it that is in flight when
+//!   it starts, or is posted during it, fails.
 //! - [`FakeNetwork::delay`]: messages from one side to the other, sent while it is active,
 //!   arrive later (active delays add up).
 //! - [`FakeNetwork::crash`]: the agents stop; they send and receive nothing, their
 //!   registrations are gone, every transfer they take part in fails at its completion time,
-//!   and with `detect` every connected peer sees `Lost` one latency later. Creating a
-//!   transport under the same name again restarts the agent as a new registration: old
-//!   connections are not revived, and messages addressed to the old one are dropped.
+//!   and with `detect` their side channels close: every peer sees `Lost` one latency later,
+//!   behind everything the agent sent before. Creating a transport under the same name again
+//!   restarts the agent as a new registration: old connections are not revived, and messages
+//!   addressed to the old one are dropped.
+//! - [`FakeNetwork::pause`]: the agents stop, as under SIGSTOP: their transfers complete when
+//!   they resume, side-channel bytes to them wait, and their side channels stay open.
+//! - [`FakeNetwork::intrude`]: a peer without the cluster key opens an agent's side channel
+//!   claiming another name, tries the handshake, and hangs up.
 //! - [`FakeNetwork::fail_next_transfer`] and [`FakeNetwork::fail_transfer_when`]: the next
 //!   matching transfer is accepted and fails at its completion time, copying nothing.
-//! - [`FakeNetwork::inject`]: a forged notification, garbage included.
+//! - [`FakeNetwork::inject`]: a forged notification, garbage included (it carries no valid tag).
 
+mod side;
 mod transport;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -57,10 +69,10 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint};
 use kv_core::{
-    check_compatible, AgentName, DescriptorPair, EngineId, Handshake, HandshakeError, Notification, PeerAddress,
-    PeerEvent, PeerInfo, RefusalCause, Region, RegionId, Time, TransferId, TransferOp, TransferRequest, TransferStatus,
-    TransportError,
+    AgentName, DescriptorPair, EngineId, Handshake, PeerAddress, PeerEvent, Region, RegionId, Time, TransferId,
+    TransferOp, TransferRequest, TransferStatus, TransportError,
 };
 
 pub use transport::FakeTransport;
@@ -172,10 +184,15 @@ impl fmt::Debug for FakeNetwork {
 impl FakeNetwork {
     /// An empty network whose every random choice follows from `seed`, timed by `clock`.
     pub fn new(seed: u64, clock: ManualClock, config: NetConfig) -> Self {
+        let mut rng = Rng::new(seed);
+        let key = side::random_key(&mut rng);
         let net = Net {
             clock,
             config,
-            rng: Rng::new(seed),
+            key,
+            next_conn: 0,
+            next_intruder: 0,
+            rng,
             next_seq: 0,
             queue: BTreeMap::new(),
             agents: BTreeMap::new(),
@@ -199,10 +216,20 @@ impl FakeNetwork {
     ///
     /// A name that is already taken restarts the agent: the old one is crashed without
     /// detection if it was up, and its handle and connections are dead. The last agent to
-    /// listen at an address gets the connections made to it.
-    pub fn transport(&self, agent: AgentName, address: PeerAddress, heap: FakeHeap, offer: Handshake) -> FakeTransport {
+    /// listen at an address gets the connections made to it. The agent holds the network's
+    /// cluster key; an offer the side channel cannot carry (an engine name longer than 64
+    /// bytes, say) is an error.
+    pub fn transport(
+        &self,
+        agent: AgentName,
+        address: PeerAddress,
+        heap: FakeHeap,
+        offer: Handshake,
+    ) -> Result<FakeTransport, TransportError> {
         let mut net = self.settled();
         let now = net.clock.now();
+        let side = SideEndpoint::new(SideConfig::new(net.key.clone()), offer)
+            .map_err(|e| TransportError::Backend(format!("{agent}: {e}")))?;
         if let Some(old) = net.agents.get(&agent).filter(|old| old.up) {
             let old = Endpoint { name: agent.clone(), generation: old.generation };
             net.crash_one(&old, false, now);
@@ -211,8 +238,24 @@ impl FakeNetwork {
         net.next_generation += 1;
         net.listeners.retain(|_, listener| *listener != agent);
         net.listeners.insert(address, agent.clone());
-        net.agents.insert(agent.clone(), Agent::new(generation, heap, offer));
-        FakeTransport::new(Endpoint { name: agent, generation }, self.clone())
+        net.agents.insert(agent.clone(), Agent::new(generation, heap, side));
+        Ok(FakeTransport::new(Endpoint { name: agent, generation }, self.clone()))
+    }
+
+    /// A peer that does not hold the cluster key opens the side channel at `address`, offering
+    /// `claim` (another engine's name, say), tries the handshake, and hangs up when it fails.
+    pub fn intrude(&self, address: &PeerAddress, claim: Handshake) -> Result<(), TransportError> {
+        let mut net = self.settled();
+        let wrong = side::random_key(&mut net.rng);
+        let side =
+            SideEndpoint::new(SideConfig::new(wrong), claim).map_err(|e| TransportError::Backend(e.to_string()))?;
+        let name = AgentName::new(EngineId::new(format!("intruder{}", net.next_intruder)), 0);
+        net.next_intruder += 1;
+        let generation = net.next_generation;
+        net.next_generation += 1;
+        net.agents.insert(name.clone(), Agent::new(generation, FakeHeap::with_base(0), side));
+        net.open(&Endpoint { name, generation }, address);
+        Ok(())
     }
 
     /// Runs every event due at or before the clock's now.
@@ -331,7 +374,11 @@ struct Agent {
     generation: u64,
     up: bool,
     heap: FakeHeap,
-    offer: Handshake,
+    /// The side-channel protocol, and this agent's ends of its connections.
+    side: SideEndpoint,
+    conns: BTreeMap<ConnId, side::Conn>,
+    /// The queue entry of the side endpoint's next wake-up.
+    side_timer: Option<(Time, u64)>,
     regions: BTreeMap<RegionId, Region>,
     peers: BTreeMap<AgentName, Link>,
     transfers: BTreeMap<TransferId, Transfer>,
@@ -365,30 +412,32 @@ struct Message {
 
 #[derive(Clone)]
 enum Body {
-    /// Initiator to listener.
-    Offer {
-        address: PeerAddress,
-        offer: Box<Handshake>,
-    },
-    /// Listener to initiator: its own offer, or why it refused.
-    Answer {
-        address: PeerAddress,
-        offer_sent_at: Time,
-        answer: Result<Box<Handshake>, HandshakeError>,
-    },
-    /// Initiator to listener, once the initiator accepted the answer.
-    Ack {
-        offer: Box<Handshake>,
-        answer_sent_at: Time,
-    },
+    /// A side-channel connection opens: the listener knows it as `listener_conn`, the
+    /// initiator as `initiator_conn`.
+    Open { initiator_conn: ConnId, listener_conn: ConnId },
+    /// Side-channel bytes for the receiver's connection `conn`.
+    Side { conn: ConnId, bytes: Vec<u8> },
+    /// The sender closed the receiver's connection `conn`.
+    Close { conn: ConnId },
+    /// A notification, sealed by the sender's side endpoint (or forged).
     Notification(Vec<u8>),
 }
 
 enum Event {
     Arrive(Message),
-    Complete { poster: Endpoint, id: TransferId },
-    ConnectFailed { to: Endpoint, address: PeerAddress, error: TransportError },
-    Lost { to: Endpoint, lost: Endpoint },
+    Complete {
+        poster: Endpoint,
+        id: TransferId,
+    },
+    /// A connection the agent opened did not reach a listener.
+    Unreachable {
+        to: Endpoint,
+        conn: ConnId,
+    },
+    /// The agent's side endpoint asked to be woken.
+    SideTimer {
+        to: Endpoint,
+    },
 }
 
 /// A partition (`by` unused) or a delay, active in `from..until`.
@@ -417,6 +466,10 @@ impl Window {
 struct Net {
     clock: ManualClock,
     config: NetConfig,
+    /// The cluster's key: every agent made by [`FakeNetwork::transport`] holds it.
+    key: ClusterKey,
+    next_conn: u64,
+    next_intruder: u64,
     rng: Rng,
     next_seq: u64,
     queue: BTreeMap<(Time, u64), Event>,
@@ -432,23 +485,20 @@ struct Net {
 }
 
 impl Agent {
-    fn new(generation: u64, heap: FakeHeap, offer: Handshake) -> Self {
+    fn new(generation: u64, heap: FakeHeap, side: SideEndpoint) -> Self {
         Agent {
             generation,
             up: true,
             heap,
-            offer,
+            side,
+            conns: BTreeMap::new(),
+            side_timer: None,
             regions: BTreeMap::new(),
             peers: BTreeMap::new(),
             transfers: BTreeMap::new(),
             next_transfer: 1,
             events: VecDeque::new(),
         }
-    }
-
-    fn connected(&mut self, peer: &Endpoint, info: PeerInfo) {
-        self.peers.insert(peer.name.clone(), Link { generation: peer.generation, lost: false });
-        self.events.push_back(PeerEvent::Connected(Box::new(info)));
     }
 
     /// The peer generation a completed handshake reached, if the peer may be used.
@@ -463,8 +513,15 @@ impl Agent {
 
 impl Net {
     fn schedule(&mut self, at: Time, event: Event) {
-        self.queue.insert((at, self.next_seq), event);
+        self.schedule_keyed(at, event);
+    }
+
+    /// Schedules `event`, returning its key in the queue (to take it out again).
+    fn schedule_keyed(&mut self, at: Time, event: Event) -> (Time, u64) {
+        let key = (at, self.next_seq);
+        self.queue.insert(key, event);
         self.next_seq += 1;
+        key
     }
 
     /// The agent if this generation of it is up.
@@ -498,22 +555,8 @@ impl Net {
         match event {
             Event::Arrive(message) => self.arrive(at, message),
             Event::Complete { poster, id } => self.complete(at, &poster, id),
-            Event::ConnectFailed { to, address, error } => {
-                if let Some(agent) = self.agent_mut(&to) {
-                    agent.events.push_back(PeerEvent::ConnectFailed { address, error });
-                }
-            }
-            Event::Lost { to, lost } => {
-                if let Some(agent) = self.agent_mut(&to) {
-                    match agent.peers.get_mut(&lost.name) {
-                        Some(link) if link.generation == lost.generation && !link.lost => {
-                            link.lost = true;
-                            agent.events.push_back(PeerEvent::Lost(lost.name));
-                        }
-                        _ => {}
-                    }
-                }
-            }
+            Event::Unreachable { to, conn } => self.side_closed(at, &to, conn),
+            Event::SideTimer { to } => self.side_timer(at, &to),
         }
     }
 
@@ -523,11 +566,12 @@ impl Net {
         let delay: Duration =
             self.delays.iter().filter(|window| window.active(at) && window.directed(from, to)).map(|w| w.by).sum();
         let due = at + self.config.latency + delay;
-        if self.partitioned(from, to, at) {
-            return self.undeliverable(message, due);
-        }
         if !matches!(message.body, Body::Notification(_)) {
             return self.schedule(due, Event::Arrive(message));
+        }
+        if self.partitioned(from, to, at) {
+            self.stats.dropped += 1;
+            return;
         }
         if self.rng.chance(self.config.drop_rate) {
             self.stats.dropped += 1;
@@ -542,68 +586,54 @@ impl Net {
         }
     }
 
-    /// A message that cannot arrive when it is `due`: a lost notification, or a connect that
-    /// times out when the answer would have come back.
-    fn undeliverable(&mut self, message: Message, due: Time) {
-        let (initiator, address, timeout) = match message.body {
-            Body::Notification(_) => {
-                self.stats.dropped += 1;
-                return;
-            }
-            Body::Ack { .. } => return,
-            Body::Offer { address, .. } => (message.from, address, due + self.config.latency),
-            Body::Answer { address, .. } => (message.to, address, due),
-        };
-        let error = TransportError::Unreachable(address.clone());
-        self.schedule(timeout, Event::ConnectFailed { to: initiator, address, error });
+    /// When a partition between `x` and `y` active at `at` ends, if one is.
+    fn partition_end(&self, x: &AgentName, y: &AgentName, at: Time) -> Option<Time> {
+        self.partitions.iter().filter(|w| w.active(at) && w.separates(x, y)).map(|w| w.until).max()
+    }
+
+    /// When a pause of `agent` active at `at` ends, if one is.
+    fn pause_end(&self, agent: &AgentName, at: Time) -> Option<Time> {
+        self.pauses.iter().filter(|(who, until)| who.covers(agent) && at < *until).map(|p| p.1).max()
     }
 
     fn arrive(&mut self, at: Time, message: Message) {
-        if self.agent(&message.to).is_none() || self.partitioned(&message.from.name, &message.to.name, at) {
-            return self.undeliverable(message, at);
+        let up = self.agent(&message.to).is_some();
+        match &message.body {
+            Body::Notification(_) => {
+                if !up || self.partitioned(&message.from.name, &message.to.name, at) {
+                    self.stats.dropped += 1;
+                    return;
+                }
+            }
+            Body::Open { initiator_conn, .. } => {
+                if !up || self.partitioned(&message.from.name, &message.to.name, at) {
+                    // No answer: the initiator's connect fails when one would have come back.
+                    let event = Event::Unreachable { to: message.from.clone(), conn: *initiator_conn };
+                    return self.schedule(at + self.config.latency, event);
+                }
+            }
+            Body::Side { .. } | Body::Close { .. } => {
+                if !up {
+                    return;
+                }
+                // A stream's bytes are held, not lost, while a partition or a pause lasts.
+                let held = [
+                    self.partition_end(&message.from.name, &message.to.name, at).map(|t| t + self.config.latency),
+                    self.pause_end(&message.to.name, at),
+                ];
+                if let Some(until) = held.into_iter().flatten().max() {
+                    return self.schedule(until, Event::Arrive(message));
+                }
+            }
         }
-        let Message { from, to, sent_at, body } = message;
-        let Some(receiver) = self.agent_mut(&to) else { return };
+        let Message { from, to, body, .. } = message;
         match body {
-            Body::Notification(payload) => {
-                receiver.events.push_back(PeerEvent::Notification(Notification { from: from.name, payload }));
-                self.stats.delivered += 1;
+            Body::Notification(sealed) => self.notification_arrived(at, &from, &to, &sealed),
+            Body::Open { initiator_conn, listener_conn } => {
+                self.side_open(at, &from, &to, initiator_conn, listener_conn)
             }
-            Body::Offer { address, offer } => {
-                let answer = check_compatible(&receiver.offer, &offer).map(|_| stamped(&receiver.offer, at));
-                if let Err(refusal) = &answer {
-                    let peer = AgentName::new(offer.engine.clone(), offer.rank);
-                    let (cause, reason) = (RefusalCause::Incompatible, refusal.to_string());
-                    receiver.events.push_back(PeerEvent::Refused { peer: Some(peer), cause, reason });
-                }
-                let body = Body::Answer { address, offer_sent_at: sent_at, answer };
-                self.send(Message { from: to, to: from, sent_at: at, body });
-            }
-            Body::Answer { address, offer_sent_at, answer } => {
-                let accepted = answer.and_then(|peer| check_compatible(&receiver.offer, &peer).map(|_| peer));
-                match accepted {
-                    Err(refusal) => {
-                        receiver.events.push_back(PeerEvent::ConnectFailed { address, error: refusal.into() });
-                    }
-                    Ok(peer) => {
-                        let own = stamped(&receiver.offer, at);
-                        let info = PeerInfo {
-                            agent: from.name.clone(),
-                            handshake: *peer,
-                            sent_at: offer_sent_at,
-                            received_at: at,
-                        };
-                        receiver.connected(&from, info);
-                        let body = Body::Ack { offer: own, answer_sent_at: sent_at };
-                        self.send(Message { from: to, to: from, sent_at: at, body });
-                    }
-                }
-            }
-            Body::Ack { offer, answer_sent_at } => {
-                let info =
-                    PeerInfo { agent: from.name.clone(), handshake: *offer, sent_at: answer_sent_at, received_at: at };
-                receiver.connected(&from, info);
-            }
+            Body::Side { conn, bytes } => self.side_bytes(at, &to, conn, &bytes),
+            Body::Close { conn } => self.side_peer_closed(at, &to, conn),
         }
     }
 
@@ -674,6 +704,7 @@ impl Net {
         agent.regions.clear();
         agent.peers.clear();
         agent.events.clear();
+        let conns = std::mem::take(&mut agent.conns);
         let mut failed = 0;
         for transfer in agent.transfers.values_mut() {
             if matches!(transfer, Transfer::InFlight { .. }) {
@@ -686,30 +717,19 @@ impl Net {
         if !detect {
             return;
         }
-        let watchers: Vec<Endpoint> = self
-            .agents
-            .iter()
-            .filter(|(_, agent)| agent.up)
-            .filter(|(_, agent)| agent.peers.get(&victim.name).is_some_and(|link| link.generation == victim.generation))
-            .map(|(name, agent)| Endpoint { name: name.clone(), generation: agent.generation })
-            .collect();
-        for to in watchers {
+        for conn in conns.into_values() {
             // The close travels behind everything the victim sent before it, as on one TCP stream.
             let behind = self
                 .queue
                 .iter()
-                .filter(|(_, event)| matches!(event, Event::Arrive(m) if m.from == *victim && m.to == to))
+                .filter(|(_, event)| matches!(event, Event::Arrive(m) if m.from == *victim && m.to == conn.peer))
                 .map(|((at, _), _)| *at)
                 .max();
             let at = behind.map_or(now + self.config.latency, |t| t.max(now + self.config.latency));
-            self.schedule(at, Event::Lost { to, lost: victim.clone() });
+            let body = Body::Close { conn: conn.peer_conn };
+            self.schedule(at, Event::Arrive(Message { from: victim.clone(), to: conn.peer, sent_at: now, body }));
         }
     }
-}
-
-/// `offer` as sent at `at`: the clock field is the sender's clock sample for the peer.
-fn stamped(offer: &Handshake, at: Time) -> Box<Handshake> {
-    Box::new(Handshake { clock: at, ..offer.clone() })
 }
 
 /// Checks that every pair is non-empty, does not overflow, and lies in a registered region on

@@ -7,7 +7,7 @@ use kv_core::{
     TransferRequest, TransferStatus, Transport, TransportError,
 };
 
-use super::{stamped, validate, Agent, Body, Endpoint, Event, FakeNetwork, Message, Net, Transfer};
+use super::{validate, Agent, Body, Endpoint, Event, FakeNetwork, Message, Net, Transfer};
 
 /// One agent (one TP rank) on a [`FakeNetwork`]; every method settles the network first.
 ///
@@ -74,23 +74,8 @@ impl Transport for FakeTransport {
 
     fn connect(&mut self, address: &PeerAddress) -> Result<(), TransportError> {
         self.settled(|net, me| {
-            let now = net.clock.now();
-            let offer = stamped(&net.caller(me)?.offer, now);
-            let listener = net.listeners.get(address).and_then(|name| {
-                net.agents.get(name).map(|agent| Endpoint { name: name.clone(), generation: agent.generation })
-            });
-            match listener {
-                Some(to) => {
-                    let body = Body::Offer { address: address.clone(), offer };
-                    net.send(Message { from: me.clone(), to, sent_at: now, body });
-                }
-                None => {
-                    // Nobody listens: refused after one round trip, as a TCP connect would be.
-                    let timeout = now + net.config.latency * 2;
-                    let error = TransportError::Unreachable(address.clone());
-                    net.schedule(timeout, Event::ConnectFailed { to: me.clone(), address: address.clone(), error });
-                }
-            }
+            net.caller(me)?;
+            net.open(me, address);
             Ok(())
         })
     }
@@ -152,6 +137,11 @@ impl Transport for FakeTransport {
             } else {
                 None
             };
+            // The notification rides sealed for the peer, as every notification does.
+            let mut request = request;
+            if let Some(payload) = request.notification.take() {
+                request.notification = Some(net.seal(me, &peer.name, &payload)?);
+            }
             let agent = net.caller_mut(me)?;
             let id = TransferId(agent.next_transfer);
             agent.next_transfer += 1;
@@ -183,8 +173,9 @@ impl Transport for FakeTransport {
         self.settled(|net, me| {
             let to = net.caller(me)?.link(peer)?;
             check_size(Some(payload))?;
+            let sealed = net.seal(me, peer, payload)?;
             let sent_at = net.clock.now();
-            net.send(Message { from: me.clone(), to, sent_at, body: Body::Notification(payload.to_vec()) });
+            net.send(Message { from: me.clone(), to, sent_at, body: Body::Notification(sealed) });
             Ok(())
         })
     }

@@ -1,0 +1,199 @@
+//! The fake network's side channels: every agent runs kv-core's [`SideEndpoint`], and the
+//! network moves its bytes as a TCP stream would (in order, one latency per frame, held through
+//! partitions and pauses, lost only with a crash), reports connections opening and closing,
+//! and wakes the endpoint when it asks. Notifications are sealed and opened by the endpoints.
+
+use kv_core::side::{ClusterKey, ConnId, NotifyError, SideEvent, CLUSTER_KEY_BYTES};
+use kv_core::{AgentName, Notification, PeerAddress, PeerEvent, RefusalCause, Time, TransportError};
+
+use super::{Body, Endpoint, Event, Link, Message, Net};
+use crate::Rng;
+
+/// One end of a side-channel connection: who is at the other end, under which id there.
+#[derive(Clone, Debug)]
+pub(super) struct Conn {
+    pub peer: Endpoint,
+    pub peer_conn: ConnId,
+    /// The peer closed it first: no close goes back.
+    pub peer_closed: bool,
+}
+
+/// A key drawn from the seed.
+pub(super) fn random_key(rng: &mut Rng) -> ClusterKey {
+    let mut bytes = [0u8; CLUSTER_KEY_BYTES];
+    for chunk in bytes.chunks_mut(8) {
+        chunk.copy_from_slice(&rng.next_u64().to_le_bytes());
+    }
+    ClusterKey::from_bytes(&bytes).expect("32 bytes")
+}
+
+impl Net {
+    fn nonce(&mut self) -> [u8; 32] {
+        let mut nonce = [0u8; 32];
+        for chunk in nonce.chunks_mut(8) {
+            chunk.copy_from_slice(&self.rng.next_u64().to_le_bytes());
+        }
+        nonce
+    }
+
+    fn next_conn(&mut self) -> ConnId {
+        self.next_conn += 1;
+        ConnId(self.next_conn)
+    }
+
+    /// `who` opens a side-channel connection to the listener at `address`.
+    pub(super) fn open(&mut self, who: &Endpoint, address: &PeerAddress) {
+        let now = self.clock.now();
+        let (mine, theirs, nonce) = (self.next_conn(), self.next_conn(), self.nonce());
+        let listener = self.listeners.get(address).and_then(|name| {
+            self.agents.get(name).map(|agent| Endpoint { name: name.clone(), generation: agent.generation })
+        });
+        let Some(agent) = self.agent_mut(who) else { return };
+        agent.side.handle_connect(now, mine, address.clone(), nonce);
+        match listener {
+            Some(to) => {
+                agent.conns.insert(mine, Conn { peer: to.clone(), peer_conn: theirs, peer_closed: false });
+                let body = Body::Open { initiator_conn: mine, listener_conn: theirs };
+                self.send(Message { from: who.clone(), to, sent_at: now, body });
+            }
+            None => {
+                // Nobody listens: refused after one round trip, as a TCP connect would be.
+                self.schedule(now + self.config.latency * 2, Event::Unreachable { to: who.clone(), conn: mine });
+            }
+        }
+        self.pump_side(who, now);
+    }
+
+    pub(super) fn side_open(&mut self, at: Time, from: &Endpoint, to: &Endpoint, initiator: ConnId, listener: ConnId) {
+        let nonce = self.nonce();
+        let Some(agent) = self.agent_mut(to) else { return };
+        agent.conns.insert(listener, Conn { peer: from.clone(), peer_conn: initiator, peer_closed: false });
+        agent.side.handle_accept(at, listener, nonce);
+        self.pump_side(to, at);
+    }
+
+    pub(super) fn side_bytes(&mut self, at: Time, to: &Endpoint, conn: ConnId, bytes: &[u8]) {
+        let Some(agent) = self.agent_mut(to) else { return };
+        if !agent.conns.contains_key(&conn) {
+            return;
+        }
+        agent.side.handle_bytes(at, conn, bytes);
+        self.pump_side(to, at);
+    }
+
+    pub(super) fn side_peer_closed(&mut self, at: Time, to: &Endpoint, conn: ConnId) {
+        let Some(agent) = self.agent_mut(to) else { return };
+        let Some(c) = agent.conns.get_mut(&conn) else { return };
+        c.peer_closed = true;
+        agent.side.handle_closed(at, conn);
+        self.pump_side(to, at);
+    }
+
+    /// A connection `to` opened never reached a listener.
+    pub(super) fn side_closed(&mut self, at: Time, to: &Endpoint, conn: ConnId) {
+        let Some(agent) = self.agent_mut(to) else { return };
+        if let Some(c) = agent.conns.get_mut(&conn) {
+            c.peer_closed = true;
+        }
+        agent.side.handle_closed(at, conn);
+        self.pump_side(to, at);
+    }
+
+    pub(super) fn side_timer(&mut self, at: Time, to: &Endpoint) {
+        let Some(agent) = self.agent_mut(to) else { return };
+        agent.side_timer = None;
+        agent.side.handle_timeout(at);
+        self.pump_side(to, at);
+    }
+
+    /// Carries out what `who`'s side endpoint asked for: its events become the agent's peer
+    /// events, its bytes and closes travel, and its next wake-up is scheduled.
+    fn pump_side(&mut self, who: &Endpoint, now: Time) {
+        let Some(agent) = self.agent_mut(who) else { return };
+        while let Some(event) = agent.side.poll_event() {
+            let event = match event {
+                SideEvent::Connected { conn, info } => {
+                    let Some(c) = agent.conns.get(&conn) else { continue };
+                    agent.peers.insert(info.agent.clone(), Link { generation: c.peer.generation, lost: false });
+                    PeerEvent::Connected(info)
+                }
+                SideEvent::Lost { agent: lost, .. } => {
+                    if let Some(link) = agent.peers.get_mut(&lost) {
+                        link.lost = true;
+                    }
+                    PeerEvent::Lost(lost)
+                }
+                SideEvent::Refused { claimed, cause, reason, .. } => {
+                    PeerEvent::Refused { peer: claimed, cause, reason }
+                }
+                SideEvent::ConnectFailed { address, error, .. } => PeerEvent::ConnectFailed { address, error },
+            };
+            agent.events.push_back(event);
+        }
+        let mut out = Vec::new();
+        while let Some(t) = agent.side.poll_transmit() {
+            if let Some(c) = agent.conns.get(&t.conn).filter(|c| !c.peer_closed) {
+                out.push(Message {
+                    from: who.clone(),
+                    to: c.peer.clone(),
+                    sent_at: now,
+                    body: Body::Side { conn: c.peer_conn, bytes: t.bytes },
+                });
+            }
+        }
+        while let Some(conn) = agent.side.poll_close() {
+            if let Some(c) = agent.conns.remove(&conn).filter(|c| !c.peer_closed) {
+                out.push(Message {
+                    from: who.clone(),
+                    to: c.peer,
+                    sent_at: now,
+                    body: Body::Close { conn: c.peer_conn },
+                });
+            }
+        }
+        // One wake-up scheduled per agent, moved when the endpoint wants another, so that no
+        // stale wake-up lingers in the queue.
+        let wanted = agent.side.poll_timeout().map(|t| t.max(now));
+        let scheduled = agent.side_timer;
+        for message in out {
+            self.send(message);
+        }
+        if scheduled.map(|(t, _)| t) != wanted {
+            if let Some(key) = scheduled {
+                self.queue.remove(&key);
+            }
+            let key = wanted.map(|t| self.schedule_keyed(t, Event::SideTimer { to: who.clone() }));
+            if let Some(agent) = self.agent_mut(who) {
+                agent.side_timer = key;
+            }
+        }
+    }
+
+    /// Seals `payload` for `to` with `from`'s session with it.
+    pub(super) fn seal(&mut self, from: &Endpoint, to: &AgentName, payload: &[u8]) -> Result<Vec<u8>, TransportError> {
+        let agent =
+            self.agent_mut(from).ok_or_else(|| TransportError::Backend(format!("agent {} is down", from.name)))?;
+        agent.side.seal_notification(to, payload).map_err(|e| match e {
+            NotifyError::UnknownPeer { .. } => TransportError::UnknownPeer(to.clone()),
+            NotifyError::TooLarge { len, max } => TransportError::NotificationTooLarge { len, max },
+            other => TransportError::Backend(other.to_string()),
+        })
+    }
+
+    pub(super) fn notification_arrived(&mut self, _at: Time, from: &Endpoint, to: &Endpoint, sealed: &[u8]) {
+        let Some(agent) = self.agent_mut(to) else { return };
+        let event = match agent.side.open_notification(&from.name, sealed) {
+            Ok(payload) => PeerEvent::Notification(Notification { from: from.name.clone(), payload }),
+            Err(e) => {
+                let cause = match e {
+                    NotifyError::Malformed { .. } | NotifyError::TooLarge { .. } => RefusalCause::Malformed,
+                    NotifyError::Replayed { .. } => RefusalCause::Replayed,
+                    NotifyError::UnknownPeer { .. } | NotifyError::BadTag { .. } => RefusalCause::Unauthenticated,
+                };
+                PeerEvent::Refused { peer: Some(from.name.clone()), cause, reason: e.to_string() }
+            }
+        };
+        agent.events.push_back(event);
+        self.stats.delivered += 1;
+    }
+}
