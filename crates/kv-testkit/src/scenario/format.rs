@@ -2029,6 +2029,13 @@ mod tests {
                 "do = \"crash\"\nnode = \"decode0\"\ncached_tokens = 16",
                 "step 1: do = \"crash\": unexpected keys in table: cached_tokens, available keys: node, detect",
             ),
+            ("do = \"crash\"\nnode = 3", "step 1: node: invalid type: integer `3`, expected a string"),
+            ("do = \"arrive\"\nrequest = \"r1\"\nprompt_tokens = 0", "step 1: prompt_tokens must be at least 1, not 0"),
+            ("do = \"arrive\"\nrequest = 7", "step 1: request: invalid type: integer `7`, expected a string"),
+            (
+                "do = \"wait\"\nnode = \"decode1\"\nfor_s = 1",
+                "step 1: unknown key \"for_s\" for do = \"wait\" (expected one of: at_s, do, expect, node)",
+            ),
             ("expect = { written_after_free = -1 }", "step 1: expect.written_after_free: invalid value: integer `-1`"),
             (
                 "expect = { d_blocks_read = { r1 = \"all\" } }",
