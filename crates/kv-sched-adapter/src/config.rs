@@ -5,6 +5,7 @@ use std::time::Duration;
 
 /// Whether D reads from P or P writes into D.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 pub enum Mode {
     /// D reads P's exported blocks.
     Pull,
@@ -14,6 +15,7 @@ pub enum Mode {
 
 /// What D does when a load fails or cannot be made safely.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 pub enum LoadFailurePolicy {
     /// Fail the request.
     Fail,
@@ -23,6 +25,7 @@ pub enum LoadFailurePolicy {
 
 /// Why P released an export.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 pub enum ReleaseReason {
     /// The completion count was reached (D's reads, or P's writes, finished; a prefix hit says done too).
     Transferred,

@@ -240,16 +240,18 @@ struct DecodeEngine {
     ended: BTreeMap<RequestId, DecodeState>,
 }
 
-/// A message a handshaked engine forges about another engine's export.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+/// A message a handshaked engine forges about another engine's export (a scenario's `forge`
+/// `message`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ForgedMessage {
-    /// A completion, counting some consumers.
+    /// `"completion"`: the transfer is done, counting the event's `consumers`.
     Completion,
-    /// An abort.
+    /// `"abort"`: the consumer gave the request up.
     Abort,
-    /// A heartbeat renewing it.
+    /// `"heartbeat"`: a lease renewal.
     Heartbeat,
-    /// A rejection.
+    /// `"reject"`: the consumer rejected the request before admission.
     Reject,
 }
 
@@ -1098,6 +1100,27 @@ impl Cluster {
             return err(format!("{node} is not down"));
         }
         self.record(format!("{node} restarted"));
+        Ok(())
+    }
+
+    /// A peer without the cluster key opens `to`'s side channel (its rank 0) claiming to be
+    /// engine `claimed` (as a newer incarnation, rank 0), tries the handshake, and hangs up.
+    pub fn intrude(&mut self, to: &str, claimed: &str) -> Result<(), ClusterError> {
+        let to_id = EngineId::new(to);
+        if !self.prefill.contains_key(&to_id) && !self.decode.contains_key(&to_id) {
+            return err(format!("no engine {to}"));
+        }
+        let claimed_id = EngineId::new(claimed);
+        let (role, tp, block_tokens) = if self.prefill.contains_key(&claimed_id) {
+            (Role::Prefill, self.config.prefill_tp, self.config.prefill_block_tokens)
+        } else {
+            (Role::Decode, self.config.decode_tp, self.config.decode_block_tokens)
+        };
+        let mut claim =
+            crate::offer(&AgentName::new(claimed_id.clone(), 0), role, tp, self.config.layout(block_tokens));
+        claim.instance = self.instance(&claimed_id) + 1;
+        self.net.intrude(&Self::address(&to_id, 0), claim).map_err(|e| ClusterError(e.to_string()))?;
+        self.record(format!("an intruder without the key claims {claimed} at {to}"));
         Ok(())
     }
 

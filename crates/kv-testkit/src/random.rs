@@ -12,13 +12,16 @@
 //! twice, no write into a freed block, no corrupt read; after the drain, nothing is held on a
 //! live engine. A panic is a failure too. The same seed gives the same run and digest.
 
+use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
 use kv_core::{RequestId, Time};
 
 use crate::cluster::Cluster;
-use crate::scenario::format::{ClusterSpec, Event, FailurePolicy, Node, PolicySpec, Scenario, Step, TransferMode};
+use kv_sched_adapter::{LoadFailurePolicy, Mode};
+
+use crate::scenario::format::{ClusterSpec, Event, Node, PolicySpec, Scenario, Step};
 use crate::scenario::runner::{apply, cluster_config};
 use crate::Rng;
 
@@ -48,7 +51,7 @@ fn ms(v: u64) -> Duration {
 /// The workload of `seed`, as a scenario (without expectations: random mode checks invariants).
 pub fn generate(seed: u64) -> Scenario {
     let mut rng = Rng::new(seed ^ 0x6b76_666c_6f77);
-    let mode = if rng.chance(0.4) { TransferMode::Push } else { TransferMode::Pull };
+    let mode = if rng.chance(0.4) { Mode::Push } else { Mode::Pull };
     let mla = rng.chance(0.15);
     // (P TP, D TP) pairs that map onto 8 heads (and MLA), both directions.
     let tps: &[(u32, u32)] = &[(1, 1), (1, 2), (2, 2), (2, 4), (2, 1), (4, 2), (4, 1), (1, 4)];
@@ -74,12 +77,14 @@ pub fn generate(seed: u64) -> Scenario {
         network_latency: ms(1 + rng.below(3)),
         transfer_latency: ms(2 + rng.below(20)),
         worker_handoff: ms(step_ms * (1 + rng.below(20))),
+        clock_skew: BTreeMap::new(),
     };
     let lease_s = 2 + rng.below(9);
     let mut policy = PolicySpec::with_lease(Duration::from_secs(lease_s));
     policy.decoder_kv_blocks_ttl = Duration::from_secs(5 + rng.below(20));
     policy.push_registration_timeout = policy.decoder_kv_blocks_ttl;
-    policy.kv_load_failure_policy = if rng.chance(0.5) { FailurePolicy::Recompute } else { FailurePolicy::Fail };
+    policy.kv_load_failure_policy =
+        if rng.chance(0.5) { LoadFailurePolicy::Recompute } else { LoadFailurePolicy::Fail };
     policy.early_notification_capacity = [4usize, 64, 8192][rng.below(3) as usize];
 
     let horizon_ms = 20_000 + rng.below(20_000);
@@ -103,7 +108,7 @@ pub fn generate(seed: u64) -> Scenario {
         let n = if rng.chance(0.15) { 2 + rng.below(3) as u32 } else { 1 };
         let base = format!("r{i}");
         // Both legs carry the router's id; in push mode each engine may add its own suffix.
-        let (p_id, d_remote) = if mode == TransferMode::Push && n == 1 && rng.chance(0.5) {
+        let (p_id, d_remote) = if mode == Mode::Push && n == 1 && rng.chance(0.5) {
             (format!("{base}{}", suffix(&mut rng)), format!("{base}{}", suffix(&mut rng)))
         } else {
             (base.clone(), base.clone())
@@ -115,9 +120,12 @@ pub fn generate(seed: u64) -> Scenario {
         } else {
             (RequestId::new(d_remote.clone()), RequestId::new(d_remote))
         };
-        let arrive_early = mode == TransferMode::Push && rng.chance(0.3);
+        let arrive_early = mode == Mode::Push && rng.chance(0.3);
         let t_prefill = if arrive_early { t0 + rng.below(3000) } else { t0 };
-        push(t_prefill, Event::Prefill { request: RequestId::new(p_id.clone()), prompt_tokens, n, node: p });
+        push(
+            t_prefill,
+            Event::Prefill { request: RequestId::new(p_id.clone()), prompt_tokens, n, node: p, consumer: None },
+        );
         let t_arrive = if arrive_early { t0 } else { t0 + rng.below(500) };
         let roll = rng.below(100);
         if roll < 8 {
@@ -147,10 +155,13 @@ pub fn generate(seed: u64) -> Scenario {
             continue;
         }
         if roll < 8 {
-            let failing = if mode == TransferMode::Push { p } else { d };
-            push(t_schedule, Event::FailTransfer { request: remote_request.clone(), node: failing });
+            let failing = if mode == Mode::Push { p } else { d };
+            push(t_schedule, Event::FailTransfer { request: remote_request.clone(), node: failing, from_block: None });
         }
-        push(t_schedule, Event::Schedule { request: d_request.clone(), node: d, prefix_hit: rng.chance(0.05) });
+        push(
+            t_schedule,
+            Event::Schedule { request: d_request.clone(), node: d, prefix_hit: rng.chance(0.05), cached_tokens: 0 },
+        );
         if (8..12).contains(&roll) {
             push(t_schedule + rng.below(20), Event::Abort { request: d_request.clone(), node: d });
         }
@@ -168,7 +179,7 @@ pub fn generate(seed: u64) -> Scenario {
                     prompt_tokens: None,
                 },
             );
-            push(t + rng.below(100), Event::Schedule { request: other, node: d, prefix_hit: true });
+            push(t + rng.below(100), Event::Schedule { request: other, node: d, prefix_hit: true, cached_tokens: 0 });
         }
     }
     let faults = rng.below(6);

@@ -1,4 +1,4 @@
-//! Every scenario file passes: the shared `scenarios/public` folder, and this crate's own
+//! Every scenario file passes: the shared `scenarios/public` and `scenarios/next` folders, and this crate's own
 //! `scenarios` folder, which checks DESIGN.md's lifecycle rules that the public files do not
 //! cover (push ordering and base-id matching, the push watchdog, aborts, failed transfers, the
 //! read fence, partitions, heterogeneous TP, MLA, block-size ratios, siblings, crashes and
@@ -34,6 +34,13 @@ fn all_pass(files: &[PathBuf]) {
 #[test]
 fn every_public_scenario_passes() {
     all_pass(&public_scenarios());
+}
+
+/// The shared `scenarios/next` folder: the format's newest keys (`consumer`, `pause`, `forge`,
+/// `intrude`), which join `public/` once runners support them; this one does.
+#[test]
+fn every_next_scenario_passes() {
+    all_pass(&files_in(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/scenarios/next"), 4));
 }
 
 #[test]

@@ -70,6 +70,7 @@ pub enum DecodeReport {
 
 /// Where a request stands on D.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
 pub enum DecodeState {
     /// Arrived; its lease is renewed while it waits.
     Waiting,

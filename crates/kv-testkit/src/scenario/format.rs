@@ -1,11 +1,15 @@
 //! The typed, validated in-memory form of a scenario file, as `scenarios/FORMAT.md` specifies it.
 //!
-//! [`Scenario::from_toml_str`] and [`Scenario::load`] apply every default of the format, resolve
-//! node names to engines of the cluster (checking that each has the role its event needs), and
-//! refuse unknown keys, steps out of time order, negative or non-finite times, zero sizes and
-//! counts, and events that lack a required field. An error says where: the file (when loaded
-//! from one), the step (counted from 1, as a reader counts `[[step]]` tables), the field and the
-//! value, e.g. `pull.toml: step 3: unknown event "explode" (expected one of: prefill, ...)`.
+//! [`Scenario::from_toml_str`] and [`Scenario::load`] read the file with serde, unknown keys
+//! refused and defaults applied: a step's [`Event`] and [`Expect`] deserialize from its keys,
+//! the `[cluster]` and `[policy]` tables through private mirrors (some of their defaults follow
+//! other keys). What serde cannot check is checked on the parsed document, where every value's
+//! place is known: that node names are engines of the cluster with the role their event needs,
+//! that steps are in time order, that times are finite and not negative, that sizes and counts
+//! are not zero, and that request ids are neither empty nor too long. An error says where: the
+//! file (when loaded from one), the step (counted from 1, as a reader counts `[[step]]` tables),
+//! the key and the value, and the line and column, e.g. `pull.toml: step 3: do: unknown variant
+//! `explode`, expected one of `prefill`, ... (line 14, column 6)`.
 //!
 //! Checks that need the simulation itself are left to the runner; the one the format names is
 //! that a push-mode `arrive` that comes before P's `prefill` must carry `prompt_tokens`.
@@ -31,26 +35,40 @@
 //! assert_eq!(scenario.steps[0].at, Time::ZERO);
 //! assert_eq!(
 //!     scenario.steps[0].event,
-//!     Some(Event::Prefill { request: RequestId::new("r1"), prompt_tokens: 64, n: 1, node: Node::PREFILL0 })
+//!     Some(Event::Prefill {
+//!         request: RequestId::new("r1"),
+//!         prompt_tokens: 64,
+//!         n: 1,
+//!         node: Node::PREFILL0,
+//!         consumer: None,
+//!     })
 //! );
 //! assert_eq!(scenario.steps[0].expect.as_ref().and_then(|e| e.p_held_blocks), Some(4));
 //!
 //! let bad = Scenario::from_toml_str("name = \"x\"\n[[step]]\nat_s = 1\ndo = \"explode\"\n").unwrap_err();
-//! assert!(bad.to_string().starts_with("step 1: unknown event \"explode\""));
+//! assert!(bad.to_string().starts_with("step 1: do: unknown variant `explode`"));
+//! assert!(bad.to_string().ends_with("(line 4, column 6)"));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::borrow::Cow;
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::fs;
 use std::io;
+use std::num::NonZeroU32;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kv_core::id::MAX_REQUEST_ID_LEN;
 use kv_core::{EngineId, RequestId, Role, Time};
-use toml::{Table, Value};
+use kv_sched_adapter::{DecodeState, LoadFailurePolicy, Mode, ReleaseReason};
+use serde::de::{DeserializeOwned, Error as _, IgnoredAny};
+use serde::{Deserialize, Deserializer};
+use toml::de::{DeTable, DeValue, ValueDeserializer};
+use toml::Spanned;
 
 /// One scenario file: a cluster, its lifecycle policy, and the steps that drive it.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -68,7 +86,7 @@ pub struct Scenario {
 impl Scenario {
     /// Parses and validates a scenario from TOML text; errors carry no file name.
     pub fn from_toml_str(text: &str) -> Result<Scenario, ScenarioError> {
-        parse_scenario(text)
+        Source { text }.scenario()
     }
 
     /// Reads, parses and validates the scenario file at `path`; errors name the file.
@@ -125,36 +143,11 @@ fn io_error(path: &Path) -> impl Fn(io::Error) -> ScenarioError + '_ {
     move |source| ScenarioError::Io { path: path.to_owned(), source }
 }
 
-/// Whether D reads from P or P writes into D (`cluster.mode`).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub enum TransferMode {
-    /// `"pull"`: D reads P's exported blocks.
-    Pull,
-    /// `"push"`: D registers its blocks and P writes into them.
-    Push,
-}
-
-impl TransferMode {
-    /// The mode's name as scenario files write it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TransferMode::Pull => "pull",
-            TransferMode::Push => "push",
-        }
-    }
-}
-
-impl fmt::Display for TransferMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
 /// The `[cluster]` table: the engines and the simulated timing.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct ClusterSpec {
     /// `mode` (pull).
-    pub mode: TransferMode,
+    pub mode: Mode,
     /// `prefillers` (1): engines `prefill0` .. `prefill{prefillers - 1}`; at least 1.
     pub prefillers: u32,
     /// `decoders` (1): engines `decode0` .. `decode{decoders - 1}`; at least 1.
@@ -185,13 +178,16 @@ pub struct ClusterSpec {
     /// `worker_handoff_ms` (= `step_interval`): from P's scheduler finishing a request to P's
     /// transfer workers knowing it.
     pub worker_handoff: Duration,
+    /// `clock_skew_ms` (none): per engine, the nanoseconds its clock reads ahead of true time
+    /// (negative: behind), as [`Time::shifted`] takes them.
+    pub clock_skew: BTreeMap<Node, i64>,
 }
 
 impl Default for ClusterSpec {
     fn default() -> Self {
         let step_interval = Duration::from_millis(10);
         ClusterSpec {
-            mode: TransferMode::Pull,
+            mode: Mode::Pull,
             prefillers: 1,
             decoders: 1,
             prefill_tp: 1,
@@ -206,6 +202,7 @@ impl Default for ClusterSpec {
             network_latency: Duration::from_millis(1),
             transfer_latency: Duration::from_millis(5),
             worker_handoff: step_interval,
+            clock_skew: BTreeMap::new(),
         }
     }
 }
@@ -262,31 +259,6 @@ impl ClusterSpec {
     }
 }
 
-/// What D does when a load fails or cannot be made safely (`policy.kv_load_failure_policy`).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub enum FailurePolicy {
-    /// `"fail"`: the request fails.
-    Fail,
-    /// `"recompute"`: D computes the prompt's KV itself.
-    Recompute,
-}
-
-impl FailurePolicy {
-    /// The policy's name as scenario files write it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FailurePolicy::Fail => "fail",
-            FailurePolicy::Recompute => "recompute",
-        }
-    }
-}
-
-impl fmt::Display for FailurePolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
 /// The `[policy]` table: the lifecycle settings every engine runs with.
 ///
 /// Only what would stop the simulation (a zero lease or heartbeat) is refused here; settings
@@ -303,8 +275,11 @@ pub struct PolicySpec {
     pub decoder_kv_blocks_ttl: Duration,
     /// `push_registration_timeout_s` (= `decoder_kv_blocks_ttl`).
     pub push_registration_timeout: Duration,
+    /// `push_quarantine_s` (2 × lease): how long D keeps blocks it gave up on at the push
+    /// watchdog, unless P confirms that no write can come.
+    pub push_quarantine: Duration,
     /// `kv_load_failure_policy` (recompute).
-    pub kv_load_failure_policy: FailurePolicy,
+    pub kv_load_failure_policy: LoadFailurePolicy,
     /// `early_notification_capacity` (8192).
     pub early_notification_capacity: usize,
 }
@@ -319,7 +294,8 @@ impl PolicySpec {
             lease_extension: kv_lease_duration * 2 / 3,
             decoder_kv_blocks_ttl,
             push_registration_timeout: decoder_kv_blocks_ttl,
-            kv_load_failure_policy: FailurePolicy::Recompute,
+            push_quarantine: kv_lease_duration * 2,
+            kv_load_failure_policy: LoadFailurePolicy::Recompute,
             early_notification_capacity: 8192,
         }
     }
@@ -333,8 +309,10 @@ impl Default for PolicySpec {
 
 /// One engine of the cluster, as scenario files name it: `prefill0`, `decode1`, ...
 ///
-/// Ordered prefill engines first, then by index.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+/// Ordered prefill engines first, then by index. It deserializes from its name; whether the
+/// cluster has it is for the reader of the file to check.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
+#[serde(try_from = "String")]
 pub struct Node {
     /// Prefill or decode.
     pub role: Role,
@@ -380,6 +358,14 @@ impl Node {
     /// The engine's id: its name.
     pub fn engine_id(&self) -> EngineId {
         EngineId::new(self.to_string())
+    }
+}
+
+impl TryFrom<String> for Node {
+    type Error = String;
+
+    fn try_from(name: String) -> Result<Node, String> {
+        Node::parse(&name).ok_or_else(|| format!("{name:?} is not an engine name"))
     }
 }
 
@@ -429,7 +415,11 @@ pub struct Step {
 }
 
 /// An event (`do`) with its fields, defaults applied and nodes checked against the cluster.
-#[derive(Clone, PartialEq, Eq, Debug)]
+///
+/// serde reads it from `{ <do> = { the step's other keys } }`; [`Scenario::from_toml_str`]
+/// checks first what serde cannot: nodes, request ids, times and counts.
+#[derive(Clone, PartialEq, Eq, Debug, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum Event {
     /// `prefill`: P runs the prompt and finishes it; its blocks are exported under a lease.
     Prefill {
@@ -438,17 +428,24 @@ pub enum Event {
         /// `prompt_tokens` (required, at least 1).
         prompt_tokens: u64,
         /// `n` (1): with `n > 1`, P registers the siblings `0_r` .. `{n-1}_r`.
+        #[serde(default = "one")]
         n: u32,
         /// `node` (prefill0): a prefill engine.
+        #[serde(default = "prefill0")]
         node: Node,
+        /// `consumer` (none): the decode engine the router has already chosen; P binds the
+        /// export to it at once.
+        consumer: Option<Node>,
     },
     /// `arrive`: the request, carrying P's transfer parameters, enters D's waiting queue.
     Arrive {
         /// `request` (required): D's id; may be a sibling id.
         request: RequestId,
         /// `node` (decode0): a decode engine.
+        #[serde(default = "decode0")]
         node: Node,
         /// `from` (prefill0): a prefill engine.
+        #[serde(default = "prefill0")]
         from: Node,
         /// `remote_request` (= `request`): P's id for the request.
         remote_request: RequestId,
@@ -461,17 +458,25 @@ pub enum Event {
         /// `request` (required).
         request: RequestId,
         /// `node` (decode0): a decode engine.
+        #[serde(default = "decode0")]
         node: Node,
         /// `prefix_hit` (false): D already has the prompt cached and only tells P it is done.
+        #[serde(default)]
         prefix_hit: bool,
+        /// `cached_tokens` (0): the prompt's first tokens that D's own prefix cache holds, a
+        /// whole number of D blocks; D loads only the blocks after them.
+        #[serde(default)]
+        cached_tokens: u64,
     },
     /// `reject`: the request reaches D, and D rejects it before admission.
     Reject {
         /// `request` (required).
         request: RequestId,
         /// `node` (decode0): a decode engine.
+        #[serde(default = "decode0")]
         node: Node,
         /// `from` (prefill0): a prefill engine.
+        #[serde(default = "prefill0")]
         from: Node,
         /// `remote_request` (= `request`): P's id for the request.
         remote_request: RequestId,
@@ -488,6 +493,7 @@ pub enum Event {
         /// `node` (required): any engine.
         node: Node,
         /// `detect` (false): its peers see its side channel close.
+        #[serde(default)]
         detect: bool,
     },
     /// `restart`: the engine comes back empty, under a new registration generation.
@@ -502,6 +508,7 @@ pub enum Event {
         /// `b` (required): any engine other than `a`.
         b: Node,
         /// `until_s` (required): not before the step's `at_s`.
+        #[serde(rename = "until_s", deserialize_with = "secs_time")]
         until: Time,
     },
     /// `delay`: every message from `a` to `b` sent before `until` arrives `by` later.
@@ -511,8 +518,10 @@ pub enum Event {
         /// `b` (required): the receiver, other than `a`.
         b: Node,
         /// `by_ms` (required).
+        #[serde(rename = "by_ms", deserialize_with = "millis")]
         by: Duration,
         /// `until_s` (required): not before the step's `at_s`.
+        #[serde(rename = "until_s", deserialize_with = "secs_time")]
         until: Time,
     },
     /// `fail_transfer`: the next read or write that `node` posts for `request` fails.
@@ -522,6 +531,9 @@ pub enum Event {
         /// `node` (required): the engine that posts transfers in this mode, a decode engine in
         /// pull mode and a prefill engine in push mode.
         node: Node,
+        /// `from_block` (none): a D block index of the prompt; the blocks before it arrive
+        /// intact and only those from it on fail.
+        from_block: Option<u32>,
     },
     /// `garbage`: `from` sends `to` a notification whose payload is `bytes`.
     Garbage {
@@ -530,10 +542,43 @@ pub enum Event {
         /// `to` (required): any engine other than `from`.
         to: Node,
         /// `bytes` (required): the string's UTF-8 bytes.
+        #[serde(deserialize_with = "utf8")]
         bytes: Vec<u8>,
     },
     /// `wait`: nothing; the step only moves time and checks.
     Wait,
+    /// `pause`: the engine stops for a while, as under SIGSTOP, with its side channel open.
+    Pause {
+        /// `node` (required): any engine.
+        node: Node,
+        /// `for_s` (required, positive): how long it stays stopped.
+        #[serde(rename = "for_s", deserialize_with = "secs")]
+        for_: Duration,
+    },
+    /// `forge`: `from` sends `to` a well-formed message about `to`'s export `request`, as if it
+    /// were that export's consumer.
+    Forge {
+        /// `from` (required): a decode engine.
+        from: Node,
+        /// `to` (required): a prefill engine.
+        to: Node,
+        /// `message` (required).
+        message: ForgedMessage,
+        /// `request` (required): the export's id on `to`.
+        request: RequestId,
+        /// `consumers` (1): the count a forged completion carries.
+        #[serde(default = "one")]
+        consumers: u32,
+    },
+    /// `intrude`: a peer without the cluster's key opens `to`'s side channel claiming to be
+    /// `claimed`, tries the handshake, and hangs up.
+    Intrude {
+        /// `to` (required): any engine.
+        to: Node,
+        /// `as` (required): an engine of the cluster other than `to`.
+        #[serde(rename = "as")]
+        claimed: Node,
+    },
 }
 
 impl Event {
@@ -552,130 +597,20 @@ impl Event {
             Event::FailTransfer { .. } => "fail_transfer",
             Event::Garbage { .. } => "garbage",
             Event::Wait => "wait",
+            Event::Pause { .. } => "pause",
+            Event::Forge { .. } => "forge",
+            Event::Intrude { .. } => "intrude",
         }
     }
 }
 
-/// Every `do` with its keys, in the format's order.
-const EVENTS: [(&str, &[&str]); 12] = [
-    ("prefill", &["request", "prompt_tokens", "n", "node"]),
-    ("arrive", &["request", "node", "from", "remote_request", "prompt_tokens"]),
-    ("schedule", &["request", "node", "prefix_hit"]),
-    ("reject", &["request", "node", "from", "remote_request"]),
-    ("abort", &["request", "node"]),
-    ("crash", &["node", "detect"]),
-    ("restart", &["node"]),
-    ("partition", &["a", "b", "until_s"]),
-    ("delay", &["a", "b", "by_ms", "until_s"]),
-    ("fail_transfer", &["request", "node"]),
-    ("garbage", &["from", "to", "bytes"]),
-    // `node` only says where `d_state` looks.
-    ("wait", &["node"]),
-];
-
-/// Why P released an export, as an expectation names it (`expect.p_released`).
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
-pub enum ReleaseReasonName {
-    /// `"transferred"`: the export's completion count was reached.
-    Transferred,
-    /// `"expired"`: its lease ran out.
-    Expired,
-    /// `"rejected"`: D rejected the request before admission.
-    Rejected,
-    /// `"aborted"`: D aborted the request, or gave up its load, and told P.
-    Aborted,
-    /// `"sibling"`: a parallel-sampling sibling's completion released it.
-    Sibling,
-    /// `"peer_lost"`: the D engine that had renewed it or started loading it was seen gone.
-    PeerLost,
-}
-
-impl ReleaseReasonName {
-    /// Every reason, in the format's order.
-    pub const ALL: [ReleaseReasonName; 6] = [
-        ReleaseReasonName::Transferred,
-        ReleaseReasonName::Expired,
-        ReleaseReasonName::Rejected,
-        ReleaseReasonName::Aborted,
-        ReleaseReasonName::Sibling,
-        ReleaseReasonName::PeerLost,
-    ];
-
-    /// The reason's name as scenario files write it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ReleaseReasonName::Transferred => "transferred",
-            ReleaseReasonName::Expired => "expired",
-            ReleaseReasonName::Rejected => "rejected",
-            ReleaseReasonName::Aborted => "aborted",
-            ReleaseReasonName::Sibling => "sibling",
-            ReleaseReasonName::PeerLost => "peer_lost",
-        }
-    }
-
-    /// The reason a scenario file's name denotes.
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|r| r.as_str() == name)
-    }
-}
-
-impl fmt::Display for ReleaseReasonName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// Where a request stands on a D engine, as an expectation names it (`expect.d_state`).
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
-pub enum DState {
-    /// `"waiting"`: arrived, not scheduled.
-    Waiting,
-    /// `"loading"`: scheduled: reading, or registered and waiting for P's write.
-    Loading,
-    /// `"ready"`: its KV is in place.
-    Ready,
-    /// `"failed"`: the load failed or could not be made safely, and the policy is `fail`.
-    Failed,
-    /// `"recompute"`: the load failed or could not be made safely, and the policy is
-    /// `recompute`.
-    Recompute,
-    /// `"gone"`: aborted or rejected, nothing held.
-    Gone,
-}
-
-impl DState {
-    /// Every state, in the format's order.
-    pub const ALL: [DState; 6] =
-        [DState::Waiting, DState::Loading, DState::Ready, DState::Failed, DState::Recompute, DState::Gone];
-
-    /// The state's name as scenario files write it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DState::Waiting => "waiting",
-            DState::Loading => "loading",
-            DState::Ready => "ready",
-            DState::Failed => "failed",
-            DState::Recompute => "recompute",
-            DState::Gone => "gone",
-        }
-    }
-
-    /// The state a scenario file's name denotes.
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|s| s.as_str() == name)
-    }
-}
-
-impl fmt::Display for DState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use crate::cluster::ForgedMessage;
 
 /// A step's `expect`: what must hold once everything due at the step's time has run.
 ///
 /// A key left out is `None` or an empty map, and is not checked.
-#[derive(Clone, PartialEq, Eq, Debug)]
+#[derive(Clone, PartialEq, Eq, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields, expecting = "a table")]
 pub struct Expect {
     /// `p_held_blocks`: logical blocks prefill0 holds for export.
     pub p_held_blocks: Option<u64>,
@@ -684,22 +619,31 @@ pub struct Expect {
     /// `p_pending`: exports on prefill0 not yet released.
     pub p_pending: Option<u64>,
     /// `p_released`: request id to the reason P released its export.
-    pub p_released: BTreeMap<RequestId, ReleaseReasonName>,
+    pub p_released: BTreeMap<RequestId, ReleaseReason>,
     /// `d_held_blocks`: logical blocks decode0 holds for loading or push-waiting requests.
     pub d_held_blocks: Option<u64>,
     /// `d_held_blocks_on`: the same, on the named decode engines.
     pub d_held_blocks_on: BTreeMap<Node, u64>,
-    /// `d_state`: request id to its state on [`Expect::d_state_node`].
-    pub d_state: BTreeMap<RequestId, DState>,
-    /// Where `d_state` looks: the step's `node` when it has one, else decode0. Always a decode
-    /// engine of the cluster (a step whose `node` is a prefill engine cannot check `d_state`).
-    pub d_state_node: Node,
+    /// `d_state`: request id to its state on [`Expect::d_node`].
+    pub d_state: BTreeMap<RequestId, DecodeState>,
+    /// `d_blocks_read`: request id to the logical D blocks [`Expect::d_node`] loaded for it.
+    pub d_blocks_read: BTreeMap<RequestId, u64>,
+    /// `d_tokens_kept`: request id to the tokens of intact KV that [`Expect::d_node`] kept
+    /// from a load that failed part-way.
+    pub d_tokens_kept: BTreeMap<RequestId, u64>,
+    /// Where `d_state`, `d_blocks_read` and `d_tokens_kept` look: the step's `node` when it
+    /// has one, else decode0. Always a decode engine of the cluster (a step whose `node` is a
+    /// prefill engine cannot check them).
+    #[serde(skip)]
+    pub d_node: Node,
     /// `notifications_after_expiry`: completions P received for exports it no longer had.
     pub notifications_after_expiry: Option<u64>,
     /// `ignored_messages`: malformed, unknown or unauthorised messages dropped, on all engines.
     pub ignored_messages: Option<u64>,
     /// `corrupt_reads`: loads whose bytes did not match what P computed.
     pub corrupt_reads: Option<u64>,
+    /// `written_after_free`: writes that landed in blocks their engine had given back.
+    pub written_after_free: Option<u64>,
 }
 
 impl Default for Expect {
@@ -712,10 +656,13 @@ impl Default for Expect {
             d_held_blocks: None,
             d_held_blocks_on: BTreeMap::new(),
             d_state: BTreeMap::new(),
-            d_state_node: Node::DECODE0,
+            d_blocks_read: BTreeMap::new(),
+            d_tokens_kept: BTreeMap::new(),
+            d_node: Node::DECODE0,
             notifications_after_expiry: None,
             ignored_messages: None,
             corrupt_reads: None,
+            written_after_free: None,
         }
     }
 }
@@ -723,31 +670,23 @@ impl Default for Expect {
 impl Expect {
     /// Whether the expectation checks nothing (`expect = {}`).
     pub fn is_empty(&self) -> bool {
-        *self == Expect { d_state_node: self.d_state_node, ..Expect::default() }
+        *self == Expect { d_node: self.d_node, ..Expect::default() }
     }
 }
 
-const EXPECT_KEYS: [&str; 10] = [
-    "p_held_blocks",
-    "p_held_blocks_on",
-    "p_pending",
-    "p_released",
-    "d_held_blocks",
-    "d_held_blocks_on",
-    "d_state",
-    "notifications_after_expiry",
-    "ignored_messages",
-    "corrupt_reads",
-];
-
-/// Where in a scenario an error is: the file, when the scenario was loaded from one, and the
-/// step, counted from 1. It displays as a prefix: `path: step 3: `, `step 3: `, or nothing.
+/// Where in a scenario an error is. It displays as a prefix naming the file and the step:
+/// `path: step 3: `, `step 3: `, or nothing.
 #[derive(Clone, PartialEq, Eq, Debug, Default)]
 pub struct Location {
     /// The scenario file.
     pub file: Option<PathBuf>,
     /// The `[[step]]` table, counted from 1 in file order.
     pub step: Option<usize>,
+    /// The key the error is about, dotted from the step (`until_s`, `expect.d_state.r1`) or,
+    /// outside steps, from the top of the file (`cluster.mode`).
+    pub key: Option<String>,
+    /// The line and the column, both counted from 1, where the text the error is about starts.
+    pub line_column: Option<(usize, usize)>,
 }
 
 impl fmt::Display for Location {
@@ -781,19 +720,26 @@ pub enum ScenarioError {
         path: PathBuf,
     },
     /// The text is not valid TOML.
-    #[error("{location}invalid TOML: {message}")]
+    #[error("{location}invalid TOML: {}{message}", match location.line_column {
+        Some((line, column)) => format!("line {line}, column {column}: "),
+        None => String::new(),
+    })]
     Syntax {
-        /// The file, if any (no step: TOML syntax is checked before steps are told apart).
+        /// The file and the line and column, where known (no step: TOML syntax is checked
+        /// before steps are told apart).
         location: Location,
-        /// The line, column and what the TOML parser said.
+        /// What the TOML parser said.
         message: String,
     },
     /// The text is TOML, but not a valid scenario.
-    #[error("{location}{message}")]
+    #[error("{location}{message}{}", match location.line_column {
+        Some((line, column)) => format!(" (line {line}, column {column})"),
+        None => String::new(),
+    })]
     Invalid {
-        /// The file and step, where there are.
+        /// The file, step, key, line and column, where there are.
         location: Location,
-        /// What is wrong, naming the field and the value.
+        /// What is wrong, naming the key and the value.
         message: String,
     },
 }
@@ -815,546 +761,564 @@ impl ScenarioError {
     }
 }
 
-// ---- parsing ----
+// ---- reading the file ----
 
-/// Where the parser is: the step for error locations, and the table's prefix for field names.
-#[derive(Clone, Copy)]
-struct Ctx {
-    step: Option<usize>,
-    prefix: &'static str,
+/// A name with where it was written.
+type Name = Spanned<String>;
+
+/// A number of seconds or milliseconds, integer or float, with where it was written.
+type Number = Spanned<f64>;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a table")]
+struct FileHead {
+    name: String,
+    #[serde(default)]
+    cluster: ClusterFile,
+    #[serde(default)]
+    policy: PolicyFile,
+    /// Taken out before and read step by step; declared so that an unknown key's message lists it.
+    #[serde(default, rename = "step")]
+    _steps: IgnoredAny,
 }
 
-impl Ctx {
-    const TOP: Ctx = Ctx { step: None, prefix: "" };
-
-    fn err(&self, message: impl Into<String>) -> ScenarioError {
-        ScenarioError::Invalid { location: Location { file: None, step: self.step }, message: message.into() }
-    }
-
-    fn field(&self, key: &str) -> String {
-        format!("{}{key}", self.prefix)
-    }
+/// `[cluster]`; a key left out takes [`ClusterSpec::default`]'s value.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, expecting = "a table")]
+struct ClusterFile {
+    mode: Option<Mode>,
+    prefillers: Option<NonZeroU32>,
+    decoders: Option<NonZeroU32>,
+    prefill_tp: Option<NonZeroU32>,
+    decode_tp: Option<NonZeroU32>,
+    prefill_block_size: Option<NonZeroU32>,
+    decode_block_size: Option<NonZeroU32>,
+    num_kv_heads: Option<NonZeroU32>,
+    mla: Option<bool>,
+    prefill_num_blocks: Option<NonZeroU32>,
+    decode_num_blocks: Option<NonZeroU32>,
+    step_interval_ms: Option<Number>,
+    network_latency_ms: Option<Number>,
+    transfer_latency_ms: Option<Number>,
+    worker_handoff_ms: Option<Number>,
+    #[serde(default)]
+    clock_skew_ms: BTreeMap<Name, Number>,
 }
 
-/// A TOML value as an error message shows it.
-fn show(value: &Value) -> String {
-    match value {
-        Value::String(s) => format!("{s:?}"),
-        Value::Integer(i) => i.to_string(),
-        Value::Float(x) => format!("{x:?}"),
-        Value::Boolean(b) => b.to_string(),
-        Value::Datetime(d) => d.to_string(),
-        Value::Array(_) => "an array".to_owned(),
-        Value::Table(_) => "a table".to_owned(),
-    }
+/// `[policy]`; a key left out takes [`PolicySpec::with_lease`]'s value.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, expecting = "a table")]
+struct PolicyFile {
+    kv_lease_duration_s: Option<Number>,
+    heartbeat_interval_s: Option<Number>,
+    lease_extension_s: Option<Number>,
+    decoder_kv_blocks_ttl_s: Option<Number>,
+    push_registration_timeout_s: Option<Number>,
+    push_quarantine_s: Option<Number>,
+    kv_load_failure_policy: Option<LoadFailurePolicy>,
+    early_notification_capacity: Option<usize>,
 }
 
-fn syntax_error(text: &str, error: &toml::de::Error) -> ScenarioError {
-    let place = error
-        .span()
-        .and_then(|span| text.get(..span.start))
-        .map(|before| {
-            let line = before.matches('\n').count() + 1;
-            let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
-            format!("line {line}, column {column}: ")
-        })
-        .unwrap_or_default();
-    ScenarioError::Syntax { location: Location::default(), message: format!("{place}{}", error.message().trim_end()) }
+fn one() -> u32 {
+    1
 }
 
-fn check_keys(table: &Table, allowed: &[&str], ctx: Ctx, context: &str) -> Result<(), ScenarioError> {
-    match table.keys().find(|k| !allowed.contains(&k.as_str())) {
-        Some(key) => {
-            Err(ctx.err(format!("unknown key {:?}{context} (expected one of: {})", ctx.field(key), allowed.join(", "))))
-        }
-        None => Ok(()),
-    }
+fn prefill0() -> Node {
+    Node::PREFILL0
 }
 
-fn as_table<'a>(value: &'a Value, field: &str, ctx: Ctx) -> Result<&'a Table, ScenarioError> {
-    value.as_table().ok_or_else(|| ctx.err(format!("{field} must be a table, not {}", show(value))))
-}
-
-fn as_str<'a>(value: &'a Value, field: &str, ctx: Ctx) -> Result<&'a str, ScenarioError> {
-    value.as_str().ok_or_else(|| ctx.err(format!("{field} must be a string, not {}", show(value))))
-}
-
-fn as_bool(value: &Value, field: &str, ctx: Ctx) -> Result<bool, ScenarioError> {
-    value.as_bool().ok_or_else(|| ctx.err(format!("{field} must be true or false, not {}", show(value))))
-}
-
-/// An integer of at least `min` that fits `T`.
-fn as_count<T: TryFrom<i64> + Bounded>(value: &Value, field: &str, ctx: Ctx, min: i64) -> Result<T, ScenarioError> {
-    let n = value.as_integer().ok_or_else(|| ctx.err(format!("{field} must be an integer, not {}", show(value))))?;
-    if n < min {
-        return Err(ctx.err(format!("{field} must be at least {min}, not {n}")));
-    }
-    T::try_from(n).map_err(|_| ctx.err(format!("{field} {n} is too large (at most {})", T::MAX)))
-}
-
-/// The largest value of an unsigned integer type, for messages.
-trait Bounded {
-    const MAX: u64;
-}
-
-impl Bounded for u32 {
-    const MAX: u64 = u32::MAX as u64;
-}
-
-impl Bounded for u64 {
-    const MAX: u64 = u64::MAX;
-}
-
-impl Bounded for usize {
-    const MAX: u64 = usize::MAX as u64;
-}
-
-/// A non-negative, finite number of `unit`s (integer or float) as nanoseconds.
-fn as_nanos(value: &Value, field: &str, ctx: Ctx, nanos_per_unit: f64) -> Result<u64, ScenarioError> {
-    let x = match value {
-        Value::Integer(i) => *i as f64,
-        Value::Float(x) => *x,
-        _ => return Err(ctx.err(format!("{field} must be a number, not {}", show(value)))),
-    };
-    if !x.is_finite() {
-        return Err(ctx.err(format!("{field} must be finite, not {}", show(value))));
-    }
-    if x < 0.0 {
-        return Err(ctx.err(format!("{field} must not be negative, not {}", show(value))));
-    }
-    let nanos = (x * nanos_per_unit).round();
-    // 2^64 as f64 is exact; anything at or above it does not fit.
-    if nanos >= 18_446_744_073_709_551_616.0 {
-        return Err(ctx.err(format!("{field} {} is too large", show(value))));
-    }
-    Ok(nanos as u64)
+fn decode0() -> Node {
+    Node::DECODE0
 }
 
 const NANOS_PER_SEC: f64 = 1e9;
 const NANOS_PER_MS: f64 = 1e6;
 
-fn as_request(value: &Value, field: &str, ctx: Ctx) -> Result<RequestId, ScenarioError> {
-    let id = as_str(value, field, ctx)?;
-    check_request(id, field, ctx)
+/// `x` units of `nanos_per_unit` nanoseconds, when that is a non-negative, finite number of
+/// nanoseconds that fits a `u64`.
+fn nanos(x: f64, nanos_per_unit: f64) -> Option<u64> {
+    let nanos = (x * nanos_per_unit).round();
+    // 2^64 as f64 is exact; anything at or above it does not fit.
+    (x.is_finite() && x >= 0.0 && nanos < 18_446_744_073_709_551_616.0).then_some(nanos as u64)
 }
 
-fn check_request(id: &str, field: &str, ctx: Ctx) -> Result<RequestId, ScenarioError> {
-    if id.is_empty() {
-        return Err(ctx.err(format!("{field} must not be empty")));
-    }
-    if id.len() > MAX_REQUEST_ID_LEN {
-        return Err(ctx.err(format!("{field} is {} bytes long (at most {MAX_REQUEST_ID_LEN})", id.len())));
-    }
-    Ok(RequestId::new(id))
+fn units<'de, D: Deserializer<'de>>(d: D, nanos_per_unit: f64) -> Result<Duration, D::Error> {
+    let x = f64::deserialize(d)?;
+    let nanos = nanos(x, nanos_per_unit).ok_or_else(|| D::Error::custom(format!("{x} is no duration")))?;
+    Ok(Duration::from_nanos(nanos))
 }
 
-/// Resolves a node name against `cluster`; `label` starts the message, `role` is the role the
-/// use needs, `context` ends a wrong-role message.
-fn resolve_node(
-    name: &str,
-    label: &str,
-    ctx: Ctx,
-    cluster: &ClusterSpec,
-    role: Option<Role>,
-    context: &str,
-) -> Result<Node, ScenarioError> {
-    let Some(node) = Node::parse(name) else {
-        return Err(
-            ctx.err(format!("{label} {name:?} is not an engine name (this cluster has {})", cluster.engine_list()))
-        );
-    };
-    if !cluster.contains(node) {
-        let count = match node.role {
-            Role::Prefill => "prefillers",
-            Role::Decode => "decoders",
+fn secs<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    units(d, NANOS_PER_SEC)
+}
+
+fn millis<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    units(d, NANOS_PER_MS)
+}
+
+fn secs_time<'de, D: Deserializer<'de>>(d: D) -> Result<Time, D::Error> {
+    units(d, NANOS_PER_SEC).map(|d| Time::from_nanos(d.as_nanos() as u64))
+}
+
+fn utf8<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+    String::deserialize(d).map(String::into_bytes)
+}
+
+/// The role a node key of an event needs, and what a wrong-role message ends with.
+fn role_of(event: &str, key: &str, mode: Mode) -> (Option<Role>, String) {
+    let context = format!(" for do = {event:?}");
+    match (event, key) {
+        ("prefill", "node") | ("arrive" | "reject", "from") | ("forge", "to") => (Some(Role::Prefill), context),
+        ("prefill", "consumer") | ("arrive" | "schedule" | "reject", "node") | ("forge", "from") => {
+            (Some(Role::Decode), context)
+        }
+        // Only the side that posts transfers can have one fail: D's reads, or P's writes.
+        ("fail_transfer", "node") => match mode {
+            Mode::Pull => (Some(Role::Decode), format!("{context} in pull mode")),
+            Mode::Push => (Some(Role::Prefill), format!("{context} in push mode")),
+        },
+        _ => (None, context),
+    }
+}
+
+/// The scenario's text, which every error is placed in.
+struct Source<'a> {
+    text: &'a str,
+}
+
+/// Where a span of the text falls in the document.
+struct Place {
+    step: Option<usize>,
+    /// The keys from the step (or the top of the file) down to the one the span is in.
+    keys: Vec<String>,
+    /// Whether the span is the last key itself rather than its value.
+    on_key: bool,
+    line_column: Option<(usize, usize)>,
+}
+
+impl<'a> Source<'a> {
+    fn scenario(&self) -> Result<Scenario, ScenarioError> {
+        let mut root = DeTable::parse(self.text).map_err(|e| self.syntax_error(&e))?;
+        let steps = root.get_mut().remove("step");
+        let head: FileHead = self.de(Spanned::new(root.span(), DeValue::Table(root.into_inner())), None)?;
+        let cluster = self.cluster(head.cluster)?;
+        let policy = self.policy(head.policy)?;
+        let items = match steps.map(|s| (s.span(), s.into_inner())) {
+            None => Vec::new(),
+            Some((_, DeValue::Array(items))) => items.into_iter().collect(),
+            Some((span, _)) => {
+                let text = self.text(&span);
+                return Err(self.about(span, format!("must be an array of tables ([[step]]), not {text}")));
+            }
         };
-        return Err(ctx.err(format!("{label} {name:?} does not exist ({count} = {})", cluster.engines(node.role))));
-    }
-    match role {
-        Some(role) if role != node.role => {
-            Err(ctx.err(format!("{label} {name:?} must be a {} engine{context}", role_name(role))))
+        let mut steps: Vec<Step> = Vec::with_capacity(items.len());
+        let mut previous = None;
+        for item in items {
+            let (step, at) = self.step(item, &cluster, previous)?;
+            steps.push(step);
+            previous = Some(at);
         }
-        _ => Ok(node),
+        Ok(Scenario { name: head.name, cluster, policy, steps })
     }
-}
 
-fn parse_scenario(text: &str) -> Result<Scenario, ScenarioError> {
-    let root: Table = text.parse().map_err(|e| syntax_error(text, &e))?;
-    let ctx = Ctx::TOP;
-    check_keys(&root, &["name", "cluster", "policy", "step"], ctx, "")?;
-    let name = match root.get("name") {
-        Some(v) => as_str(v, "name", ctx)?.to_owned(),
-        None => return Err(ctx.err("name is missing")),
-    };
-    let cluster = match root.get("cluster") {
-        Some(v) => parse_cluster(as_table(v, "cluster", ctx)?)?,
-        None => ClusterSpec::default(),
-    };
-    let policy = match root.get("policy") {
-        Some(v) => parse_policy(as_table(v, "policy", ctx)?)?,
-        None => PolicySpec::default(),
-    };
-    let tables: &[Value] = match root.get("step") {
-        Some(Value::Array(steps)) => steps,
-        Some(other) => {
-            return Err(ctx.err(format!("step must be an array of tables ([[step]]), not {}", show(other))));
+    fn cluster(&self, file: ClusterFile) -> Result<ClusterSpec, ScenarioError> {
+        let d = ClusterSpec::default();
+        let count = |value: Option<NonZeroU32>, default: u32| value.map_or(default, NonZeroU32::get);
+        let millis = |value: &Option<Number>, default: Duration| {
+            value.as_ref().map_or(Ok(default), |v| self.duration(v, NANOS_PER_MS))
+        };
+        let step_interval = millis(&file.step_interval_ms, d.step_interval)?;
+        if let (Some(value), true) = (&file.step_interval_ms, step_interval.is_zero()) {
+            return Err(self.about(value.span(), format!("must be positive, not {}", self.text(&value.span()))));
         }
-        None => &[],
-    };
-    let mut steps = Vec::with_capacity(tables.len());
-    let mut previous: Option<(u64, String)> = None;
-    for (i, value) in tables.iter().enumerate() {
-        let ctx = Ctx { step: Some(i + 1), prefix: "" };
-        let table =
-            value.as_table().ok_or_else(|| ctx.err(format!("must be a table ([[step]]), not {}", show(value))))?;
-        let (step, at) = parse_step(table, ctx, &cluster, previous.as_ref())?;
-        steps.push(step);
-        previous = Some(at);
+        let mut cluster = ClusterSpec {
+            mode: file.mode.unwrap_or(d.mode),
+            prefillers: count(file.prefillers, d.prefillers),
+            decoders: count(file.decoders, d.decoders),
+            prefill_tp: count(file.prefill_tp, d.prefill_tp),
+            decode_tp: count(file.decode_tp, d.decode_tp),
+            prefill_block_size: count(file.prefill_block_size, d.prefill_block_size),
+            decode_block_size: count(file.decode_block_size, d.decode_block_size),
+            num_kv_heads: count(file.num_kv_heads, d.num_kv_heads),
+            mla: file.mla.unwrap_or(d.mla),
+            prefill_num_blocks: count(file.prefill_num_blocks, d.prefill_num_blocks),
+            decode_num_blocks: count(file.decode_num_blocks, d.decode_num_blocks),
+            step_interval,
+            network_latency: millis(&file.network_latency_ms, d.network_latency)?,
+            transfer_latency: millis(&file.transfer_latency_ms, d.transfer_latency)?,
+            worker_handoff: millis(&file.worker_handoff_ms, step_interval)?,
+            clock_skew: BTreeMap::new(),
+        };
+        for (name, skew) in &file.clock_skew_ms {
+            let node = self.node(name.get_ref(), name.span(), &cluster, None, "")?;
+            let nanos = (*skew.get_ref() * NANOS_PER_MS).round();
+            // ±2^63 as f64 is exact; anything beyond does not fit an i64.
+            if !(-9_223_372_036_854_775_808.0..9_223_372_036_854_775_808.0).contains(&nanos) {
+                return Err(self.about(skew.span(), format!("{} is out of range", self.text(&skew.span()))));
+            }
+            cluster.clock_skew.insert(node, nanos as i64);
+        }
+        Ok(cluster)
     }
-    Ok(Scenario { name, cluster, policy, steps })
-}
 
-const CLUSTER_KEYS: [&str; 15] = [
-    "mode",
-    "prefillers",
-    "decoders",
-    "prefill_tp",
-    "decode_tp",
-    "prefill_block_size",
-    "decode_block_size",
-    "num_kv_heads",
-    "mla",
-    "prefill_num_blocks",
-    "decode_num_blocks",
-    "step_interval_ms",
-    "network_latency_ms",
-    "transfer_latency_ms",
-    "worker_handoff_ms",
-];
-
-fn parse_cluster(table: &Table) -> Result<ClusterSpec, ScenarioError> {
-    let ctx = Ctx { step: None, prefix: "cluster." };
-    check_keys(table, &CLUSTER_KEYS, ctx, "")?;
-    let d = ClusterSpec::default();
-    let positive = |key: &str, default: u32| -> Result<u32, ScenarioError> {
-        table.get(key).map_or(Ok(default), |v| as_count(v, &ctx.field(key), ctx, 1))
-    };
-    let millis = |key: &str| -> Result<Option<Duration>, ScenarioError> {
-        table.get(key).map(|v| as_nanos(v, &ctx.field(key), ctx, NANOS_PER_MS).map(Duration::from_nanos)).transpose()
-    };
-    let mode = match table.get("mode") {
-        None => d.mode,
-        Some(v) => match as_str(v, "cluster.mode", ctx)? {
-            "pull" => TransferMode::Pull,
-            "push" => TransferMode::Push,
-            _ => return Err(ctx.err(format!("cluster.mode must be \"pull\" or \"push\", not {}", show(v)))),
-        },
-    };
-    let step_interval = millis("step_interval_ms")?.unwrap_or(d.step_interval);
-    if step_interval.is_zero() {
-        return Err(ctx.err("cluster.step_interval_ms must be positive, not 0"));
-    }
-    Ok(ClusterSpec {
-        mode,
-        prefillers: positive("prefillers", d.prefillers)?,
-        decoders: positive("decoders", d.decoders)?,
-        prefill_tp: positive("prefill_tp", d.prefill_tp)?,
-        decode_tp: positive("decode_tp", d.decode_tp)?,
-        prefill_block_size: positive("prefill_block_size", d.prefill_block_size)?,
-        decode_block_size: positive("decode_block_size", d.decode_block_size)?,
-        num_kv_heads: positive("num_kv_heads", d.num_kv_heads)?,
-        mla: table.get("mla").map_or(Ok(d.mla), |v| as_bool(v, "cluster.mla", ctx))?,
-        prefill_num_blocks: positive("prefill_num_blocks", d.prefill_num_blocks)?,
-        decode_num_blocks: positive("decode_num_blocks", d.decode_num_blocks)?,
-        step_interval,
-        network_latency: millis("network_latency_ms")?.unwrap_or(d.network_latency),
-        transfer_latency: millis("transfer_latency_ms")?.unwrap_or(d.transfer_latency),
-        worker_handoff: millis("worker_handoff_ms")?.unwrap_or(step_interval),
-    })
-}
-
-const POLICY_KEYS: [&str; 7] = [
-    "kv_lease_duration_s",
-    "heartbeat_interval_s",
-    "lease_extension_s",
-    "decoder_kv_blocks_ttl_s",
-    "push_registration_timeout_s",
-    "kv_load_failure_policy",
-    "early_notification_capacity",
-];
-
-fn parse_policy(table: &Table) -> Result<PolicySpec, ScenarioError> {
-    let ctx = Ctx { step: None, prefix: "policy." };
-    check_keys(table, &POLICY_KEYS, ctx, "")?;
-    let secs = |key: &str| -> Result<Option<Duration>, ScenarioError> {
-        table.get(key).map(|v| as_nanos(v, &ctx.field(key), ctx, NANOS_PER_SEC).map(Duration::from_nanos)).transpose()
-    };
-    let lease = secs("kv_lease_duration_s")?.unwrap_or(Duration::from_secs(30));
-    if lease.is_zero() {
-        return Err(ctx.err("policy.kv_lease_duration_s must be positive, not 0"));
-    }
-    let d = PolicySpec::with_lease(lease);
-    let heartbeat_interval = secs("heartbeat_interval_s")?.unwrap_or(d.heartbeat_interval);
-    if heartbeat_interval.is_zero() {
+    fn policy(&self, file: PolicyFile) -> Result<PolicySpec, ScenarioError> {
+        let secs = |value: &Option<Number>| value.as_ref().map(|v| self.duration(v, NANOS_PER_SEC)).transpose();
+        let positive = |value: &Option<Number>, got: Duration, note: &str| match value {
+            Some(value) if got.is_zero() => {
+                Err(self.about(value.span(), format!("must be positive, not {}{note}", self.text(&value.span()))))
+            }
+            _ => Ok(got),
+        };
+        let lease = secs(&file.kv_lease_duration_s)?.unwrap_or(Duration::from_secs(30));
+        let d = PolicySpec::with_lease(positive(&file.kv_lease_duration_s, lease, "")?);
+        let heartbeat = secs(&file.heartbeat_interval_s)?.unwrap_or(d.heartbeat_interval);
         // Zero would have D renew forever without time moving.
-        return Err(ctx.err(format!(
-            "policy.heartbeat_interval_s must be positive, not 0 (the default is kv_lease_duration_s / 6 = {:?})",
-            d.heartbeat_interval
-        )));
+        let note = format!(" (the default is kv_lease_duration_s / 6 = {:?})", d.heartbeat_interval);
+        let ttl = secs(&file.decoder_kv_blocks_ttl_s)?.unwrap_or(d.decoder_kv_blocks_ttl);
+        Ok(PolicySpec {
+            heartbeat_interval: positive(&file.heartbeat_interval_s, heartbeat, &note)?,
+            lease_extension: secs(&file.lease_extension_s)?.unwrap_or(d.lease_extension),
+            decoder_kv_blocks_ttl: ttl,
+            push_registration_timeout: secs(&file.push_registration_timeout_s)?.unwrap_or(ttl),
+            push_quarantine: secs(&file.push_quarantine_s)?.unwrap_or(d.push_quarantine),
+            kv_load_failure_policy: file.kv_load_failure_policy.unwrap_or(d.kv_load_failure_policy),
+            early_notification_capacity: file.early_notification_capacity.unwrap_or(d.early_notification_capacity),
+            ..d
+        })
     }
-    let decoder_kv_blocks_ttl = secs("decoder_kv_blocks_ttl_s")?.unwrap_or(d.decoder_kv_blocks_ttl);
-    let kv_load_failure_policy = match table.get("kv_load_failure_policy") {
-        None => d.kv_load_failure_policy,
-        Some(v) => match as_str(v, "policy.kv_load_failure_policy", ctx)? {
-            "fail" => FailurePolicy::Fail,
-            "recompute" => FailurePolicy::Recompute,
-            _ => {
-                return Err(ctx
-                    .err(format!("policy.kv_load_failure_policy must be \"fail\" or \"recompute\", not {}", show(v))));
+
+    /// Reads one `[[step]]`; `previous` is the previous step's time and where it was written.
+    fn step(
+        &self,
+        item: Spanned<DeValue<'a>>,
+        cluster: &ClusterSpec,
+        previous: Option<(Time, Range<usize>)>,
+    ) -> Result<(Step, (Time, Range<usize>)), ScenarioError> {
+        let span = item.span();
+        let DeValue::Table(mut fields) = item.into_inner() else {
+            let text = self.text(&span);
+            return Err(self.about(span, format!("must be a table ([[step]]), not {text}")));
+        };
+        // `at_s`, `do` and `expect` are every step's; the other keys are its event's.
+        let name: Option<Name> = fields.remove("do").map(|v| self.de(v, None)).transpose()?;
+        let expect = fields.remove("expect");
+        let at_s: Number = match fields.remove("at_s") {
+            Some(value) => self.de(value, None)?,
+            None => return Err(self.about(span, "at_s is missing")),
+        };
+        let at = Time::from_nanos(self.duration(&at_s, NANOS_PER_SEC)?.as_nanos() as u64);
+        if let Some((previous, previous_span)) = &previous {
+            if at < *previous {
+                let (text, before) = (self.text(&at_s.span()), self.text(previous_span));
+                return Err(self.about(at_s.span(), format!("{text} is earlier than the previous step's {before}")));
             }
-        },
-    };
-    Ok(PolicySpec {
-        kv_lease_duration: lease,
-        heartbeat_interval,
-        lease_extension: secs("lease_extension_s")?.unwrap_or(d.lease_extension),
-        decoder_kv_blocks_ttl,
-        push_registration_timeout: secs("push_registration_timeout_s")?.unwrap_or(decoder_kv_blocks_ttl),
-        kv_load_failure_policy,
-        early_notification_capacity: table
-            .get("early_notification_capacity")
-            .map_or(Ok(d.early_notification_capacity), |v| as_count(v, "policy.early_notification_capacity", ctx, 0))?,
-    })
+        }
+
+        let kind = name.as_ref().map_or("wait", |n| n.get_ref().as_str());
+        self.check_event(kind, &fields, cluster, (at, &at_s))?;
+        // Already checked to name an engine of the cluster.
+        let step_node = fields.get("node").and_then(|v| Some((Node::parse(v.get_ref().as_str()?)?, v.span())));
+        if kind == "wait" {
+            // A step that only waits (or has no `do`) may name the node its expectations read.
+            fields.remove("node");
+            if let Some((key, _)) = fields.iter().next() {
+                let context = name.as_ref().map_or("a step without do".to_owned(), |_| "do = \"wait\"".to_owned());
+                let message =
+                    format!("unknown key {:?} for {context} (expected one of: at_s, do, expect, node)", key.get_ref());
+                return Err(self.invalid(key.span(), |_, _| message));
+            }
+        } else if matches!(kind, "arrive" | "reject") && !fields.contains_key("remote_request") {
+            if let Some(request) = fields.get("request").cloned() {
+                fields.insert(Spanned::new(request.span(), Cow::Borrowed("remote_request")), request);
+            }
+        }
+        let mut tagged = DeTable::new();
+        let tag = name.as_ref().map_or(span.clone(), Spanned::span);
+        tagged
+            .insert(Spanned::new(tag, Cow::Owned(kind.to_owned())), Spanned::new(span.clone(), DeValue::Table(fields)));
+        let event: Event = self.de(Spanned::new(span, DeValue::Table(tagged)), Some(&format!("do = {kind:?}")))?;
+        let expect = expect.map(|e| self.expect(e, cluster, step_node)).transpose()?;
+        let event = name.map(|_| event);
+        Ok((Step { at, event, expect }, (at, at_s.span())))
+    }
+
+    /// What serde cannot check of an event's keys: that nodes are engines of the cluster with
+    /// the role the event needs, that request ids fit, and that times and counts make sense.
+    fn check_event(
+        &self,
+        event: &str,
+        fields: &DeTable<'_>,
+        cluster: &ClusterSpec,
+        (at, at_s): (Time, &Number),
+    ) -> Result<(), ScenarioError> {
+        for (key, value) in fields.iter() {
+            let (key, span) = (key.get_ref().as_ref(), value.span());
+            let text = self.text(&span);
+            match (key, value.get_ref()) {
+                ("node" | "from" | "to" | "a" | "b" | "consumer" | "as", DeValue::String(name)) => {
+                    let (role, context) = role_of(event, key, cluster.mode);
+                    self.node(name, span, cluster, role, &context)?;
+                }
+                ("request" | "remote_request", DeValue::String(id)) => self.request(id, span)?,
+                (_, DeValue::Integer(_) | DeValue::Float(_)) => {
+                    let x: Number = self.de(value.clone(), None)?;
+                    match key {
+                        "until_s" | "for_s" | "by_ms" => {
+                            let per_unit = if key == "by_ms" { NANOS_PER_MS } else { NANOS_PER_SEC };
+                            let d = self.duration(&x, per_unit)?;
+                            if key == "until_s" && Time::from_nanos(d.as_nanos() as u64) < at {
+                                let at_text = self.text(&at_s.span());
+                                return Err(self.about(span, format!("{text} is earlier than at_s {at_text}")));
+                            }
+                            if key == "for_s" && d.is_zero() {
+                                return Err(self.about(span, format!("must be positive, not {text}")));
+                            }
+                        }
+                        "prompt_tokens" | "n" if *x.get_ref() < 1.0 => {
+                            return Err(self.about(span, format!("must be at least 1, not {text}")));
+                        }
+                        "cached_tokens"
+                            if *x.get_ref() >= 0.0 && *x.get_ref() % f64::from(cluster.decode_block_size) != 0.0 =>
+                        {
+                            let block = cluster.decode_block_size;
+                            let what =
+                                format!("must be a whole number of D blocks (decode_block_size = {block}), not {text}");
+                            return Err(self.about(span, what));
+                        }
+                        _ => {}
+                    }
+                }
+                _ => {}
+            }
+        }
+        for (a, b) in [("a", "b"), ("from", "to"), ("to", "as")] {
+            let name = |key| fields.get(key).and_then(|v| Some((v.get_ref().as_str()?, v.span())));
+            if let (Some((a_name, _)), Some((b_name, span))) = (name(a), name(b)) {
+                if a_name == b_name {
+                    let message = format!("{a} and {b} are both {a_name:?} for do = {event:?}; they must differ");
+                    return Err(self.invalid(span, |_, _| message));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads a step's `expect`; `step_node` is the step's `node` and where it was written.
+    fn expect(
+        &self,
+        value: Spanned<DeValue<'a>>,
+        cluster: &ClusterSpec,
+        step_node: Option<(Node, Range<usize>)>,
+    ) -> Result<Expect, ScenarioError> {
+        // serde says what is wrong with an `expect` that is no table, or with a map that is not one.
+        for (key, map) in value.get_ref().as_table().into_iter().flatten() {
+            for (name, _) in map.get_ref().as_table().into_iter().flatten() {
+                let (name, span) = (name.get_ref().as_ref(), name.span());
+                let role = match key.get_ref().as_ref() {
+                    "p_held_blocks_on" => Role::Prefill,
+                    "d_held_blocks_on" => Role::Decode,
+                    "p_released" | "d_state" | "d_blocks_read" | "d_tokens_kept" => {
+                        self.request(name, span)?;
+                        continue;
+                    }
+                    _ => continue,
+                };
+                self.node(name, span, cluster, Some(role), "")?;
+            }
+        }
+        let mut expect: Expect = self.de(value, None)?;
+        let on_d = [
+            ("d_state", expect.d_state.is_empty()),
+            ("d_blocks_read", expect.d_blocks_read.is_empty()),
+            ("d_tokens_kept", expect.d_tokens_kept.is_empty()),
+        ];
+        match step_node {
+            Some((node, _)) if node.role == Role::Decode => expect.d_node = node,
+            Some((node, span)) => {
+                if let Some((key, _)) = on_d.iter().find(|(_, empty)| !empty) {
+                    let message = format!(
+                        "expect.{key} is read on the step's node, and {node} is not a decode engine; \
+                         check {key} in a step of its own"
+                    );
+                    return Err(self.invalid(span, |_, _| message));
+                }
+            }
+            None => {}
+        }
+        Ok(expect)
+    }
+
+    /// Resolves an engine name written at `span` against `cluster`; `role` is the role its use
+    /// needs, `context` ends a wrong-role message.
+    fn node(
+        &self,
+        name: &str,
+        span: Range<usize>,
+        cluster: &ClusterSpec,
+        role: Option<Role>,
+        context: &str,
+    ) -> Result<Node, ScenarioError> {
+        let Some(node) = Node::parse(name) else {
+            let what = format!("{name:?} is not an engine name (this cluster has {})", cluster.engine_list());
+            return Err(self.about(span, what));
+        };
+        if !cluster.contains(node) {
+            let count = match node.role {
+                Role::Prefill => "prefillers",
+                Role::Decode => "decoders",
+            };
+            return Err(self.about(span, format!("{name:?} does not exist ({count} = {})", cluster.engines(node.role))));
+        }
+        match role {
+            Some(role) if role != node.role => {
+                Err(self.about(span, format!("{name:?} must be a {} engine{context}", role_name(role))))
+            }
+            _ => Ok(node),
+        }
+    }
+
+    fn request(&self, id: &str, span: Range<usize>) -> Result<(), ScenarioError> {
+        if id.is_empty() {
+            return Err(self.about(span, "must not be empty"));
+        }
+        if id.len() > MAX_REQUEST_ID_LEN {
+            return Err(self.about(span, format!("is {} bytes long (at most {MAX_REQUEST_ID_LEN})", id.len())));
+        }
+        Ok(())
+    }
+
+    /// A non-negative, finite number of units of `nanos_per_unit` nanoseconds.
+    fn duration(&self, value: &Number, nanos_per_unit: f64) -> Result<Duration, ScenarioError> {
+        let (x, span) = (*value.get_ref(), value.span());
+        match nanos(x, nanos_per_unit) {
+            Some(nanos) => Ok(Duration::from_nanos(nanos)),
+            None if !x.is_finite() => Err(self.about(span, format!("must be finite, not {x:?}"))),
+            None if x < 0.0 => Err(self.about(span.clone(), format!("must not be negative, not {}", self.text(&span)))),
+            None => Err(self.about(span.clone(), format!("{} is too large", self.text(&span)))),
+        }
+    }
+
+    /// Deserializes `value`; `context` names what is read when the error's place has no key of
+    /// its own (a missing field, or an unknown one at the top of a step).
+    fn de<T: DeserializeOwned>(&self, value: Spanned<DeValue<'a>>, context: Option<&str>) -> Result<T, ScenarioError> {
+        T::deserialize(ValueDeserializer::from(value)).map_err(|e| {
+            let message = e.message().trim_end().to_owned();
+            self.invalid(e.span().unwrap_or_default(), |keys, on_key| {
+                let keys = if on_key { &keys[..keys.len() - 1] } else { keys };
+                match (keys.join("."), context) {
+                    (subject, _) if !subject.is_empty() => format!("{subject}: {message}"),
+                    (_, Some(context)) => format!("{context}: {message}"),
+                    (_, None) => message,
+                }
+            })
+        })
+    }
+
+    /// An error about the key at `span` (or its value), which `what` completes: "<key> <what>".
+    fn about(&self, span: Range<usize>, what: impl fmt::Display) -> ScenarioError {
+        self.invalid(span, |keys, on_key| match keys.split_last() {
+            Some((_, [])) if on_key => format!("key {what}"),
+            Some((_, parent)) if on_key => format!("{} key {what}", parent.join(".")),
+            Some(_) => format!("{} {what}", keys.join(".")),
+            None => what.to_string(),
+        })
+    }
+
+    /// An error at `span`, whose message `message` writes from the keys down to it.
+    fn invalid(&self, span: Range<usize>, message: impl FnOnce(&[String], bool) -> String) -> ScenarioError {
+        let place = self.place(span);
+        let message = message(&place.keys, place.on_key);
+        let key = (!place.keys.is_empty()).then(|| place.keys.join("."));
+        ScenarioError::Invalid {
+            location: Location { file: None, step: place.step, key, line_column: place.line_column },
+            message,
+        }
+    }
+
+    fn syntax_error(&self, error: &toml::de::Error) -> ScenarioError {
+        let line_column = error.span().map(|span| self.line_column(span.start));
+        ScenarioError::Syntax {
+            location: Location { line_column, ..Location::default() },
+            message: error.message().trim_end().to_owned(),
+        }
+    }
+
+    /// Finds the step and keys whose text holds `span`, in a fresh parse of the text (the
+    /// first one was taken apart to deserialize it).
+    fn place(&self, span: Range<usize>) -> Place {
+        let mut place = Place { step: None, keys: Vec::new(), on_key: false, line_column: None };
+        // An empty span is the document's own (a key missing at the top): no key holds it.
+        if span.is_empty() {
+            return place;
+        }
+        place.line_column = Some(self.line_column(span.start));
+        let Ok(root) = DeTable::parse(self.text) else { return place };
+        let root = Spanned::new(root.span(), DeValue::Table(root.into_inner()));
+        place.on_key = find(&root, span.start, &mut place.keys).unwrap_or(false);
+        // `step` is the array of steps (anything else is refused before a step is read).
+        if let [step, index, ..] = place.keys.as_slice() {
+            if let (true, Ok(index)) = (step == "step", index.parse::<usize>()) {
+                place.step = Some(index + 1);
+                place.keys.drain(..2);
+            }
+        }
+        place
+    }
+
+    fn text(&self, span: &Range<usize>) -> &'a str {
+        self.text.get(span.clone()).unwrap_or_default().trim()
+    }
+
+    fn line_column(&self, offset: usize) -> (usize, usize) {
+        let before = self.text.get(..offset).unwrap_or(self.text);
+        let line = before.matches('\n').count() + 1;
+        let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+        (line, column)
+    }
 }
 
-/// Parses one step; `previous` is the previous step's time, in nanoseconds and as written.
-fn parse_step(
-    table: &Table,
-    ctx: Ctx,
-    cluster: &ClusterSpec,
-    previous: Option<&(u64, String)>,
-) -> Result<(Step, (u64, String)), ScenarioError> {
-    let name = table.get("do").map(|v| as_str(v, "do", ctx)).transpose()?;
-    let (fields, context): (&[&str], String) = match name {
-        None => (&["node"], " for a step without do".to_owned()),
-        Some(name) => match EVENTS.iter().find(|(n, _)| *n == name) {
-            Some((_, fields)) => (fields, format!(" for do = {name:?}")),
-            None => {
-                let names: Vec<&str> = EVENTS.iter().map(|(n, _)| *n).collect();
-                return Err(ctx.err(format!("unknown event {name:?} (expected one of: {})", names.join(", "))));
-            }
-        },
-    };
-    let allowed: Vec<&str> = ["at_s", "do", "expect"].iter().chain(fields).copied().collect();
-    check_keys(table, &allowed, ctx, &context)?;
-
-    let at_value = table.get("at_s").ok_or_else(|| ctx.err("at_s is missing"))?;
-    let at_nanos = as_nanos(at_value, "at_s", ctx, NANOS_PER_SEC)?;
-    let at_text = show(at_value);
-    if let Some((previous, previous_text)) = previous {
-        if at_nanos < *previous {
-            return Err(ctx.err(format!("at_s {at_text} is earlier than the previous step's {previous_text}")));
-        }
-    }
-    let at = Time::from_nanos(at_nanos);
-
-    let event = match name {
-        None => None,
-        Some(name) => Some(parse_event(name, table, ctx, cluster, at)?),
-    };
-
-    let expect = match table.get("expect") {
-        None => None,
-        Some(v) => {
-            let step_node = match table.get("node") {
-                Some(v) => Some(resolve_node(as_str(v, "node", ctx)?, "node", ctx, cluster, None, "")?),
-                None => None,
-            };
-            Some(parse_expect(as_table(v, "expect", ctx)?, ctx, cluster, step_node)?)
-        }
-    };
-    // A `node` on a step without `do` (or with `wait`) and without `expect` says nothing, but it
-    // must still name an engine.
-    if let (None | Some(Event::Wait), None, Some(v)) = (&event, &expect, table.get("node")) {
-        resolve_node(as_str(v, "node", ctx)?, "node", ctx, cluster, None, "")?;
-    }
-    Ok((Step { at, event, expect }, (at_nanos, at_text)))
-}
-
-fn parse_event(name: &str, table: &Table, ctx: Ctx, cluster: &ClusterSpec, at: Time) -> Result<Event, ScenarioError> {
-    let context = format!(" for do = {name:?}");
-    let missing = |key: &str| ctx.err(format!("do = {name:?} needs {key}"));
-    let optional_request = |key: &str| table.get(key).map(|v| as_request(v, key, ctx)).transpose();
-    let required_request = |key: &str| optional_request(key)?.ok_or_else(|| missing(key));
-    let node = |key: &str, role: Option<Role>, default: Option<Node>| -> Result<Node, ScenarioError> {
-        match table.get(key) {
-            Some(v) => resolve_node(as_str(v, key, ctx)?, key, ctx, cluster, role, &context),
-            None => default.ok_or_else(|| missing(key)),
-        }
-    };
-    let flag = |key: &str| table.get(key).map_or(Ok(false), |v| as_bool(v, key, ctx));
-    let tokens = |key: &str| table.get(key).map(|v| as_count::<u64>(v, key, ctx, 1)).transpose();
-    let until = || -> Result<Time, ScenarioError> {
-        let value = table.get("until_s").ok_or_else(|| missing("until_s"))?;
-        let until = Time::from_nanos(as_nanos(value, "until_s", ctx, NANOS_PER_SEC)?);
-        if until < at {
-            let at_text = table.get("at_s").map(show).unwrap_or_default();
-            return Err(ctx.err(format!("until_s {} is earlier than at_s {at_text}", show(value))));
-        }
-        Ok(until)
-    };
-    let distinct = |(a_key, a): (&str, Node), (b_key, b): (&str, Node)| {
-        if a == b {
-            Err(ctx.err(format!("{a_key} and {b_key} are both {:?}{context}; they must differ", a.to_string())))
-        } else {
-            Ok((a, b))
-        }
-    };
-    let (p, d) = (Some(Role::Prefill), Some(Role::Decode));
-    let event = match name {
-        "prefill" => Event::Prefill {
-            request: required_request("request")?,
-            prompt_tokens: tokens("prompt_tokens")?.ok_or_else(|| missing("prompt_tokens"))?,
-            n: table.get("n").map_or(Ok(1), |v| as_count(v, "n", ctx, 1))?,
-            node: node("node", p, Some(Node::PREFILL0))?,
-        },
-        "arrive" => {
-            let request = required_request("request")?;
-            Event::Arrive {
-                node: node("node", d, Some(Node::DECODE0))?,
-                from: node("from", p, Some(Node::PREFILL0))?,
-                remote_request: optional_request("remote_request")?.unwrap_or_else(|| request.clone()),
-                prompt_tokens: tokens("prompt_tokens")?,
-                request,
+/// Pushes onto `path` the way to the deepest key or value whose text holds `at` (keys, and
+/// indices of arrays), and says whether that is a key itself; `None` (and `path` as it was)
+/// when nothing in `value` holds it.
+///
+/// Children are searched whether or not the parent's span holds `at`: a `[table]` or
+/// `[[array]]` element spans only its header.
+fn find(value: &Spanned<DeValue<'_>>, at: usize, path: &mut Vec<String>) -> Option<bool> {
+    match value.get_ref() {
+        DeValue::Table(table) => {
+            for (key, child) in table.iter() {
+                path.push(key.get_ref().to_string());
+                if key.span().contains(&at) {
+                    return Some(true);
+                }
+                if let Some(on_key) = find(child, at, path) {
+                    return Some(on_key);
+                }
+                path.pop();
             }
         }
-        "schedule" => Event::Schedule {
-            request: required_request("request")?,
-            node: node("node", d, Some(Node::DECODE0))?,
-            prefix_hit: flag("prefix_hit")?,
-        },
-        "reject" => {
-            let request = required_request("request")?;
-            Event::Reject {
-                node: node("node", d, Some(Node::DECODE0))?,
-                from: node("from", p, Some(Node::PREFILL0))?,
-                remote_request: optional_request("remote_request")?.unwrap_or_else(|| request.clone()),
-                request,
+        DeValue::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                path.push(i.to_string());
+                if let Some(on_key) = find(item, at, path) {
+                    return Some(on_key);
+                }
+                path.pop();
             }
         }
-        "abort" => Event::Abort { request: required_request("request")?, node: node("node", None, None)? },
-        "crash" => Event::Crash { node: node("node", None, None)?, detect: flag("detect")? },
-        "restart" => Event::Restart { node: node("node", None, None)? },
-        "partition" => {
-            let (a, b) = distinct(("a", node("a", None, None)?), ("b", node("b", None, None)?))?;
-            Event::Partition { a, b, until: until()? }
-        }
-        "delay" => {
-            let (a, b) = distinct(("a", node("a", None, None)?), ("b", node("b", None, None)?))?;
-            let by = table.get("by_ms").ok_or_else(|| missing("by_ms"))?;
-            Event::Delay { a, b, by: Duration::from_nanos(as_nanos(by, "by_ms", ctx, NANOS_PER_MS)?), until: until()? }
-        }
-        "fail_transfer" => {
-            // Only the side that posts transfers can have one fail: D's reads, or P's writes.
-            let poster = match cluster.mode {
-                TransferMode::Pull => d,
-                TransferMode::Push => p,
-            };
-            let context = format!("{context} in {} mode", cluster.mode);
-            let node = match table.get("node") {
-                Some(v) => resolve_node(as_str(v, "node", ctx)?, "node", ctx, cluster, poster, &context)?,
-                None => return Err(missing("node")),
-            };
-            Event::FailTransfer { request: required_request("request")?, node }
-        }
-        "garbage" => {
-            let (from, to) = distinct(("from", node("from", None, None)?), ("to", node("to", None, None)?))?;
-            let bytes = table.get("bytes").ok_or_else(|| missing("bytes"))?;
-            Event::Garbage { from, to, bytes: as_str(bytes, "bytes", ctx)?.as_bytes().to_vec() }
-        }
-        "wait" => Event::Wait,
-        // `parse_step` has already refused names outside EVENTS.
-        other => return Err(ctx.err(format!("unknown event {other:?}"))),
-    };
-    Ok(event)
-}
-
-fn parse_expect(
-    table: &Table,
-    step: Ctx,
-    cluster: &ClusterSpec,
-    step_node: Option<Node>,
-) -> Result<Expect, ScenarioError> {
-    let ctx = Ctx { step: step.step, prefix: "expect." };
-    check_keys(table, &EXPECT_KEYS, ctx, "")?;
-    let count = |key: &str| table.get(key).map(|v| as_count::<u64>(v, &ctx.field(key), ctx, 0)).transpose();
-    let sub_table = |key: &str| table.get(key).map(|v| as_table(v, &ctx.field(key), ctx)).transpose();
-    let blocks_on = |key: &str, role: Role| -> Result<BTreeMap<Node, u64>, ScenarioError> {
-        let mut map = BTreeMap::new();
-        for (name, value) in sub_table(key)?.into_iter().flatten() {
-            let label = format!("{} key", ctx.field(key));
-            let node = resolve_node(name, &label, ctx, cluster, Some(role), "")?;
-            map.insert(node, as_count(value, &format!("{}.{name}", ctx.field(key)), ctx, 0)?);
-        }
-        Ok(map)
-    };
-    let by_request = |key: &str, names: &[&str]| -> Result<BTreeMap<RequestId, (&str, String)>, ScenarioError> {
-        let mut map = BTreeMap::new();
-        for (id, value) in sub_table(key)?.into_iter().flatten() {
-            let field = format!("{}.{id}", ctx.field(key));
-            let request = check_request(id, &format!("{} key", ctx.field(key)), ctx)?;
-            let name = as_str(value, &field, ctx)?;
-            if !names.contains(&name) {
-                return Err(ctx.err(format!("{field} must be one of {}, not {}", names.join(", "), show(value))));
-            }
-            map.insert(request, (name, field));
-        }
-        Ok(map)
-    };
-    let reasons: Vec<&str> = ReleaseReasonName::ALL.iter().map(|r| r.as_str()).collect();
-    let states: Vec<&str> = DState::ALL.iter().map(|s| s.as_str()).collect();
-    let mut p_released = BTreeMap::new();
-    for (request, (name, field)) in by_request("p_released", &reasons)? {
-        let reason = ReleaseReasonName::from_name(name).ok_or_else(|| ctx.err(format!("{field}: {name:?}")))?;
-        p_released.insert(request, reason);
+        _ => {}
     }
-    let mut d_state = BTreeMap::new();
-    for (request, (name, field)) in by_request("d_state", &states)? {
-        let state = DState::from_name(name).ok_or_else(|| ctx.err(format!("{field}: {name:?}")))?;
-        d_state.insert(request, state);
-    }
-    let d_state_node = match step_node {
-        Some(node) if !d_state.is_empty() && node.role != Role::Decode => {
-            return Err(ctx.err(format!(
-                "expect.d_state is read on the step's node, and {node:?} is not a decode engine; \
-                 check d_state in a step of its own"
-            )));
-        }
-        Some(node) if node.role == Role::Decode => node,
-        _ => Node::DECODE0,
-    };
-    Ok(Expect {
-        p_held_blocks: count("p_held_blocks")?,
-        p_held_blocks_on: blocks_on("p_held_blocks_on", Role::Prefill)?,
-        p_pending: count("p_pending")?,
-        p_released,
-        d_held_blocks: count("d_held_blocks")?,
-        d_held_blocks_on: blocks_on("d_held_blocks_on", Role::Decode)?,
-        d_state,
-        d_state_node,
-        notifications_after_expiry: count("notifications_after_expiry")?,
-        ignored_messages: count("ignored_messages")?,
-        corrupt_reads: count("corrupt_reads")?,
-    })
+    value.span().contains(&at).then_some(false)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn public_dir() -> PathBuf {
-        // CI checks `shared/` out beside the repository, at the same relative place.
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/scenarios/public")
+    /// A folder of the shared scenarios; CI checks `shared/` out beside the repository, at the
+    /// same relative place.
+    fn shared(folder: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/scenarios").join(folder)
     }
 
     fn parse(text: &str) -> Scenario {
@@ -1368,33 +1332,51 @@ mod tests {
         format!("name = \"t\"\n{body}")
     }
 
+    /// The events of a file with a cluster of two prefill and two decode engines.
+    fn events(body: &str) -> Vec<Option<Event>> {
+        let s = parse(&steps(&format!("[cluster]\nprefillers = 2\ndecoders = 2\n{body}")));
+        s.steps.into_iter().map(|s| s.event).collect()
+    }
+
     #[test]
-    fn every_public_scenario_parses() {
-        let dir = public_dir();
-        assert!(dir.is_dir(), "the public scenarios are missing: {} is not a folder", dir.display());
-        let files = scenario_files(&[&dir]).map_err(|e| e.to_string());
-        let files = files.as_deref().unwrap_or_else(|e| panic!("{e}"));
-        assert!(files.len() >= 11, "expected the public scenarios under {}, found {files:?}", dir.display());
-        for file in files {
-            if let Err(e) = Scenario::load(file) {
-                panic!("{e}");
+    fn every_shared_and_own_scenario_parses() {
+        let own = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+        for (dir, at_least) in [(shared("public"), 11), (shared("next"), 4), (own, 40)] {
+            assert!(dir.is_dir(), "the scenarios are missing: {} is not a folder", dir.display());
+            let files = scenario_files(&[&dir]).map_err(|e| e.to_string());
+            let files = files.as_deref().unwrap_or_else(|e| panic!("{e}"));
+            assert!(files.len() >= at_least, "expected scenarios under {}, found {files:?}", dir.display());
+            for file in files {
+                if let Err(e) = Scenario::load(file) {
+                    panic!("{e}");
+                }
             }
         }
 
-        let siblings = Scenario::load(dir.join("siblings.toml")).map_err(|e| e.to_string());
+        let siblings = Scenario::load(shared("public").join("siblings.toml")).map_err(|e| e.to_string());
         let siblings = siblings.as_ref().unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             siblings.steps[0].event,
-            Some(Event::Prefill { request: "r1".into(), prompt_tokens: 64, n: 4, node: Node::PREFILL0 })
+            Some(Event::Prefill {
+                request: "r1".into(),
+                prompt_tokens: 64,
+                n: 4,
+                node: Node::PREFILL0,
+                consumer: None
+            })
         );
         let last = siblings.steps[3].expect.as_ref().map(|e| e.p_released.clone()).unwrap_or_default();
-        assert_eq!(last.get(&RequestId::new("0_r1")), Some(&ReleaseReasonName::Transferred));
-        assert_eq!(last.get(&RequestId::new("3_r1")), Some(&ReleaseReasonName::Sibling));
+        assert_eq!(last.get(&RequestId::new("0_r1")), Some(&ReleaseReason::Transferred));
+        assert_eq!(last.get(&RequestId::new("3_r1")), Some(&ReleaseReason::Sibling));
 
-        let early = Scenario::load(dir.join("early-completion.toml")).map_err(|e| e.to_string());
+        let early = Scenario::load(shared("public").join("early-completion.toml")).map_err(|e| e.to_string());
         let early = early.as_ref().unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(early.cluster.worker_handoff, Duration::from_millis(200));
         assert_eq!(early.steps[1].at, Time::from_millis(10));
+
+        let intrude = Scenario::load(shared("next").join("intrude-before-handshake.toml")).map_err(|e| e.to_string());
+        let intrude = intrude.as_ref().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(intrude.steps[0].event, Some(Event::Intrude { to: Node::PREFILL0, claimed: Node::DECODE0 }));
     }
 
     #[test]
@@ -1403,20 +1385,22 @@ mod tests {
         assert_eq!((s.name.as_str(), s.steps.len()), ("minimal", 0));
         assert_eq!(s.cluster, ClusterSpec::default());
         let c = &s.cluster;
-        assert_eq!((c.mode, c.prefillers, c.decoders, c.prefill_tp, c.decode_tp), (TransferMode::Pull, 1, 1, 1, 1));
+        assert_eq!((c.mode, c.prefillers, c.decoders, c.prefill_tp, c.decode_tp), (Mode::Pull, 1, 1, 1, 1));
         assert_eq!((c.prefill_block_size, c.decode_block_size, c.num_kv_heads, c.mla), (16, 16, 8, false));
         assert_eq!((c.prefill_num_blocks, c.decode_num_blocks), (1000, 1000));
         assert_eq!(c.step_interval, Duration::from_millis(10));
         assert_eq!(c.network_latency, Duration::from_millis(1));
         assert_eq!(c.transfer_latency, Duration::from_millis(5));
         assert_eq!(c.worker_handoff, Duration::from_millis(10));
+        assert!(c.clock_skew.is_empty());
         let p = &s.policy;
         assert_eq!(p.kv_lease_duration, Duration::from_secs(30));
         assert_eq!(p.heartbeat_interval, Duration::from_secs(5));
         assert_eq!(p.lease_extension, Duration::from_secs(20));
         assert_eq!(p.decoder_kv_blocks_ttl, Duration::from_secs(480));
         assert_eq!(p.push_registration_timeout, Duration::from_secs(480));
-        assert_eq!(p.kv_load_failure_policy, FailurePolicy::Recompute);
+        assert_eq!(p.push_quarantine, Duration::from_secs(60));
+        assert_eq!(p.kv_load_failure_policy, LoadFailurePolicy::Recompute);
         assert_eq!(p.early_notification_capacity, 8192);
     }
 
@@ -1429,29 +1413,30 @@ mod tests {
         assert_eq!(s.policy.heartbeat_interval, Duration::from_secs(10));
         assert_eq!(s.policy.lease_extension, Duration::from_secs(40));
         assert_eq!(s.policy.push_registration_timeout, Duration::from_secs(100));
+        assert_eq!(s.policy.push_quarantine, Duration::from_secs(120));
 
         let s = parse(&steps(
             "[cluster]\nmode = \"push\"\nstep_interval_ms = 20\nworker_handoff_ms = 0.5\nmla = true\n\
+             clock_skew_ms = { decode0 = -2500, prefill0 = 0.25 }\n\
              [policy]\nkv_lease_duration_s = 60\nheartbeat_interval_s = 1\nlease_extension_s = 7.5\n\
-             push_registration_timeout_s = 3\nkv_load_failure_policy = \"fail\"\nearly_notification_capacity = 0",
+             push_registration_timeout_s = 3\npush_quarantine_s = 4.5\nkv_load_failure_policy = \"fail\"\n\
+             early_notification_capacity = 0",
         ));
-        assert_eq!((s.cluster.mode, s.cluster.mla), (TransferMode::Push, true));
+        assert_eq!((s.cluster.mode, s.cluster.mla), (Mode::Push, true));
         assert_eq!(s.cluster.worker_handoff, Duration::from_micros(500));
+        assert_eq!(s.cluster.clock_skew, BTreeMap::from([(Node::PREFILL0, 250_000), (Node::DECODE0, -2_500_000_000)]));
         assert_eq!(s.policy.heartbeat_interval, Duration::from_secs(1));
         assert_eq!(s.policy.lease_extension, Duration::from_millis(7500));
         assert_eq!(s.policy.push_registration_timeout, Duration::from_secs(3));
-        assert_eq!(s.policy.kv_load_failure_policy, FailurePolicy::Fail);
+        assert_eq!(s.policy.push_quarantine, Duration::from_millis(4500));
+        assert_eq!(s.policy.kv_load_failure_policy, LoadFailurePolicy::Fail);
         assert_eq!(s.policy.early_notification_capacity, 0);
     }
 
     #[test]
     fn every_event_parses_with_its_defaults() {
-        let s = parse(&steps(
+        let events = events(
             r#"
-            [cluster]
-            prefillers = 2
-            decoders = 2
-
             [[step]]
             at_s = 0
             do = "prefill"
@@ -1519,13 +1504,29 @@ mod tests {
             at_s = 6
             do = "wait"
             [[step]]
+            at_s = 6
+            do = "pause"
+            node = "prefill1"
+            for_s = 1.5
+            [[step]]
+            at_s = 6
+            do = "forge"
+            from = "decode1"
+            to = "prefill0"
+            message = "completion"
+            request = "r1"
+            [[step]]
+            at_s = 6
+            do = "intrude"
+            to = "prefill1"
+            as = "decode0"
+            [[step]]
             at_s = 7
             "#,
-        ));
+        );
         let r = RequestId::new;
-        let events: Vec<Option<Event>> = s.steps.iter().map(|s| s.event.clone()).collect();
         let expected = vec![
-            Some(Event::Prefill { request: r("r1"), prompt_tokens: 64, n: 1, node: Node::PREFILL0 }),
+            Some(Event::Prefill { request: r("r1"), prompt_tokens: 64, n: 1, node: Node::PREFILL0, consumer: None }),
             Some(Event::Arrive {
                 request: r("r1"),
                 node: Node::DECODE0,
@@ -1540,7 +1541,7 @@ mod tests {
                 remote_request: r("0_r2"),
                 prompt_tokens: Some(32),
             }),
-            Some(Event::Schedule { request: r("r1"), node: Node::DECODE0, prefix_hit: true }),
+            Some(Event::Schedule { request: r("r1"), node: Node::DECODE0, prefix_hit: true, cached_tokens: 0 }),
             Some(Event::Reject {
                 request: r("r3"),
                 node: Node::DECODE0,
@@ -1557,19 +1558,116 @@ mod tests {
                 by: Duration::from_millis(250),
                 until: Time::from_millis(3000),
             }),
-            Some(Event::FailTransfer { request: r("r1"), node: Node::decode(1) }),
+            Some(Event::FailTransfer { request: r("r1"), node: Node::decode(1), from_block: None }),
             Some(Event::Garbage { from: Node::decode(1), to: Node::PREFILL0, bytes: b"%%".to_vec() }),
             Some(Event::Wait),
+            Some(Event::Pause { node: Node::prefill(1), for_: Duration::from_millis(1500) }),
+            Some(Event::Forge {
+                from: Node::decode(1),
+                to: Node::PREFILL0,
+                message: ForgedMessage::Completion,
+                request: r("r1"),
+                consumers: 1,
+            }),
+            Some(Event::Intrude { to: Node::prefill(1), claimed: Node::DECODE0 }),
             None,
         ];
         assert_eq!(events, expected);
-        let names: Vec<&str> = events.iter().flatten().map(Event::name).collect();
-        let format_names: Vec<&str> = EVENTS.iter().map(|(n, _)| *n).collect();
-        let mut unique = names.clone();
-        unique.dedup();
-        assert_eq!(unique, format_names);
-        assert_eq!(s.steps[1].at, Time::from_millis(10));
-        assert!(s.steps.iter().all(|s| s.expect.is_none()));
+        let mut names: Vec<&str> = events.iter().flatten().map(Event::name).collect();
+        names.dedup();
+        let format_names = [
+            "prefill",
+            "arrive",
+            "schedule",
+            "reject",
+            "abort",
+            "crash",
+            "restart",
+            "partition",
+            "delay",
+            "fail_transfer",
+            "garbage",
+            "wait",
+            "pause",
+            "forge",
+            "intrude",
+        ];
+        assert_eq!(names, format_names);
+    }
+
+    #[test]
+    fn the_new_event_keys_parse() {
+        let events = events(
+            r#"
+            [[step]]
+            at_s = 0
+            do = "prefill"
+            request = "r1"
+            prompt_tokens = 64
+            consumer = "decode1"
+            [[step]]
+            at_s = 0
+            do = "schedule"
+            request = "r1"
+            node = "decode1"
+            cached_tokens = 32
+            [[step]]
+            at_s = 0
+            do = "fail_transfer"
+            request = "r1"
+            node = "decode0"
+            from_block = 2
+            [[step]]
+            at_s = 0
+            do = "forge"
+            from = "decode0"
+            to = "prefill1"
+            message = "abort"
+            request = "r1"
+            consumers = 3
+            [[step]]
+            at_s = 0
+            do = "forge"
+            from = "decode0"
+            to = "prefill1"
+            message = "heartbeat"
+            request = "r1"
+            [[step]]
+            at_s = 0
+            do = "forge"
+            from = "decode1"
+            to = "prefill0"
+            message = "reject"
+            request = "r1"
+            consumers = 0
+            [[step]]
+            at_s = 0
+            do = "intrude"
+            to = "decode0"
+            as = "decode1"
+            "#,
+        );
+        let r = RequestId::new;
+        let forge =
+            |from, to, message, consumers| Some(Event::Forge { from, to, message, request: r("r1"), consumers });
+        assert_eq!(
+            events,
+            vec![
+                Some(Event::Prefill {
+                    request: r("r1"),
+                    prompt_tokens: 64,
+                    n: 1,
+                    node: Node::PREFILL0,
+                    consumer: Some(Node::decode(1)),
+                }),
+                Some(Event::Schedule { request: r("r1"), node: Node::decode(1), prefix_hit: false, cached_tokens: 32 }),
+                Some(Event::FailTransfer { request: r("r1"), node: Node::DECODE0, from_block: Some(2) }),
+                forge(Node::DECODE0, Node::prefill(1), ForgedMessage::Abort, 3),
+                forge(Node::DECODE0, Node::prefill(1), ForgedMessage::Heartbeat, 1),
+                forge(Node::decode(1), Node::PREFILL0, ForgedMessage::Reject, 0),
+                Some(Event::Intrude { to: Node::DECODE0, claimed: Node::decode(1) }),
+            ]
+        );
     }
 
     #[test]
@@ -1581,7 +1679,7 @@ mod tests {
             decoders = 2
             [[step]]
             at_s = 0.5
-            expect = { p_held_blocks = 4, p_held_blocks_on = { prefill1 = 3 }, p_pending = 1, p_released = { r1 = "transferred", r2 = "expired", r3 = "rejected", r4 = "aborted", "0_r5" = "sibling", r6 = "peer_lost" }, d_held_blocks = 0, d_held_blocks_on = { decode1 = 2 }, d_state = { r1 = "waiting", r2 = "loading", r3 = "ready", r4 = "failed", r5 = "recompute", r6 = "gone" }, notifications_after_expiry = 0, ignored_messages = 2, corrupt_reads = 1 }
+            expect = { p_held_blocks = 4, p_held_blocks_on = { prefill1 = 3 }, p_pending = 1, p_released = { r1 = "transferred", r2 = "expired", r3 = "rejected", r4 = "aborted", "0_r5" = "sibling", r6 = "peer_lost" }, d_held_blocks = 0, d_held_blocks_on = { decode1 = 2 }, d_state = { r1 = "waiting", r2 = "loading", r3 = "ready", r4 = "failed", r5 = "recompute", r6 = "gone" }, notifications_after_expiry = 0, ignored_messages = 2, corrupt_reads = 1, written_after_free = 0, d_blocks_read = { r1 = 4, r2 = 0 }, d_tokens_kept = { r3 = 32 } }
             [[step]]
             at_s = 0.5
             do = "schedule"
@@ -1592,7 +1690,8 @@ mod tests {
             at_s = 0.6
             node = "decode1"
             [step.expect]
-            d_state = { r1 = "ready" }
+            d_blocks_read = { r1 = 2 }
+            d_tokens_kept = { r1 = 16 }
             [[step]]
             at_s = 0.7
             do = "crash"
@@ -1608,23 +1707,32 @@ mod tests {
         assert_eq!(
             e.p_released.into_iter().collect::<Vec<_>>(),
             vec![
-                (r("0_r5"), ReleaseReasonName::Sibling),
-                (r("r1"), ReleaseReasonName::Transferred),
-                (r("r2"), ReleaseReasonName::Expired),
-                (r("r3"), ReleaseReasonName::Rejected),
-                (r("r4"), ReleaseReasonName::Aborted),
-                (r("r6"), ReleaseReasonName::PeerLost),
+                (r("0_r5"), ReleaseReason::Sibling),
+                (r("r1"), ReleaseReason::Transferred),
+                (r("r2"), ReleaseReason::Expired),
+                (r("r3"), ReleaseReason::Rejected),
+                (r("r4"), ReleaseReason::Aborted),
+                (r("r6"), ReleaseReason::PeerLost),
             ]
         );
-        assert_eq!(e.d_state.into_values().collect::<Vec<_>>(), DState::ALL.to_vec());
-        assert_eq!(e.d_state_node, Node::DECODE0);
+        use DecodeState::*;
+        assert_eq!(e.d_state.into_values().collect::<Vec<_>>(), vec![Waiting, Loading, Ready, Failed, Recompute, Gone]);
+        assert_eq!(e.d_node, Node::DECODE0);
         assert_eq!((e.notifications_after_expiry, e.ignored_messages, e.corrupt_reads), (Some(0), Some(2), Some(1)));
+        assert_eq!(e.written_after_free, Some(0));
+        assert_eq!(e.d_blocks_read, BTreeMap::from([(r("r1"), 4), (r("r2"), 0)]));
+        assert_eq!(e.d_tokens_kept, BTreeMap::from([(r("r3"), 32)]));
 
-        let on_decode1 = |i: usize| s.steps[i].expect.as_ref().map(|e| e.d_state_node);
+        let on_decode1 = |i: usize| s.steps[i].expect.as_ref().map(|e| e.d_node);
         assert_eq!((on_decode1(1), on_decode1(2)), (Some(Node::decode(1)), Some(Node::decode(1))));
+        let third = s.steps[2].expect.clone().unwrap_or_default();
+        assert_eq!(
+            (third.d_blocks_read, third.d_tokens_kept),
+            (BTreeMap::from([(r("r1"), 2)]), BTreeMap::from([(r("r1"), 16)]))
+        );
         let empty = s.steps[3].expect.as_ref();
         assert_eq!(empty.map(Expect::is_empty), Some(true));
-        assert_eq!(empty.map(|e| e.d_state_node), Some(Node::DECODE0));
+        assert_eq!(empty.map(|e| e.d_node), Some(Node::DECODE0));
     }
 
     /// Parses `input` and checks that it fails with a message that starts with `expected`.
@@ -1643,33 +1751,54 @@ mod tests {
         let prefill = "[[step]]\nat_s = 0\ndo = \"prefill\"\nrequest = \"r1\"\nprompt_tokens = 64\n";
         let cases: &[(String, &str)] = &[
             ("name = ".into(), "invalid TOML: line 1, column 8: "),
-            ("title = \"x\"".into(), "unknown key \"title\" (expected one of: name, cluster, policy, step)"),
-            (String::new(), "name is missing"),
-            ("name = 3".into(), "name must be a string, not 3"),
-            (steps("cluster = 3"), "cluster must be a table, not 3"),
+            ("title = \"x\"".into(), "unknown field `title`, expected one of `name`, `cluster`, `policy`, `step`"),
+            (String::new(), "missing field `name`"),
+            ("name = 3".into(), "name: invalid type: integer `3`, expected a string"),
+            (steps("cluster = 3"), "cluster: invalid type: integer `3`, expected a table"),
             (steps("step = 3"), "step must be an array of tables ([[step]]), not 3"),
             (steps("step = [1]"), "step 1: must be a table ([[step]]), not 1"),
-            (steps("[cluster]\nprefillerz = 2"), "unknown key \"cluster.prefillerz\" (expected one of: mode, "),
-            (steps("[policy]\nlease_s = 2"), "unknown key \"policy.lease_s\" (expected one of: kv_lease_duration_s, "),
-            (steps("[cluster]\nprefill_tp = 0"), "cluster.prefill_tp must be at least 1, not 0"),
-            (steps("[cluster]\ndecode_block_size = -16"), "cluster.decode_block_size must be at least 1, not -16"),
-            (steps("[cluster]\ndecoders = 5000000000"), "cluster.decoders 5000000000 is too large (at most 4294967295)"),
-            (steps("[cluster]\nnum_kv_heads = 8.0"), "cluster.num_kv_heads must be an integer, not 8.0"),
-            (steps("[cluster]\nmla = \"yes\""), "cluster.mla must be true or false, not \"yes\""),
-            (steps("[cluster]\nmode = \"teleport\""), "cluster.mode must be \"pull\" or \"push\", not \"teleport\""),
+            (steps("[cluster]\nprefillerz = 2"), "cluster: unknown field `prefillerz`, expected one of `mode`, "),
+            (steps("[policy]\nlease_s = 2"), "policy: unknown field `lease_s`, expected one of `kv_lease_duration_s`, "),
+            (steps("[cluster]\nprefill_tp = 0"), "cluster.prefill_tp: invalid value: integer `0`, expected a nonzero u32"),
+            (
+                steps("[cluster]\ndecode_block_size = -16"),
+                "cluster.decode_block_size: invalid value: integer `-16`, expected a nonzero u32",
+            ),
+            (
+                steps("[cluster]\ndecoders = 5000000000"),
+                "cluster.decoders: invalid value: integer `5000000000`, expected a nonzero u32",
+            ),
+            (
+                steps("[cluster]\nnum_kv_heads = 8.0"),
+                "cluster.num_kv_heads: invalid type: floating point `8.0`, expected a nonzero u32",
+            ),
+            (steps("[cluster]\nmla = \"yes\""), "cluster.mla: invalid type: string \"yes\", expected a boolean"),
+            (steps("[cluster]\nmode = \"teleport\""), "cluster.mode: unknown variant `teleport`, expected `pull` or `push`"),
             (steps("[cluster]\nstep_interval_ms = 0"), "cluster.step_interval_ms must be positive, not 0"),
             (steps("[cluster]\nnetwork_latency_ms = -1"), "cluster.network_latency_ms must not be negative, not -1"),
+            (
+                steps("[cluster]\nclock_skew_ms = { decode1 = 5 }"),
+                "cluster.clock_skew_ms key \"decode1\" does not exist (decoders = 1)",
+            ),
+            (steps("[cluster]\nclock_skew_ms = { decode0 = 1e300 }"), "cluster.clock_skew_ms.decode0 1e300 is out of range"),
             (steps("[policy]\nkv_lease_duration_s = -30"), "policy.kv_lease_duration_s must not be negative, not -30"),
             (steps("[policy]\nkv_lease_duration_s = 0"), "policy.kv_lease_duration_s must be positive, not 0"),
             (steps("[policy]\nheartbeat_interval_s = 0"), "policy.heartbeat_interval_s must be positive, not 0"),
             (steps("[policy]\ndecoder_kv_blocks_ttl_s = inf"), "policy.decoder_kv_blocks_ttl_s must be finite, not inf"),
-            (steps("[policy]\nkv_load_failure_policy = \"retry\""), "policy.kv_load_failure_policy must be \"fail\""),
-            (steps("[policy]\nearly_notification_capacity = -1"), "policy.early_notification_capacity must be at"),
-            (steps("[[step]]\nat_s = 1\ndo = \"explode\""), "step 1: unknown event \"explode\" (expected one of: prefill, "),
-            (steps("[[step]]\nat_s = 1\ndo = 3"), "step 1: do must be a string, not 3"),
+            (steps("[policy]\npush_quarantine_s = -1.5"), "policy.push_quarantine_s must not be negative, not -1.5"),
+            (
+                steps("[policy]\nkv_load_failure_policy = \"retry\""),
+                "policy.kv_load_failure_policy: unknown variant `retry`, expected `fail` or `recompute`",
+            ),
+            (
+                steps("[policy]\nearly_notification_capacity = -1"),
+                "policy.early_notification_capacity: invalid value: integer `-1`, expected usize",
+            ),
+            (steps("[[step]]\nat_s = 1\ndo = \"explode\""), "step 1: do: unknown variant `explode`, expected one of `prefill`, "),
+            (steps("[[step]]\nat_s = 1\ndo = 3"), "step 1: do: invalid type: integer `3`, expected a string"),
             (
                 steps("[[step]]\nat_s = 0\ndo = \"prefill\"\nrequest = \"r1\"\nprompt = 64"),
-                "step 1: unknown key \"prompt\" for do = \"prefill\" (expected one of: at_s, do, expect, request, ",
+                "step 1: do = \"prefill\": unexpected keys in table: prompt, available keys: request, prompt_tokens, ",
             ),
             (
                 steps("[[step]]\nat_s = 0\nrequest = \"r1\""),
@@ -1677,13 +1806,13 @@ mod tests {
             ),
             (
                 steps(&format!("{prefill}expect = {{ p_held = 4 }}")),
-                "step 1: unknown key \"expect.p_held\" (expected one of: p_held_blocks, ",
+                "step 1: expect: unknown field `p_held`, expected one of `p_held_blocks`, ",
             ),
             (steps("[[step]]\ndo = \"wait\""), "step 1: at_s is missing"),
             (steps("[[step]]\nat_s = -1.0"), "step 1: at_s must not be negative, not -1.0"),
             (steps("[[step]]\nat_s = nan"), "step 1: at_s must be finite, not NaN"),
             (steps("[[step]]\nat_s = 1e30"), "step 1: at_s 1e30 is too large"),
-            (steps("[[step]]\nat_s = \"1\""), "step 1: at_s must be a number, not \"1\""),
+            (steps("[[step]]\nat_s = \"1\""), "step 1: at_s: invalid type: string \"1\", expected f64"),
             (
                 steps("[[step]]\nat_s = 0.0\n[[step]]\nat_s = 2.0\n[[step]]\nat_s = 1.0"),
                 "step 3: at_s 1.0 is earlier than the previous step's 2.0",
@@ -1721,23 +1850,27 @@ mod tests {
                 "step 1: node \"prefill0\" must be a decode engine for do = \"fail_transfer\" in pull mode",
             ),
             (
-                steps("[[step]]\nat_s = 0\ndo = \"prefill\"\nrequest = \"r1\""),
-                "step 1: do = \"prefill\" needs prompt_tokens",
+                steps("[cluster]\nmode = \"push\"\n[[step]]\nat_s = 0\ndo = \"fail_transfer\"\nrequest = \"r1\"\nnode = \"decode0\""),
+                "step 1: node \"decode0\" must be a prefill engine for do = \"fail_transfer\" in push mode",
             ),
-            (steps("[[step]]\nat_s = 0\ndo = \"schedule\""), "step 1: do = \"schedule\" needs request"),
-            (steps("[[step]]\nat_s = 0\ndo = \"abort\"\nrequest = \"r1\""), "step 1: do = \"abort\" needs node"),
-            (steps("[[step]]\nat_s = 0\ndo = \"crash\""), "step 1: do = \"crash\" needs node"),
+            (
+                steps("[[step]]\nat_s = 0\ndo = \"prefill\"\nrequest = \"r1\""),
+                "step 1: do = \"prefill\": missing field `prompt_tokens`",
+            ),
+            (steps("[[step]]\nat_s = 0\ndo = \"schedule\""), "step 1: do = \"schedule\": missing field `request`"),
+            (steps("[[step]]\nat_s = 0\ndo = \"abort\"\nrequest = \"r1\""), "step 1: do = \"abort\": missing field `node`"),
+            (steps("[[step]]\nat_s = 0\ndo = \"crash\""), "step 1: do = \"crash\": missing field `node`"),
             (
                 steps("[[step]]\nat_s = 0\ndo = \"garbage\"\nfrom = \"decode0\"\nto = \"prefill0\""),
-                "step 1: do = \"garbage\" needs bytes",
+                "step 1: do = \"garbage\": missing field `bytes`",
             ),
             (
                 steps("[[step]]\nat_s = 0\ndo = \"partition\"\na = \"decode0\"\nb = \"prefill0\""),
-                "step 1: do = \"partition\" needs until_s",
+                "step 1: do = \"partition\": missing field `until_s`",
             ),
             (
                 steps("[[step]]\nat_s = 0\ndo = \"delay\"\na = \"decode0\"\nb = \"prefill0\"\nuntil_s = 1"),
-                "step 1: do = \"delay\" needs by_ms",
+                "step 1: do = \"delay\": missing field `by_ms`",
             ),
             (
                 steps("[[step]]\nat_s = 0\ndo = \"delay\"\na = \"decode0\"\nb = \"prefill0\"\nby_ms = -5\nuntil_s = 1"),
@@ -1761,33 +1894,38 @@ mod tests {
             ),
             (
                 steps("[[step]]\nat_s = 0\ndo = \"prefill\"\nrequest = \"r1\"\nprompt_tokens = \"64\""),
-                "step 1: prompt_tokens must be an integer, not \"64\"",
+                "step 1: prompt_tokens: invalid type: string \"64\", expected u64",
             ),
             (
                 steps("[[step]]\nat_s = 0\ndo = \"prefill\"\nrequest = \"\"\nprompt_tokens = 64"),
                 "step 1: request must not be empty",
             ),
             (
-                steps("[[step]]\nat_s = 0\ndo = \"schedule\"\nrequest = \"r1\"\nprefix_hit = 1"),
-                "step 1: prefix_hit must be true or false, not 1",
+                steps(&format!("[[step]]\nat_s = 0\ndo = \"abort\"\nnode = \"decode0\"\nrequest = \"{}\"", "r".repeat(257))),
+                "step 1: request is 257 bytes long (at most 256)",
             ),
-            (steps(&format!("{prefill}expect = 4")), "step 1: expect must be a table, not 4"),
+            (
+                steps("[[step]]\nat_s = 0\ndo = \"schedule\"\nrequest = \"r1\"\nprefix_hit = 1"),
+                "step 1: prefix_hit: invalid type: integer `1`, expected a boolean",
+            ),
+            (steps(&format!("{prefill}expect = 4")), "step 1: expect: invalid type: integer `4`, expected a table"),
             (
                 steps(&format!("{prefill}expect = {{ p_held_blocks = -1 }}")),
-                "step 1: expect.p_held_blocks must be at least 0, not -1",
+                "step 1: expect.p_held_blocks: invalid value: integer `-1`, expected u64",
             ),
             (
                 steps(&format!("{prefill}expect = {{ p_released = {{ r1 = \"gone\" }} }}")),
-                "step 1: expect.p_released.r1 must be one of transferred, expired, rejected, aborted, sibling, \
-                 peer_lost, not \"gone\"",
+                "step 1: expect.p_released.r1: unknown variant `gone`, expected one of `transferred`, `expired`, \
+                 `rejected`, `aborted`, `sibling`, `peer_lost`",
             ),
             (
                 steps(&format!("{prefill}expect = {{ d_state = {{ r1 = \"done\" }} }}")),
-                "step 1: expect.d_state.r1 must be one of waiting, loading, ready, failed, recompute, gone, not \"done\"",
+                "step 1: expect.d_state.r1: unknown variant `done`, expected one of `waiting`, `loading`, `ready`, \
+                 `failed`, `recompute`, `gone`",
             ),
             (
                 steps(&format!("{prefill}expect = {{ p_released = \"r1\" }}")),
-                "step 1: expect.p_released must be a table, not \"r1\"",
+                "step 1: expect.p_released: invalid type: string \"r1\", expected a map",
             ),
             (
                 steps(&format!("{prefill}expect = {{ d_held_blocks_on = {{ prefill0 = 1 }} }}")),
@@ -1798,6 +1936,10 @@ mod tests {
                 "step 1: expect.p_held_blocks_on key \"prefill3\" does not exist (prefillers = 1)",
             ),
             (
+                steps(&format!("{prefill}expect = {{ p_released = {{ \"\" = \"expired\" }} }}")),
+                "step 1: expect.p_released key must not be empty",
+            ),
+            (
                 steps(&format!("{prefill}node = \"prefill0\"\nexpect = {{ d_state = {{ r1 = \"ready\" }} }}")),
                 "step 1: expect.d_state is read on the step's node, and prefill0 is not a decode engine",
             ),
@@ -1805,6 +1947,140 @@ mod tests {
         ];
         for (input, expected) in cases {
             check_error(input, expected);
+        }
+    }
+
+    #[test]
+    fn bad_new_keys_say_where_and_what() {
+        let two = "[cluster]\nprefillers = 2\ndecoders = 2\n[[step]]\nat_s = 1\n";
+        let cases: &[(&str, &str)] = &[
+            (
+                "do = \"prefill\"\nrequest = \"r1\"\nprompt_tokens = 64\nconsumer = \"prefill1\"",
+                "step 1: consumer \"prefill1\" must be a decode engine for do = \"prefill\"",
+            ),
+            (
+                "do = \"prefill\"\nrequest = \"r1\"\nprompt_tokens = 64\nconsumer = \"decode2\"",
+                "step 1: consumer \"decode2\" does not exist (decoders = 2)",
+            ),
+            ("do = \"pause\"\nnode = \"decode0\"", "step 1: do = \"pause\": missing field `for_s`"),
+            ("do = \"pause\"\nfor_s = 1", "step 1: do = \"pause\": missing field `node`"),
+            ("do = \"pause\"\nnode = \"decode0\"\nfor_s = 0", "step 1: for_s must be positive, not 0"),
+            ("do = \"pause\"\nnode = \"decode0\"\nfor_s = -2.5", "step 1: for_s must not be negative, not -2.5"),
+            ("do = \"pause\"\nnode = \"decode0\"\nfor_s = \"1\"", "step 1: for_s: invalid type: string \"1\", expected f64"),
+            (
+                "do = \"forge\"\nfrom = \"prefill1\"\nto = \"prefill0\"\nmessage = \"abort\"\nrequest = \"r1\"",
+                "step 1: from \"prefill1\" must be a decode engine for do = \"forge\"",
+            ),
+            (
+                "do = \"forge\"\nfrom = \"decode1\"\nto = \"decode0\"\nmessage = \"abort\"\nrequest = \"r1\"",
+                "step 1: to \"decode0\" must be a prefill engine for do = \"forge\"",
+            ),
+            (
+                "do = \"forge\"\nfrom = \"decode1\"\nto = \"prefill0\"\nmessage = \"hello\"\nrequest = \"r1\"",
+                "step 1: message: unknown variant `hello`, expected one of `completion`, `abort`, `heartbeat`, `reject`",
+            ),
+            (
+                "do = \"forge\"\nfrom = \"decode1\"\nto = \"prefill0\"\nmessage = \"abort\"",
+                "step 1: do = \"forge\": missing field `request`",
+            ),
+            (
+                "do = \"forge\"\nfrom = \"decode1\"\nto = \"prefill0\"\nrequest = \"r1\"",
+                "step 1: do = \"forge\": missing field `message`",
+            ),
+            (
+                "do = \"forge\"\nfrom = \"decode1\"\nto = \"prefill0\"\nmessage = \"completion\"\nrequest = \"r1\"\nconsumers = -1",
+                "step 1: consumers: invalid value: integer `-1`, expected u32",
+            ),
+            ("do = \"intrude\"\nto = \"prefill0\"", "step 1: do = \"intrude\": missing field `as`"),
+            (
+                "do = \"intrude\"\nto = \"prefill0\"\nas = \"prefill0\"",
+                "step 1: to and as are both \"prefill0\" for do = \"intrude\"; they must differ",
+            ),
+            ("do = \"intrude\"\nto = \"prefill0\"\nas = \"decode7\"", "step 1: as \"decode7\" does not exist (decoders = 2)"),
+            (
+                "do = \"intrude\"\nto = \"prefill0\"\nas = \"eve\"",
+                "step 1: as \"eve\" is not an engine name (this cluster has prefill0..prefill1 and decode0..decode1)",
+            ),
+            (
+                "do = \"schedule\"\nrequest = \"r1\"\ncached_tokens = 20",
+                "step 1: cached_tokens must be a whole number of D blocks (decode_block_size = 16), not 20",
+            ),
+            (
+                "do = \"schedule\"\nrequest = \"r1\"\ncached_tokens = -16",
+                "step 1: cached_tokens: invalid value: integer `-16`, expected u64",
+            ),
+            (
+                "do = \"fail_transfer\"\nrequest = \"r1\"\nnode = \"decode0\"\nfrom_block = -1",
+                "step 1: from_block: invalid value: integer `-1`, expected u32",
+            ),
+            (
+                "do = \"crash\"\nnode = \"decode0\"\ncached_tokens = 16",
+                "step 1: do = \"crash\": unexpected keys in table: cached_tokens, available keys: node, detect",
+            ),
+            ("do = \"crash\"\nnode = 3", "step 1: node: invalid type: integer `3`, expected a string"),
+            ("do = \"arrive\"\nrequest = \"r1\"\nprompt_tokens = 0", "step 1: prompt_tokens must be at least 1, not 0"),
+            ("do = \"arrive\"\nrequest = 7", "step 1: request: invalid type: integer `7`, expected a string"),
+            (
+                "do = \"wait\"\nnode = \"decode1\"\nfor_s = 1",
+                "step 1: unknown key \"for_s\" for do = \"wait\" (expected one of: at_s, do, expect, node)",
+            ),
+            ("expect = { written_after_free = -1 }", "step 1: expect.written_after_free: invalid value: integer `-1`"),
+            (
+                "expect = { d_blocks_read = { r1 = \"all\" } }",
+                "step 1: expect.d_blocks_read.r1: invalid type: string \"all\", expected u64",
+            ),
+            ("expect = { d_tokens_kept = { \"\" = 1 } }", "step 1: expect.d_tokens_kept key must not be empty"),
+            (
+                "do = \"abort\"\nrequest = \"r1\"\nnode = \"prefill1\"\nexpect = { d_blocks_read = { r1 = 1 } }",
+                "step 1: expect.d_blocks_read is read on the step's node, and prefill1 is not a decode engine; check \
+                 d_blocks_read in a step of its own",
+            ),
+            (
+                "node = \"prefill0\"\nexpect = { d_tokens_kept = { r1 = 1 } }",
+                "step 1: expect.d_tokens_kept is read on the step's node, and prefill0 is not a decode engine",
+            ),
+        ];
+        for (body, expected) in cases {
+            check_error(&steps(&format!("{two}{body}")), expected);
+        }
+    }
+
+    #[test]
+    fn errors_carry_the_step_the_key_and_the_line_and_column() {
+        let text = "name = \"x\"\n[[step]]\nat_s = 1\n\n[[step]]\nat_s = 2\ndo = \"crash\"\nnode = \"decode3\"\n";
+        let e = Scenario::from_toml_str(text).err();
+        let location = e.as_ref().and_then(|e| e.location().cloned());
+        let expected = Location { file: None, step: Some(2), key: Some("node".into()), line_column: Some((8, 8)) };
+        assert_eq!(location, Some(expected));
+        let message = e.map(|e| e.to_string());
+        assert_eq!(
+            message.as_deref(),
+            Some("step 2: node \"decode3\" does not exist (decoders = 1) (line 8, column 8)")
+        );
+
+        // serde's own errors are placed the same way: on the value, on an unknown key, or on the
+        // step's table for a key that is missing.
+        let at = |step, key: Option<&str>, line, column| Location {
+            file: None,
+            step,
+            key: key.map(str::to_owned),
+            line_column: Some((line, column)),
+        };
+        let cases = [
+            ("[cluster]\nmode = \"teleport\"\n", at(None, Some("cluster.mode"), 3, 8)),
+            ("[[step]]\nat_s = 0\ndo = \"explode\"\n", at(Some(1), Some("do"), 4, 6)),
+            ("[[step]]\nat_s = 0\ndo = \"prefill\"\nrequest = \"r\"\n", at(Some(1), None, 2, 1)),
+            ("step = [{ at_s = 0 }, { at_s = 1, do = \"wait\", bogus = 1 }]", at(Some(2), Some("bogus"), 2, 48)),
+            (
+                "[[step]]\nat_s = 0\nexpect = { d_state = { r1 = \"x\" } }\n",
+                at(Some(1), Some("expect.d_state.r1"), 4, 29),
+            ),
+            ("[[step]]\nat_s = 0\n[step.expect]\np_pending = -1\n", at(Some(1), Some("expect.p_pending"), 5, 13)),
+        ];
+        for (body, expected) in cases {
+            let e = Scenario::from_toml_str(&steps(body)).err();
+            let location = e.as_ref().and_then(|e| e.location().cloned());
+            assert_eq!(location, Some(expected), "{e:?} for {body:?}");
         }
     }
 
@@ -1839,11 +2115,14 @@ mod tests {
         write(&file, "name = \"x\"\n[[step]]\nat_s = 1\n[[step]]\nat_s = 2\ndo = \"explode\"\n");
         let e = Scenario::load(&file).err().map(|e| e.to_string());
         assert_eq!(
-            e.as_deref().and_then(|e| e.split(" (expected").next()),
-            Some(format!("{}: step 2: unknown event \"explode\"", file.display()).as_str())
+            e.as_deref().and_then(|e| e.split(", expected").next()),
+            Some(format!("{}: step 2: do: unknown variant `explode`", file.display()).as_str())
         );
+        assert!(e.as_deref().is_some_and(|e| e.ends_with("(line 6, column 6)")), "{e:?}");
         let location = Scenario::load(&file).err().and_then(|e| e.location().cloned());
-        assert_eq!(location, Some(Location { file: Some(file.clone()), step: Some(2) }));
+        let expected =
+            Location { file: Some(file.clone()), step: Some(2), key: Some("do".into()), line_column: Some((6, 6)) };
+        assert_eq!(location, Some(expected));
 
         write(&file, "name = \"x\"\n\n[cluster\n");
         let e = Scenario::load(&file).err().map(|e| e.to_string()).unwrap_or_default();
@@ -1880,20 +2159,32 @@ mod tests {
     }
 
     #[test]
-    fn names_read_back_as_the_format_writes_them() {
-        for reason in ReleaseReasonName::ALL {
-            assert_eq!(ReleaseReasonName::from_name(reason.as_str()), Some(reason));
-            assert_eq!(reason.to_string(), reason.as_str());
+    fn the_library_names_read_back_as_the_format_writes_them() {
+        use ReleaseReason::*;
+        for reason in [Transferred, Expired, Rejected, Aborted, Sibling, PeerLost] {
+            let text = steps(&format!("[[step]]\nat_s = 0\nexpect = {{ p_released = {{ r1 = \"{reason}\" }} }}"));
+            let got = parse(&text).steps[0].expect.as_ref().and_then(|e| e.p_released.values().next().copied());
+            assert_eq!(got, Some(reason));
         }
-        for state in DState::ALL {
-            assert_eq!(DState::from_name(state.as_str()), Some(state));
+        use DecodeState::*;
+        for state in [Waiting, Loading, Ready, Failed, Recompute, Gone] {
+            let text =
+                steps(&format!("[[step]]\nat_s = 0\nexpect = {{ d_state = {{ r1 = \"{}\" }} }}", state.as_str()));
+            let got = parse(&text).steps[0].expect.as_ref().and_then(|e| e.d_state.values().next().copied());
+            assert_eq!(got, Some(state));
         }
-        assert_eq!(ReleaseReasonName::PeerLost.to_string(), "peer_lost");
-        assert_eq!(ReleaseReasonName::from_name("PeerLost"), None);
-        assert_eq!(
-            (TransferMode::Push.to_string(), FailurePolicy::Recompute.to_string()),
-            ("push".into(), "recompute".into())
+        for (name, mode) in [("pull", Mode::Pull), ("push", Mode::Push)] {
+            assert_eq!(parse(&steps(&format!("[cluster]\nmode = \"{name}\""))).cluster.mode, mode);
+        }
+        for (name, policy) in [("fail", LoadFailurePolicy::Fail), ("recompute", LoadFailurePolicy::Recompute)] {
+            let text = steps(&format!("[policy]\nkv_load_failure_policy = \"{name}\""));
+            assert_eq!(parse(&text).policy.kv_load_failure_policy, policy);
+        }
+        check_error(
+            &steps("[[step]]\nat_s = 0\nexpect = { p_released = { r1 = \"PeerLost\" } }"),
+            "step 1: expect.p_released.r1: unknown variant `PeerLost`",
         );
+
         assert_eq!(Node::parse("decode12"), Some(Node::decode(12)));
         assert_eq!(Node::decode(12).to_string(), "decode12");
         assert_eq!(Node::PREFILL0.engine_id(), EngineId::new("prefill0"));

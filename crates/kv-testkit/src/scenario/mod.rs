@@ -9,7 +9,7 @@ pub mod format;
 pub mod runner;
 
 pub use format::{
-    scenario_files, ClusterSpec, DState, Event, Expect, FailurePolicy, Location, Node, PolicySpec, ReleaseReasonName,
-    Scenario, ScenarioError, Step, TransferMode,
+    scenario_files, ClusterSpec, Event, Expect, ForgedMessage, Location, Node, PolicySpec, Scenario, ScenarioError,
+    Step,
 };
 pub use runner::{run, Outcome};
