@@ -75,7 +75,9 @@ pub enum LeaseState {
     Held(Time),
     /// P released it (or its lease has run out): it must not be read.
     Released,
-    /// P's worker does not know it yet (it learns of exports a step after they finish).
+    /// P's worker does not know it yet (it learns of exports a step after they finish), or
+    /// cannot say yet: in push mode, a write into the asking rank's blocks is in flight, and
+    /// its completion will answer.
     Unknown,
 }
 

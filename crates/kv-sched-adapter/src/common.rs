@@ -44,8 +44,8 @@ pub struct RemoteRef {
     pub prompt_tokens: u64,
     /// The export, once P has finished the prompt: absent in push mode when D comes first.
     pub export: Option<ExportInfo>,
-    /// The D engine the router named at prefill, to which P bound the export at once (for the
-    /// router's and D's information: P enforces it).
+    /// The D engine the router named at prefill, to which P bound the export at once: another
+    /// engine, or another incarnation of the same one, must not load it.
     pub consumer: Option<Consumer>,
 }
 

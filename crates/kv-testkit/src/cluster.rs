@@ -297,6 +297,8 @@ pub struct Cluster {
     loads_verified: u64,
     /// Engines paused until a time, and the router calls they will handle when they resume.
     paused: BTreeMap<EngineId, (Time, Vec<Deferred>)>,
+    /// When each engine last resumed from a pause: it could not hear of anything before.
+    resumed: BTreeMap<EngineId, Time>,
     violations: Vec<String>,
     trace: Vec<String>,
     last_step: Option<Time>,
@@ -335,6 +337,7 @@ impl Cluster {
             written_after_free: 0,
             loads_verified: 0,
             paused: BTreeMap::new(),
+            resumed: BTreeMap::new(),
             violations: Vec::new(),
             trace: Vec::new(),
             last_step: None,
@@ -553,6 +556,7 @@ impl Cluster {
         for id in &names {
             self.step_decode(id, now);
         }
+        self.check_release_timing(now);
     }
 
     fn step_prefill(&mut self, id: &EngineId, now: Time) {
@@ -611,6 +615,32 @@ impl Cluster {
         }
         self.drain_decode(&mut engine, now);
         self.decode.insert(id.clone(), Some(engine));
+    }
+
+    /// The timing invariant of peer loss: an export bound to a D incarnation that a P rank has
+    /// heard is gone (its side channel closed, or a newer incarnation handshook) is released
+    /// within one scheduler step and one network latency of the moment that P could hear it
+    /// (a paused P hears when it resumes; a partition holds the close back).
+    fn check_release_timing(&mut self, now: Time) {
+        let slack = self.config.step_interval + self.config.network_latency;
+        let mut late = Vec::new();
+        for engine in self.prefill.values().flatten().filter(|e| !self.paused.contains_key(&e.id)) {
+            let resumed = self.resumed.get(&engine.id).copied().unwrap_or(Time::ZERO);
+            for (rank, worker) in engine.workers.iter().enumerate() {
+                let agent = AgentName::new(engine.id.clone(), rank as u32);
+                for (request, owner) in worker.machine_ref().bound() {
+                    let Some(heard) = self.net.heard_gone(&agent, &owner.engine, owner.instance) else { continue };
+                    if now > heard.max(resumed) + slack {
+                        late.push(format!(
+                            "{agent} still holds {request}, bound to {owner}, which it heard was gone at {heard}"
+                        ));
+                    }
+                }
+            }
+        }
+        for line in late {
+            self.violation(line);
+        }
     }
 
     /// Carries D's scheduler events to its workers and the pool, until nothing is left.
@@ -1001,7 +1031,8 @@ impl Cluster {
         let due: Vec<EngineId> =
             self.paused.iter().filter(|(_, (until, _))| *until <= now).map(|(e, _)| e.clone()).collect();
         for id in due {
-            let (_, calls) = self.paused.remove(&id).expect("due");
+            let (until, calls) = self.paused.remove(&id).expect("due");
+            self.resumed.insert(id.clone(), until);
             let node = id.as_str();
             self.record(format!("{node} resumed"));
             for call in calls {

@@ -16,9 +16,9 @@ use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
-use kv_core::{RequestId, Time};
+use kv_core::{RequestId, Role, Time};
 
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, ForgedMessage};
 use kv_sched_adapter::{LoadFailurePolicy, Mode};
 
 use crate::scenario::format::{ClusterSpec, Event, Node, PolicySpec, Scenario, Step};
@@ -100,6 +100,13 @@ pub fn generate(seed: u64) -> Scenario {
         }
     };
     let suffix = |rng: &mut Rng| format!("-{:08x}", rng.next_u64() as u32);
+    // D may stall for any length: its read fence holds. P stalls less than the push quarantine
+    // (2 x lease): a write stalled longer than that is the one hazard no one-sided transport
+    // can fence (DESIGN.md rule 10), so it is documented, not simulated.
+    let pause = |rng: &mut Rng, role: Role| match role {
+        Role::Decode => ms(1 + rng.below(lease_s * 2500)),
+        Role::Prefill => ms(1 + rng.below(lease_s * 1900)),
+    };
     for i in 0..requests {
         let t0 = rng.below(horizon_ms);
         let p = node(&mut rng, true);
@@ -121,10 +128,18 @@ pub fn generate(seed: u64) -> Scenario {
             (RequestId::new(d_remote.clone()), RequestId::new(d_remote))
         };
         let arrive_early = mode == Mode::Push && rng.chance(0.3);
+        let named = rng.chance(0.3);
         let t_prefill = if arrive_early { t0 + rng.below(3000) } else { t0 };
         push(
             t_prefill,
-            Event::Prefill { request: RequestId::new(p_id.clone()), prompt_tokens, n, node: p, consumer: None },
+            // Sometimes the router has picked D already and names it to P.
+            Event::Prefill {
+                request: RequestId::new(p_id.clone()),
+                prompt_tokens,
+                n,
+                node: p,
+                consumer: named.then_some(d),
+            },
         );
         let t_arrive = if arrive_early { t0 } else { t0 + rng.below(500) };
         let roll = rng.below(100);
@@ -162,6 +177,12 @@ pub fn generate(seed: u64) -> Scenario {
             t_schedule,
             Event::Schedule { request: d_request.clone(), node: d, prefix_hit: rng.chance(0.05), cached_tokens: 0 },
         );
+        if rng.chance(0.06) {
+            // A stall with the transfer in flight: D's read, or P's push write, may outlast the lease.
+            let stalled = if mode == Mode::Push && rng.chance(0.5) { p } else { d };
+            let at = t_schedule + rng.below(20);
+            push(at, Event::Pause { node: stalled, for_: pause(&mut rng, stalled.role) });
+        }
         if (8..12).contains(&roll) {
             push(t_schedule + rng.below(20), Event::Abort { request: d_request.clone(), node: d });
         }
@@ -182,11 +203,11 @@ pub fn generate(seed: u64) -> Scenario {
             push(t + rng.below(100), Event::Schedule { request: other, node: d, prefix_hit: true, cached_tokens: 0 });
         }
     }
-    let faults = rng.below(6);
+    let faults = rng.below(8);
     for _ in 0..faults {
         let t = rng.below(horizon_ms);
         let (p, d) = (node(&mut rng, true), node(&mut rng, false));
-        match rng.below(6) {
+        match rng.below(9) {
             0 => {
                 let victim = if rng.chance(0.5) { d } else { p };
                 push(t, Event::Crash { node: victim, detect: rng.chance(0.5) });
@@ -201,9 +222,25 @@ pub fn generate(seed: u64) -> Scenario {
                 t,
                 Event::Delay { a: p, b: d, by: ms(rng.below(300)), until: Time::from_millis(t + rng.below(3000)) },
             ),
-            _ => {
+            4 | 5 => {
                 let bytes = (0..rng.below(64)).map(|_| rng.next_u64() as u8).collect();
                 push(t, Event::Garbage { from: d, to: p, bytes });
+            }
+            6 => {
+                let stalled = if rng.chance(0.5) { d } else { p };
+                push(t, Event::Pause { node: stalled, for_: pause(&mut rng, stalled.role) });
+            }
+            7 => {
+                // A handshaked D speaks for an export it may not own.
+                let messages =
+                    [ForgedMessage::Completion, ForgedMessage::Abort, ForgedMessage::Heartbeat, ForgedMessage::Reject];
+                let message = messages[rng.below(4) as usize];
+                let request = RequestId::new(format!("r{}", rng.below(requests)));
+                push(t, Event::Forge { from: d, to: p, message, request, consumers: 1 + rng.below(4) as u32 });
+            }
+            _ => {
+                let (to, claimed) = if rng.chance(0.5) { (p, d) } else { (d, p) };
+                push(t, Event::Intrude { to, claimed });
             }
         }
     }
@@ -282,6 +319,17 @@ fn run_checked(
         + quarantine
         + p.kv_lease_duration
         + Duration::from_secs(5);
+    // A pause that ends after the last step delays everything it held back.
+    let resumed = scenario
+        .steps
+        .iter()
+        .filter_map(|s| match &s.event {
+            Some(Event::Pause { for_, .. }) => Some(s.at + *for_),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(Time::ZERO);
+    cluster.advance_to(resumed.max(cluster.now()));
     cluster.drain(limit);
     trace.extend_from_slice(cluster.trace());
     check(&cluster)?;

@@ -7,9 +7,11 @@
 //! ```
 
 use crate::id::AgentName;
+use crate::ports::TransportError;
 use crate::wire::MAX_MESSAGE_BYTES;
 
 use super::crypto::{mac, verify_truncated, NOTIFY_LABEL};
+use super::RefusalCause;
 
 /// The first bytes of a tagged notification.
 const MAGIC: &[u8; 2] = b"KT";
@@ -64,6 +66,28 @@ pub enum NotifyError {
         /// The limit.
         max: usize,
     },
+}
+
+impl NotifyError {
+    /// How a notification that does not open is counted: the same cause in every adapter.
+    pub fn cause(&self) -> RefusalCause {
+        match self {
+            NotifyError::Malformed { .. } | NotifyError::TooLarge { .. } => RefusalCause::Malformed,
+            NotifyError::Replayed { .. } => RefusalCause::Replayed,
+            NotifyError::UnknownPeer { .. } | NotifyError::BadTag { .. } => RefusalCause::Unauthenticated,
+        }
+    }
+}
+
+/// A notification that cannot be sealed is a send that fails: to an unknown peer, or too large.
+impl From<NotifyError> for TransportError {
+    fn from(e: NotifyError) -> Self {
+        match e {
+            NotifyError::UnknownPeer { agent } => TransportError::UnknownPeer(agent),
+            NotifyError::TooLarge { len, max } => TransportError::NotificationTooLarge { len, max },
+            other => TransportError::Backend(other.to_string()),
+        }
+    }
 }
 
 /// One peer's notification keys and counters.

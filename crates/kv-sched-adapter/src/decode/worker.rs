@@ -3,9 +3,10 @@
 //!
 //! A worker tracks a request from arrival: it connects to the P ranks it maps to, claims the
 //! export at once (its first renewal goes out on arrival) and renews P's lease by heartbeat;
-//! P's acknowledgements carry the new deadlines. It reads a parallel-sampling sibling only once
-//! P has acknowledged holding it for this engine, since a sibling's completion releases what
-//! its owner never claimed. At schedule it fences the read: a
+//! P's acknowledgements carry the new deadlines. It never loads an export the router named for
+//! another engine incarnation (P may free it at any time for that one), and reads a
+//! parallel-sampling sibling only once P has acknowledged holding it for this engine, since a
+//! sibling's completion releases what its owner never claimed. At schedule it fences the read: a
 //! read that could outlive P's lease (the deadline on D's clock, minus the safety margin and
 //! the clock offset's uncertainty) is never started; and a read that completes after that
 //! point (D stalled, was paused, or the network was slow) is a failed load, never a success,
@@ -186,6 +187,16 @@ impl DecodeWorker {
     fn track(&mut self, now: Time, request: RequestId, remote: RemoteRef) {
         if self.loads.contains_key(&request) {
             self.counters.duplicate_messages += 1;
+            return;
+        }
+        if let Some(consumer) =
+            remote.consumer.as_ref().filter(|c| c.engine != self.offer.engine || c.instance != self.offer.instance)
+        {
+            // P bound this export to another engine incarnation at prefill (a restarted engine
+            // gets the requests the router named for its old self): it may free the blocks
+            // at any time for that one, so they are never safe to read here.
+            tracing::warn!(%request, %consumer, "the export is bound to another engine incarnation");
+            self.out.report(DecodeReport::Finished { request, outcome: LoadOutcome::Failed });
             return;
         }
         let Some((tp, plan, targets)) = self.map_remote(&remote) else {

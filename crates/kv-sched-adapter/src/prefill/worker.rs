@@ -200,6 +200,11 @@ impl PrefillWorker {
         }
     }
 
+    /// Every export this rank holds that is bound to an owner, with the owner.
+    pub fn bound(&self) -> impl Iterator<Item = (&RequestId, &Consumer)> + '_ {
+        self.exports.iter().filter_map(|(id, e)| Some((id, self.families.get(&e.family)?.owner.as_ref()?)))
+    }
+
     /// The D engine incarnation an export this rank holds is bound to, if any yet.
     pub fn owner(&self, request: &RequestId) -> Option<&Consumer> {
         let export = self.exports.get(request)?;
@@ -208,6 +213,7 @@ impl PrefillWorker {
 
     /// A command from the scheduler.
     pub fn handle_command(&mut self, now: Time, command: PrefillCommand) {
+        self.reap_expired(now);
         let PrefillCommand::Export { request, blocks, deadline, consumer } = command;
         if self.exports.contains_key(&request) || self.recent.contains(&request) {
             self.counters.duplicate_messages += 1;
@@ -235,6 +241,9 @@ impl PrefillWorker {
             // The router's choice binds the family; siblings were exported with the same one.
             family.owner.get_or_insert(consumer);
         }
+        // A worker can learn of an export after its lease has already run out (a long handoff,
+        // a stalled engine): then it is released before anything staged can renew or write it.
+        self.reap_expired(now);
         // Everything staged for it, in arrival order; in push mode, registrations may name it
         // by base id. A claim staged by an engine since gone still binds it (and so releases
         // it), unless a live engine has claimed it too.
@@ -312,14 +321,21 @@ impl PrefillWorker {
         }
     }
 
+    /// Releases the family of export `id` when its owner is known to be gone (a staged claim
+    /// of a gone engine may have just bound siblings registered before it).
     fn release_if_owner_gone(&mut self, now: Time, id: &RequestId) {
-        if self.owner(id).is_some_and(|o| self.gone.is_gone(o)) {
-            self.release(now, id, ReleaseReason::PeerLost);
+        let Some(export) = self.exports.get(id) else { return };
+        let Some(family) = self.families.get(&export.family) else { return };
+        if family.owner.as_ref().is_some_and(|o| self.gone.is_gone(o)) {
+            for member in family.members.clone() {
+                self.release(now, &member, ReleaseReason::PeerLost);
+            }
         }
     }
 
     /// A notification from the transport.
     pub fn handle_notification(&mut self, now: Time, notification: Notification) {
+        self.reap_expired(now);
         match Message::decode(&notification.payload) {
             Ok(message) => self.on_message(now, notification.from, message),
             Err(err) => {
@@ -351,11 +367,18 @@ impl PrefillWorker {
         self.lists.handle_prepared(token, result);
     }
 
-    /// The clock reached a wake-up (spurious wake-ups are harmless).
-    pub fn handle_timeout(&mut self, now: Time) {
+    /// Releases every export whose lease has run out by `now`. Every input runs it first, so
+    /// that nothing is renewed, written or answered about a lease that has already ended (an
+    /// answer of "released" is a promise that no write will come).
+    fn reap_expired(&mut self, now: Time) {
         while let Some((request, _)) = self.leases.poll_expired(now) {
             self.release(now, &request, ReleaseReason::Expired);
         }
+    }
+
+    /// The clock reached a wake-up (spurious wake-ups are harmless).
+    pub fn handle_timeout(&mut self, now: Time) {
+        self.reap_expired(now);
         self.counters.early_evicted += self.early.expire(now.saturating_sub(self.stage_lifetime()));
         self.recent.expire(now.saturating_sub(self.config.kv_lease_duration * 2));
         self.pulled.expire(now.saturating_sub(self.config.kv_lease_duration));
@@ -437,10 +460,16 @@ impl PrefillWorker {
         self.counters.early_evicted += self.early.push(now, request, Early { from, message });
     }
 
-    /// Sends `message` to `to` if it is still connected (a staged claim's sender may be gone).
-    fn answer(&mut self, to: &AgentName, message: &Message) {
-        if self.peers.contains_key(to) {
-            self.out.send(to, message);
+    /// Whether `from`'s incarnation is the one connected under its name now: a staged claim's
+    /// sender may be gone, and a newer incarnation may have taken its name since.
+    fn live(&self, from: &Claimant) -> bool {
+        self.peers.get(&from.agent).is_some_and(|p| p.consumer() == from.consumer)
+    }
+
+    /// Sends `message` to `from` if its incarnation is still the one connected.
+    fn answer(&mut self, from: &Claimant, message: &Message) {
+        if self.live(from) {
+            self.out.send(&from.agent, message);
         }
     }
 
@@ -484,7 +513,7 @@ impl PrefillWorker {
             self.counters.late_messages += 1;
             if push {
                 // Released already: no write is or will be in flight.
-                self.answer(&from.agent, &Message::Abort { request });
+                self.answer(&from, &Message::Abort { request });
             }
             return;
         }
@@ -504,11 +533,11 @@ impl PrefillWorker {
                 for (_, early) in registrations {
                     if let Message::PushRegistration(reg) = early.message {
                         answered |= reg.request == request;
-                        self.answer(&agent, &Message::Abort { request: reg.request });
+                        self.answer(&from, &Message::Abort { request: reg.request });
                     }
                 }
                 if !answered {
-                    self.answer(&agent, &Message::Abort { request: request.clone() });
+                    self.answer(&from, &Message::Abort { request: request.clone() });
                 }
             }
         }
@@ -528,6 +557,10 @@ impl PrefillWorker {
             let lease = match self.resolve(&request) {
                 Some(id) if self.bind(&id, &from) => match self.leases.renew(&id, now, extension) {
                     Some(deadline) => LeaseState::Held(deadline),
+                    // Push: a write into that rank's blocks is in flight; "released" would tell
+                    // D that none is, and D would free the blocks under it. The write's own
+                    // completion answers.
+                    None if self.exports[&id].writing.contains(&from.agent) => LeaseState::Unknown,
                     // Expired and about to be reaped, or released while a write finishes.
                     None => LeaseState::Released,
                 },
@@ -549,7 +582,7 @@ impl PrefillWorker {
         if foreign {
             self.foreign();
         }
-        if self.peers.contains_key(&from.agent) {
+        if self.live(&from) {
             self.out.send_split(&from.agent, &renewals, |renewals| Message::HeartbeatAck { renewals });
         }
     }
@@ -563,13 +596,13 @@ impl PrefillWorker {
         if self.cancelled.contains(&(agent.clone(), reg.request.base())) {
             // It came after D's cancel, which P answered: no write, ever.
             self.counters.late_messages += 1;
-            self.answer(&agent, &Message::Abort { request: reg.request });
+            self.answer(&from, &Message::Abort { request: reg.request });
             return;
         }
         let Some(id) = self.resolve(&reg.request) else {
             if self.recent.contains(&reg.request) || self.recent.contains(&reg.request.base()) {
                 self.counters.late_messages += 1;
-                self.answer(&agent, &Message::Abort { request: reg.request });
+                self.answer(&from, &Message::Abort { request: reg.request });
             } else {
                 let request = reg.request.clone();
                 self.stage(now, from, request, Message::PushRegistration(reg));
@@ -578,7 +611,7 @@ impl PrefillWorker {
         };
         if !self.bind(&id, &from) {
             self.foreign();
-            self.answer(&agent, &Message::Abort { request: reg.request });
+            self.answer(&from, &Message::Abort { request: reg.request });
             return;
         }
         let export = self.exports.get_mut(&id).expect("resolved");
@@ -590,8 +623,9 @@ impl PrefillWorker {
         if export.owed_writes == 0 {
             export.owed_writes = from.owed;
         }
-        // A registration staged by an engine since gone binds the export but gets no write.
-        if self.peers.contains_key(&agent) {
+        // A registration staged by an incarnation since gone binds the export but gets no
+        // write: not even into a newer incarnation that took its name.
+        if self.live(&from) {
             self.write(&id, &agent);
         }
         self.settle_push(now, &id);

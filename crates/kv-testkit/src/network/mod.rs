@@ -268,6 +268,15 @@ impl FakeNetwork {
         self.settled().queue.keys().next().map(|&(at, _)| at)
     }
 
+    /// The first time `agent` (its current incarnation) heard, through its side channel, that
+    /// incarnation `instance` of `engine` is gone: its connection closed, or a newer one
+    /// handshook. `None` if it has not.
+    pub fn heard_gone(&self, agent: &AgentName, engine: &EngineId, instance: u64) -> Option<Time> {
+        let net = self.settled();
+        let agent = net.agents.get(agent).filter(|a| a.up)?;
+        agent.heard_gone.iter().find(|(_, e, mark)| e == engine && instance <= *mark).map(|(t, _, _)| *t)
+    }
+
     /// The counters so far.
     pub fn stats(&self) -> NetStats {
         self.settled().stats
@@ -379,6 +388,9 @@ struct Agent {
     conns: BTreeMap<ConnId, side::Conn>,
     /// The queue entry of the side endpoint's next wake-up.
     side_timer: Option<(Time, u64)>,
+    /// When its side endpoint told it that incarnations of an engine were gone: every one at
+    /// or below the number. The oracle of the release-timing check.
+    heard_gone: Vec<(Time, EngineId, u64)>,
     regions: BTreeMap<RegionId, Region>,
     peers: BTreeMap<AgentName, Link>,
     transfers: BTreeMap<TransferId, Transfer>,
@@ -493,6 +505,7 @@ impl Agent {
             side,
             conns: BTreeMap::new(),
             side_timer: None,
+            heard_gone: Vec::new(),
             regions: BTreeMap::new(),
             peers: BTreeMap::new(),
             transfers: BTreeMap::new(),

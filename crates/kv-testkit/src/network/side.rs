@@ -3,8 +3,8 @@
 //! partitions and pauses, lost only with a crash), reports connections opening and closing,
 //! and wakes the endpoint when it asks. Notifications are sealed and opened by the endpoints.
 
-use kv_core::side::{ClusterKey, ConnId, NotifyError, SideEvent, CLUSTER_KEY_BYTES};
-use kv_core::{AgentName, Notification, PeerAddress, PeerEvent, RefusalCause, Time, TransportError};
+use kv_core::side::{ClusterKey, ConnId, SideEvent, CLUSTER_KEY_BYTES};
+use kv_core::{AgentName, Notification, PeerAddress, PeerEvent, Time, TransportError};
 
 use super::{Body, Endpoint, Event, Link, Message, Net};
 use crate::Rng;
@@ -115,12 +115,17 @@ impl Net {
                 SideEvent::Connected { conn, info } => {
                     let Some(c) = agent.conns.get(&conn) else { continue };
                     agent.peers.insert(info.agent.clone(), Link { generation: c.peer.generation, lost: false });
+                    // A newer incarnation says every older one of its engine is gone.
+                    if let Some(below) = info.handshake.instance.checked_sub(1) {
+                        agent.heard_gone.push((now, info.handshake.engine.clone(), below));
+                    }
                     PeerEvent::Connected(info)
                 }
-                SideEvent::Lost { agent: lost, .. } => {
+                SideEvent::Lost { agent: lost, instance, .. } => {
                     if let Some(link) = agent.peers.get_mut(&lost) {
                         link.lost = true;
                     }
+                    agent.heard_gone.push((now, lost.engine.clone(), instance));
                     PeerEvent::Lost(lost)
                 }
                 SideEvent::Refused { claimed, cause, reason, .. } => {
@@ -173,25 +178,14 @@ impl Net {
     pub(super) fn seal(&mut self, from: &Endpoint, to: &AgentName, payload: &[u8]) -> Result<Vec<u8>, TransportError> {
         let agent =
             self.agent_mut(from).ok_or_else(|| TransportError::Backend(format!("agent {} is down", from.name)))?;
-        agent.side.seal_notification(to, payload).map_err(|e| match e {
-            NotifyError::UnknownPeer { .. } => TransportError::UnknownPeer(to.clone()),
-            NotifyError::TooLarge { len, max } => TransportError::NotificationTooLarge { len, max },
-            other => TransportError::Backend(other.to_string()),
-        })
+        Ok(agent.side.seal_notification(to, payload)?)
     }
 
     pub(super) fn notification_arrived(&mut self, _at: Time, from: &Endpoint, to: &Endpoint, sealed: &[u8]) {
         let Some(agent) = self.agent_mut(to) else { return };
         let event = match agent.side.open_notification(&from.name, sealed) {
             Ok(payload) => PeerEvent::Notification(Notification { from: from.name.clone(), payload }),
-            Err(e) => {
-                let cause = match e {
-                    NotifyError::Malformed { .. } | NotifyError::TooLarge { .. } => RefusalCause::Malformed,
-                    NotifyError::Replayed { .. } => RefusalCause::Replayed,
-                    NotifyError::UnknownPeer { .. } | NotifyError::BadTag { .. } => RefusalCause::Unauthenticated,
-                };
-                PeerEvent::Refused { peer: Some(from.name.clone()), cause, reason: e.to_string() }
-            }
+            Err(e) => PeerEvent::Refused { peer: Some(from.name.clone()), cause: e.cause(), reason: e.to_string() },
         };
         agent.events.push_back(event);
         self.stats.delivered += 1;
