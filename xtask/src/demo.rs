@@ -5,6 +5,9 @@
 //! transfer parameters to a D engine (round robin), rejects some requests on D before
 //! admission and aborts others while they wait or load. Part-way it kills one D engine with
 //! SIGKILL and restarts it. In push mode D hears of each request first and P writes.
+//! `--pause-decode N` stops decode0 with SIGSTOP N times, each for 1.5 leases, with its reads
+//! in flight; `--pause-prefill` stops P once, past D's push watchdog but within D's
+//! quarantine, with its writes in flight: the fence and the quarantine must hold.
 //!
 //! P fills every block it computes with bytes derived from the request and block; D checks
 //! every byte it receives. After the workload the router waits for P's pool to empty (the
@@ -21,14 +24,14 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use kv_testkit::Rng;
 use serde_json::{json, Value};
-use xtask::proto::{wall_ns, write_line, Command, Event, Model, NodeConfig, NodeRole, Remote};
+use xtask::proto::{wall_ns, write_line, Command, Event, Model, NodeConfig, NodeRole, Remote, CLUSTER_KEY_ENV};
 
 use crate::ci::workspace_root;
 use crate::provision;
 
 const USAGE: &str = "usage: cargo xtask demo [--mode pull|push] [--decoders N] [--requests N] [--seed N]
        [--concurrency N] [--min-tokens N] [--max-tokens N] [--layers N] [--blocks N]
-       [--lease-ms N] [--no-kill] [--json]";
+       [--lease-ms N] [--no-kill] [--pause-decode N] [--pause-prefill] [--json]";
 
 /// The longest a dead D engine's export may stay held on P after the death: P hears of the
 /// death when the engine's side channel closes, and releases what was bound to it at once.
@@ -59,6 +62,10 @@ pub struct DemoConfig {
     pub lease_ms: u64,
     /// Kill and restart one D engine part-way.
     pub kill: bool,
+    /// Times decode0 is stopped (SIGSTOP) for 1.5 leases.
+    pub pause_decode: u32,
+    /// Stop P once, past D's push watchdog and within its quarantine.
+    pub pause_prefill: bool,
     /// Fractions of requests D rejects, the router aborts, and that ask for n > 1.
     pub reject_rate: f64,
     /// See `reject_rate`.
@@ -84,6 +91,8 @@ impl Default for DemoConfig {
             blocks: 384,
             lease_ms: 4000,
             kill: true,
+            pause_decode: 0,
+            pause_prefill: false,
             reject_rate: 0.08,
             abort_rate: 0.08,
             sibling_rate: 0.10,
@@ -120,6 +129,8 @@ pub fn parse(args: &[String]) -> Result<(DemoConfig, bool)> {
             "--blocks" => c.blocks = value("--blocks")? as u32,
             "--lease-ms" => c.lease_ms = value("--lease-ms")?,
             "--no-kill" => c.kill = false,
+            "--pause-decode" => c.pause_decode = value("--pause-decode")?.try_into().unwrap_or(u32::MAX),
+            "--pause-prefill" => c.pause_prefill = true,
             "--json" => json_out = true,
             "-h" | "--help" => bail!("{USAGE}"),
             other => bail!("unknown argument {other:?}\n{USAGE}"),
@@ -156,6 +167,23 @@ impl DemoConfig {
             bail!("--lease-ms {} is too short: heartbeats go every lease / 6 and reads need a margin", self.lease_ms);
         }
         Ok(())
+    }
+
+    /// The stops the run makes: (engine, when that many requests were issued, for how long).
+    fn pauses(&self) -> VecDeque<Pause> {
+        let mut pauses = VecDeque::new();
+        let lease = Duration::from_millis(self.lease_ms);
+        for k in 0..self.pause_decode {
+            let at_issued = self.requests * (k + 1) / (self.pause_decode + 2);
+            pauses.push_back(Pause { engine: "decode0".into(), at_issued, length: lease * 3 / 2 });
+        }
+        if self.pause_prefill {
+            // Past the watchdog (decoder_ttl_ms) by half the quarantine (two leases).
+            let length = Duration::from_millis(self.node(NodeRole::Decode, "", 0).decoder_ttl_ms) + lease;
+            pauses.push_back(Pause { engine: "prefill0".into(), at_issued: self.requests / 4, length });
+        }
+        pauses.make_contiguous().sort_by_key(|p| p.at_issued);
+        pauses
     }
 
     fn node(&self, role: NodeRole, name: &str, instance: u64) -> NodeConfig {
@@ -262,6 +290,8 @@ struct Request {
 pub struct Demo {
     config: DemoConfig,
     binary: NodeBinary,
+    /// The cluster key every engine of this run holds, as 64 hex digits.
+    key: String,
     nodes: BTreeMap<String, Node>,
     events: Receiver<(String, u64, FromNode)>,
     sender: Sender<(String, u64, FromNode)>,
@@ -279,10 +309,31 @@ pub struct Demo {
     issued: u32,
     completed: u32,
     kill: Option<Kill>,
+    /// Stops still to make, the one in progress (its process and when it ends), and those made.
+    pauses: VecDeque<Pause>,
+    paused: Option<(Pause, u32, Instant)>,
+    paused_done: Vec<Pause>,
     transfers: Vec<(u64, u64, bool)>,
     errors: Vec<String>,
     started: Instant,
     progress: indicatif::ProgressBar,
+}
+
+/// A stop of one engine with SIGSTOP, then SIGCONT.
+#[derive(Clone, Debug)]
+struct Pause {
+    engine: String,
+    at_issued: u32,
+    length: Duration,
+}
+
+/// Sends `signal` (`STOP`, `CONT`) to process `pid`.
+fn signal(pid: u32, signal: &str) -> Result<()> {
+    let status = Process::new("kill").arg(format!("-{signal}")).arg(pid.to_string()).status()?;
+    if !status.success() {
+        bail!("kill -{signal} {pid} failed: {status}");
+    }
+    Ok(())
 }
 
 /// The D engine killed part-way.
@@ -305,9 +356,13 @@ impl Demo {
                 .expect("template")
                 .progress_chars("=> "),
         );
+        let mut key = [0u8; 32];
+        getrandom::fill(&mut key).map_err(|e| anyhow::anyhow!("no randomness for the cluster key: {e}"))?;
+        let pauses = config.pauses();
         let mut demo = Demo {
             config,
             binary,
+            key: key.iter().map(|b| format!("{b:02x}")).collect(),
             nodes: BTreeMap::new(),
             events,
             sender,
@@ -321,6 +376,9 @@ impl Demo {
             issued: 0,
             completed: 0,
             kill: None,
+            pauses,
+            paused: None,
+            paused_done: Vec::new(),
             transfers: Vec::new(),
             errors: Vec::new(),
             started: Instant::now(),
@@ -346,6 +404,7 @@ impl Demo {
         let mut child = Process::new(&self.binary.path)
             .arg(config)
             .envs(self.binary.envs.iter().map(|(k, v)| (k, v)))
+            .env(CLUSTER_KEY_ENV, &self.key)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -399,12 +458,14 @@ impl Demo {
     pub fn run(mut self) -> Result<Report> {
         let kill_after = self.config.requests * 2 / 5;
         let limit = self.started + self.config.time_limit;
-        // The run ends when every request has ended and the killed engine is back up.
-        while self.completed < self.config.requests || self.restarting() {
+        // The run ends when every request has ended, the killed engine is back up, and no
+        // engine is stopped.
+        while self.completed < self.config.requests || self.restarting() || self.paused.is_some() {
             let now = Instant::now();
             if self.config.kill && self.kill.is_none() && self.issued >= kill_after {
                 self.kill_decode()?;
             }
+            self.pause_if_due(now)?;
             self.restart_if_due()?;
             if now < limit {
                 self.issue(now);
@@ -419,7 +480,8 @@ impl Demo {
             }
             self.fire_aborts(now);
             self.pump(Duration::from_millis(2))?;
-            if now > limit + Duration::from_millis(self.config.lease_ms * 3) {
+            let stopped: Duration = self.paused_done.iter().map(|p| p.length).sum();
+            if now > limit + stopped + Duration::from_millis(self.config.lease_ms * 3) {
                 self.errors.push(format!("{} requests never finished", self.config.requests - self.completed));
                 break;
             }
@@ -567,6 +629,32 @@ impl Demo {
         Ok(())
     }
 
+    /// Stops the next engine due, or resumes the stopped one when its time is up.
+    fn pause_if_due(&mut self, now: Instant) -> Result<()> {
+        if let Some((pause, pid, until)) = &self.paused {
+            if now >= *until {
+                signal(*pid, "CONT")?;
+                self.progress.set_message(format!("resumed {}", pause.engine));
+                self.paused_done.push(pause.clone());
+                self.paused = None;
+            }
+            return Ok(());
+        }
+        if self.pauses.front().is_none_or(|p| p.at_issued > self.issued) {
+            return Ok(());
+        }
+        let pause = self.pauses.pop_front().expect("checked");
+        // A killed engine that is not back yet cannot be stopped: skip that stop.
+        let Some(node) = self.nodes.get(&pause.engine).filter(|n| n.port.is_some()) else {
+            self.errors.push(format!("{} was down when it was due to be stopped", pause.engine));
+            return Ok(());
+        };
+        signal(node.child.id(), "STOP")?;
+        self.progress.set_message(format!("stopped {} for {} ms", pause.engine, pause.length.as_millis()));
+        self.paused = Some((pause.clone(), node.child.id(), now + pause.length));
+        Ok(())
+    }
+
     /// Whether the killed engine is not yet back up.
     fn restarting(&self) -> bool {
         self.kill.as_ref().is_some_and(|k| self.nodes.get(&k.engine).is_none_or(|n| n.port.is_none()))
@@ -709,6 +797,9 @@ impl Demo {
     }
 
     fn shutdown(&mut self) {
+        if let Some((_, pid, _)) = self.paused.take() {
+            let _ = signal(pid, "CONT");
+        }
         let live: Vec<String> = self.nodes.iter().filter(|(_, n)| n.port.is_some()).map(|(k, _)| k.clone()).collect();
         for name in &live {
             self.send(name, &Command::Shutdown);
@@ -768,6 +859,7 @@ pub struct Report {
     kv_p99_us: u64,
     kv_samples: usize,
     killed: Option<String>,
+    pauses: Vec<(String, u64)>,
     held_after_death_ms: Option<u64>,
     dead_engine_releases: BTreeMap<String, u64>,
     lease_ms: u64,
@@ -852,6 +944,7 @@ impl Report {
             kv_p99_us: percentile(&kv, 99.0),
             kv_samples: kv.len(),
             killed: demo.kill.as_ref().map(|k| k.engine.clone()),
+            pauses: demo.paused_done.iter().map(|p| (p.engine.clone(), p.length.as_millis() as u64)).collect(),
             held_after_death_ms,
             dead_engine_releases,
             lease_ms: demo.config.lease_ms,
@@ -915,6 +1008,7 @@ impl Report {
             "transfer_latency_us": { "p50": self.transfer_p50_us, "p99": self.transfer_p99_us },
             "kv_latency_us": { "p50": self.kv_p50_us, "p99": self.kv_p99_us, "samples": self.kv_samples },
             "killed": self.killed,
+            "pauses_ms": self.pauses.iter().map(|(e, ms)| json!({ "engine": e, "ms": ms })).collect::<Vec<_>>(),
             "longest_held_after_death_ms": self.held_after_death_ms,
             "dead_engine_releases": self.dead_engine_releases,
             "lease_ms": self.lease_ms,
@@ -979,6 +1073,10 @@ impl Report {
                 )
             }
             _ => println!("  no engine killed"),
+        }
+        if !self.pauses.is_empty() {
+            let list: Vec<String> = self.pauses.iter().map(|(e, ms)| format!("{e} {ms} ms")).collect();
+            println!("  stopped (SIGSTOP)    {} (lease {} ms)", list.join(", "), self.lease_ms);
         }
         println!("  corrupt reads        {}", self.corrupt_reads);
         println!("  written after free   {}", self.written_after_free);

@@ -70,9 +70,16 @@ pub fn gpu_skip_reason() -> Option<String> {
     kv_cuda::gpu_for_tests().err().or_else(nixl_skip_reason)
 }
 
-/// A monotonic clock for a real process.
+/// A monotonic clock for a real process, from when it was made.
 #[derive(Debug)]
 pub struct ProcessClock(Instant);
+
+impl ProcessClock {
+    /// A clock that reads zero now.
+    pub fn start() -> Self {
+        ProcessClock(Instant::now())
+    }
+}
 
 impl Clock for ProcessClock {
     fn now(&self) -> Time {
@@ -117,7 +124,7 @@ pub fn transport(offer: Handshake, regions: &[Region]) -> Result<NixlTransport, 
 
 /// A transport for `offer` with `config`, with `regions` registered.
 pub fn transport_with(offer: Handshake, regions: &[Region], config: &NixlConfig) -> Result<NixlTransport, NixlError> {
-    let clock: Arc<dyn Clock> = Arc::new(ProcessClock(Instant::now()));
+    let clock: Arc<dyn Clock> = Arc::new(ProcessClock::start());
     let mut t = NixlTransport::new(offer, config, clock)?;
     for region in regions {
         t.register(region)?;

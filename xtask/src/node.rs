@@ -31,13 +31,15 @@ use kv_sched_adapter::{
     PrefillScheduler, PrefillWorker,
 };
 use kv_testkit::BlockPool;
-use kv_transport_nixl::{NixlConfig, NixlTransport};
+use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
 
+use crate::e2e::ProcessClock;
 use crate::pattern;
-use crate::proto::{wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Remote};
+use crate::proto::{wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Remote, CLUSTER_KEY_ENV};
 
 /// The model name both sides' handshakes carry.
-const MODEL: &str = "kvflow-demo";
+/// The model name every demo engine serves.
+pub const MODEL: &str = "kvflow-demo";
 
 /// How long the loop sleeps at most while transfers are in flight, and otherwise.
 const BUSY_POLL: Duration = Duration::from_micros(50);
@@ -80,14 +82,6 @@ fn read_commands(tx: Sender<Result<Command, String>>) {
 }
 
 /// Time since the process started.
-struct ProcessClock(Instant);
-
-impl Clock for ProcessClock {
-    fn now(&self) -> Time {
-        Time::from_nanos(self.0.elapsed().as_nanos() as u64)
-    }
-}
-
 /// A transfer that ended: bytes, post-to-end time, success.
 type Ended = (u64, Duration, bool);
 
@@ -200,8 +194,13 @@ impl Engine {
             clock: Time::ZERO,
             agent_metadata: Vec::new(),
         };
-        let clock = Arc::new(ProcessClock(Instant::now()));
-        let nixl = NixlConfig { bind: "127.0.0.1:0".parse().expect("loopback"), ..NixlConfig::default() };
+        let clock = Arc::new(ProcessClock::start());
+        // The router's key, when it gave one; without it the side channel is loopback-only anyway.
+        let key = match std::env::var_os(CLUSTER_KEY_ENV) {
+            Some(_) => KeySource::Env(CLUSTER_KEY_ENV.to_owned()),
+            None => KeySource::None,
+        };
+        let nixl = NixlConfig { bind: "127.0.0.1:0".parse().expect("loopback"), key, ..NixlConfig::default() };
         let mut inner = NixlTransport::new(offer.clone(), &nixl, clock.clone()).context("the NIXL transport")?;
         inner.register(&region).context("registering the KV pool")?;
         let (tx, ended) = mpsc::channel();

@@ -12,6 +12,10 @@ use kv_core::{BlockId, EngineId, PeerAddress, RequestId, Time};
 use kv_sched_adapter::{Consumer, ExportInfo, RemoteRef};
 use serde::{Deserialize, Serialize};
 
+/// The environment variable in which the demo hands its engines the cluster key (64 hex
+/// digits): never on the command line, which any user of the machine can read.
+pub const CLUSTER_KEY_ENV: &str = "KVFLOW_CLUSTER_KEY";
+
 /// Which engine a process runs.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -17,6 +17,7 @@
 //! side builds the peer's descriptor lists with the peer's true memory type (DRAM or VRAM) and
 //! device id, and refuses a remote range outside them before NIXL sees it.
 
+mod key;
 mod metadata;
 pub mod runtime;
 mod side;
@@ -24,7 +25,8 @@ mod transport;
 
 use std::path::PathBuf;
 
-pub use side::SideStats;
+pub use key::KeySource;
+pub use side::SideStatus;
 pub use transport::{NixlConfig, NixlTransport, DEFAULT_SIDE_CHANNEL_PORT};
 
 /// Why a [`NixlTransport`] could not be made.
@@ -50,6 +52,17 @@ pub enum NixlError {
     /// NIXL refused to make the agent or its backend.
     #[error("NIXL agent: {0}")]
     Agent(String),
+    /// The cluster key could not be read.
+    #[error("cluster key from {from}: {reason}")]
+    Key {
+        /// Where it was looked for (a file or an environment variable, by name).
+        from: String,
+        /// Why it is not a key; never the key itself.
+        reason: String,
+    },
+    /// The configuration contradicts itself.
+    #[error("NIXL transport configuration: {0}")]
+    Config(String),
     /// The side channel could not start.
     #[error(transparent)]
     Transport(#[from] kv_core::TransportError),

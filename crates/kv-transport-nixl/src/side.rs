@@ -1,98 +1,255 @@
-//! The side channel: a TCP connection per peer that carries the handshake, then stays open
-//! so that its loss says the peer is gone.
+//! The side channel's sockets: kv-core's [`SideEndpoint`] speaks the protocol (authentication,
+//! sealed offers, bounds, deadlines); this module only moves its bytes over TCP.
 //!
-//! Frames are a 4-byte big-endian length and a body of at most
-//! [`kv_core::wire::MAX_HANDSHAKE_BYTES`]. The initiator sends its [`Handshake`]; the
-//! listener checks it and answers with its own (or with a refusal text, when it cannot even
-//! parse the offer); both sides run [`check_compatible`], so both refuse with the same error
-//! naming both values. An accepted connection is then only watched: EOF or an error is a
-//! lost peer. The listener keeps serving after any refusal.
+//! The sockets live on a thread of their own, with a single-threaded tokio runtime that no
+//! caller ever enters: a [`SideChannel`] can be made, used and dropped inside or outside an
+//! engine's own tokio runtime. That thread drives the endpoint at once as bytes arrive, so a
+//! handshake, its deadline and the bounds on unauthenticated connections do not wait for the
+//! engine's loop. The endpoint sits behind a mutex that the transport takes too, to seal and
+//! open notifications and to collect what happened ([`SideChannel::poll_item`]).
+//!
+//! One thing the socket thread leaves to the transport: the close of an established peer's
+//! connection. It queues [`Item::PeerClosed`], and the transport first collects the
+//! notifications that peer sent (NIXL holds them), opens them while the peer's session still
+//! exists, and only then tells the endpoint ([`SideChannel::peer_closed`]), which reports the
+//! loss: what a peer said before it died is handled before its death.
+//!
+//! Bounds: the endpoint's ([`SideLimits`]) on unauthenticated connections, peers and frame
+//! sizes; here, at most `max_unauthenticated + max_peers + 16` sockets (one more is closed at
+//! accept and counted), and at most `max_queued_events` refusals waiting for the transport
+//! (more are counted, not queued).
 
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
 
-use kv_core::wire::MAX_HANDSHAKE_BYTES;
-use kv_core::{check_compatible, AgentName, Clock, Handshake, PeerAddress, Time, TransportError};
+use kv_core::side::{ClusterKey, ConnId, NotifyError, SideConfig, SideEndpoint, SideEvent, SideLimits};
+use kv_core::{AgentName, Clock, Handshake, PeerAddress, TransportError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot, Notify};
 
-/// A refusal's frame starts with these bytes, then UTF-8 text.
-const REFUSAL: &[u8; 2] = b"KX";
+/// Sockets beyond the endpoint's own bounds: outgoing connections in flight, and slack.
+const SOCKET_SLACK: usize = 16;
 
-/// What the side channel tells the transport.
+/// What the socket thread hands the transport, in order.
 #[derive(Debug)]
-pub(crate) enum SideEvent {
-    /// A handshake completed; the peer's metadata still has to be loaded into the agent.
-    Accepted { handshake: Box<Handshake>, sent_at: Time, received_at: Time },
-    /// A connection we started failed.
-    ConnectFailed { address: PeerAddress, error: TransportError },
-    /// An incoming handshake was refused.
-    Refused { peer: AgentName, error: TransportError },
-    /// A peer's connection closed.
-    Lost(AgentName),
+pub(crate) enum Item {
+    /// An endpoint event.
+    Event(SideEvent),
+    /// An established peer's connection closed: collect its notifications, then call
+    /// [`SideChannel::peer_closed`].
+    PeerClosed(ConnId),
 }
 
-/// Counts of bad input the listener dropped.
-#[derive(Debug, Default)]
-pub struct SideStats {
-    /// Handshake frames that were malformed, oversized or timed out.
-    pub malformed: AtomicU64,
+/// What the side channel has seen, for bounds checks and logs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct SideStatus {
+    /// Established peers.
+    pub peers: usize,
+    /// Connections open and not yet established, ours and accepted ones.
+    pub pending: usize,
+    /// Sockets the channel holds open.
+    pub sockets: usize,
+    /// Bytes held for incomplete frames.
+    pub buffered_bytes: usize,
+    /// Connections closed at accept because the socket bound was reached.
+    pub sockets_refused: u64,
+    /// Refusals counted but not queued because the queue for the transport was full.
+    pub refusals_dropped: u64,
 }
 
-pub(crate) struct SideChannel {
-    runtime: tokio::runtime::Runtime,
-    local: SocketAddr,
-    events: mpsc::Receiver<SideEvent>,
-    sender: mpsc::Sender<SideEvent>,
-    offer: Arc<RwLock<Handshake>>,
-    clock: Arc<dyn Clock>,
-    timeout: Duration,
-    pub(crate) stats: Arc<SideStats>,
+/// Bytes for a connection's socket, or the order to close it once they are written.
+enum Out {
+    Bytes(Vec<u8>),
+    Close,
 }
 
-impl SideChannel {
-    /// Binds the listener and starts serving.
-    pub(crate) fn start(
-        bind: SocketAddr,
-        offer: Handshake,
-        clock: Arc<dyn Clock>,
-        timeout: Duration,
-    ) -> Result<Self, TransportError> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("kvflow-side-channel")
-            .enable_all()
-            .build()
-            .map_err(|e| TransportError::Backend(format!("side channel runtime: {e}")))?;
-        let listener = runtime
-            .block_on(TcpListener::bind(bind))
-            .map_err(|e| TransportError::Backend(format!("side channel cannot listen on {bind}: {e}")))?;
-        let local = listener.local_addr().map_err(|e| TransportError::Backend(e.to_string()))?;
-        let (sender, events) = mpsc::channel();
-        let offer = Arc::new(RwLock::new(offer));
-        let stats = Arc::new(SideStats::default());
-        let side = SideChannel { runtime, local, events, sender, offer, clock, timeout, stats };
-        side.runtime.spawn(serve(listener, side.context()));
-        tracing::debug!(%local, "side channel listening");
-        Ok(side)
-    }
+struct Io {
+    side: SideEndpoint,
+    /// Every connection the endpoint knows that has (or will have) a socket.
+    sockets: HashMap<ConnId, mpsc::UnboundedSender<Out>>,
+    established: HashSet<ConnId>,
+    items: VecDeque<Item>,
+    next_conn: u64,
+    max_sockets: usize,
+    max_queued: usize,
+    sockets_refused: u64,
+    refusals_dropped: u64,
+}
 
-    fn context(&self) -> Context {
-        Context {
-            offer: self.offer.clone(),
-            clock: self.clock.clone(),
-            sender: self.sender.clone(),
-            timeout: self.timeout,
-            stats: self.stats.clone(),
+impl Io {
+    /// Carries out what the endpoint asked for: bytes to sockets, closes, events to the queue.
+    fn pump(&mut self) {
+        while let Some(t) = self.side.poll_transmit() {
+            if let Some(out) = self.sockets.get(&t.conn) {
+                let _ = out.send(Out::Bytes(t.bytes));
+            }
+        }
+        while let Some(conn) = self.side.poll_close() {
+            self.established.remove(&conn);
+            if let Some(out) = self.sockets.remove(&conn) {
+                let _ = out.send(Out::Close);
+            }
+        }
+        while let Some(event) = self.side.poll_event() {
+            match &event {
+                SideEvent::Connected { conn, .. } => {
+                    self.established.insert(*conn);
+                }
+                SideEvent::Refused { .. } if self.items.len() >= self.max_queued => {
+                    self.refusals_dropped += 1;
+                    continue;
+                }
+                _ => {}
+            }
+            self.items.push_back(Item::Event(event));
         }
     }
 
-    /// Replaces the agent metadata the offer carries (it lists the agent's registrations).
-    pub(crate) fn set_agent_metadata(&self, metadata: Vec<u8>) {
-        self.offer.write().unwrap_or_else(std::sync::PoisonError::into_inner).agent_metadata = metadata;
+    fn next_conn(&mut self) -> ConnId {
+        self.next_conn += 1;
+        ConnId(self.next_conn)
+    }
+}
+
+struct Shared {
+    io: Mutex<Io>,
+    clock: Arc<dyn Clock>,
+    /// How long a connection we open may take to connect.
+    connect_timeout: std::time::Duration,
+    /// Wakes the timer when the endpoint's next deadline may have moved.
+    timer: Notify,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Io> {
+        self.io.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the endpoint at the current time, then carries out what it asked for.
+    fn drive(&self, f: impl FnOnce(&mut SideEndpoint, kv_core::Time)) {
+        let mut io = self.lock();
+        f(&mut io.side, self.clock.now());
+        io.pump();
+        drop(io);
+        self.timer.notify_one();
+    }
+
+    /// A connection's socket closed or failed, seen from the socket thread.
+    fn socket_closed(&self, conn: ConnId) {
+        let mut io = self.lock();
+        if !io.sockets.contains_key(&conn) {
+            // The endpoint closed it itself.
+            return;
+        }
+        if io.established.contains(&conn) {
+            io.items.push_back(Item::PeerClosed(conn));
+            return;
+        }
+        io.sockets.remove(&conn);
+        let now = self.clock.now();
+        io.side.handle_closed(now, conn);
+        io.pump();
+        drop(io);
+        self.timer.notify_one();
+    }
+}
+
+/// Fresh random bytes for a handshake nonce, from the operating system.
+fn nonce() -> Result<[u8; 32], TransportError> {
+    let mut nonce = [0u8; 32];
+    getrandom::fill(&mut nonce).map_err(|e| TransportError::Backend(format!("no randomness for a nonce: {e}")))?;
+    Ok(nonce)
+}
+
+/// The side channel of one agent: a listener, the connections, and the endpoint.
+pub(crate) struct SideChannel {
+    shared: Arc<Shared>,
+    runtime: tokio::runtime::Handle,
+    local: SocketAddr,
+    shutdown: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl SideChannel {
+    /// Binds the listener on the calling thread (so that a bad address fails here), then
+    /// starts the socket thread.
+    pub(crate) fn start(
+        bind: SocketAddr,
+        key: ClusterKey,
+        limits: SideLimits,
+        offer: Handshake,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, TransportError> {
+        let max_sockets = limits.max_unauthenticated + limits.max_peers + SOCKET_SLACK;
+        let max_queued = limits.max_queued_events;
+        let connect_timeout = limits.auth_timeout;
+        let side = SideEndpoint::new(SideConfig { key, limits }, offer)
+            .map_err(|e| TransportError::Backend(format!("side channel: {e}")))?;
+        let listener = std::net::TcpListener::bind(bind)
+            .map_err(|e| TransportError::Backend(format!("side channel cannot listen on {bind}: {e}")))?;
+        let local = listener.local_addr().map_err(|e| TransportError::Backend(format!("side channel: {e}")))?;
+        listener.set_nonblocking(true).map_err(|e| TransportError::Backend(format!("side channel: {e}")))?;
+        let io = Io {
+            side,
+            sockets: HashMap::new(),
+            established: HashSet::new(),
+            items: VecDeque::new(),
+            next_conn: 0,
+            max_sockets,
+            max_queued,
+            sockets_refused: 0,
+            refusals_dropped: 0,
+        };
+        let shared = Arc::new(Shared { io: Mutex::new(io), clock, connect_timeout, timer: Notify::new() });
+        let (shutdown, stop) = oneshot::channel();
+        let (started, handle) = std::sync::mpsc::channel();
+        let serving = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvflow-side-channel".into())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(runtime) => runtime,
+                    Err(e) => {
+                        let _ = started.send(Err(format!("side channel runtime: {e}")));
+                        return;
+                    }
+                };
+                let _ = started.send(Ok(runtime.handle().clone()));
+                runtime.block_on(async move {
+                    let listener = match TcpListener::from_std(listener) {
+                        Ok(listener) => listener,
+                        Err(e) => return tracing::error!(error = %e, "side channel listener"),
+                    };
+                    tokio::select! {
+                        _ = stop => {}
+                        _ = serve(listener, serving.clone()) => {}
+                        _ = timer(serving) => {}
+                    }
+                });
+                // On its own thread, this ends every task and socket; a name lookup that is
+                // still running is not waited for long.
+                runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+            })
+            .map_err(|e| TransportError::Backend(format!("side channel thread: {e}")))?;
+        let runtime = handle
+            .recv()
+            .map_err(|_| TransportError::Backend("side channel thread ended at start".into()))?
+            .map_err(TransportError::Backend)?;
+        tracing::debug!(%local, "side channel listening");
+        Ok(SideChannel { shared, runtime, local, shutdown: Some(shutdown), thread: Some(thread) })
+    }
+
+    /// Replaces the offer that handshakes from now on send.
+    pub(crate) fn set_offer(&self, offer: Handshake) -> Result<(), TransportError> {
+        self.shared.lock().side.set_offer(offer).map_err(|e| TransportError::Backend(format!("side channel: {e}")))
+    }
+
+    /// The offer handshakes send.
+    pub(crate) fn offer(&self) -> Handshake {
+        self.shared.lock().side.offer().clone()
     }
 
     /// Where the listener listens.
@@ -100,163 +257,160 @@ impl SideChannel {
         self.local
     }
 
-    /// Starts a handshake with the listener at `address` (`host:port`).
-    pub(crate) fn connect(&self, address: &PeerAddress) {
-        self.runtime.spawn(connect(address.clone(), self.context()));
-    }
-
-    /// The next event, if any.
-    pub(crate) fn try_event(&self) -> Option<SideEvent> {
-        self.events.try_recv().ok()
-    }
-}
-
-#[derive(Clone)]
-struct Context {
-    offer: Arc<RwLock<Handshake>>,
-    clock: Arc<dyn Clock>,
-    sender: mpsc::Sender<SideEvent>,
-    timeout: Duration,
-    stats: Arc<SideStats>,
-}
-
-impl Context {
-    fn offer(&self) -> Handshake {
-        self.offer.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
-    }
-
-    fn stamped_offer(&self) -> Result<Vec<u8>, TransportError> {
-        let mut offer = self.offer();
-        offer.clock = self.clock.now();
-        offer.encode().map_err(|e| TransportError::Backend(format!("own handshake does not encode: {e}")))
-    }
-
-    fn emit(&self, event: SideEvent) {
-        // The transport may be gone; then nobody needs to know.
-        let _ = self.sender.send(event);
-    }
-}
-
-async fn serve(listener: TcpListener, ctx: Context) {
-    loop {
-        match listener.accept().await {
-            Ok((stream, from)) => {
-                tokio::spawn(accept(stream, from, ctx.clone()));
+    /// Starts a handshake with the listener at `address` (`host:port`); the outcome comes as
+    /// an event.
+    pub(crate) fn connect(&self, address: &PeerAddress) -> Result<(), TransportError> {
+        let nonce = nonce()?;
+        let (out, outgoing) = mpsc::unbounded_channel();
+        let conn = {
+            let mut io = self.shared.lock();
+            let conn = io.next_conn();
+            io.sockets.insert(conn, out);
+            let now = self.shared.clock.now();
+            io.side.handle_connect(now, conn, address.clone(), nonce);
+            io.pump();
+            conn
+        };
+        self.shared.timer.notify_one();
+        let shared = self.shared.clone();
+        let address = address.clone();
+        self.runtime.spawn(async move {
+            match tokio::time::timeout(shared.connect_timeout, TcpStream::connect(address.0.as_str())).await {
+                Ok(Ok(stream)) => {
+                    let _ = stream.set_nodelay(true);
+                    run_socket(stream, conn, outgoing, shared).await;
+                }
+                _ => shared.socket_closed(conn),
             }
+        });
+        Ok(())
+    }
+
+    /// The next thing that happened, if any.
+    pub(crate) fn poll_item(&self) -> Option<Item> {
+        self.shared.lock().items.pop_front()
+    }
+
+    /// An established connection closed (after [`Item::PeerClosed`]), or the transport drops
+    /// a peer it cannot use: the endpoint reports the peer lost and the socket closes.
+    pub(crate) fn peer_closed(&self, conn: ConnId) {
+        self.shared.drive(|side, now| side.handle_closed(now, conn));
+    }
+
+    /// Tags `payload` for the peer `to` (see [`SideEndpoint::seal_notification`]).
+    pub(crate) fn seal(&self, to: &AgentName, payload: &[u8]) -> Result<Vec<u8>, NotifyError> {
+        self.shared.lock().side.seal_notification(to, payload)
+    }
+
+    /// Opens a tagged notification from `from` (see [`SideEndpoint::open_notification`]).
+    pub(crate) fn open(&self, from: &AgentName, sealed: &[u8]) -> Result<Vec<u8>, NotifyError> {
+        self.shared.lock().side.open_notification(from, sealed)
+    }
+
+    /// What the channel holds now.
+    pub(crate) fn status(&self) -> SideStatus {
+        let io = self.shared.lock();
+        SideStatus {
+            peers: io.side.peer_count(),
+            pending: io.side.pending_count(),
+            sockets: io.sockets.len(),
+            buffered_bytes: io.side.buffered_bytes(),
+            sockets_refused: io.sockets_refused,
+            refusals_dropped: io.refusals_dropped + io.side.refusals_dropped(),
+        }
+    }
+}
+
+impl Drop for SideChannel {
+    fn drop(&mut self) {
+        if let Some(stop) = self.shutdown.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            // The thread only drops its runtime; joining does not wait on anything of ours.
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Accepts connections for as long as the channel lives.
+async fn serve(listener: TcpListener, shared: Arc<Shared>) {
+    loop {
+        let (stream, from) = match listener.accept().await {
+            Ok(accepted) => accepted,
             Err(e) => {
                 tracing::warn!(error = %e, "side channel accept failed");
-                tokio::time::sleep(Duration::from_millis(10)).await;
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                continue;
             }
-        }
+        };
+        let Ok(nonce) = nonce() else { continue };
+        let (out, outgoing) = mpsc::unbounded_channel();
+        let conn = {
+            let mut io = shared.lock();
+            if io.sockets.len() >= io.max_sockets {
+                io.sockets_refused += 1;
+                tracing::debug!(%from, sockets = io.sockets.len(), "side channel at its socket bound; closed");
+                continue;
+            }
+            let conn = io.next_conn();
+            io.sockets.insert(conn, out);
+            let now = shared.clock.now();
+            io.side.handle_accept(now, conn, nonce);
+            io.pump();
+            conn
+        };
+        shared.timer.notify_one();
+        let _ = stream.set_nodelay(true);
+        tokio::spawn(run_socket(stream, conn, outgoing, shared.clone()));
     }
 }
 
-async fn read_frame(stream: &mut TcpStream) -> Result<Vec<u8>, String> {
-    let mut len = [0u8; 4];
-    stream.read_exact(&mut len).await.map_err(|e| format!("cannot read a frame: {e}"))?;
-    let len = u32::from_be_bytes(len) as usize;
-    if len > MAX_HANDSHAKE_BYTES {
-        return Err(format!("handshake frame of {len} bytes exceeds the {MAX_HANDSHAKE_BYTES}-byte limit"));
-    }
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body).await.map_err(|e| format!("truncated frame of {len} bytes: {e}"))?;
-    Ok(body)
-}
-
-async fn write_frame(stream: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
-    stream.write_all(&(body.len() as u32).to_be_bytes()).await?;
-    stream.write_all(body).await?;
-    stream.flush().await
-}
-
-async fn refuse(stream: &mut TcpStream, reason: &str) {
-    let mut body = REFUSAL.to_vec();
-    body.extend_from_slice(reason.as_bytes());
-    let _ = write_frame(stream, &body).await;
-}
-
-async fn accept(mut stream: TcpStream, from: SocketAddr, ctx: Context) {
-    let frame = match tokio::time::timeout(ctx.timeout, read_frame(&mut stream)).await {
-        Ok(Ok(frame)) => frame,
-        Ok(Err(reason)) => {
-            ctx.stats.malformed.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%from, %reason, "bad handshake");
-            return refuse(&mut stream, &reason).await;
-        }
-        Err(_) => {
-            ctx.stats.malformed.fetch_add(1, Ordering::Relaxed);
-            let reason = format!("no handshake within {:?}", ctx.timeout);
-            tracing::warn!(%from, %reason, "bad handshake");
-            return refuse(&mut stream, &reason).await;
-        }
-    };
-    let received_at = ctx.clock.now();
-    let peer = match Handshake::decode(&frame) {
-        Ok(peer) => peer,
-        Err(e) => {
-            ctx.stats.malformed.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%from, error = %e, "malformed handshake");
-            return refuse(&mut stream, &format!("malformed handshake: {e}")).await;
-        }
-    };
-    let agent = AgentName::new(peer.engine.clone(), peer.rank);
-    // Answer with our offer even when refusing, so that the initiator names both values too.
-    let answer = match ctx.stamped_offer() {
-        Ok(answer) => answer,
-        Err(e) => return refuse(&mut stream, &e.to_string()).await,
-    };
-    if write_frame(&mut stream, &answer).await.is_err() {
-        return;
-    }
-    if let Err(error) = check_compatible(&ctx.offer(), &peer) {
-        tracing::warn!(peer = %agent, %error, "handshake refused");
-        ctx.emit(SideEvent::Refused { peer: agent, error: error.into() });
-        return;
-    }
-    let sent_at = received_at;
-    ctx.emit(SideEvent::Accepted { handshake: Box::new(peer), sent_at, received_at });
-    watch(stream, agent, ctx).await;
-}
-
-async fn connect(address: PeerAddress, ctx: Context) {
-    let result = tokio::time::timeout(ctx.timeout, handshake(&address, &ctx)).await;
-    let result = result.unwrap_or_else(|_| Err(TransportError::Backend(format!("handshake with {address} timed out"))));
-    match result {
-        Ok((stream, peer, sent_at, received_at)) => {
-            let agent = AgentName::new(peer.engine.clone(), peer.rank);
-            ctx.emit(SideEvent::Accepted { handshake: Box::new(peer), sent_at, received_at });
-            watch(stream, agent, ctx).await;
-        }
-        Err(error) => ctx.emit(SideEvent::ConnectFailed { address, error }),
-    }
-}
-
-async fn handshake(address: &PeerAddress, ctx: &Context) -> Result<(TcpStream, Handshake, Time, Time), TransportError> {
-    let mut stream =
-        TcpStream::connect(address.0.as_str()).await.map_err(|_| TransportError::Unreachable(address.clone()))?;
-    let _ = stream.set_nodelay(true);
-    let sent_at = ctx.clock.now();
-    let offer = ctx.stamped_offer()?;
-    write_frame(&mut stream, &offer).await.map_err(|e| TransportError::Backend(format!("{address}: {e}")))?;
-    let frame = read_frame(&mut stream).await.map_err(|e| TransportError::Backend(format!("{address}: {e}")))?;
-    let received_at = ctx.clock.now();
-    if let Some(reason) = frame.strip_prefix(REFUSAL.as_slice()) {
-        return Err(TransportError::Backend(format!("{address} refused: {}", String::from_utf8_lossy(reason))));
-    }
-    let peer = Handshake::decode(&frame).map_err(|e| TransportError::Backend(format!("{address}: {e}")))?;
-    check_compatible(&ctx.offer(), &peer)?;
-    Ok((stream, peer, sent_at, received_at))
-}
-
-/// Waits for the connection to close; then the peer is lost.
-async fn watch(mut stream: TcpStream, agent: AgentName, ctx: Context) {
-    let mut sink = [0u8; 64];
+/// Calls the endpoint's `handle_timeout` at each deadline it asks for.
+async fn timer(shared: Arc<Shared>) {
     loop {
-        match stream.read(&mut sink).await {
-            Ok(0) | Err(_) => break,
-            Ok(_) => {}
+        let deadline = shared.lock().side.poll_timeout();
+        match deadline {
+            Some(deadline) => {
+                let wait = deadline.saturating_since(shared.clock.now());
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => shared.drive(|side, now| side.handle_timeout(now)),
+                    _ = shared.timer.notified() => {}
+                }
+            }
+            None => shared.timer.notified().await,
         }
     }
-    tracing::debug!(peer = %agent, "side channel closed");
-    ctx.emit(SideEvent::Lost(agent));
+}
+
+/// Moves one connection's bytes: what arrives to the endpoint, what it queued to the socket,
+/// until either side closes.
+async fn run_socket(
+    mut stream: TcpStream,
+    conn: ConnId,
+    mut outgoing: mpsc::UnboundedReceiver<Out>,
+    shared: Arc<Shared>,
+) {
+    let (mut reader, mut writer) = stream.split();
+    let mut buf = [0u8; 4096];
+    loop {
+        tokio::select! {
+            out = outgoing.recv() => match out {
+                Some(Out::Bytes(bytes)) => {
+                    if writer.write_all(&bytes).await.is_err() {
+                        break shared.socket_closed(conn);
+                    }
+                }
+                // Closed by the endpoint, after what it queued before: nothing to report.
+                Some(Out::Close) | None => {
+                    let _ = writer.shutdown().await;
+                    break;
+                }
+            },
+            read = reader.read(&mut buf) => match read {
+                Ok(0) | Err(_) => break shared.socket_closed(conn),
+                Ok(n) => shared.drive(|side, now| side.handle_bytes(now, conn, &buf[..n])),
+            },
+        }
+    }
 }

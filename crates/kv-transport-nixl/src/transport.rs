@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
+use kv_core::side::{ConnId, SideEvent, SideLimits};
 use kv_core::wire::MAX_MESSAGE_BYTES;
 use kv_core::{
     AgentName, Clock, Handshake, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PreparedId,
@@ -19,8 +19,8 @@ use nixl_sys::{
 };
 
 use crate::metadata::{self, mem_type, Registration, TypedRanges};
-use crate::side::{SideChannel, SideEvent, SideStats};
-use crate::{runtime, NixlError};
+use crate::side::{Item, SideChannel, SideStatus};
+use crate::{runtime, KeySource, NixlError};
 
 /// The side channel's default port, as vLLM's NixlConnector uses.
 pub const DEFAULT_SIDE_CHANNEL_PORT: u16 = 5600;
@@ -28,10 +28,13 @@ pub const DEFAULT_SIDE_CHANNEL_PORT: u16 = 5600;
 /// How to build a [`NixlTransport`].
 #[derive(Clone, Debug)]
 pub struct NixlConfig {
-    /// Where the side channel listens (loopback and port 5600 unless configured).
+    /// Where the side channel listens (loopback and port 5600 unless configured). Without a
+    /// key it must be a loopback address.
     pub bind: SocketAddr,
-    /// How long a handshake may take.
-    pub handshake_timeout: Duration,
+    /// Where the cluster key is read from when the transport is made (none: loopback only).
+    pub key: KeySource,
+    /// The side channel's bounds and handshake deadline.
+    pub side_limits: SideLimits,
     /// Where the NIXL runtime is (else `$KVFLOW_NIXL_DIR`, else `.nixl/` of the workspace).
     pub runtime_dir: Option<PathBuf>,
     /// UCX worker threads of the backend (NIXL's `num_workers`); `None` keeps NIXL's default.
@@ -46,7 +49,8 @@ impl Default for NixlConfig {
     fn default() -> Self {
         NixlConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], DEFAULT_SIDE_CHANNEL_PORT)),
-            handshake_timeout: Duration::from_secs(5),
+            key: KeySource::None,
+            side_limits: SideLimits::default(),
             runtime_dir: None,
             ucx_workers: None,
             ucx_params: Vec::new(),
@@ -83,14 +87,17 @@ impl NixlDescriptor for RawRegion {
     }
 }
 
-/// NIXL's agent name for a kvflow agent.
-fn nixl_name(agent: &AgentName) -> String {
-    agent.to_string()
+/// NIXL's agent name for one incarnation of a kvflow agent: a restarted engine is a new NIXL
+/// agent, never confused with its old self.
+fn nixl_name(agent: &AgentName, incarnation: u64) -> String {
+    format!("{agent}#{incarnation}")
 }
 
-/// A connected peer: its agent as loaded into NIXL, and its registered memory as its handshake
-/// listed it, so that remote ranges are named with their true memory type and device.
+/// A connected peer: its side-channel connection, its agent as loaded into NIXL, and its
+/// registered memory as its handshake listed it, so that remote ranges are named with their
+/// true memory type and device.
 struct Peer {
+    conn: ConnId,
     nixl: String,
     memory: Vec<Registration>,
 }
@@ -160,10 +167,25 @@ fn backend_error(what: &str, e: nixl_sys::NixlError) -> TransportError {
 impl NixlTransport {
     /// Creates the agent of the rank that `offer` describes, with the UCX backend, and starts
     /// its side channel; the agent's metadata is filled into the offer.
+    ///
+    /// Safe to call, use and drop inside or outside a tokio runtime: the side channel's
+    /// sockets run on a thread of their own.
     pub fn new(mut offer: Handshake, config: &NixlConfig, clock: Arc<dyn Clock>) -> Result<Self, NixlError> {
+        let key = config.key.load()?;
+        if key.is_none() {
+            if !config.bind.ip().is_loopback() {
+                return Err(NixlError::Config(format!(
+                    "the side channel would listen on {} without a cluster key, handing this agent's KV pool to \
+                     anyone who can reach it: set NixlConfig::key, or bind to loopback",
+                    config.bind
+                )));
+            }
+            tracing::info!(bind = %config.bind, "no cluster key: the side channel listens on loopback only and authenticates nobody");
+        }
         runtime::ensure_loaded(config.runtime_dir.as_deref())?;
         let name = AgentName::new(offer.engine.clone(), offer.rank);
-        let agent = Agent::new(&nixl_name(&name)).map_err(|e| NixlError::Agent(format!("create {name}: {e}")))?;
+        let nixl = nixl_name(&name, offer.instance);
+        let agent = Agent::new(&nixl).map_err(|e| NixlError::Agent(format!("create {nixl}: {e}")))?;
         let (_, mut params) =
             agent.get_plugin_params("UCX").map_err(|e| NixlError::Agent(format!("UCX plugin parameters: {e}")))?;
         if let Some(workers) = config.ucx_workers {
@@ -178,7 +200,7 @@ impl NixlTransport {
             agent.create_backend("UCX", &params).map_err(|e| NixlError::Agent(format!("UCX backend: {e}")))?;
         let nixl_md = agent.get_local_md().map_err(|e| NixlError::Agent(format!("local metadata: {e}")))?;
         offer.agent_metadata = metadata::encode(&[], &nixl_md);
-        let side = SideChannel::start(config.bind, offer, clock, config.handshake_timeout)?;
+        let side = SideChannel::start(config.bind, key, config.side_limits.clone(), offer, clock)?;
         Ok(NixlTransport {
             name,
             prepared: BTreeMap::new(),
@@ -198,9 +220,10 @@ impl NixlTransport {
         self.side.local_addr()
     }
 
-    /// Bad handshake input the listener dropped.
-    pub fn side_stats(&self) -> &SideStats {
-        &self.side.stats
+    /// What the side channel holds now: peers, pending handshakes, sockets and buffered bytes,
+    /// and what its bounds turned away.
+    pub fn side_status(&self) -> SideStatus {
+        self.side.status()
     }
 
     fn opt_args(&self) -> Result<OptArgs, TransportError> {
@@ -209,66 +232,83 @@ impl NixlTransport {
         Ok(args)
     }
 
-    /// The backend, and the notification NIXL delivers to the peer when the transfer completes.
-    fn transfer_args(&self, notification: Option<&[u8]>) -> Result<OptArgs, TransportError> {
+    /// The backend, and the notification NIXL delivers to `peer` when the transfer completes,
+    /// tagged for that peer's session.
+    fn transfer_args(&self, peer: &AgentName, notification: Option<&[u8]>) -> Result<OptArgs, TransportError> {
         let mut args = self.opt_args()?;
         if let Some(notification) = notification {
-            if notification.len() > MAX_MESSAGE_BYTES {
-                return Err(TransportError::NotificationTooLarge { len: notification.len(), max: MAX_MESSAGE_BYTES });
-            }
+            let sealed = self.side.seal(peer, notification)?;
             args.set_has_notification(true).map_err(|e| backend_error("notification flag", e))?;
-            args.set_notification_message(notification).map_err(|e| backend_error("notification", e))?;
+            args.set_notification_message(&sealed).map_err(|e| backend_error("notification", e))?;
         }
         Ok(args)
     }
 
+    /// Takes in what the side channel saw, in order: peers become NIXL peers once their
+    /// metadata loads, and a closed peer's notifications are collected before its loss.
     fn pump_side_channel(&mut self) {
-        while let Some(event) = self.side.try_event() {
-            if let SideEvent::Lost(_) = event {
-                // What the lost peer sent before its side channel closed comes before its loss.
-                self.fetch_notifications();
-            }
-            let event = match event {
-                SideEvent::Accepted { handshake, sent_at, received_at } => {
-                    let agent = AgentName::new(handshake.engine.clone(), handshake.rank);
-                    let loaded = metadata::decode(&handshake.agent_metadata)
-                        .map_err(|e| TransportError::Backend(format!("peer metadata: {e}")))
-                        .and_then(|(memory, nixl_md)| {
-                            let nixl =
-                                self.agent.load_remote_md(nixl_md).map_err(|e| backend_error("peer metadata", e))?;
-                            Ok(Peer { nixl, memory })
-                        });
-                    match loaded {
-                        Ok(peer) => {
-                            self.peers.insert(agent.clone(), peer);
-                            PeerEvent::Connected(Box::new(PeerInfo {
-                                agent,
-                                handshake: *handshake,
-                                sent_at,
-                                received_at,
-                            }))
+        while let Some(item) = self.side.poll_item() {
+            match item {
+                Item::PeerClosed(conn) => {
+                    // What the peer sent before its side channel closed comes before its loss.
+                    self.fetch_notifications();
+                    self.side.peer_closed(conn);
+                }
+                Item::Event(SideEvent::Connected { conn, info }) => self.connected(conn, info),
+                Item::Event(SideEvent::ConnectFailed { address, error, .. }) => {
+                    self.events.push_back(PeerEvent::ConnectFailed { address, error });
+                }
+                Item::Event(SideEvent::Refused { claimed, cause, reason, .. }) => {
+                    self.events.push_back(PeerEvent::Refused { peer: claimed, cause, reason });
+                }
+                Item::Event(SideEvent::Lost { conn, agent, .. }) => {
+                    // Only the connection's own peer goes: a newer incarnation may hold the name.
+                    if self.peers.get(&agent).is_some_and(|p| p.conn == conn) {
+                        if let Some(peer) = self.peers.remove(&agent) {
+                            let _ = self.agent.invalidate_remote_md(&peer.nixl);
                         }
-                        Err(error) => PeerEvent::Refused {
-                            peer: Some(agent),
-                            cause: RefusalCause::Malformed,
-                            reason: error.to_string(),
-                        },
+                        self.events.push_back(PeerEvent::Lost(agent));
                     }
                 }
-                SideEvent::ConnectFailed { address, error } => PeerEvent::ConnectFailed { address, error },
-                SideEvent::Refused { peer, error } => PeerEvent::Refused {
-                    peer: Some(peer),
-                    cause: RefusalCause::Incompatible,
+            }
+        }
+    }
+
+    /// A peer authenticated and its offer checked out: load its NIXL metadata (only now, from
+    /// a key holder), or drop it.
+    fn connected(&mut self, conn: ConnId, info: Box<PeerInfo>) {
+        let agent = info.agent.clone();
+        let expected = nixl_name(&agent, info.handshake.instance);
+        let loaded = metadata::decode(&info.handshake.agent_metadata)
+            .map_err(|e| TransportError::Backend(format!("peer metadata: {e}")))
+            .and_then(|(memory, nixl_md)| {
+                let nixl = self.agent.load_remote_md(nixl_md).map_err(|e| backend_error("peer metadata", e))?;
+                if nixl != expected {
+                    let _ = self.agent.invalidate_remote_md(&nixl);
+                    return Err(TransportError::Backend(format!(
+                        "peer {agent} incarnation {} sent the NIXL metadata of agent {nixl:?}, not {expected:?}",
+                        info.handshake.instance
+                    )));
+                }
+                Ok(Peer { conn, nixl, memory })
+            });
+        match loaded {
+            Ok(peer) => {
+                if let Some(old) = self.peers.insert(agent, peer) {
+                    // A newer incarnation replaced it (its loss may still be on the way).
+                    let _ = self.agent.invalidate_remote_md(&old.nixl);
+                }
+                self.events.push_back(PeerEvent::Connected(info));
+            }
+            Err(error) => {
+                tracing::warn!(peer = %agent, %error, "peer dropped: its metadata does not load");
+                self.side.peer_closed(conn);
+                self.events.push_back(PeerEvent::Refused {
+                    peer: Some(agent),
+                    cause: RefusalCause::Malformed,
                     reason: error.to_string(),
-                },
-                SideEvent::Lost(agent) => {
-                    if let Some(peer) = self.peers.remove(&agent) {
-                        let _ = self.agent.invalidate_remote_md(&peer.nixl);
-                    }
-                    PeerEvent::Lost(agent)
-                }
-            };
-            self.events.push_back(event);
+                });
+            }
         }
     }
 
@@ -304,8 +344,9 @@ impl NixlTransport {
     fn publish_metadata(&mut self) -> Result<(), TransportError> {
         let nixl_md = self.agent.get_local_md().map_err(|e| backend_error("local metadata", e))?;
         let table: Vec<Registration> = self.local_memory().collect();
-        self.side.set_agent_metadata(metadata::encode(&table, &nixl_md));
-        Ok(())
+        let mut offer = self.side.offer();
+        offer.agent_metadata = metadata::encode(&table, &nixl_md);
+        self.side.set_offer(offer)
     }
 }
 
@@ -333,8 +374,7 @@ impl Transport for NixlTransport {
     }
 
     fn connect(&mut self, address: &PeerAddress) -> Result<(), TransportError> {
-        self.side.connect(address);
-        Ok(())
+        self.side.connect(address)
     }
 
     fn post(&mut self, request: TransferRequest) -> Result<TransferId, TransportError> {
@@ -346,7 +386,7 @@ impl Transport for NixlTransport {
         // Each side's list takes the memory type and devices of that side's registrations.
         let local = descriptor_list(&self.typed_local(request.pairs.iter().map(|p| (p.local_addr, p.len)))?)?;
         let remote = descriptor_list(&Self::typed_remote(peer, request.pairs.iter().map(|p| (p.remote_addr, p.len)))?)?;
-        let args = self.transfer_args(request.notification.as_deref())?;
+        let args = self.transfer_args(&request.peer, request.notification.as_deref())?;
         let xfer = self
             .agent
             .create_xfer_req(xfer_op(request.op), &local, &remote, &peer.nixl, Some(&args))
@@ -398,7 +438,7 @@ impl Transport for NixlTransport {
         }
         let to_i32 = |v: &[u32]| v.iter().map(|&i| i as i32).collect::<Vec<i32>>();
         let (local_idx, remote_idx) = (to_i32(&request.local_indices), to_i32(&request.remote_indices));
-        let args = self.transfer_args(request.notification.as_deref())?;
+        let args = self.transfer_args(&request.peer, request.notification.as_deref())?;
         let xfer = self
             .agent
             .make_xfer_req(xfer_op(request.op), &local.handle.0, &local_idx, &remote.handle.0, &remote_idx, Some(&args))
@@ -426,7 +466,8 @@ impl Transport for NixlTransport {
             return Err(TransportError::NotificationTooLarge { len: payload.len(), max: MAX_MESSAGE_BYTES });
         }
         let remote = self.peers.get(peer).ok_or_else(|| TransportError::UnknownPeer(peer.clone()))?;
-        self.agent.send_notification(&remote.nixl, payload, Some(&self.backend)).map_err(|e| backend_error("notify", e))
+        let sealed = self.side.seal(peer, payload)?;
+        self.agent.send_notification(&remote.nixl, &sealed, Some(&self.backend)).map_err(|e| backend_error("notify", e))
     }
 
     fn poll_event(&mut self) -> Option<PeerEvent> {
@@ -439,7 +480,9 @@ impl Transport for NixlTransport {
 }
 
 impl NixlTransport {
-    /// Queues every notification NIXL holds, behind the peer events already queued.
+    /// Queues every notification NIXL holds, behind the peer events already queued. Each must
+    /// carry the tag of its sender's side-channel session; one that does not (a sender without
+    /// a handshake, a forged name, a replay) is reported refused, never delivered.
     fn fetch_notifications(&mut self) {
         let Ok(mut map) = NotificationMap::new() else { return };
         if let Err(e) = self.agent.get_notifications(&mut map, None) {
@@ -448,15 +491,25 @@ impl NixlTransport {
         }
         let agents: Vec<String> = map.agents().filter_map(|a| a.ok().map(str::to_owned)).collect();
         for remote in agents {
-            let Some(from) = self.peers.iter().find(|(_, peer)| peer.nixl == remote).map(|(a, _)| a.clone()) else {
-                tracing::debug!(%remote, "notification from an agent without a handshake");
+            let from = self.peers.iter().find(|(_, peer)| peer.nixl == remote).map(|(a, _)| a.clone());
+            let count = map.get_notifications_size(&remote).unwrap_or(0);
+            let Some(from) = from else {
+                self.events.push_back(PeerEvent::Refused {
+                    peer: None,
+                    cause: RefusalCause::Unauthenticated,
+                    reason: format!(
+                        "{count} notifications from NIXL agent {remote:?}, which has no authenticated side channel"
+                    ),
+                });
                 continue;
             };
-            let count = map.get_notifications_size(&remote).unwrap_or(0);
             for i in 0..count {
-                if let Ok(payload) = map.get_notification_bytes(&remote, i) {
-                    self.events.push_back(PeerEvent::Notification(Notification { from: from.clone(), payload }));
-                }
+                let Ok(sealed) = map.get_notification_bytes(&remote, i) else { continue };
+                let event = match self.side.open(&from, &sealed) {
+                    Ok(payload) => PeerEvent::Notification(Notification { from: from.clone(), payload }),
+                    Err(e) => PeerEvent::Refused { peer: Some(from.clone()), cause: e.cause(), reason: e.to_string() },
+                };
+                self.events.push_back(event);
             }
         }
     }

@@ -16,6 +16,7 @@ use kv_core::{
     DescriptorPair, Message, PeerAddress, PeerEvent, PreparedTransfer, RequestId, Role, TransferOp, TransferRequest,
     TransferStatus, Transport, TransportError,
 };
+use kv_transport_nixl::{KeySource, NixlConfig, NixlError, NixlTransport};
 
 const BLOCKS: usize = 64;
 
@@ -42,8 +43,8 @@ fn listener_child(role: Role) {
         while let Some(event) = t.poll_event() {
             match event {
                 PeerEvent::Connected(info) => println!("CONNECTED {}", info.agent),
-                PeerEvent::Refused { peer, reason, .. } => {
-                    println!("REFUSED {}: {reason}", peer.map_or_else(|| "?".to_owned(), |p| p.to_string()))
+                PeerEvent::Refused { peer, cause, reason } => {
+                    println!("REFUSED {}: {cause:?} {reason}", peer.map_or_else(|| "?".to_owned(), |p| p.to_string()))
                 }
                 PeerEvent::Lost(agent) => println!("LOST {agent}"),
                 PeerEvent::ConnectFailed { .. } => {}
@@ -301,22 +302,31 @@ fn malformed_and_oversized_handshakes_get_an_error_and_no_crash() {
     }
     let _serial = serial();
     let (mut child, mut out, port) = start_listener(NAME, Role::Prefill, &[]);
-    let refusal = |frame: &[u8]| -> String {
+    // The listener answers bad bytes with an ERROR frame (kind 5) that says why, and closes.
+    let refusal = |bytes: &[u8]| -> String {
         let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.write_all(frame).unwrap();
+        s.write_all(bytes).unwrap();
         let mut len = [0u8; 4];
         s.read_exact(&mut len).unwrap();
         let mut body = vec![0; u32::from_be_bytes(len) as usize];
         s.read_exact(&mut body).unwrap();
-        String::from_utf8_lossy(&body).into_owned()
+        assert_eq!(body[0], 5, "not an ERROR frame: {body:?}");
+        String::from_utf8_lossy(&body[1..]).into_owned()
     };
     let mut garbage = 13u32.to_be_bytes().to_vec();
     garbage.extend_from_slice(b"not a message");
     let answer = refusal(&garbage);
-    assert!(answer.starts_with("KXmalformed handshake: not a kvflow frame"), "{answer}");
+    assert!(answer.contains("unknown frame kind"), "{answer}");
     let answer = refusal(&u32::MAX.to_be_bytes());
-    assert!(answer.starts_with("KXhandshake frame of 4294967295 bytes exceeds the"), "{answer}");
+    assert!(
+        answer.contains("frame of 4294967295 bytes exceeds the 256-byte limit while waiting for HELLO"),
+        "{answer}"
+    );
+    for _ in 0..2 {
+        let refused = expect_line(&mut out, "REFUSED");
+        assert!(refused.starts_with("?:"), "a refusal before HELLO names nobody: {refused}");
+    }
     // Still serving.
     let pool = HostPool::new(4);
     let mut d = transport(offer("decode0", Role::Decode, 1, 16, &pool, 4), &pool);
@@ -346,4 +356,63 @@ fn a_killed_p_is_reported_lost_within_a_second() {
         other => panic!("expected the peer lost within 1 s, got {other:?}"),
     }
     assert!(killed.elapsed() < Duration::from_secs(1), "took {:?}", killed.elapsed());
+}
+
+/// A key file in a fresh temporary folder, readable by its owner only.
+fn key_file(name: &str, hex: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("kvflow-nixl-test-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("key");
+    std::fs::write(&path, hex).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path
+}
+
+#[test]
+fn only_holders_of_the_cluster_key_handshake_and_their_notifications_open() {
+    const NAME: &str = "only_holders_of_the_cluster_key_handshake_and_their_notifications_open";
+    if child_main() || !nixl_or_skip(NAME) {
+        return;
+    }
+    let _serial = serial();
+    let key = "5a".repeat(32);
+    let (mut child, mut out, port) = start_listener(NAME, Role::Prefill, &[(KEY_ENV, key.clone())]);
+    let pool = HostPool::new(4);
+    let wrong = KeySource::File(key_file("wrong", &"a5".repeat(32)));
+    for (name, source) in [("decode-wrong", wrong), ("decode-nokey", KeySource::None)] {
+        let mut d = transport_with(offer(name, Role::Decode, 1, 16, &pool, 4), &pool, source);
+        d.connect(&PeerAddress(format!("127.0.0.1:{port}"))).unwrap();
+        match next_event(&mut d, Duration::from_secs(10)) {
+            Some(PeerEvent::ConnectFailed { error, .. }) => {
+                assert!(error.to_string().contains("does not hold the cluster key"), "{name}: {error}")
+            }
+            other => panic!("{name}: expected the handshake to fail, got {other:?}"),
+        }
+        let refused = expect_line(&mut out, "REFUSED");
+        assert!(refused.starts_with(&format!("{name}/tp0: Unauthenticated")), "{refused}");
+    }
+    // The key holder handshakes, and its notification opens on P.
+    let good = KeySource::File(key_file("good", &key));
+    let mut d = transport_with(offer("decode-ok", Role::Decode, 1, 16, &pool, 4), &pool, good);
+    let info = connect(&mut d, port);
+    assert_eq!(expect_line(&mut out, "CONNECTED"), "decode-ok/tp0");
+    let completion = Message::Completion { request: RequestId::new("r7"), expected_consumers: 1 }.encode().unwrap();
+    d.send_notification(&info.agent, &completion).unwrap();
+    let note = expect_line(&mut out, "NOTIFIED");
+    assert!(note.starts_with("decode-ok/tp0 Completion") && note.contains("\"r7\""), "{note}");
+    child.kill().ok();
+    child.wait().ok();
+}
+
+#[test]
+fn without_a_key_the_side_channel_listens_on_loopback_only() {
+    let pool = HostPool::new(1);
+    let config = NixlConfig { bind: "0.0.0.0:0".parse().unwrap(), ..NixlConfig::default() };
+    match NixlTransport::new(offer("open", Role::Prefill, 1, 16, &pool, 1), &config, clock()) {
+        Err(NixlError::Config(reason)) => {
+            assert!(reason.contains("0.0.0.0:0") && reason.contains("cluster key"), "{reason}")
+        }
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
 }

@@ -10,7 +10,7 @@ use kv_core::{
     Attention, Clock, EngineId, Handshake, KvLayout, MemoryKind, MemoryOrder, PeerEvent, Placement, Region, RegionBase,
     RegionId, Role, Time, Transport,
 };
-use kv_transport_nixl::{runtime, NixlConfig, NixlTransport};
+use kv_transport_nixl::{runtime, KeySource, NixlConfig, NixlTransport};
 
 /// Held by each test's parent side: NIXL "might deadlock" with several agents in one process,
 /// so the tests of one binary take turns (each child is its own process anyway).
@@ -133,9 +133,19 @@ pub fn offer(engine: &str, role: Role, tp: u32, block_tokens: u32, pool: &HostPo
     }
 }
 
-/// A transport listening on an ephemeral loopback port, with `pool` registered.
+/// The variable a test's cluster key is passed in, to its children too.
+pub const KEY_ENV: &str = "KVFLOW_TEST_CLUSTER_KEY";
+
+/// A transport listening on an ephemeral loopback port, with `pool` registered; it holds the
+/// key in [`KEY_ENV`] when that is set.
 pub fn transport(offer: Handshake, pool: &HostPool) -> NixlTransport {
-    let config = NixlConfig { bind: "127.0.0.1:0".parse().unwrap(), ..NixlConfig::default() };
+    let key = if std::env::var_os(KEY_ENV).is_some() { KeySource::Env(KEY_ENV.into()) } else { KeySource::None };
+    transport_with(offer, pool, key)
+}
+
+/// As [`transport`], with the key from `key`.
+pub fn transport_with(offer: Handshake, pool: &HostPool, key: KeySource) -> NixlTransport {
+    let config = NixlConfig { bind: "127.0.0.1:0".parse().unwrap(), key, ..NixlConfig::default() };
     let mut t = NixlTransport::new(offer, &config, clock()).expect("NIXL transport");
     t.register(&pool.region()).expect("register pool");
     t
