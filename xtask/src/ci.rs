@@ -9,7 +9,7 @@ use crate::provision;
 
 /// Runs the fmt check, provisions libclang and the NIXL runtime (see [`provision::ensure`]),
 /// then clippy with `-D warnings` and every test of the workspace, with the provisioned paths in
-/// their environment.
+/// their environment, then a short demo in each mode and the attack suite.
 pub fn run(args: &[String]) -> Result<()> {
     if let Some(arg) = args.first() {
         bail!("cargo xtask ci takes no arguments, got {arg:?}");
@@ -38,6 +38,9 @@ pub fn run(args: &[String]) -> Result<()> {
                 .collect();
         crate::demo::run(&args).with_context(|| format!("the short {mode} demo"))?;
     }
+    // The engines under attack, and stopped past their lease, in both modes (about a minute).
+    eprintln!("xtask: cargo xtask attack");
+    crate::demo::attack(&[]).context("the attack suite")?;
     Ok(())
 }
 

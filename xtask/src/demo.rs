@@ -24,7 +24,10 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use kv_testkit::Rng;
 use serde_json::{json, Value};
-use xtask::proto::{wall_ns, write_line, Command, Event, Model, NodeConfig, NodeRole, Remote, CLUSTER_KEY_ENV};
+use xtask::proto::{
+    wall_ns, write_line, AttackConfig, AttackResult, Command, Event, Model, NodeConfig, NodeRole, Remote,
+    CLUSTER_KEY_ENV,
+};
 
 use crate::ci::workspace_root;
 use crate::provision;
@@ -32,6 +35,39 @@ use crate::provision;
 const USAGE: &str = "usage: cargo xtask demo [--mode pull|push] [--decoders N] [--requests N] [--seed N]
        [--concurrency N] [--min-tokens N] [--max-tokens N] [--layers N] [--blocks N]
        [--lease-ms N] [--no-kill] [--pause-decode N] [--pause-prefill] [--json]";
+
+/// How many attacks `kvflow-attack` makes (see `xtask::attacker`).
+const ATTACKS: usize = 9;
+
+/// `cargo xtask attack`: a pull run with decode0 stopped past the lease three times and a push
+/// run with P stopped past D's watchdog, each with `kvflow-attack` attacking P throughout.
+pub fn attack(args: &[String]) -> Result<()> {
+    if let Some(arg) = args.first() {
+        bail!("cargo xtask attack takes no arguments, got {arg:?}");
+    }
+    let node = build_node_and_attacker()?;
+    let mut failed = Vec::new();
+    for push in [false, true] {
+        let config = DemoConfig {
+            push,
+            requests: 400,
+            model: Model { layers: 4, ..DemoConfig::default().model },
+            max_tokens: 256,
+            lease_ms: 2000,
+            pause_decode: if push { 0 } else { 3 },
+            pause_prefill: push,
+            attack: true,
+            ..DemoConfig::default()
+        };
+        let report = Demo::start(config, node.clone())?.run()?;
+        report.print();
+        failed.extend(report.failures());
+    }
+    if !failed.is_empty() {
+        bail!("the attack suite failed:\n  {}", failed.join("\n  "));
+    }
+    Ok(())
+}
 
 /// The longest a dead D engine's export may stay held on P after the death: P hears of the
 /// death when the engine's side channel closes, and releases what was bound to it at once.
@@ -66,6 +102,8 @@ pub struct DemoConfig {
     pub pause_decode: u32,
     /// Stop P once, past D's push watchdog and within its quarantine.
     pub pause_prefill: bool,
+    /// Run `kvflow-attack` against P once the engines are up (see `cargo xtask attack`).
+    pub attack: bool,
     /// Fractions of requests D rejects, the router aborts, and that ask for n > 1.
     pub reject_rate: f64,
     /// See `reject_rate`.
@@ -93,6 +131,7 @@ impl Default for DemoConfig {
             kill: true,
             pause_decode: 0,
             pause_prefill: false,
+            attack: false,
             reject_rate: 0.08,
             abort_rate: 0.08,
             sibling_rate: 0.10,
@@ -237,6 +276,16 @@ pub fn build_node() -> Result<NodeBinary> {
     Ok(NodeBinary { path: target.join("debug").join("kvflow-node"), envs })
 }
 
+/// As [`build_node`], and the attacker beside it.
+pub fn build_node_and_attacker() -> Result<NodeBinary> {
+    let node = build_node()?;
+    if std::env::var_os("KVFLOW_NODE_BIN").is_none() {
+        let args = ["build", "--locked", "-q", "-p", "xtask", "--features", "nixl", "--bin", "kvflow-attack"];
+        crate::ci::cargo_env(&workspace_root(), &args, &node.envs)?;
+    }
+    Ok(node)
+}
+
 /// The engine binary and its environment.
 #[derive(Clone)]
 pub struct NodeBinary {
@@ -257,7 +306,13 @@ struct Node {
 enum FromNode {
     Event(Event),
     Exited,
+    /// From the attacker: one attack's result, or its end.
+    Attack(AttackResult),
+    AttackerExited,
 }
+
+/// The router's name for the attacker process in its event channel.
+const ATTACKER: &str = "attacker";
 
 /// One export (P's request id, which D's request shares): where it went and how it ended.
 #[derive(Default, Debug)]
@@ -311,8 +366,13 @@ pub struct Demo {
     kill: Option<Kill>,
     /// Stops still to make, the one in progress (its process and when it ends), and those made.
     pauses: VecDeque<Pause>,
-    paused: Option<(Pause, u32, Instant)>,
-    paused_done: Vec<Pause>,
+    paused: Option<(Pause, u32, Instant, u64)>,
+    /// Stops made, with when each began and ended (wall clock, ns).
+    paused_done: Vec<(Pause, u64, u64)>,
+    /// The attacker process while it runs, and what it reported.
+    attacker: Option<Child>,
+    attacker_started: bool,
+    attacks: Vec<AttackResult>,
     transfers: Vec<(u64, u64, bool)>,
     errors: Vec<String>,
     started: Instant,
@@ -379,6 +439,9 @@ impl Demo {
             pauses,
             paused: None,
             paused_done: Vec::new(),
+            attacker: None,
+            attacker_started: false,
+            attacks: Vec::new(),
             transfers: Vec::new(),
             errors: Vec::new(),
             started: Instant::now(),
@@ -399,6 +462,61 @@ impl Demo {
         Ok(demo)
     }
 
+    /// Starts the attacker once no stop of P is ahead (a stopped P answers nobody, and the
+    /// attacks measure how P answers): at once in a pull run, after P's stop in a push run.
+    fn attack_if_due(&mut self) -> Result<()> {
+        let p_stop_ahead = self.pauses.iter().any(|p| p.engine == "prefill0")
+            || self.paused.as_ref().is_some_and(|(p, ..)| p.engine == "prefill0");
+        if self.config.attack && !self.attacker_started && !p_stop_ahead {
+            self.attacker_started = true;
+            self.start_attacker()?;
+        }
+        Ok(())
+    }
+
+    /// Starts `kvflow-attack` against P, impersonating decode0.
+    fn start_attacker(&mut self) -> Result<()> {
+        let p = &self.nodes["prefill0"];
+        let config = AttackConfig {
+            p_port: p.port.expect("up"),
+            p_pid: p.child.id(),
+            model: self.config.model,
+            live_decode: "decode0".into(),
+            live_instance: self.nodes["decode0"].instance,
+            requests: self.config.requests,
+        };
+        let path = self.binary.path.with_file_name("kvflow-attack");
+        let mut child = Process::new(&path)
+            .arg(serde_json::to_string(&config)?)
+            .envs(self.binary.envs.iter().map(|(k, v)| (k, v)))
+            .env(CLUSTER_KEY_ENV, &self.key)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("cannot start {}", path.display()))?;
+        let stdout = child.stdout.take().expect("piped");
+        let sender = self.sender.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let from = match serde_json::from_str(&line) {
+                    Ok(result) => FromNode::Attack(result),
+                    Err(e) => {
+                        FromNode::Event(Event::Error { message: format!("unreadable attacker line {line:?}: {e}") })
+                    }
+                };
+                if sender.send((ATTACKER.to_owned(), 0, from)).is_err() {
+                    return;
+                }
+            }
+            let _ = sender.send((ATTACKER.to_owned(), 0, FromNode::AttackerExited));
+        });
+        self.attacker = Some(child);
+        self.progress.set_message("attacker started");
+        Ok(())
+    }
+
     fn spawn(&mut self, role: NodeRole, name: &str, instance: u64) -> Result<()> {
         let config = serde_json::to_string(&self.config.node(role, name, instance))?;
         let mut child = Process::new(&self.binary.path)
@@ -416,6 +534,11 @@ impl Demo {
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
+                if !line.starts_with('{') {
+                    // Not the protocol: a library's log line (UCX logs to stdout). Pass it on.
+                    eprintln!("{who}: {line}");
+                    continue;
+                }
                 let event = serde_json::from_str(&line)
                     .unwrap_or_else(|e| Event::Error { message: format!("unreadable line {line:?}: {e}") });
                 if sender.send((who.clone(), instance, FromNode::Event(event))).is_err() {
@@ -460,12 +583,18 @@ impl Demo {
         let limit = self.started + self.config.time_limit;
         // The run ends when every request has ended, the killed engine is back up, and no
         // engine is stopped.
-        while self.completed < self.config.requests || self.restarting() || self.paused.is_some() {
+        while self.completed < self.config.requests
+            || self.restarting()
+            || self.paused.is_some()
+            || self.attacker.is_some()
+            || (self.config.attack && !self.attacker_started)
+        {
             let now = Instant::now();
             if self.config.kill && self.kill.is_none() && self.issued >= kill_after {
                 self.kill_decode()?;
             }
             self.pause_if_due(now)?;
+            self.attack_if_due()?;
             self.restart_if_due()?;
             if now < limit {
                 self.issue(now);
@@ -480,7 +609,7 @@ impl Demo {
             }
             self.fire_aborts(now);
             self.pump(Duration::from_millis(2))?;
-            let stopped: Duration = self.paused_done.iter().map(|p| p.length).sum();
+            let stopped: Duration = self.paused_done.iter().map(|(p, _, _)| p.length).sum();
             if now > limit + stopped + Duration::from_millis(self.config.lease_ms * 3) {
                 self.errors.push(format!("{} requests never finished", self.config.requests - self.completed));
                 break;
@@ -497,9 +626,10 @@ impl Demo {
     fn issue(&mut self, now: Instant) {
         while self.retries.front().is_some_and(|(at, _)| *at <= now) {
             let (_, id) = self.retries.pop_front().expect("front");
-            if let Some((r, _)) = self.open.get(&id) {
-                let command =
-                    Command::Prefill { id: id.clone(), prompt_tokens: r.prompt_tokens, n: r.n, consumer: None };
+            if let Some((r, exports)) = self.open.get(&id) {
+                // The same consumer as the first time: P binds the exports to it again.
+                let consumer = self.tracks.get(&exports[0]).and_then(|t| t.decode.clone());
+                let command = Command::Prefill { id: id.clone(), prompt_tokens: r.prompt_tokens, n: r.n, consumer };
                 self.send("prefill0", &command);
             }
         }
@@ -547,7 +677,12 @@ impl Demo {
                 };
                 self.dispatch(&exports[0], &id, remote(&exports[0]), request.fate);
                 if request.fate == Fate::Reject {
-                    // D rejects the whole request: every sibling's export.
+                    // D rejects the whole request: every sibling's export, on the same engine,
+                    // which P binds the family to (a rejection from another is foreign).
+                    let chosen = self.tracks.get(&exports[0]).and_then(|t| t.decode.clone());
+                    for export in &exports[1..] {
+                        self.tracks.get_mut(export).expect("tracked").decode = chosen.clone();
+                    }
                     for export in &exports[1..] {
                         self.dispatch(export, &id, remote(export), Fate::Reject);
                     }
@@ -631,11 +766,11 @@ impl Demo {
 
     /// Stops the next engine due, or resumes the stopped one when its time is up.
     fn pause_if_due(&mut self, now: Instant) -> Result<()> {
-        if let Some((pause, pid, until)) = &self.paused {
+        if let Some((pause, pid, until, began)) = &self.paused {
             if now >= *until {
                 signal(*pid, "CONT")?;
                 self.progress.set_message(format!("resumed {}", pause.engine));
-                self.paused_done.push(pause.clone());
+                self.paused_done.push((pause.clone(), *began, wall_ns()));
                 self.paused = None;
             }
             return Ok(());
@@ -651,7 +786,7 @@ impl Demo {
         };
         signal(node.child.id(), "STOP")?;
         self.progress.set_message(format!("stopped {} for {} ms", pause.engine, pause.length.as_millis()));
-        self.paused = Some((pause.clone(), node.child.id(), now + pause.length));
+        self.paused = Some((pause.clone(), node.child.id(), now + pause.length, wall_ns()));
         Ok(())
     }
 
@@ -688,6 +823,23 @@ impl Demo {
     }
 
     fn on_event(&mut self, name: &str, instance: u64, from: FromNode) {
+        let from = match from {
+            FromNode::Attack(result) => {
+                self.progress.set_message(format!("attack {}", result.attack));
+                return self.attacks.push(result);
+            }
+            FromNode::AttackerExited => {
+                if let Some(mut child) = self.attacker.take() {
+                    match child.wait() {
+                        Ok(status) if status.success() => {}
+                        status => self.errors.push(format!("the attacker failed: {status:?}")),
+                    }
+                }
+                return;
+            }
+            FromNode::Event(Event::Error { message }) if name == ATTACKER => return self.errors.push(message),
+            other => other,
+        };
         let current = self.nodes.get(name).is_some_and(|n| n.instance == instance);
         let event = match from {
             FromNode::Exited => {
@@ -701,6 +853,7 @@ impl Demo {
                 return;
             }
             FromNode::Event(event) => event,
+            FromNode::Attack(_) | FromNode::AttackerExited => return,
         };
         if !current {
             // A killed incarnation's last words.
@@ -797,7 +950,11 @@ impl Demo {
     }
 
     fn shutdown(&mut self) {
-        if let Some((_, pid, _)) = self.paused.take() {
+        if let Some(mut child) = self.attacker.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if let Some((_, pid, _, _)) = self.paused.take() {
             let _ = signal(pid, "CONT");
         }
         let live: Vec<String> = self.nodes.iter().filter(|(_, n)| n.port.is_some()).map(|(k, _)| k.clone()).collect();
@@ -860,7 +1017,11 @@ pub struct Report {
     kv_samples: usize,
     killed: Option<String>,
     pauses: Vec<(String, u64)>,
+    attacks: Option<Vec<AttackResult>>,
+    /// Exports released as `peer_lost` while the D engine they went to was alive.
+    released_for_live_engines: usize,
     held_after_death_ms: Option<u64>,
+    longest_held_after_death: Option<String>,
     dead_engine_releases: BTreeMap<String, u64>,
     lease_ms: u64,
     corrupt_reads: u64,
@@ -892,17 +1053,28 @@ impl Report {
             .filter_map(|t| Some(t.ready_at_ns?.saturating_sub(t.finished_at_ns?) / 1000))
             .collect();
         kv.sort_unstable();
+        let mut longest_held_after_death = None;
         let held_after_death_ms = demo.kill.as_ref().map(|k| {
             demo.tracks
-                .values()
-                .filter(|t| t.decode.as_ref().is_some_and(|(d, i)| *d == k.engine && *i == k.instance))
+                .iter()
+                .filter(|(_, t)| t.decode.as_ref().is_some_and(|(d, i)| *d == k.engine && *i == k.instance))
                 // A block is held from its export (which may come after the death, in push
                 // mode) until it is freed.
-                .filter_map(|t| Some((t.freed.as_ref()?.1, t.finished_at_ns?.max(k.at_ns))))
-                .filter(|&(freed, from)| freed > from)
-                .map(|(freed, from)| (freed - from) / 1_000_000)
+                .filter_map(|(id, t)| Some((id, t.freed.as_ref()?, t.finished_at_ns?.max(k.at_ns))))
+                .map(|(id, (reason, freed), from)| (*freed, from, format!("{id}, released as {reason}")))
+                // P cannot release anything while it is stopped: count from its resume.
+                .map(|(freed, from, what)| {
+                    let p_stops = demo.paused_done.iter().filter(|(p, _, _)| p.engine == "prefill0");
+                    let from = p_stops
+                        .filter(|&&(_, began, ended)| began < freed && ended > from)
+                        .fold(from, |from, &(_, _, ended)| from.max(ended));
+                    ((freed.saturating_sub(from)) / 1_000_000, what)
+                })
                 .max()
-                .unwrap_or(0)
+                .map_or(0, |(ms, what)| {
+                    longest_held_after_death = Some(what);
+                    ms
+                })
         });
         let mut dead_engine_releases = BTreeMap::new();
         if let Some(k) = &demo.kill {
@@ -944,8 +1116,19 @@ impl Report {
             kv_p99_us: percentile(&kv, 99.0),
             kv_samples: kv.len(),
             killed: demo.kill.as_ref().map(|k| k.engine.clone()),
-            pauses: demo.paused_done.iter().map(|p| (p.engine.clone(), p.length.as_millis() as u64)).collect(),
+            pauses: demo.paused_done.iter().map(|(p, _, _)| (p.engine.clone(), p.length.as_millis() as u64)).collect(),
+            attacks: demo.config.attack.then(|| demo.attacks.clone()),
+            released_for_live_engines: demo
+                .tracks
+                .values()
+                .filter(|t| t.freed.as_ref().is_some_and(|(reason, _)| reason == "peer_lost"))
+                .filter(|t| {
+                    let killed = demo.kill.as_ref().map(|k| (k.engine.clone(), k.instance));
+                    t.decode.is_some() && t.decode != killed
+                })
+                .count(),
             held_after_death_ms,
+            longest_held_after_death,
             dead_engine_releases,
             lease_ms: demo.config.lease_ms,
             corrupt_reads,
@@ -980,12 +1163,31 @@ impl Report {
         }
         if let Some(ms) = self.held_after_death_ms.filter(|&ms| ms > DEATH_RELEASE_BOUND_MS) {
             f.push(format!(
-                "a block stayed held {ms} ms after its D engine died, longer than {DEATH_RELEASE_BOUND_MS} ms (lease {} ms)",
-                self.lease_ms
+                "a block stayed held {ms} ms after its D engine died, longer than {DEATH_RELEASE_BOUND_MS} ms (lease {} ms): {}",
+                self.lease_ms,
+                self.longest_held_after_death.as_deref().unwrap_or("?")
             ));
         }
         if let Some(n) = self.outcomes.get("unfinished") {
             f.push(format!("{n} exports never finished"));
+        }
+        if self.released_for_live_engines > 0 {
+            f.push(format!(
+                "{} exports released as peer_lost while their D engine was alive",
+                self.released_for_live_engines
+            ));
+        }
+        if let Some(attacks) = &self.attacks {
+            if attacks.len() < ATTACKS {
+                f.push(format!("the attacker reported {} of {ATTACKS} attacks", attacks.len()));
+            }
+            f.extend(attacks.iter().flat_map(AttackResult::failures));
+            // The attacks that P must have noticed, by its own counts.
+            for counter in ["foreign_messages", "unauthenticated"] {
+                if self.counters.get(counter).copied().unwrap_or(0) == 0 {
+                    f.push(format!("P counted no {counter} under attack"));
+                }
+            }
         }
         f.extend(self.errors.iter().cloned());
         f
@@ -1008,6 +1210,8 @@ impl Report {
             "transfer_latency_us": { "p50": self.transfer_p50_us, "p99": self.transfer_p99_us },
             "kv_latency_us": { "p50": self.kv_p50_us, "p99": self.kv_p99_us, "samples": self.kv_samples },
             "killed": self.killed,
+            "attacks": self.attacks,
+            "released_for_live_engines": self.released_for_live_engines,
             "pauses_ms": self.pauses.iter().map(|(e, ms)| json!({ "engine": e, "ms": ms })).collect::<Vec<_>>(),
             "longest_held_after_death_ms": self.held_after_death_ms,
             "dead_engine_releases": self.dead_engine_releases,
@@ -1078,6 +1282,19 @@ impl Report {
             let list: Vec<String> = self.pauses.iter().map(|(e, ms)| format!("{e} {ms} ms")).collect();
             println!("  stopped (SIGSTOP)    {} (lease {} ms)", list.join(", "), self.lease_ms);
         }
+        for a in self.attacks.iter().flatten() {
+            let probe = a.probe_ms.map_or_else(|| "none".to_owned(), |ms| format!("{ms:.1} ms"));
+            println!(
+                "  attack {:<28} {}: {} (legit handshake {probe}, P +{:.1} MiB, P {}): {}",
+                a.attack,
+                if a.failures().is_empty() { "held" } else { "GOT THROUGH" },
+                a.tried,
+                a.rss_growth_mib,
+                if a.p_alive { "alive" } else { "DEAD" },
+                a.detail
+            );
+        }
+        println!("  released, D alive    {}", self.released_for_live_engines);
         println!("  corrupt reads        {}", self.corrupt_reads);
         println!("  written after free   {}", self.written_after_free);
         println!("  held after drain     {}", list(&self.held_after_drain));

@@ -6,12 +6,16 @@
 //! - [`pattern`]: the bytes P computes for a prompt block, which D checks on arrival.
 //! - `node` (feature `nixl`): an engine process, P or D, running kvflow's connectors over
 //!   `NixlTransport` with host-memory KV pools from kv-cuda.
+//! - `attacker` (feature `nixl`): the `kvflow-attack` process of `cargo xtask attack`, which
+//!   attacks a running P engine and reports what held.
 //! - `e2e` (feature `nixl`): what `tests/pools.rs` and `benches/vram.rs` share, where the two
 //!   adapters meet: kv-cuda's pools (VRAM included) moved by `NixlTransport` between processes.
 
 pub mod pattern;
 pub mod proto;
 
+#[cfg(feature = "nixl")]
+pub mod attacker;
 #[cfg(feature = "nixl")]
 pub mod e2e;
 #[cfg(feature = "nixl")]

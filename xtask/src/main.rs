@@ -16,6 +16,8 @@ const USAGE: &str = "usage: cargo xtask <task>
 tasks:
   demo    one P and two D engines as processes over real NIXL/UCX, a workload with faults, a report
           [--mode pull|push] [--json] (--help for the rest)
+  attack  the demo's engines under attack: bad bytes, floods, impersonation, foreign messages,
+          engines stopped past their lease; each attack says what it tried and what held
   ci      fmt check, setup, clippy with -D warnings, every test of the workspace
   setup   fetch what nixl-sys needs: libclang (apt-get as root) and the NIXL runtime (.nixl/)
   sim     scenario files [PATH...] [--seed N], or random workloads --random --seeds A..B
@@ -26,6 +28,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci::run(&args[1..]),
         Some("demo") => demo::run(&args[1..]),
+        Some("attack") => demo::attack(&args[1..]),
         Some("setup") => provision::run(&args[1..]),
         Some("bench") => bench::run(&args[1..]),
         Some("sim") => sim::run_task(&args[1..]),

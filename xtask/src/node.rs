@@ -308,6 +308,11 @@ impl Engine {
     fn stats(&mut self, counters: Counters) {
         let counters = [
             ("ignored_messages", counters.ignored_messages),
+            ("foreign_messages", counters.foreign_messages),
+            ("refused", counters.refused),
+            ("unauthenticated", counters.unauthenticated),
+            ("late_reads", counters.late_reads),
+            ("quarantined", counters.quarantined),
             ("duplicate_messages", counters.duplicate_messages),
             ("notifications_after_expiry", counters.notifications_after_expiry),
             ("late_messages", counters.late_messages),

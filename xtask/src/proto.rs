@@ -301,3 +301,68 @@ mod tests {
         assert_eq!(back.to_ref(), r);
     }
 }
+
+/// What the router tells the attacker.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct AttackConfig {
+    /// P's side-channel port on loopback.
+    pub p_port: u16,
+    /// P's process id, for its resident memory and liveness.
+    pub p_pid: u32,
+    /// The model every engine serves (a handshake must match it).
+    pub model: Model,
+    /// A D engine that is alive, and its incarnation: the one to impersonate.
+    pub live_decode: String,
+    /// See `live_decode`.
+    pub live_instance: u64,
+    /// The router names requests `req-0` to `req-{requests - 1}`.
+    pub requests: u32,
+}
+
+/// What one attack tried and what held.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct AttackResult {
+    /// Its name.
+    pub attack: String,
+    /// What it did, in words.
+    pub tried: String,
+    /// Whether what it targeted held (see `detail`).
+    pub held: bool,
+    /// What was seen.
+    pub detail: String,
+    /// How long a key holder's handshake with P took during the attack, in milliseconds.
+    pub probe_ms: Option<f64>,
+    /// P's resident memory at the attack's peak, less before it, in MiB.
+    pub rss_growth_mib: f64,
+    /// Whether P was alive at the end of the attack.
+    pub p_alive: bool,
+}
+
+/// The longest a key holder's handshake may take during an attack.
+pub const PROBE_BOUND_MS: f64 = 100.0;
+/// The most P's memory may grow under an attack.
+pub const RSS_BOUND_MIB: f64 = 64.0;
+
+impl AttackResult {
+    /// Every way the attack got through, in words; empty when everything held.
+    pub fn failures(&self) -> Vec<String> {
+        let mut f = Vec::new();
+        if !self.held {
+            f.push(format!("{}: did not hold: {}", self.attack, self.detail));
+        }
+        if !self.p_alive {
+            f.push(format!("{}: P died", self.attack));
+        }
+        match self.probe_ms {
+            Some(ms) if ms <= PROBE_BOUND_MS => {}
+            Some(ms) => {
+                f.push(format!("{}: a key holder's handshake took {ms:.1} ms (bound {PROBE_BOUND_MS} ms)", self.attack))
+            }
+            None => f.push(format!("{}: a key holder could not handshake during the attack", self.attack)),
+        }
+        if self.rss_growth_mib > RSS_BOUND_MIB {
+            f.push(format!("{}: P grew by {:.1} MiB (bound {RSS_BOUND_MIB} MiB)", self.attack, self.rss_growth_mib));
+        }
+        f
+    }
+}

@@ -26,6 +26,12 @@ mod transport;
 use std::path::PathBuf;
 
 pub use key::KeySource;
+
+/// The NIXL part of a handshake's agent metadata (after kvflow's registration table), for
+/// tools that drive NIXL themselves, such as `cargo xtask attack`. Never panics.
+pub fn nixl_agent_metadata(agent_metadata: &[u8]) -> Result<&[u8], String> {
+    metadata::decode(agent_metadata).map(|(_, nixl)| nixl)
+}
 pub use side::SideStatus;
 pub use transport::{NixlConfig, NixlTransport, DEFAULT_SIDE_CHANNEL_PORT};
 

@@ -1,0 +1,518 @@
+//! `kvflow-attack`: a process that attacks a running P engine of `cargo xtask attack`, as a
+//! local process on the same machine would, one attack after another, and says for each what
+//! it tried and what held.
+//!
+//! For each attack it measures, while the attack is under way, how long a legitimate D (a key
+//! holder, named `probe-N`) takes to handshake with P, and how much P's resident memory grew;
+//! P must stay alive throughout. What the attack targets must hold too: bad bytes end in an
+//! ERROR frame and a closed connection, a peer without the key never handshakes, a second
+//! handshake under a live name is refused, and foreign messages change nothing (the router's
+//! own checks, corrupt reads and releases credited to live engines, say so at the end).
+//!
+//! One JSON [`AttackResult`] per line on stdout; the router reads them.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context, Result};
+use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint, SideEvent};
+use kv_core::{AgentName, EngineId, Handshake, Message, PeerAddress, PeerEvent, RequestId, Role, Time, Transport};
+use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
+
+use crate::e2e::ProcessClock;
+use crate::proto::{AttackConfig, AttackResult, CLUSTER_KEY_ENV};
+
+/// The attacker process's entry point.
+pub fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("kvflow-attack: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+struct Attacker {
+    config: AttackConfig,
+    clock: Arc<ProcessClock>,
+    probes: u32,
+}
+
+fn run() -> Result<()> {
+    let arg = std::env::args().nth(1).ok_or_else(|| anyhow!("usage: kvflow-attack '<AttackConfig as JSON>'"))?;
+    let config: AttackConfig = serde_json::from_str(&arg).context("the attack configuration")?;
+    let mut a = Attacker { config, clock: Arc::new(ProcessClock::start()), probes: 0 };
+    // Foreign messages first, while the router's requests are in flight.
+    a.report("foreign-messages", Attacker::foreign_messages)?;
+    a.report("notifications-under-another-name", Attacker::forged_sender_name)?;
+    a.report("impersonate-without-key", Attacker::impersonate_without_key)?;
+    a.report("impersonate-live-incarnation", Attacker::impersonate_live_incarnation)?;
+    a.report("random-bytes", |a| a.raw_flood(200, |i| random_bytes(i, 1024)))?;
+    a.report("huge-length-prefix", |a| {
+        a.raw_flood(200, |i| {
+            let mut bytes = u32::MAX.to_be_bytes().to_vec();
+            bytes.extend(random_bytes(i, 512));
+            bytes
+        })
+    })?;
+    a.report("wrong-protocol-version", Attacker::wrong_version)?;
+    a.report("slowloris", Attacker::slowloris)?;
+    a.report("idle-beyond-the-bound", Attacker::idle_flood)?;
+    Ok(())
+}
+
+/// Deterministic junk for connection `i`.
+fn random_bytes(i: usize, len: usize) -> Vec<u8> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (i as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A HELLO frame (docs/side-channel.md) for `engine`, with `version`.
+fn hello(engine: &str, version: u16) -> Vec<u8> {
+    let mut body = b"KVSC".to_vec();
+    body.extend_from_slice(&version.to_be_bytes());
+    body.push(1);
+    body.push(engine.len() as u8);
+    body.extend_from_slice(engine.as_bytes());
+    body.extend_from_slice(&0u32.to_be_bytes());
+    body.extend_from_slice(&1u64.to_be_bytes());
+    body.extend_from_slice(&[7u8; 32]);
+    let mut frame = ((body.len() + 1) as u32).to_be_bytes().to_vec();
+    frame.push(1);
+    frame.extend(body);
+    frame
+}
+
+/// Reads what the listener sends until it closes, up to `limit`; whether it closed, and the
+/// text of an ERROR frame if the first frame is one.
+fn until_closed(stream: &mut TcpStream, limit: Duration) -> (bool, Option<String>) {
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(50)));
+    let deadline = Instant::now() + limit;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while Instant::now() < deadline {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => continue,
+            Err(_) => break,
+        }
+    }
+    let closed = Instant::now() < deadline;
+    let error = (got.len() > 5 && got[4] == 5).then(|| String::from_utf8_lossy(&got[5..]).into_owned());
+    (closed, error)
+}
+
+impl Attacker {
+    fn p_address(&self) -> PeerAddress {
+        PeerAddress(format!("127.0.0.1:{}", self.config.p_port))
+    }
+
+    /// A handshake offer of a D engine that P accepts (no memory: none is needed to talk).
+    fn offer(&self, engine: &str, instance: u64) -> Handshake {
+        let layout = self.config.model.layout();
+        Handshake {
+            protocol_version: kv_core::wire::PROTOCOL_VERSION,
+            engine: EngineId::new(engine),
+            rank: 0,
+            tp_size: 1,
+            instance,
+            role: Role::Decode,
+            model: crate::node::MODEL.to_owned(),
+            layout,
+            num_blocks: 1,
+            regions: Vec::new(),
+            compat_hash: kv_core::wire::compatibility_hash(crate::node::MODEL, &layout),
+            clock: Time::ZERO,
+            agent_metadata: Vec::new(),
+        }
+    }
+
+    fn transport(&self, engine: &str, instance: u64, key: KeySource) -> Result<NixlTransport> {
+        let config = NixlConfig { bind: "127.0.0.1:0".parse().expect("loopback"), key, ..NixlConfig::default() };
+        NixlTransport::new(self.offer(engine, instance), &config, self.clock.clone())
+            .with_context(|| format!("a transport for {engine}"))
+    }
+
+    /// Connects `t` to P and waits up to `limit` for the outcome.
+    fn handshake(t: &mut NixlTransport, address: &PeerAddress, limit: Duration) -> Result<AgentName, String> {
+        t.connect(address).map_err(|e| e.to_string())?;
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            match t.poll_event() {
+                Some(PeerEvent::Connected(info)) => return Ok(info.agent),
+                Some(PeerEvent::ConnectFailed { error, .. }) => return Err(error.to_string()),
+                Some(_) => {}
+                None => std::thread::sleep(Duration::from_micros(200)),
+            }
+        }
+        Err(format!("no outcome within {limit:?}"))
+    }
+
+    /// How long a fresh key holder's side-channel handshake with P takes now, in milliseconds:
+    /// from its TCP connect to its `Connected`, all four flights, driven by kv-core's
+    /// [`SideEndpoint`] over a plain socket. (A full NIXL peer then spends about 30 ms more
+    /// loading P's metadata into UCX, on its own side.)
+    fn probe(&mut self) -> Option<f64> {
+        self.probes += 1;
+        let key = ClusterKey::from_hex(&std::env::var(CLUSTER_KEY_ENV).ok()?).ok()?;
+        let offer = self.offer(&format!("probe-{}", self.probes), 1);
+        let mut side = SideEndpoint::new(SideConfig::new(key), offer).ok()?;
+        let mut nonce = [0u8; 32];
+        getrandom::fill(&mut nonce).ok()?;
+        let start = Instant::now();
+        let mut stream = TcpStream::connect(("127.0.0.1", self.config.p_port)).ok()?;
+        let _ = stream.set_nodelay(true);
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+        let now = |start: Instant| Time::from_nanos(start.elapsed().as_nanos() as u64);
+        side.handle_connect(now(start), ConnId(1), self.p_address(), nonce);
+        let mut buf = [0u8; 64 * 1024];
+        loop {
+            while let Some(t) = side.poll_transmit() {
+                stream.write_all(&t.bytes).ok()?;
+            }
+            match side.poll_event() {
+                Some(SideEvent::Connected { .. }) => return Some(start.elapsed().as_secs_f64() * 1e3),
+                Some(_) => return None,
+                None => {}
+            }
+            if side.poll_close().is_some() {
+                return None;
+            }
+            let n = stream.read(&mut buf).ok().filter(|&n| n > 0)?;
+            side.handle_bytes(now(start), ConnId(1), &buf[..n]);
+        }
+    }
+
+    fn rss_mib(&self) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.config.p_pid)).unwrap_or_default();
+        let kb: f64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0.0);
+        kb / 1024.0
+    }
+
+    fn p_alive(&self) -> bool {
+        std::fs::read_to_string(format!("/proc/{}/stat", self.config.p_pid))
+            .is_ok_and(|s| s.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+    }
+
+    /// Runs `attack`, which returns (tried, held, detail) and calls [`Attacker::measure`] at its
+    /// peak; prints the result.
+    fn report(&mut self, name: &str, attack: impl FnOnce(&mut Self) -> Result<Outcome>) -> Result<()> {
+        let before = self.rss_mib();
+        let outcome = attack(self)?;
+        let result = AttackResult {
+            attack: name.to_owned(),
+            tried: outcome.tried,
+            held: outcome.held,
+            detail: outcome.detail,
+            probe_ms: outcome.probe_ms,
+            rss_growth_mib: (outcome.peak_rss - before).max(0.0),
+            p_alive: self.p_alive(),
+        };
+        println!("{}", serde_json::to_string(&result)?);
+        Ok(())
+    }
+
+    /// The probe and P's memory, at an attack's peak.
+    fn measure(&mut self) -> (Option<f64>, f64) {
+        let probe = self.probe();
+        (probe, self.rss_mib())
+    }
+
+    /// A key holder that handshook as `intruder` sends aborts, completions, heartbeats and
+    /// rejections for every request id the router uses, for 3 s.
+    fn foreign_messages(&mut self) -> Result<Outcome> {
+        let mut t = self.transport("intruder", 1, KeySource::Env(CLUSTER_KEY_ENV.into()))?;
+        let p = Self::handshake(&mut t, &self.p_address(), Duration::from_secs(5))
+            .map_err(|e| anyhow!("the intruder could not handshake: {e}"))?;
+        let ids: Vec<RequestId> = (0..self.config.requests)
+            .flat_map(|i| {
+                let id = format!("req-{i}");
+                [id.clone(), format!("0_{id}"), format!("1_{id}")]
+            })
+            .map(RequestId::new)
+            .collect();
+        let (mut sent, mut failed) = (0u64, 0u64);
+        let start = Instant::now();
+        let mut peak = (None, 0.0);
+        while start.elapsed() < Duration::from_secs(3) {
+            for id in &ids {
+                for message in [
+                    Message::Abort { request: id.clone() },
+                    Message::Completion { request: id.clone(), expected_consumers: 1 },
+                    Message::Heartbeat { requests: vec![id.clone()] },
+                    Message::Rejection { request: id.clone() },
+                ] {
+                    let payload = message.encode().map_err(|e| anyhow!("{e}"))?;
+                    match t.send_notification(&p, &payload) {
+                        Ok(()) => sent += 1,
+                        Err(_) => failed += 1,
+                    }
+                }
+            }
+            while t.poll_event().is_some() {}
+            if peak.0.is_none() {
+                peak = self.measure();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(Outcome {
+            tried: format!(
+                "a key holder sent {sent} aborts, completions, heartbeats and rejections for {} request ids it never claimed",
+                ids.len()
+            ),
+            held: failed == 0,
+            detail: format!(
+                "{failed} sends failed; the router checks that no export was released for them (corrupt reads, releases credited to live engines)"
+            ),
+            probe_ms: peak.0,
+            peak_rss: peak.1,
+        })
+    }
+
+    /// A key holder handshakes as `intruder2`, then makes a NIXL agent of its own under the
+    /// live D's NIXL agent name, loads P's metadata into it, and posts completions, aborts and
+    /// heartbeats as that D: untagged, and with a tag of its own making. P must open none of
+    /// them (the router checks P counted them as unauthenticated and released nothing).
+    fn forged_sender_name(&mut self) -> Result<Outcome> {
+        let mut t = self.transport("intruder2", 1, KeySource::Env(CLUSTER_KEY_ENV.into()))?;
+        t.connect(&self.p_address())?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let info = loop {
+            match t.poll_event() {
+                Some(PeerEvent::Connected(info)) => break info,
+                Some(PeerEvent::ConnectFailed { error, .. }) => return Err(anyhow!("intruder2 refused: {error}")),
+                _ if Instant::now() > deadline => return Err(anyhow!("intruder2 got no handshake")),
+                _ => std::thread::sleep(Duration::from_micros(200)),
+            }
+        };
+        let md = kv_transport_nixl::nixl_agent_metadata(&info.handshake.agent_metadata).map_err(|e| anyhow!(e))?;
+        let name = format!("{}/tp0#{}", self.config.live_decode, self.config.live_instance);
+        let agent = nixl_sys::Agent::new(&name).map_err(|e| anyhow!("agent {name}: {e}"))?;
+        let (_, params) = agent.get_plugin_params("UCX").map_err(|e| anyhow!("UCX parameters: {e}"))?;
+        let backend = agent.create_backend("UCX", &params).map_err(|e| anyhow!("UCX backend: {e}"))?;
+        let p = agent.load_remote_md(md).map_err(|e| anyhow!("P's metadata: {e}"))?;
+        let (mut sent, mut failed) = (0u64, 0u64);
+        let mut peak = (None, 0.0);
+        for i in 0..self.config.requests {
+            let id = RequestId::new(format!("req-{i}"));
+            for message in [
+                Message::Completion { request: id.clone(), expected_consumers: 1 },
+                Message::Abort { request: id.clone() },
+                Message::Heartbeat { requests: vec![id.clone()] },
+            ] {
+                let payload = message.encode().map_err(|e| anyhow!("{e}"))?;
+                // Untagged, and with a tag of the attacker's making.
+                let mut tagged = b"KT".to_vec();
+                tagged.extend_from_slice(&(u64::from(i) + 1).to_be_bytes());
+                tagged.extend_from_slice(&payload);
+                tagged.extend_from_slice(&random_bytes(i as usize, 16));
+                for bytes in [payload, tagged] {
+                    match agent.send_notification(&p, &bytes, Some(&backend)) {
+                        Ok(()) => sent += 1,
+                        Err(_) => failed += 1,
+                    }
+                }
+            }
+            if i == self.config.requests / 2 {
+                peak = self.measure();
+            }
+        }
+        while t.poll_event().is_some() {}
+        Ok(Outcome {
+            tried: format!(
+                "a key holder's own NIXL agent named {name} posted {sent} completions, aborts and heartbeats as that engine"
+            ),
+            held: sent > 0,
+            detail: format!(
+                "{failed} posts failed; the router checks P counted them unauthenticated and released nothing for them"
+            ),
+            probe_ms: peak.0,
+            peak_rss: peak.1,
+        })
+    }
+
+    /// A peer without the key claims a live D's name, at its incarnation and the next.
+    fn impersonate_without_key(&mut self) -> Result<Outcome> {
+        let (name, instance) = (self.config.live_decode.clone(), self.config.live_instance);
+        let mut refusals = Vec::new();
+        let mut held = true;
+        let wrong = std::env::temp_dir().join(format!("kvflow-attack-wrong-key-{}", std::process::id()));
+        let hex: String = random_bytes(1, 32).iter().map(|b| format!("{b:02x}")).collect();
+        std::fs::write(&wrong, hex)?;
+        for (key, what) in [(KeySource::None, "no key"), (KeySource::File(wrong.clone()), "a wrong key")] {
+            for incarnation in [instance, instance + 1] {
+                let mut t = self.transport(&name, incarnation, key.clone())?;
+                match Self::handshake(&mut t, &self.p_address(), Duration::from_secs(5)) {
+                    Ok(_) => {
+                        held = false;
+                        refusals.push(format!("{what}, incarnation {incarnation}: ACCEPTED"));
+                    }
+                    Err(e) => refusals.push(format!("{what}, incarnation {incarnation}: {e}")),
+                }
+            }
+        }
+        let _ = std::fs::remove_file(&wrong);
+        let (probe_ms, peak_rss) = self.measure();
+        Ok(Outcome {
+            tried: format!(
+                "handshakes as {name} (incarnations {instance} and {}) with no key and a wrong key",
+                instance + 1
+            ),
+            held,
+            detail: refusals.join("; "),
+            probe_ms,
+            peak_rss,
+        })
+    }
+
+    /// A key holder claims a live D's name at the live incarnation.
+    fn impersonate_live_incarnation(&mut self) -> Result<Outcome> {
+        let (name, instance) = (self.config.live_decode.clone(), self.config.live_instance);
+        let mut t = self.transport(&name, instance, KeySource::Env(CLUSTER_KEY_ENV.into()))?;
+        let result = Self::handshake(&mut t, &self.p_address(), Duration::from_secs(5));
+        let (probe_ms, peak_rss) = self.measure();
+        Ok(Outcome {
+            tried: format!("a key holder handshakes as the live {name} incarnation {instance}"),
+            held: result.is_err(),
+            detail: match result {
+                Ok(_) => "accepted: it would replace the live engine".into(),
+                Err(e) => format!("refused: {e}"),
+            },
+            probe_ms,
+            peak_rss,
+        })
+    }
+
+    /// `count` connections, each sending `bytes(i)`; each must end in an ERROR and a close.
+    fn raw_flood(&mut self, count: usize, bytes: impl Fn(usize) -> Vec<u8>) -> Result<Outcome> {
+        let mut streams = Vec::new();
+        for i in 0..count {
+            let mut s = TcpStream::connect(("127.0.0.1", self.config.p_port))?;
+            let _ = s.write_all(&bytes(i));
+            streams.push(s);
+        }
+        let (probe_ms, peak_rss) = self.measure();
+        let mut closed_with_error = 0;
+        let mut sample = None;
+        for s in &mut streams {
+            let (closed, error) = until_closed(s, Duration::from_secs(6));
+            if closed && error.is_some() {
+                closed_with_error += 1;
+            }
+            sample = sample.or(error);
+        }
+        Ok(Outcome {
+            tried: format!("{count} connections sending bad bytes"),
+            held: closed_with_error == count,
+            detail: format!(
+                "{closed_with_error} of {count} got an ERROR frame and a close; e.g. {:?}",
+                sample.unwrap_or_default()
+            ),
+            probe_ms,
+            peak_rss,
+        })
+    }
+
+    fn wrong_version(&mut self) -> Result<Outcome> {
+        let mut s = TcpStream::connect(("127.0.0.1", self.config.p_port))?;
+        s.write_all(&hello("decode-old", 99))?;
+        let (probe_ms, peak_rss) = self.measure();
+        let (closed, error) = until_closed(&mut s, Duration::from_secs(6));
+        let error = error.unwrap_or_default();
+        Ok(Outcome {
+            tried: "a HELLO of side protocol version 99".into(),
+            held: closed && error.contains("version"),
+            detail: format!("closed: {closed}, error: {error:?}"),
+            probe_ms,
+            peak_rss,
+        })
+    }
+
+    /// 100 connections, each sending a HELLO one byte every 100 ms.
+    fn slowloris(&mut self) -> Result<Outcome> {
+        let frame = hello("decode-slow", 1);
+        let mut streams: Vec<TcpStream> =
+            (0..100).filter_map(|_| TcpStream::connect(("127.0.0.1", self.config.p_port)).ok()).collect();
+        let start = Instant::now();
+        let mut peak = (None, 0.0);
+        let mut closed = vec![false; streams.len()];
+        for byte in &frame {
+            for (i, s) in streams.iter_mut().enumerate() {
+                if !closed[i] && s.write_all(&[*byte]).is_err() {
+                    closed[i] = true;
+                }
+            }
+            if start.elapsed() > Duration::from_secs(1) && peak.0.is_none() {
+                peak = self.measure();
+            }
+            if start.elapsed() > Duration::from_secs(8) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let mut ended = 0;
+        for s in &mut streams {
+            if until_closed(s, Duration::from_secs(8)).0 {
+                ended += 1;
+            }
+        }
+        Ok(Outcome {
+            tried: format!("{} connections trickling a HELLO one byte per 100 ms", streams.len()),
+            held: ended == streams.len(),
+            detail: format!("{ended} of {} were closed by P (evicted, or past the handshake deadline)", streams.len()),
+            probe_ms: peak.0,
+            peak_rss: peak.1,
+        })
+    }
+
+    /// 1000 connections that say nothing, far beyond the bound on unauthenticated ones.
+    fn idle_flood(&mut self) -> Result<Outcome> {
+        let mut streams = Vec::new();
+        for _ in 0..1000 {
+            match TcpStream::connect(("127.0.0.1", self.config.p_port)) {
+                Ok(s) => streams.push(s),
+                Err(_) => break,
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let (probe_ms, peak_rss) = self.measure();
+        let mut ended = 0;
+        for s in &mut streams {
+            if until_closed(s, Duration::from_millis(20)).0 {
+                ended += 1;
+            }
+        }
+        let open = streams.len() - ended;
+        Ok(Outcome {
+            tried: format!("{} idle connections held open", streams.len()),
+            held: open <= 64,
+            detail: format!("P closed {ended} of them at once; {open} were still open (bound 64 unauthenticated)"),
+            probe_ms,
+            peak_rss,
+        })
+    }
+}
+
+/// What an attack saw.
+struct Outcome {
+    tried: String,
+    held: bool,
+    detail: String,
+    probe_ms: Option<f64>,
+    peak_rss: f64,
+}
