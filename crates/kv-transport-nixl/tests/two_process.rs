@@ -1,6 +1,8 @@
 //! Real NIXL/UCX between two processes on loopback: reads and writes of 64 blocks with a
 //! notification, remote ranges checked against the peer's registrations, handshake refusals on
-//! both sides, bad handshake bytes, and a killed peer.
+//! both sides, bad handshake bytes, a killed peer, the cluster key (only its holders handshake,
+//! and their notifications open), and a transport made, used and dropped inside a tokio
+//! runtime and on a plain thread.
 //!
 //! Each test runs as the parent; it starts this test binary again as the child (selected by
 //! `KVFLOW_TEST_ROLE`), so every NIXL agent has its own process.
@@ -415,4 +417,54 @@ fn without_a_key_the_side_channel_listens_on_loopback_only() {
         }
         other => panic!("expected a configuration error, got {other:?}"),
     }
+}
+
+#[test]
+fn a_transport_is_made_used_and_dropped_inside_a_tokio_runtime_and_on_plain_threads() {
+    const NAME: &str = "a_transport_is_made_used_and_dropped_inside_a_tokio_runtime_and_on_plain_threads";
+    if child_main() || !nixl_or_skip(NAME) {
+        return;
+    }
+    let _serial = serial();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    // P lives in an async task of the engine's runtime: made, polled and dropped there.
+    let (port_tx, port_rx) = std::sync::mpsc::channel();
+    let p = runtime.spawn(async move {
+        let pool = HostPool::new(4);
+        let mut p = transport(offer("async-p", Role::Prefill, 1, 16, &pool, 4), &pool);
+        port_tx.send(p.side_channel_addr().port()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut seen = Vec::new();
+        while Instant::now() < deadline && !seen.iter().any(|e: &String| e.starts_with("note")) {
+            while let Some(event) = p.poll_event() {
+                seen.push(match event {
+                    PeerEvent::Connected(info) => format!("connected {}", info.agent),
+                    PeerEvent::Notification(n) => format!("note from {}", n.from),
+                    other => format!("{other:?}"),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        drop(p);
+        seen
+    });
+    let port = port_rx.recv_timeout(Duration::from_secs(20)).unwrap();
+    // D lives on a plain thread.
+    let d = std::thread::spawn(move || {
+        let pool = HostPool::new(4);
+        let mut d = transport(offer("thread-d", Role::Decode, 1, 16, &pool, 4), &pool);
+        let info = connect(&mut d, port);
+        let abort = Message::Abort { request: RequestId::new("r1") }.encode().unwrap();
+        d.send_notification(&info.agent, &abort).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        drop(d);
+        info.agent
+    });
+    let agent = d.join().expect("D's thread");
+    assert_eq!(agent.engine.as_str(), "async-p");
+    let seen = runtime.block_on(p).expect("P's task");
+    assert!(seen.contains(&"connected thread-d/tp0".to_owned()), "{seen:?}");
+    assert!(seen.contains(&"note from thread-d/tp0".to_owned()), "{seen:?}");
+    // And the runtime itself shuts down with nothing of the transports left in it.
+    runtime.shutdown_timeout(Duration::from_secs(5));
 }
