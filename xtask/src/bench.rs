@@ -5,6 +5,7 @@
 //! kvflow's implementation (above 1 means kvflow is faster).
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
@@ -91,7 +92,8 @@ pub fn run(args: &[String]) -> Result<()> {
     let mut threaded_envs = nixl.envs();
     threaded_envs.push(("KVFLOW_BENCH_UCX_PARAMS".into(), "num_threads=4".into()));
     let threaded = transport_bench(&root, &threaded_envs, json_out, quick)?;
-    let latency = latency_bench(node, quick, json_out)?;
+    let latency = latency_bench(node.clone(), quick, json_out)?;
+    let idle = idle_bench(node, json_out)?;
     if json_out {
         if let Value::Object(fields) = transport {
             report.extend(fields);
@@ -100,9 +102,29 @@ pub fn run(args: &[String]) -> Result<()> {
             report.insert("transport_num_threads_4".into(), t.clone());
         }
         report.insert("pull_vs_push".into(), latency);
+        report.insert("idle_cpu_percent".into(), idle["max"].clone());
+        report.insert("idle_cpu_percent_by_engine".into(), idle["by_engine"].clone());
         println!("{}", Value::Object(report));
     }
     Ok(())
+}
+
+/// How much of a core an engine with nothing pending uses: one P and one D started, left idle
+/// for 10 s. The JSON's `idle_cpu_percent` is the larger of the two, and
+/// `idle_cpu_percent_by_engine` has each.
+fn idle_bench(node: crate::demo::NodeBinary, json_out: bool) -> Result<Value> {
+    let config = crate::demo::DemoConfig { decoders: 1, kill: false, ..crate::demo::DemoConfig::default() };
+    let used = crate::demo::Demo::start(config, node)?.idle_cpu_percent(Duration::from_secs(10))?;
+    let most = used.values().copied().fold(0.0, f64::max);
+    if !json_out {
+        let list: Vec<String> = used.iter().map(|(n, p)| format!("{n} {p:.2}%")).collect();
+        println!(
+            "
+idle engines, 10 s with nothing pending: {} of one core",
+            list.join(", ")
+        );
+    }
+    Ok(json!({ "max": most, "by_engine": used }))
 }
 
 /// Pull against push, end to end between processes: the time from P finishing a prompt to D

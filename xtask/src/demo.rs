@@ -949,6 +949,37 @@ impl Demo {
         Ok(stats)
     }
 
+    /// Leaves the started engines idle for `window` and returns the share of one core each
+    /// used meanwhile, in percent (from `/proc/PID/stat`), then stops them.
+    pub fn idle_cpu_percent(mut self, window: Duration) -> Result<BTreeMap<String, f64>> {
+        let ticks_per_s: f64 = Process::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+            .unwrap_or(100.0);
+        let cpu_ticks = |pid: u32| -> Option<f64> {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // Fields after the command name, which is in parentheses: utime is the 12th, stime the 13th.
+            let fields: Vec<&str> = stat.rsplit(')').next()?.split_whitespace().collect();
+            Some(fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?)
+        };
+        let pids: Vec<(String, u32)> = self.nodes.iter().map(|(n, node)| (n.clone(), node.child.id())).collect();
+        let before: Vec<Option<f64>> = pids.iter().map(|(_, pid)| cpu_ticks(*pid)).collect();
+        let start = Instant::now();
+        while start.elapsed() < window {
+            self.pump(Duration::from_millis(100))?;
+        }
+        let elapsed = start.elapsed().as_secs_f64();
+        let mut used = BTreeMap::new();
+        for ((name, pid), before) in pids.iter().zip(before) {
+            let (Some(a), Some(b)) = (before, cpu_ticks(*pid)) else { bail!("cannot read {name}'s CPU time") };
+            used.insert(name.clone(), (b - a) / ticks_per_s / elapsed * 100.0);
+        }
+        self.shutdown();
+        Ok(used)
+    }
+
     fn shutdown(&mut self) {
         if let Some(mut child) = self.attacker.take() {
             let _ = child.kill();

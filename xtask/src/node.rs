@@ -42,8 +42,13 @@ use crate::proto::{wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Re
 pub const MODEL: &str = "kvflow-demo";
 
 /// How long the loop sleeps at most while transfers are in flight, and otherwise.
-const BUSY_POLL: Duration = Duration::from_micros(50);
-const IDLE_POLL: Duration = Duration::from_millis(2);
+/// How often the loop polls the transport: while transfers are in flight; while the engine
+/// holds blocks (a notification may be on its way: a completion, a push write's); and with
+/// nothing pending, when only the router's commands (which wake the loop at once) and the
+/// worker's own deadlines can start anything.
+const IN_FLIGHT_POLL: Duration = Duration::from_micros(50);
+const PENDING_POLL: Duration = Duration::from_millis(2);
+const IDLE_POLL: Duration = Duration::from_millis(50);
 
 /// Runs the engine its argument describes; the exit code says whether it stopped cleanly.
 pub fn main() -> ExitCode {
@@ -342,8 +347,8 @@ fn host_memory() -> Box<dyn Memory> {
 }
 
 /// Waits for the next command, or until the engine's next wake-up.
-fn next_command(rx: &Receiver<Result<Command, String>>, busy: bool, wake: Option<Duration>) -> Option<Command> {
-    let limit = if busy { BUSY_POLL } else { IDLE_POLL };
+fn next_command(rx: &Receiver<Result<Command, String>>, pace: Duration, wake: Option<Duration>) -> Option<Command> {
+    let limit = pace;
     let wait = wake.map_or(limit, |w| w.min(limit));
     match rx.recv_timeout(wait) {
         Ok(Ok(command)) => Some(command),
@@ -365,6 +370,16 @@ trait EngineNode {
     fn engine(&mut self) -> &mut Engine;
     /// Whether transfers are in flight, and the worker's next wake-up.
     fn wake(&mut self) -> (bool, Option<Time>);
+    /// How often to poll the transport now.
+    fn pace(&mut self, in_flight: bool) -> Duration {
+        if in_flight {
+            IN_FLIGHT_POLL
+        } else if self.engine().blocks.held() > 0 {
+            PENDING_POLL
+        } else {
+            IDLE_POLL
+        }
+    }
     /// Steps the worker and carries out what follows.
     fn step(&mut self, now: Time) -> Result<()>;
     /// Handles one command; `false` to stop.
@@ -375,8 +390,9 @@ trait EngineNode {
 fn run_node(mut node: impl EngineNode, rx: Receiver<Result<Command, String>>) -> Result<()> {
     loop {
         let now = node.engine().now();
-        let (busy, wake) = node.wake();
-        if let Some(command) = next_command(&rx, busy, until(now, wake)) {
+        let (in_flight, wake) = node.wake();
+        let pace = node.pace(in_flight);
+        if let Some(command) = next_command(&rx, pace, until(now, wake)) {
             if !node.handle(command)? {
                 return Ok(());
             }

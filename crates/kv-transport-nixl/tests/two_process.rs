@@ -5,7 +5,8 @@
 //! runtime and on a plain thread.
 //!
 //! Each test runs as the parent; it starts this test binary again as the child (selected by
-//! `KVFLOW_TEST_ROLE`), so every NIXL agent has its own process.
+//! `KVFLOW_TEST_ROLE`), so that each NIXL agent has its own process (the runtime test keeps
+//! both in one).
 
 mod common;
 
