@@ -1053,6 +1053,7 @@ pub struct Report {
     released_for_live_engines: usize,
     held_after_death_ms: Option<u64>,
     longest_held_after_death: Option<String>,
+    /// The killed engine's exports still held at its death, by how P released them.
     dead_engine_releases: BTreeMap<String, u64>,
     lease_ms: u64,
     corrupt_reads: u64,
@@ -1113,7 +1114,8 @@ impl Report {
                 .tracks
                 .values()
                 .filter(|t| t.decode.as_ref().is_some_and(|(d, i)| *d == k.engine && *i == k.instance));
-            for (reason, _) in dead.filter_map(|t| t.freed.as_ref()) {
+            // What the promise is about: exports still held when the engine died.
+            for (reason, _) in dead.filter_map(|t| t.freed.as_ref()).filter(|(_, at)| *at >= k.at_ns) {
                 *dead_engine_releases.entry(reason.clone()).or_insert(0) += 1;
             }
         }
@@ -1302,7 +1304,7 @@ impl Report {
                 let list = self.dead_engine_releases.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>();
                 println!(
                     "  {engine} killed         its exports on P were all released within {ms} ms of its death \
-                     (bound {DEATH_RELEASE_BOUND_MS} ms, lease {} ms): {}",
+                     (bound {DEATH_RELEASE_BOUND_MS} ms, lease {} ms); those held at its death: {}",
                     self.lease_ms,
                     if list.is_empty() { "none were held".to_owned() } else { list.join(", ") }
                 )
