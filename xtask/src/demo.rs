@@ -486,13 +486,9 @@ impl Demo {
             requests: self.config.requests,
         };
         let path = self.binary.path.with_file_name("kvflow-attack");
-        let mut child = Process::new(&path)
-            .arg(serde_json::to_string(&config)?)
-            .envs(self.binary.envs.iter().map(|(k, v)| (k, v)))
-            .env(CLUSTER_KEY_ENV, &self.key)
+        let mut child = self
+            .child(&path, serde_json::to_string(&config)?)
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
             .spawn()
             .with_context(|| format!("cannot start {}", path.display()))?;
         let stdout = child.stdout.take().expect("piped");
@@ -517,15 +513,24 @@ impl Demo {
         Ok(())
     }
 
-    fn spawn(&mut self, role: NodeRole, name: &str, instance: u64) -> Result<()> {
-        let config = serde_json::to_string(&self.config.node(role, name, instance))?;
-        let mut child = Process::new(&self.binary.path)
-            .arg(config)
+    /// A process of the run: its one argument, the provisioned environment and the cluster
+    /// key, its stdout piped to the router.
+    fn child(&self, path: &std::path::Path, arg: String) -> Process {
+        let mut command = Process::new(path);
+        command
+            .arg(arg)
             .envs(self.binary.envs.iter().map(|(k, v)| (k, v)))
             .env(CLUSTER_KEY_ENV, &self.key)
-            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::inherit());
+        command
+    }
+
+    fn spawn(&mut self, role: NodeRole, name: &str, instance: u64) -> Result<()> {
+        let config = serde_json::to_string(&self.config.node(role, name, instance))?;
+        let mut child = self
+            .child(&self.binary.path, config)
+            .stdin(Stdio::piped())
             .spawn()
             .with_context(|| format!("cannot start {} for {name}", self.binary.path.display()))?;
         let stdin = child.stdin.take().expect("piped");
