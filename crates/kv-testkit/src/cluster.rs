@@ -301,6 +301,10 @@ pub struct Cluster {
     resumed: BTreeMap<EngineId, Time>,
     violations: Vec<String>,
     trace: Vec<String>,
+    /// A running hash of every TP rank's reports to its scheduler: not printed in the trace,
+    /// but part of the digest, so that runs differing only in rank-level events (another TP
+    /// size, say) differ in digest.
+    rank_digest: u64,
     last_step: Option<Time>,
     dirty_since: Option<Time>,
     prefills: u64,
@@ -340,6 +344,7 @@ impl Cluster {
             resumed: BTreeMap::new(),
             violations: Vec::new(),
             trace: Vec::new(),
+            rank_digest: FNV_OFFSET,
             last_step: None,
             dirty_since: None,
             prefills: 0,
@@ -568,6 +573,7 @@ impl Cluster {
         for rank in 0..engine.workers.len() {
             let reports = engine.workers[rank].step(now);
             for report in reports {
+                self.fold_rank_event(&format!("{now} {id}/tp{rank} {report:?}"));
                 if let Err(e) = engine.scheduler.handle_report(rank as u32, report) {
                     self.violation(format!("{id}: {e}"));
                 }
@@ -608,6 +614,7 @@ impl Cluster {
         for rank in 0..engine.workers.len() {
             let reports = engine.workers[rank].step(now);
             for report in reports {
+                self.fold_rank_event(&format!("{now} {id}/tp{rank} {report:?}"));
                 if let Err(e) = engine.scheduler.handle_report(rank as u32, report) {
                     self.violation(format!("{id}: {e}"));
                 }
@@ -1340,16 +1347,16 @@ impl Cluster {
         self.now()
     }
 
-    /// A digest of everything that happened, for replay checks.
+    /// Folds one rank-level event into [`Cluster::digest`].
+    fn fold_rank_event(&mut self, line: &str) {
+        self.rank_digest = fnv_fold(self.rank_digest, line.bytes().chain([b'\n']));
+    }
+
+    /// A digest of everything that happened, for replay checks: the trace, and every TP
+    /// rank's reports to its scheduler.
     pub fn digest(&self) -> u64 {
-        let mut h = 0xcbf2_9ce4_8422_2325u64;
-        for line in &self.trace {
-            for b in line.bytes().chain([b'\n']) {
-                h ^= u64::from(b);
-                h = h.wrapping_mul(0x0100_0000_01b3);
-            }
-        }
-        h
+        let trace = self.trace.iter().fold(FNV_OFFSET, |h, line| fnv_fold(h, line.bytes().chain([b'\n'])));
+        fnv_fold(trace, self.rank_digest.to_le_bytes())
     }
 
     /// The event trace, one line per event.
@@ -1358,15 +1365,15 @@ impl Cluster {
     }
 }
 
+/// FNV-1a's offset basis and prime (64-bit).
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0100_0000_01b3;
+
+/// Folds `bytes` into the FNV-1a hash `h`.
+fn fnv_fold(h: u64, bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(h, |h, b| (h ^ u64::from(b)).wrapping_mul(FNV_PRIME))
+}
+
 fn fnv(parts: &[&[u8]]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for part in parts {
-        for &b in *part {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-        h ^= 0xff;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
+    parts.iter().fold(FNV_OFFSET, |h, part| fnv_fold(fnv_fold(h, part.iter().copied()), [0xff]))
 }

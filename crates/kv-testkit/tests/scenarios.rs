@@ -49,6 +49,17 @@ fn every_own_scenario_passes() {
 }
 
 #[test]
+fn the_digest_tells_tp_sizes_apart() {
+    let file = public_scenarios().into_iter().find(|f| f.ends_with("siblings.toml")).expect("siblings.toml");
+    let mut scenario = Scenario::load(&file).unwrap();
+    let one = run(&scenario, 7);
+    scenario.cluster.decode_tp = 2;
+    let two = run(&scenario, 7);
+    assert!(one.passed() && two.passed(), "{:?} {:?}", one.failure, two.failure);
+    assert_ne!(one.digest, two.digest, "D at TP 1 and at TP 2 gave the same digest");
+}
+
+#[test]
 fn a_scenario_replays_with_the_same_digest() {
     let file = public_scenarios().into_iter().find(|f| f.ends_with("siblings.toml")).expect("siblings.toml");
     let scenario = Scenario::load(&file).unwrap();
