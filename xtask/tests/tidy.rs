@@ -65,16 +65,39 @@ fn pure_crates_depend_on_no_runtime() {
     }
 }
 
+/// What sans-IO code never does: read a clock, start a thread, open a socket or a file, print.
+const IO: [&str; 6] = [
+    concat!("Instant", "::now"),
+    concat!("SystemTime", "::now"),
+    concat!("thread", "::spawn"),
+    concat!("std::", "net"),
+    concat!("std::", "fs"),
+    concat!("println", "!"),
+];
+
+#[test]
+fn the_connector_is_sans_io_outside_its_driver() {
+    let deps = dependencies(&root().join("crates/kv-sched-adapter/Cargo.toml"));
+    assert!(deps.iter().any(|d| d == "kv-lease"), "kv-sched-adapter: parsed {deps:?}");
+    for forbidden in ["tokio", "nixl-sys", "cudarc", "async-std", "mio", "kv-transport-nixl", "kv-cuda"] {
+        assert!(!deps.iter().any(|d| d == forbidden), "kv-sched-adapter depends on {forbidden}");
+    }
+    let mut files = Vec::new();
+    rust_files(&root().join("crates/kv-sched-adapter/src"), &mut files);
+    assert!(files.len() > 5, "kv-sched-adapter has only {} sources", files.len());
+    // The driver is synchronous too and reads no clock; it is exempt only because it is where
+    // a transport is called.
+    for file in files.iter().filter(|f| !f.ends_with("driver.rs")) {
+        let text = fs::read_to_string(file).unwrap();
+        for needle in IO {
+            assert!(!text.contains(needle), "{} uses {needle}: the connector is sans-IO", file.display());
+        }
+    }
+}
+
 #[test]
 fn pure_crates_read_no_clock_and_start_no_threads() {
-    let forbidden = [
-        concat!("Instant", "::now"),
-        concat!("SystemTime", "::now"),
-        concat!("thread", "::spawn"),
-        concat!("std::", "net"),
-        concat!("std::", "fs"),
-        concat!("println", "!"),
-    ];
+    let forbidden = IO;
     for krate in ["kv-core", "kv-lease"] {
         // The library sources only: benches time real operations and must read a clock.
         let mut files = Vec::new();
