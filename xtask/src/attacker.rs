@@ -93,22 +93,26 @@ fn hello(engine: &str, version: u16) -> Vec<u8> {
     frame
 }
 
-/// Reads what the listener sends until it closes, up to `limit`; whether it closed, and the
-/// text of an ERROR frame if the first frame is one.
-fn until_closed(stream: &mut TcpStream, limit: Duration) -> (bool, Option<String>) {
-    let _ = stream.set_read_timeout(Some(Duration::from_millis(50)));
-    let deadline = Instant::now() + limit;
+/// Reads what the listener sends until it closes, up to `deadline` (one deadline for a whole
+/// flood, so that a listener that closes nothing costs seconds, not minutes); whether it
+/// closed, and the text of an ERROR frame if the first frame is one.
+fn until_closed(stream: &mut TcpStream, deadline: Instant) -> (bool, Option<String>) {
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(20)));
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
-    while Instant::now() < deadline {
+    // At least one read, however late: what a closed socket holds is there already.
+    let closed = loop {
         match stream.read(&mut buf) {
-            Ok(0) => break,
+            Ok(0) => break true,
             Ok(n) => got.extend_from_slice(&buf[..n]),
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => continue,
-            Err(_) => break,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            // A reset is a close too.
+            Err(_) => break true,
         }
-    }
-    let closed = Instant::now() < deadline;
+        if Instant::now() >= deadline {
+            break false;
+        }
+    };
     let error = (got.len() > 5 && got[4] == 5).then(|| String::from_utf8_lossy(&got[5..]).into_owned());
     (closed, error)
 }
@@ -409,8 +413,9 @@ impl Attacker {
         let (probe_ms, peak_rss) = self.measure();
         let mut closed_with_error = 0;
         let mut sample = None;
+        let deadline = Instant::now() + Duration::from_secs(8);
         for s in &mut streams {
-            let (closed, error) = until_closed(s, Duration::from_secs(6));
+            let (closed, error) = until_closed(s, deadline);
             if closed && error.is_some() {
                 closed_with_error += 1;
             }
@@ -432,7 +437,7 @@ impl Attacker {
         let mut s = TcpStream::connect(("127.0.0.1", self.config.p_port))?;
         s.write_all(&hello("decode-old", 99))?;
         let (probe_ms, peak_rss) = self.measure();
-        let (closed, error) = until_closed(&mut s, Duration::from_secs(6));
+        let (closed, error) = until_closed(&mut s, Instant::now() + Duration::from_secs(6));
         let error = error.unwrap_or_default();
         Ok(Outcome {
             tried: "a HELLO of side protocol version 99".into(),
@@ -466,8 +471,10 @@ impl Attacker {
             std::thread::sleep(Duration::from_millis(100));
         }
         let mut ended = 0;
+        // Past the handshake deadline (5 s) of the last one to arrive.
+        let deadline = Instant::now() + Duration::from_secs(8);
         for s in &mut streams {
-            if until_closed(s, Duration::from_secs(8)).0 {
+            if until_closed(s, deadline).0 {
                 ended += 1;
             }
         }
@@ -493,7 +500,7 @@ impl Attacker {
         let (probe_ms, peak_rss) = self.measure();
         let mut ended = 0;
         for s in &mut streams {
-            if until_closed(s, Duration::from_millis(20)).0 {
+            if until_closed(s, Instant::now() + Duration::from_millis(20)).0 {
                 ended += 1;
             }
         }
