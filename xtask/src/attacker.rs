@@ -26,6 +26,7 @@ use crate::proto::{AttackConfig, AttackResult, CLUSTER_KEY_ENV};
 
 /// The attacker process's entry point.
 pub fn main() -> std::process::ExitCode {
+    crate::logging::init();
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {

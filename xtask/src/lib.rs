@@ -3,6 +3,7 @@
 //!
 //! - [`proto`]: the lines the router and the engines exchange over the engines' stdin and
 //!   stdout, one JSON object per line.
+//! - [`logging`]: the `tracing` subscriber the binaries install (`RUST_LOG`, to stderr).
 //! - [`pattern`]: the bytes P computes for a prompt block, which D checks on arrival.
 //! - `node` (feature `nixl`): an engine process, P or D, running kvflow's connectors over
 //!   `NixlTransport` with host-memory KV pools from kv-cuda.
@@ -11,6 +12,7 @@
 //! - `e2e` (feature `nixl`): what `tests/pools.rs` and `benches/vram.rs` share, where the two
 //!   adapters meet: kv-cuda's pools (VRAM included) moved by `NixlTransport` between processes.
 
+pub mod logging;
 pub mod pattern;
 pub mod proto;
 

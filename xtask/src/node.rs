@@ -52,6 +52,7 @@ const IDLE_POLL: Duration = Duration::from_millis(50);
 
 /// Runs the engine its argument describes; the exit code says whether it stopped cleanly.
 pub fn main() -> ExitCode {
+    crate::logging::init();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

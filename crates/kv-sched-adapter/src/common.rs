@@ -149,7 +149,9 @@ impl Counters {
             return;
         }
         let peer = peer.map_or_else(|| "an unnamed peer".to_owned(), AgentName::to_string);
-        tracing::warn!(%peer, ?cause, %reason, "the transport refused input");
+        // Debug, not warn: anyone who can reach the side channel can cause these, and a log
+        // line per refusal would let them fill the engine's disk. The counters say how many.
+        tracing::debug!(%peer, ?cause, %reason, "the transport refused input");
         self.ignored_messages += 1;
         self.refused += 1;
         if cause == RefusalCause::Unauthenticated {
