@@ -320,6 +320,7 @@ impl Engine {
             ("late_reads", counters.late_reads),
             ("quarantined", counters.quarantined),
             ("duplicate_messages", counters.duplicate_messages),
+            ("rejections_unsent", counters.rejections_unsent),
             ("notifications_after_expiry", counters.notifications_after_expiry),
             ("late_messages", counters.late_messages),
             ("early_staged", counters.early_staged),

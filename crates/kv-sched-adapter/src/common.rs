@@ -118,6 +118,10 @@ pub struct Counters {
     pub unauthenticated: u64,
     /// A consumer's completion (or registration) seen again, ignored.
     pub duplicate_messages: u64,
+    /// Rejections D could not tell P about: P's transfer parameters map onto no P rank from
+    /// this engine (a TP size that does not divide, or no address for a rank). P then holds
+    /// the export until its lease ends.
+    pub rejections_unsent: u64,
     /// Completions for exports P no longer had.
     pub notifications_after_expiry: u64,
     /// Other messages about requests this side no longer had.
@@ -166,6 +170,7 @@ impl Counters {
         self.refused += other.refused;
         self.unauthenticated += other.unauthenticated;
         self.duplicate_messages += other.duplicate_messages;
+        self.rejections_unsent += other.rejections_unsent;
         self.notifications_after_expiry += other.notifications_after_expiry;
         self.late_messages += other.late_messages;
         self.early_staged += other.early_staged;
