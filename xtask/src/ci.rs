@@ -9,7 +9,8 @@ use crate::provision;
 
 /// Runs the fmt check, provisions libclang and the NIXL runtime (see [`provision::ensure`]),
 /// then clippy with `-D warnings` and every test of the workspace, with the provisioned paths in
-/// their environment, then a short demo in each mode and the attack suite.
+/// their environment, `cargo package` of every library crate, then a short demo in each mode
+/// and the attack suite.
 pub fn run(args: &[String]) -> Result<()> {
     if let Some(arg) = args.first() {
         bail!("cargo xtask ci takes no arguments, got {arg:?}");
@@ -27,6 +28,8 @@ pub fn run(args: &[String]) -> Result<()> {
         ["clippy", "--workspace", "--all-targets", "--locked", "--features", "xtask/nixl", "--", "-D", "warnings"];
     cargo_env(&root, &clippy, &envs)?;
     cargo_env(&root, &["test", "--workspace", "--locked", "--features", "xtask/nixl"], &envs)?;
+    // Every library crate packages and builds from its package, as a user's dependency would.
+    cargo_env(&root, &["package", "--workspace", "--exclude", "xtask", "--locked", "--allow-dirty"], &envs)?;
     // A short demo in each mode, real processes over NIXL: any corrupt read, block written after
     // free, or block held after the drain fails it.
     for mode in ["pull", "push"] {
