@@ -60,8 +60,9 @@ pub fn nixl_skip_reason() -> Option<String> {
     if runtime::runtime_present(None) {
         return None;
     }
-    let dir = runtime::runtime_dir(None);
-    Some(format!("no NIXL runtime at {} (run cargo xtask setup, or set KVFLOW_NIXL_DIR)", dir.display()))
+    let dir = runtime::runtime_dir(None)
+        .map_or_else(|| "nowhere (KVFLOW_NIXL_DIR is not set)".to_owned(), |d| d.display().to_string());
+    Some(format!("no NIXL runtime at {dir} (run cargo xtask setup, then set KVFLOW_NIXL_DIR)"))
 }
 
 /// Why a GPU check over NIXL cannot run here, if it cannot: `KVFLOW_GPU` is not `1`, there is no

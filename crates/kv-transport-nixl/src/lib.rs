@@ -8,8 +8,8 @@
 //! reports a remote disconnect only as a generic backend error.
 //!
 //! The NIXL runtime is the `nixl-cu12` wheel that `cargo xtask setup` unpacks into the
-//! workspace's `.nixl/` folder; [`runtime`] loads it without anything exported.
-//! `KVFLOW_NIXL_DIR` or [`NixlConfig::runtime_dir`] overrides where it is.
+//! workspace's `.nixl/` folder; [`runtime`] loads it from where [`NixlConfig::runtime_dir`] or
+//! `KVFLOW_NIXL_DIR` says (nothing is baked in at build time), with no library path exported.
 //!
 //! Register every region before peers connect: NIXL's metadata, which peers load at
 //! handshake, lists the registrations that exist then. The handshake's agent metadata carries,
@@ -47,6 +47,11 @@ pub enum NixlError {
         /// The library looked for.
         path: PathBuf,
     },
+    /// Neither the configuration nor the environment says where the runtime is.
+    #[error(
+        "no NIXL runtime configured: set NixlConfig::runtime_dir, or KVFLOW_NIXL_DIR to the folder holding libnixl_capi.so (`cargo xtask setup` fetches the nixl-cu12 wheel and prints that folder)"
+    )]
+    RuntimeNotConfigured,
     /// The runtime is there but does not load.
     #[error("cannot load the NIXL runtime {}: {reason}", path.display())]
     RuntimeLoad {

@@ -4,8 +4,10 @@
 //! first use. kvflow loads that library itself, by absolute path and with `RTLD_GLOBAL`, before
 //! any NIXL call, so glibc resolves nixl-sys's later `dlopen` by soname to the library already
 //! loaded; and it points `NIXL_PLUGIN_DIR` at the runtime's `plugins/` folder before the first
-//! agent. The runtime is the `nixl-cu12` wheel that `cargo xtask setup` unpacks into `.nixl/`;
-//! `KVFLOW_NIXL_DIR`, or an explicit path, overrides where it is looked for.
+//! agent. The runtime is the `nixl-cu12` wheel that `cargo xtask setup` unpacks into `.nixl/`
+//! (and prints the folder of); kvflow finds it where the configuration says
+//! ([`crate::NixlConfig::runtime_dir`]), else where `KVFLOW_NIXL_DIR` says. No path is baked in
+//! at build time.
 //!
 //! Where a CUDA driver is installed, it also turns on UCX's zero-copy GET over CUDA IPC
 //! ([`UCX_CUDA_IPC_GET_ENV`]) unless the environment already sets it: under UCX's default, `auto`, it is off on platforms that UCX
@@ -29,27 +31,25 @@ pub const RUNTIME_ENV: &str = "KVFLOW_NIXL_DIR";
 /// UCX loads no CUDA transport and would warn that the variable is unused.
 pub const UCX_CUDA_IPC_GET_ENV: &str = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY";
 
-/// Where `cargo xtask setup` puts the runtime, compiled in.
-pub const DEFAULT_RUNTIME_DIR: &str = env!("KVFLOW_NIXL_DEFAULT_DIR");
-
 static LOADED: OnceLock<Result<PathBuf, NixlError>> = OnceLock::new();
 
-/// The folder that would be used: `explicit`, else `$KVFLOW_NIXL_DIR`, else the default.
-pub fn runtime_dir(explicit: Option<&Path>) -> PathBuf {
-    explicit
-        .map(Path::to_path_buf)
-        .or_else(|| std::env::var_os(RUNTIME_ENV).map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_RUNTIME_DIR))
+/// The folder that would be used: `explicit`, else `$KVFLOW_NIXL_DIR`; none if neither says.
+pub fn runtime_dir(explicit: Option<&Path>) -> Option<PathBuf> {
+    explicit.map(Path::to_path_buf).or_else(|| std::env::var_os(RUNTIME_ENV).map(PathBuf::from))
 }
 
 /// Whether a runtime is present where [`runtime_dir`] looks.
 pub fn runtime_present(explicit: Option<&Path>) -> bool {
-    runtime_dir(explicit).join("libnixl_capi.so").is_file()
+    runtime_dir(explicit).is_some_and(|dir| dir.join("libnixl_capi.so").is_file())
 }
 
-/// Loads the runtime once per process; later calls return the first outcome.
+/// Loads the runtime once per process; once a load was tried, later calls return its outcome.
 pub fn ensure_loaded(explicit: Option<&Path>) -> Result<PathBuf, NixlError> {
-    LOADED.get_or_init(|| load(&runtime_dir(explicit))).clone()
+    if let Some(loaded) = LOADED.get() {
+        return loaded.clone();
+    }
+    let dir = runtime_dir(explicit).ok_or(NixlError::RuntimeNotConfigured)?;
+    LOADED.get_or_init(|| load(&dir)).clone()
 }
 
 fn load(dir: &Path) -> Result<PathBuf, NixlError> {

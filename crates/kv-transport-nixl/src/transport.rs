@@ -42,7 +42,7 @@ pub struct NixlConfig {
     pub key: KeySource,
     /// The side channel's bounds and handshake deadline.
     pub side_limits: SideLimits,
-    /// Where the NIXL runtime is (else `$KVFLOW_NIXL_DIR`, else `.nixl/` of the workspace).
+    /// Where the NIXL runtime is, else `$KVFLOW_NIXL_DIR` (see [`crate::runtime`]).
     pub runtime_dir: Option<PathBuf>,
     /// UCX worker threads of the backend (NIXL's `num_workers`); `None` keeps NIXL's default.
     pub ucx_workers: Option<u32>,

@@ -27,14 +27,12 @@ pub fn nixl_or_skip(test: &str) -> bool {
     if runtime::runtime_present(None) {
         return true;
     }
-    let dir = runtime::runtime_dir(None);
+    let dir = runtime::runtime_dir(None)
+        .map_or_else(|| "nowhere (KVFLOW_NIXL_DIR is not set)".to_owned(), |d| d.display().to_string());
     if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!(
-            "{test}: CI must run the NIXL tests, but no runtime is at {}; cargo xtask ci provisions it",
-            dir.display()
-        );
+        panic!("{test}: CI must run the NIXL tests, but no runtime is at {dir}; cargo xtask ci provisions it");
     }
-    eprintln!("skipped {test}: no NIXL runtime at {} (run cargo xtask setup)", dir.display());
+    eprintln!("skipped {test}: no NIXL runtime at {dir} (run cargo xtask setup, then set KVFLOW_NIXL_DIR)");
     false
 }
 
