@@ -67,6 +67,9 @@ pub fn main() -> ExitCode {
 fn run() -> Result<()> {
     let arg = std::env::args().nth(1).ok_or_else(|| anyhow!("usage: kvflow-node '<NodeConfig as JSON>'"))?;
     let config: NodeConfig = serde_json::from_str(&arg).context("the node configuration")?;
+    // Every event of this process carries its engine and incarnation.
+    let span = tracing::info_span!("engine", name = %config.name, instance = config.instance);
+    let _entered = span.enter();
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || read_commands(tx));
     match config.role {

@@ -97,6 +97,9 @@ impl<M: WorkerMachine> WorkerDriver<M> {
     /// Feeds the machine everything the transport has, wakes it, and carries out its actions;
     /// returns its reports for the scheduler.
     pub fn step(&mut self, now: Time) -> Vec<M::Report> {
+        // Every event of this step carries the rank's agent (engine and TP rank).
+        let span = tracing::debug_span!("step", agent = %self.transport.agent());
+        let _entered = span.enter();
         // One ordered stream: a lost peer's notifications come before its loss.
         while let Some(event) = self.transport.poll_event() {
             self.machine.handle_peer_event(now, event);
@@ -122,6 +125,8 @@ impl<M: WorkerMachine> WorkerDriver<M> {
 
     /// Carries out the machine's pending actions; returns its reports.
     pub fn flush(&mut self, now: Time) -> Vec<M::Report> {
+        let span = tracing::debug_span!("flush", agent = %self.transport.agent());
+        let _entered = span.enter();
         let mut reports = Vec::new();
         while let Some(action) = self.machine.poll_action() {
             match action {
