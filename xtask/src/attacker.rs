@@ -45,6 +45,7 @@ struct Attacker {
 fn run() -> Result<()> {
     let arg = std::env::args().nth(1).ok_or_else(|| anyhow!("usage: kvflow-attack '<AttackConfig as JSON>'"))?;
     let config: AttackConfig = serde_json::from_str(&arg).context("the attack configuration")?;
+    kv_transport_nixl::runtime::prepare(None).context("the NIXL runtime")?;
     let mut a = Attacker { config, clock: Arc::new(ProcessClock::start()), probes: 0 };
     // Foreign messages first, while the router's requests are in flight.
     a.report("foreign-messages", Attacker::foreign_messages)?;

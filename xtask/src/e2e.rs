@@ -126,6 +126,7 @@ pub fn transport(offer: Handshake, regions: &[Region]) -> Result<NixlTransport, 
 /// A transport for `offer` with `config`, with `regions` registered.
 pub fn transport_with(offer: Handshake, regions: &[Region], config: &NixlConfig) -> Result<NixlTransport, NixlError> {
     let clock: Arc<dyn Clock> = Arc::new(ProcessClock::start());
+    runtime::prepare(None)?;
     let mut t = NixlTransport::new(offer, config, clock)?;
     for region in regions {
         t.register(region)?;

@@ -70,6 +70,8 @@ fn run() -> Result<()> {
     // Every event of this process carries its engine and incarnation.
     let span = tracing::info_span!("engine", name = %config.name, instance = config.instance);
     let _entered = span.enter();
+    // Before any thread: it sets the environment NIXL reads.
+    kv_transport_nixl::runtime::prepare(None).context("the NIXL runtime")?;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || read_commands(tx));
     match config.role {

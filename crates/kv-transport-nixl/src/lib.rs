@@ -8,8 +8,9 @@
 //! reports a remote disconnect only as a generic backend error.
 //!
 //! The NIXL runtime is the `nixl-cu12` wheel that `cargo xtask setup` unpacks into the
-//! workspace's `.nixl/` folder; [`runtime`] loads it from where [`NixlConfig::runtime_dir`] or
-//! `KVFLOW_NIXL_DIR` says (nothing is baked in at build time), with no library path exported.
+//! workspace's `.nixl/` folder; [`runtime::prepare`], which an engine calls once at startup
+//! before it starts threads, loads it from where it is told or `KVFLOW_NIXL_DIR` says (nothing
+//! is baked in at build time), with no library path exported.
 //!
 //! Register every region before peers connect: NIXL's metadata, which peers load at
 //! handshake, lists the registrations that exist then. The handshake's agent metadata carries,
@@ -49,9 +50,14 @@ pub enum NixlError {
     },
     /// Neither the configuration nor the environment says where the runtime is.
     #[error(
-        "no NIXL runtime configured: set NixlConfig::runtime_dir, or KVFLOW_NIXL_DIR to the folder holding libnixl_capi.so (`cargo xtask setup` fetches the nixl-cu12 wheel and prints that folder)"
+        "no NIXL runtime configured: pass its folder to runtime::prepare, or set KVFLOW_NIXL_DIR to the folder holding libnixl_capi.so (`cargo xtask setup` fetches the nixl-cu12 wheel and prints that folder)"
     )]
     RuntimeNotConfigured,
+    /// A transport was made before the engine called [`runtime::prepare`].
+    #[error(
+        "the NIXL runtime is not prepared: call kv_transport_nixl::runtime::prepare once at startup, before starting threads (it sets process-wide environment NIXL reads)"
+    )]
+    RuntimeNotPrepared,
     /// The runtime is there but does not load.
     #[error("cannot load the NIXL runtime {}: {reason}", path.display())]
     RuntimeLoad {

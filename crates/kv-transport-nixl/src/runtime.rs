@@ -5,9 +5,13 @@
 //! any NIXL call, so glibc resolves nixl-sys's later `dlopen` by soname to the library already
 //! loaded; and it points `NIXL_PLUGIN_DIR` at the runtime's `plugins/` folder before the first
 //! agent. The runtime is the `nixl-cu12` wheel that `cargo xtask setup` unpacks into `.nixl/`
-//! (and prints the folder of); kvflow finds it where the configuration says
-//! ([`crate::NixlConfig::runtime_dir`]), else where `KVFLOW_NIXL_DIR` says. No path is baked in
-//! at build time.
+//! (and prints the folder of); kvflow finds it where [`prepare`] is told, else where
+//! `KVFLOW_NIXL_DIR` says. No path is baked in at build time.
+//!
+//! Those environment variables are process-wide, and setting one races with any other thread
+//! that reads the environment, so the library never sets them behind the engine's back: the
+//! engine calls [`prepare`] once at startup, before it starts threads, and
+//! [`crate::NixlTransport::new`] fails with [`NixlError::RuntimeNotPrepared`] until it has.
 //!
 //! Where a CUDA driver is installed, it also turns on UCX's zero-copy GET over CUDA IPC
 //! ([`UCX_CUDA_IPC_GET_ENV`]) unless the environment already sets it: under UCX's default, `auto`, it is off on platforms that UCX
@@ -43,13 +47,21 @@ pub fn runtime_present(explicit: Option<&Path>) -> bool {
     runtime_dir(explicit).is_some_and(|dir| dir.join("libnixl_capi.so").is_file())
 }
 
-/// Loads the runtime once per process; once a load was tried, later calls return its outcome.
-pub fn ensure_loaded(explicit: Option<&Path>) -> Result<PathBuf, NixlError> {
+/// Loads the runtime from `explicit`, else `$KVFLOW_NIXL_DIR`, and sets the environment NIXL
+/// and UCX read when an agent is made (see the module docs), unless the environment already
+/// sets it. Call it once at startup, before the engine starts threads; once a load was tried,
+/// later calls return its outcome.
+pub fn prepare(explicit: Option<&Path>) -> Result<PathBuf, NixlError> {
     if let Some(loaded) = LOADED.get() {
         return loaded.clone();
     }
     let dir = runtime_dir(explicit).ok_or(NixlError::RuntimeNotConfigured)?;
     LOADED.get_or_init(|| load(&dir)).clone()
+}
+
+/// The outcome of [`prepare`]; [`NixlError::RuntimeNotPrepared`] if it has not run.
+pub fn prepared() -> Result<PathBuf, NixlError> {
+    LOADED.get().cloned().unwrap_or(Err(NixlError::RuntimeNotPrepared))
 }
 
 fn load(dir: &Path) -> Result<PathBuf, NixlError> {

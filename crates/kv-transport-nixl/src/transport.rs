@@ -3,7 +3,6 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,8 +41,6 @@ pub struct NixlConfig {
     pub key: KeySource,
     /// The side channel's bounds and handshake deadline.
     pub side_limits: SideLimits,
-    /// Where the NIXL runtime is, else `$KVFLOW_NIXL_DIR` (see [`crate::runtime`]).
-    pub runtime_dir: Option<PathBuf>,
     /// UCX worker threads of the backend (NIXL's `num_workers`); `None` keeps NIXL's default.
     pub ucx_workers: Option<u32>,
     /// NIXL's progress thread, which moves UCX traffic (a peer's reads of this agent's memory,
@@ -63,7 +60,6 @@ impl Default for NixlConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], DEFAULT_SIDE_CHANNEL_PORT)),
             key: KeySource::None,
             side_limits: SideLimits::default(),
-            runtime_dir: None,
             ucx_workers: None,
             progress_thread: Some(DEFAULT_PROGRESS_PERIOD),
             ucx_params: Vec::new(),
@@ -182,7 +178,8 @@ impl NixlTransport {
     /// its side channel; the agent's metadata is filled into the offer.
     ///
     /// Safe to call, use and drop inside or outside a tokio runtime: the side channel's
-    /// sockets run on a thread of their own.
+    /// sockets run on a thread of their own. The engine must have called
+    /// [`runtime::prepare`] first.
     pub fn new(mut offer: Handshake, config: &NixlConfig, clock: Arc<dyn Clock>) -> Result<Self, NixlError> {
         let key = config.key.load()?;
         if key.is_none() {
@@ -195,7 +192,7 @@ impl NixlTransport {
             }
             tracing::info!(bind = %config.bind, "no cluster key: the side channel listens on loopback only and authenticates nobody");
         }
-        runtime::ensure_loaded(config.runtime_dir.as_deref())?;
+        runtime::prepared()?;
         let name = AgentName::new(offer.engine.clone(), offer.rank);
         let nixl = nixl_name(&name, offer.instance);
         let agent_config = AgentConfig {

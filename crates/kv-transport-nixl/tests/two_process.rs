@@ -1,8 +1,8 @@
 //! Real NIXL/UCX between two processes on loopback: reads and writes of 64 blocks with a
 //! notification, remote ranges checked against the peer's registrations, handshake refusals on
 //! both sides, bad handshake bytes, a killed peer, the cluster key (only its holders handshake,
-//! and their notifications open), and a transport made, used and dropped inside a tokio
-//! runtime and on a plain thread.
+//! and their notifications open), a transport made, used and dropped inside a tokio runtime
+//! and on a plain thread, and one made before the runtime was prepared.
 //!
 //! Each test runs as the parent; it starts this test binary again as the child (selected by
 //! `KVFLOW_TEST_ROLE`), so that each NIXL agent has its own process (the runtime test keeps
@@ -82,9 +82,20 @@ fn child_main() -> bool {
     match role().as_deref() {
         Some("prefill") => listener_child(Role::Prefill),
         Some("decode") => listener_child(Role::Decode),
+        Some("unprepared") => unprepared_child(),
         _ => return false,
     }
     true
+}
+
+/// A fresh process that makes a transport without preparing the runtime first.
+fn unprepared_child() {
+    let pool = HostPool::new(1);
+    let config = NixlConfig { bind: "127.0.0.1:0".parse().unwrap(), ..NixlConfig::default() };
+    match NixlTransport::new(offer("early", Role::Prefill, 1, 16, &pool, 1), &config, clock()) {
+        Err(e) => println!("ERROR {e:?}"),
+        Ok(_) => println!("ERROR none: the transport was made"),
+    }
 }
 
 fn connect(t: &mut kv_transport_nixl::NixlTransport, port: u16) -> kv_core::PeerInfo {
@@ -468,4 +479,16 @@ fn a_transport_is_made_used_and_dropped_inside_a_tokio_runtime_and_on_plain_thre
     assert!(seen.contains(&"note from thread-d/tp0".to_owned()), "{seen:?}");
     // And the runtime itself shuts down with nothing of the transports left in it.
     runtime.shutdown_timeout(Duration::from_secs(5));
+}
+
+#[test]
+fn a_transport_made_before_the_runtime_is_prepared_says_so() {
+    const NAME: &str = "a_transport_made_before_the_runtime_is_prepared_says_so";
+    if child_main() || !nixl_or_skip(NAME) {
+        return;
+    }
+    let (mut child, mut out) = spawn_child(NAME, "unprepared", &[]);
+    let error = expect_line(&mut out, "ERROR");
+    assert_eq!(error, "RuntimeNotPrepared");
+    child.wait().ok();
 }

@@ -144,6 +144,7 @@ pub fn transport(offer: Handshake, pool: &HostPool) -> NixlTransport {
 /// As [`transport`], with the key from `key`.
 pub fn transport_with(offer: Handshake, pool: &HostPool, key: KeySource) -> NixlTransport {
     let config = NixlConfig { bind: "127.0.0.1:0".parse().unwrap(), key, ..NixlConfig::default() };
+    runtime::prepare(None).expect("the NIXL runtime");
     let mut t = NixlTransport::new(offer, &config, clock()).expect("NIXL transport");
     t.register(&pool.region()).expect("register pool");
     t
