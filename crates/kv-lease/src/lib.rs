@@ -29,4 +29,4 @@ mod table;
 
 pub use clock::ClockOffset;
 pub use heartbeat::HeartbeatPlanner;
-pub use table::{FastHasher, LeaseError, LeaseTable, ScanLeaseTable};
+pub use table::{LeaseError, LeaseTable, ScanLeaseTable};

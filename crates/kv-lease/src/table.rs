@@ -11,7 +11,7 @@ use std::cmp::Reverse;
 use std::collections::hash_map::Entry;
 use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
-use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::hash::Hash;
 use std::time::Duration;
 
 use kv_core::Time;
@@ -36,40 +36,10 @@ impl fmt::Display for LeaseError {
 
 impl std::error::Error for LeaseError {}
 
-/// A multiply-rotate hasher (the Fx hash of rustc and Firefox). Keys are P's own export keys,
-/// not attacker-chosen, so SipHash's flood resistance buys nothing and costs a third of a renewal.
-#[derive(Default, Clone, Copy)]
-pub struct FastHasher(u64);
-
-impl Hasher for FastHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        let mut chunks = bytes.chunks_exact(8);
-        for chunk in &mut chunks {
-            self.write_u64(u64::from_le_bytes(chunk.try_into().expect("8 bytes")));
-        }
-        for &b in chunks.remainder() {
-            self.write_u64(u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, v: u64) {
-        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-
-    fn write_u32(&mut self, v: u32) {
-        self.write_u64(u64::from(v));
-    }
-
-    fn write_usize(&mut self, v: usize) {
-        self.write_u64(v as u64);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FastHasher>>;
+/// The map from an export's key to its lease. Keys are request ids, which can come from an
+/// engine's clients, so the map keeps std's randomly keyed SipHash: an unkeyed fast hash would
+/// let whoever picks request ids make every lookup collide (O(n) per renewal).
+type LeaseMap<K, V> = HashMap<K, V>;
 
 #[derive(Clone, Copy, Debug)]
 struct Lease {
@@ -96,7 +66,7 @@ struct Due {
 #[derive(Clone, Debug)]
 pub struct LeaseTable<K> {
     /// The current lease of each key. A renewal touches only this map and the heap's end.
-    leases: FastMap<K, Lease>,
+    leases: LeaseMap<K, Lease>,
     /// Slot to key, so that a due heap entry finds its lease; the generation tells reuse apart.
     slots: Vec<Slot<K>>,
     free: Vec<u32>,
@@ -105,7 +75,7 @@ pub struct LeaseTable<K> {
 
 impl<K> Default for LeaseTable<K> {
     fn default() -> Self {
-        LeaseTable { leases: FastMap::default(), slots: Vec::new(), free: Vec::new(), due: BinaryHeap::new() }
+        LeaseTable { leases: LeaseMap::default(), slots: Vec::new(), free: Vec::new(), due: BinaryHeap::new() }
     }
 }
 
@@ -247,12 +217,12 @@ impl<K: Hash + Eq + Clone> LeaseTable<K> {
 /// tests check it with.
 #[derive(Clone, Debug)]
 pub struct ScanLeaseTable<K> {
-    leases: FastMap<K, Time>,
+    leases: LeaseMap<K, Time>,
 }
 
 impl<K> Default for ScanLeaseTable<K> {
     fn default() -> Self {
-        ScanLeaseTable { leases: FastMap::default() }
+        ScanLeaseTable { leases: LeaseMap::default() }
     }
 }
 
