@@ -145,9 +145,7 @@ fn split_planes(pairs: &[DescriptorPair], plane: u64) -> Vec<DescriptorPair> {
 
 /// The `q` quantile (nearest rank) of `values`.
 fn quantile(values: &[f64], q: f64) -> f64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+    xtask::stats::quantile(values, q).unwrap_or(f64::NAN)
 }
 
 /// How much faster the merged plan was than another way, round by round.

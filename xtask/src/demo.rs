@@ -1025,12 +1025,8 @@ fn workload(config: &DemoConfig, rng: &mut Rng, i: u32) -> Request {
     Request { id: format!("req-{i}"), prompt_tokens, n, fate }
 }
 
-fn percentile(sorted: &[u64], p: f64) -> u64 {
-    if sorted.is_empty() {
-        return 0;
-    }
-    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
-    sorted[rank.min(sorted.len() - 1)]
+fn percentile(values: &[u64], p: f64) -> u64 {
+    xtask::stats::quantile(values, p / 100.0).unwrap_or(0)
 }
 
 /// What a run measured.
@@ -1082,14 +1078,12 @@ impl Report {
         let done: Vec<_> = demo.transfers.iter().filter(|t| t.2).collect();
         let bytes: u64 = done.iter().map(|t| t.0).sum();
         let busy_ns: u64 = done.iter().map(|t| t.1).sum();
-        let mut took: Vec<u64> = done.iter().map(|t| t.1 / 1000).collect();
-        took.sort_unstable();
-        let mut kv: Vec<u64> = demo
+        let took: Vec<u64> = done.iter().map(|t| t.1 / 1000).collect();
+        let kv: Vec<u64> = demo
             .tracks
             .values()
             .filter_map(|t| Some(t.ready_at_ns?.saturating_sub(t.finished_at_ns?) / 1000))
             .collect();
-        kv.sort_unstable();
         let mut longest_held_after_death = None;
         let held_after_death_ms = demo.kill.as_ref().map(|k| {
             demo.tracks

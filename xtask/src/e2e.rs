@@ -210,10 +210,9 @@ pub fn iters_arg(args: &[String], default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// The middle sample (the upper one of an even count).
-pub fn median(mut samples: Vec<Duration>) -> Duration {
-    samples.sort();
-    samples[samples.len() / 2]
+/// The middle sample (the upper one of an even count); zero for no samples.
+pub fn median(samples: Vec<Duration>) -> Duration {
+    crate::stats::quantile(&samples, 0.5).unwrap_or_default()
 }
 
 /// `bytes` moved in `d`, in GB/s (10^9 bytes per second, each byte counted once).
