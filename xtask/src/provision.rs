@@ -22,6 +22,7 @@ use std::process::{Command, Output};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use sha2::{Digest, Sha256};
 
 use crate::ci::workspace_root;
 
@@ -507,109 +508,6 @@ fn output_tail(output: &Output) -> String {
     lines[lines.len().saturating_sub(20)..].join("\n")
 }
 
-// ---------------------------------------------------------------------------------------------
-// SHA-256 (FIPS 180-4), small enough to keep here rather than add a dependency.
-
-const K: [u32; 64] = [
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5, 0xd807aa98,
-    0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786,
-    0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8,
-    0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13,
-    0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819,
-    0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a,
-    0x5b9cca4f, 0x682e6ff3, 0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
-    0xc67178f2,
-];
-
-/// A streaming SHA-256.
-struct Sha256 {
-    state: [u32; 8],
-    block: [u8; 64],
-    block_len: usize,
-    total_len: u64,
-}
-
-impl Sha256 {
-    fn new() -> Self {
-        Self {
-            state: [0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19],
-            block: [0; 64],
-            block_len: 0,
-            total_len: 0,
-        }
-    }
-
-    fn update(&mut self, mut data: &[u8]) {
-        self.total_len = self.total_len.wrapping_add(data.len() as u64);
-        if self.block_len > 0 {
-            let take = (64 - self.block_len).min(data.len());
-            self.block[self.block_len..self.block_len + take].copy_from_slice(&data[..take]);
-            self.block_len += take;
-            data = &data[take..];
-            if self.block_len < 64 {
-                return;
-            }
-            let block = self.block;
-            compress(&mut self.state, &block);
-            self.block_len = 0;
-        }
-        let mut chunks = data.chunks_exact(64);
-        for chunk in &mut chunks {
-            let mut block = [0u8; 64];
-            block.copy_from_slice(chunk);
-            compress(&mut self.state, &block);
-        }
-        let rest = chunks.remainder();
-        self.block[..rest.len()].copy_from_slice(rest);
-        self.block_len = rest.len();
-    }
-
-    fn finish(mut self) -> String {
-        let bit_len = self.total_len.wrapping_mul(8);
-        let mut pad = vec![0x80u8];
-        let pad_zeros = (64 + 56 - (self.block_len + 1) % 64) % 64;
-        pad.extend(std::iter::repeat_n(0u8, pad_zeros));
-        pad.extend_from_slice(&bit_len.to_be_bytes());
-        let total = self.total_len;
-        self.update(&pad);
-        self.total_len = total;
-        self.state.iter().map(|word| format!("{word:08x}")).collect()
-    }
-}
-
-/// One SHA-256 compression round over a 64-byte block.
-fn compress(state: &mut [u32; 8], block: &[u8; 64]) {
-    let mut w = [0u32; 64];
-    for (i, word) in block.chunks_exact(4).enumerate() {
-        w[i] = u32::from_be_bytes([word[0], word[1], word[2], word[3]]);
-    }
-    for i in 16..64 {
-        let s0 = w[i - 15].rotate_right(7) ^ w[i - 15].rotate_right(18) ^ (w[i - 15] >> 3);
-        let s1 = w[i - 2].rotate_right(17) ^ w[i - 2].rotate_right(19) ^ (w[i - 2] >> 10);
-        w[i] = w[i - 16].wrapping_add(s0).wrapping_add(w[i - 7]).wrapping_add(s1);
-    }
-    let [mut a, mut b, mut c, mut d, mut e, mut f, mut g, mut h] = *state;
-    for i in 0..64 {
-        let s1 = e.rotate_right(6) ^ e.rotate_right(11) ^ e.rotate_right(25);
-        let ch = (e & f) ^ (!e & g);
-        let t1 = h.wrapping_add(s1).wrapping_add(ch).wrapping_add(K[i]).wrapping_add(w[i]);
-        let s0 = a.rotate_right(2) ^ a.rotate_right(13) ^ a.rotate_right(22);
-        let maj = (a & b) ^ (a & c) ^ (b & c);
-        let t2 = s0.wrapping_add(maj);
-        h = g;
-        g = f;
-        f = e;
-        e = d.wrapping_add(t1);
-        d = c;
-        c = b;
-        b = a;
-        a = t1.wrapping_add(t2);
-    }
-    for (s, v) in state.iter_mut().zip([a, b, c, d, e, f, g, h]) {
-        *s = s.wrapping_add(v);
-    }
-}
-
 /// The SHA-256 of a file, as lowercase hex.
 fn sha256_file(path: &Path) -> Result<String> {
     let mut file = fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
@@ -622,46 +520,29 @@ fn sha256_file(path: &Path) -> Result<String> {
         }
         hasher.update(&buf[..n]);
     }
-    Ok(hasher.finish())
+    Ok(hex(&hasher.finalize()))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn sha256(data: &[u8]) -> String {
-        let mut hasher = Sha256::new();
-        hasher.update(data);
-        hasher.finish()
-    }
-
     #[test]
-    fn sha256_matches_fips_vectors() {
-        assert_eq!(sha256(b""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
-        assert_eq!(sha256(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
-        assert_eq!(
-            sha256(b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
-            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"
-        );
-        assert_eq!(
-            sha256(
-                b"abcdefghbcdefghicdefghijdefghijkefghijklfghijklmghijklmnhijklmnoijklmnopjklmnopqklmnopqrlmnopqrsmnopqrstnopqrstu"
-            ),
-            "cf5b16a778af8380036ce59e7b0492370b249b11e8f07a51afac45037afee9d1"
-        );
-    }
-
-    #[test]
-    fn sha256_is_independent_of_how_input_is_split() {
-        let data: Vec<u8> = (0..1000u32).map(|i| (i * 31 % 251) as u8).collect();
-        let whole = sha256(&data);
-        for split in [1, 7, 55, 56, 63, 64, 65, 128, 999] {
-            let mut hasher = Sha256::new();
-            for chunk in data.chunks(split) {
-                hasher.update(chunk);
-            }
-            assert_eq!(hasher.finish(), whole, "split {split}");
-        }
+    fn sha256_file_hashes_every_byte_as_lowercase_hex() {
+        let dir = std::env::temp_dir().join(format!("kvflow-sha-test-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        // Longer than the read buffer, so that several reads make one hash.
+        let data: Vec<u8> = (0..(3 << 20) + 17u32).map(|i| (i * 31 % 251) as u8).collect();
+        let (empty, big) = (dir.join("empty"), dir.join("big"));
+        fs::write(&empty, b"").unwrap();
+        fs::write(&big, &data).unwrap();
+        assert_eq!(sha256_file(&empty).unwrap(), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+        assert_eq!(sha256_file(&big).unwrap(), hex(&Sha256::digest(&data)));
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
