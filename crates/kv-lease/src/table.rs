@@ -10,31 +10,21 @@
 use std::cmp::Reverse;
 use std::collections::hash_map::Entry;
 use std::collections::{BinaryHeap, HashMap};
-use std::fmt;
 use std::hash::Hash;
 use std::time::Duration;
 
 use kv_core::Time;
 
 /// A lease operation that cannot be done.
-#[derive(Clone, PartialEq, Eq, Debug)]
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
 pub enum LeaseError {
     /// The key already holds a lease.
+    #[error("a lease for this key exists, expiring at {expiry}")]
     AlreadyLeased {
         /// The existing lease's expiry.
         expiry: Time,
     },
 }
-
-impl fmt::Display for LeaseError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LeaseError::AlreadyLeased { expiry } => write!(f, "a lease for this key exists, expiring at {expiry}"),
-        }
-    }
-}
-
-impl std::error::Error for LeaseError {}
 
 /// The map from an export's key to its lease. Keys are request ids, which can come from an
 /// engine's clients, so the map keeps std's randomly keyed SipHash: an unkeyed fast hash would

@@ -134,14 +134,16 @@ impl Default for Config {
 }
 
 /// Settings that cannot work together.
-#[derive(Clone, PartialEq, Eq, Debug)]
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
 pub enum ConfigError {
     /// A duration that must be positive is zero.
+    #[error("{name} must be positive")]
     Zero {
         /// The setting.
         name: &'static str,
     },
     /// Heartbeats come no faster than the extension they grant.
+    #[error("heartbeat interval {heartbeat_interval:?} must be shorter than the lease extension {lease_extension:?}")]
     HeartbeatTooSlow {
         /// The interval.
         heartbeat_interval: Duration,
@@ -149,20 +151,6 @@ pub enum ConfigError {
         lease_extension: Duration,
     },
 }
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ConfigError::Zero { name } => write!(f, "{name} must be positive"),
-            ConfigError::HeartbeatTooSlow { heartbeat_interval, lease_extension } => write!(
-                f,
-                "heartbeat interval {heartbeat_interval:?} must be shorter than the lease extension {lease_extension:?}"
-            ),
-        }
-    }
-}
-
-impl std::error::Error for ConfigError {}
 
 #[cfg(test)]
 mod tests {

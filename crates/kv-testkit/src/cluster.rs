@@ -120,16 +120,9 @@ impl ClusterConfig {
 }
 
 /// A scenario or workload step the cluster cannot take.
-#[derive(Clone, PartialEq, Eq, Debug)]
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+#[error("{0}")]
 pub struct ClusterError(pub String);
-
-impl std::fmt::Display for ClusterError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for ClusterError {}
 
 fn err<T>(message: impl Into<String>) -> Result<T, ClusterError> {
     Err(ClusterError(message.into()))
