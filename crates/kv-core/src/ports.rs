@@ -294,7 +294,49 @@ pub enum TransportError {
     /// The backend failed.
     #[error("transport backend: {0}")]
     Backend(String),
+    /// The backend failed with an error of its own, kept as the source (see
+    /// [`TransportError::backend`]).
+    #[error("transport backend: {what}: {source}")]
+    BackendError {
+        /// What was being done.
+        what: String,
+        /// The backend's error.
+        source: SourceError,
+    },
 }
+
+impl TransportError {
+    /// The backend failed at `what` with `source`, which stays reachable through
+    /// [`std::error::Error::source`].
+    pub fn backend(what: impl Into<String>, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        TransportError::BackendError { what: what.into(), source: SourceError(std::sync::Arc::new(source)) }
+    }
+}
+
+/// An adapter's own error under a port's, shared so that the port's errors stay `Clone`; two
+/// are equal when their messages are.
+#[derive(Clone, Debug)]
+pub struct SourceError(pub std::sync::Arc<dyn std::error::Error + Send + Sync>);
+
+impl fmt::Display for SourceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for SourceError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl PartialEq for SourceError {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for SourceError {}
 
 /// Moving KV bytes and small notifications between TP-rank agents.
 ///
@@ -374,5 +416,23 @@ mod tests {
         };
         assert_eq!(info.clock_offset_nanos(), 999_900 * 1_000_000);
         assert_eq!(info.round_trip(), std::time::Duration::from_millis(10));
+    }
+}
+
+#[cfg(test)]
+mod source_tests {
+    use std::error::Error;
+
+    use super::TransportError;
+
+    #[test]
+    fn a_backend_error_keeps_its_source_and_stays_clone_and_comparable() {
+        let io = std::io::Error::new(std::io::ErrorKind::AddrInUse, "address in use");
+        let e = TransportError::backend("side channel cannot listen on 127.0.0.1:5600", io);
+        assert_eq!(e.to_string(), "transport backend: side channel cannot listen on 127.0.0.1:5600: address in use");
+        assert_eq!(e.source().map(ToString::to_string).as_deref(), Some("address in use"));
+        assert_eq!(e.clone(), e);
+        let other = TransportError::backend("side channel", std::io::Error::other("another"));
+        assert_ne!(e, other);
     }
 }

@@ -189,9 +189,9 @@ impl SideChannel {
         let side = SideEndpoint::new(SideConfig { key, limits }, offer)
             .map_err(|e| TransportError::Backend(format!("side channel: {e}")))?;
         let listener = std::net::TcpListener::bind(bind)
-            .map_err(|e| TransportError::Backend(format!("side channel cannot listen on {bind}: {e}")))?;
-        let local = listener.local_addr().map_err(|e| TransportError::Backend(format!("side channel: {e}")))?;
-        listener.set_nonblocking(true).map_err(|e| TransportError::Backend(format!("side channel: {e}")))?;
+            .map_err(|e| TransportError::backend(format!("side channel cannot listen on {bind}"), e))?;
+        let local = listener.local_addr().map_err(|e| TransportError::backend("side channel", e))?;
+        listener.set_nonblocking(true).map_err(|e| TransportError::backend("side channel", e))?;
         let io = Io {
             side,
             sockets: HashMap::new(),
@@ -233,7 +233,7 @@ impl SideChannel {
                 // still running is not waited for long.
                 runtime.shutdown_timeout(std::time::Duration::from_secs(1));
             })
-            .map_err(|e| TransportError::Backend(format!("side channel thread: {e}")))?;
+            .map_err(|e| TransportError::backend("side channel thread", e))?;
         let runtime = handle
             .recv()
             .map_err(|_| TransportError::Backend("side channel thread ended at start".into()))?
@@ -244,7 +244,7 @@ impl SideChannel {
 
     /// Replaces the offer that handshakes from now on send.
     pub(crate) fn set_offer(&self, offer: Handshake) -> Result<(), TransportError> {
-        self.shared.lock().side.set_offer(offer).map_err(|e| TransportError::Backend(format!("side channel: {e}")))
+        self.shared.lock().side.set_offer(offer).map_err(|e| TransportError::backend("side channel", e))
     }
 
     /// The offer handshakes send.

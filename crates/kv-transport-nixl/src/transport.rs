@@ -170,7 +170,7 @@ impl std::fmt::Debug for NixlTransport {
 }
 
 fn backend_error(what: &str, e: nixl_sys::NixlError) -> TransportError {
-    TransportError::Backend(format!("{what}: {e}"))
+    TransportError::backend(what, e)
 }
 
 impl NixlTransport {
