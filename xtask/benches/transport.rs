@@ -166,9 +166,14 @@ impl Paired {
         format!("{:.2} ({:.2}..{:.2})", self.median, self.p10, self.p90)
     }
 
-    fn json(&self) -> String {
-        format!("{{\"median\":{:.3},\"p10\":{:.3},\"p90\":{:.3}}}", self.median, self.p10, self.p90)
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({ "median": round3(self.median), "p10": round3(self.p10), "p90": round3(self.p90) })
     }
+}
+
+/// `x` to three decimals, as the report prints it.
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
 }
 
 fn main() {
@@ -284,17 +289,19 @@ fn main() {
         println!("  {label:<26} {:<20} {target}", ratio.text());
     }
     if json {
-        let fields: Vec<String> = results
-            .iter()
-            .map(|(name, n, d)| {
-                format!("\"{}\":{{\"descriptors\":{n},\"gbps\":{:.3}}}", name.replace(' ', "_"), gbps(total, *d))
-            })
-            .chain(ratios.iter().map(|(key, _, ratio, _)| format!("\"{key}\":{}", ratio.json())))
-            .collect();
-        println!(
-            "{{\"transport\":{{\"bytes\":{total},\"iters\":{iters},\"ucx_params\":\"{params}\",{}}}}}",
-            fields.join(",")
-        );
+        // serde_json escapes what the environment put in `params`; format! would not.
+        let mut fields = serde_json::Map::new();
+        fields.insert("bytes".into(), total.into());
+        fields.insert("iters".into(), iters.into());
+        fields.insert("ucx_params".into(), params.clone().into());
+        for (name, n, d) in &results {
+            let way = serde_json::json!({ "descriptors": n, "gbps": round3(gbps(total, *d)) });
+            fields.insert(name.replace(' ', "_"), way);
+        }
+        for (key, _, ratio, _) in &ratios {
+            fields.insert((*key).to_owned(), ratio.json());
+        }
+        println!("{}", serde_json::json!({ "transport": fields }));
     }
     drop(d);
     let _ = child.wait();

@@ -155,17 +155,15 @@ fn main() {
         println!("{name:<18} {descriptors:>12} {ms:>10.3} {g:>10.1} {:>9.2}x", g / copy_gbps);
     }
     if json {
-        let fields: Vec<String> = results
-            .iter()
-            .map(|(name, n, d)| {
-                let key = name.replace(' ', "_");
-                format!("\"{key}\":{{\"descriptors\":{n},\"gbps\":{:.3}}}", gbps(POOL_BYTES, *d))
-            })
-            .collect();
-        println!(
-            "{{\"vram\":{{\"kind\":\"{kind_name}\",\"bytes\":{POOL_BYTES},\"iters\":{iters},{}}}}}",
-            fields.join(",")
-        );
+        let mut fields = serde_json::Map::new();
+        fields.insert("kind".into(), kind_name.into());
+        fields.insert("bytes".into(), POOL_BYTES.into());
+        fields.insert("iters".into(), iters.into());
+        for (name, n, d) in &results {
+            let gbps = (gbps(POOL_BYTES, *d) * 1000.0).round() / 1000.0;
+            fields.insert(name.replace(' ', "_"), serde_json::json!({ "descriptors": n, "gbps": gbps }));
+        }
+        println!("{}", serde_json::json!({ "vram": fields }));
     }
     drop(d);
     let _ = child.wait();
