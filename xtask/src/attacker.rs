@@ -360,6 +360,8 @@ impl Attacker {
         let wrong = std::env::temp_dir().join(format!("kvflow-attack-wrong-key-{}", std::process::id()));
         let hex: String = random_bytes(1, 32).iter().map(|b| format!("{b:02x}")).collect();
         std::fs::write(&wrong, hex)?;
+        // As a key file should be: the owner's alone (else the transport warns).
+        std::fs::set_permissions(&wrong, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
         for (key, what) in [(KeySource::None, "no key"), (KeySource::File(wrong.clone()), "a wrong key")] {
             for incarnation in [instance, instance + 1] {
                 let mut t = self.transport(&name, incarnation, key.clone())?;

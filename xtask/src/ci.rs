@@ -29,6 +29,7 @@ pub fn run(args: &[String]) -> Result<()> {
     cargo_env(&root, &clippy, &envs)?;
     cargo_env(&root, &["test", "--workspace", "--locked", "--features", "xtask/nixl"], &envs)?;
     // Every library crate packages and builds from its package, as a user's dependency would.
+    forget_packaged_sources();
     cargo_env(&root, &["package", "--workspace", "--exclude", "xtask", "--locked", "--allow-dirty"], &envs)?;
     // A short demo in each mode, real processes over NIXL: any corrupt read, block written after
     // free, or block held after the drain fails it.
@@ -45,6 +46,33 @@ pub fn run(args: &[String]) -> Result<()> {
     eprintln!("xtask: cargo xtask attack");
     crate::demo::attack(&[]).context("the attack suite")?;
     Ok(())
+}
+
+/// The library crates `cargo package` verifies.
+const PACKAGES: [&str; 6] = ["kv-core", "kv-lease", "kv-sched-adapter", "kv-testkit", "kv-cuda", "kv-transport-nixl"];
+
+/// Removes cargo's unpacked copies of this workspace's own packages from earlier `cargo
+/// package` runs. Cargo verifies a package against its workspace siblings through a local
+/// registry whose sources it unpacks under `$CARGO_HOME/registry/src/-<hash>/` and reuses when
+/// name and version match, so a second run would compile against the first run's sources.
+fn forget_packaged_sources() {
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
+    let Some(src) = home.map(|h| h.join("registry").join("src")) else { return };
+    let Ok(registries) = std::fs::read_dir(&src) else { return };
+    // Local registries are the ones not named after an index host.
+    for registry in registries.flatten().filter(|r| r.file_name().to_string_lossy().starts_with('-')) {
+        let Ok(entries) = std::fs::read_dir(registry.path()) else { continue };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            // The library crates share xtask's (the workspace's) version.
+            let ours = PACKAGES.iter().any(|p| name == format!("{p}-{}", env!("CARGO_PKG_VERSION")));
+            if ours {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
 }
 
 /// The workspace root: the parent of this crate's manifest folder.

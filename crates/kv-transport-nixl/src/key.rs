@@ -60,7 +60,8 @@ fn warn_if_shared(path: &std::path::Path) {
         if let Ok(meta) = std::fs::metadata(path) {
             let mode = meta.permissions().mode();
             if mode & 0o077 != 0 {
-                tracing::warn!(path = %path.display(), mode = format!("{mode:o}"), "the cluster key file is readable by other users");
+                let mode = format!("{:o}", mode & 0o777);
+                tracing::warn!(path = %path.display(), mode, "the cluster key file is readable by other users");
             }
         }
     }
