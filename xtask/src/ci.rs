@@ -29,8 +29,15 @@ pub fn run(args: &[String]) -> Result<()> {
     cargo_env(&root, &clippy, &envs)?;
     cargo_env(&root, &["test", "--workspace", "--locked", "--features", "xtask/nixl"], &envs)?;
     // Every library crate packages and builds from its package, as a user's dependency would.
+    // Cargo takes its own unpublished packages for immutable registry crates: it reuses their
+    // unpacked sources and their build artifacts by name and version. Fresh ones, each run.
     forget_packaged_sources();
-    cargo_env(&root, &["package", "--workspace", "--exclude", "xtask", "--locked", "--allow-dirty"], &envs)?;
+    let verify = root.join("target").join("package-verify");
+    let _ = std::fs::remove_dir_all(&verify);
+    let verify = verify.display().to_string();
+    let package =
+        ["package", "--workspace", "--exclude", "xtask", "--locked", "--allow-dirty", "--target-dir", &verify];
+    cargo_env(&root, &package, &envs)?;
     // A short demo in each mode, real processes over NIXL: any corrupt read, block written after
     // free, or block held after the drain fails it.
     for mode in ["pull", "push"] {
