@@ -137,6 +137,28 @@ impl Shared {
         self.timer.notify_one();
     }
 
+    /// Gives a new connection a queue for its socket and tells the endpoint of it (`start`),
+    /// unless `bounded` and the channel holds its most sockets already (then counted).
+    fn open(
+        &self,
+        bounded: bool,
+        start: impl FnOnce(&mut SideEndpoint, kv_core::Time, ConnId),
+    ) -> Option<(ConnId, mpsc::UnboundedReceiver<Out>)> {
+        let mut io = self.lock();
+        if bounded && io.sockets.len() >= io.max_sockets {
+            io.sockets_refused += 1;
+            return None;
+        }
+        let conn = io.next_conn();
+        let (out, outgoing) = mpsc::unbounded_channel();
+        io.sockets.insert(conn, out);
+        start(&mut io.side, self.clock.now(), conn);
+        io.pump();
+        drop(io);
+        self.timer.notify_one();
+        Some((conn, outgoing))
+    }
+
     /// A connection's socket closed or failed, seen from the socket thread.
     fn socket_closed(&self, conn: ConnId) {
         let mut io = self.lock();
@@ -261,17 +283,11 @@ impl SideChannel {
     /// an event.
     pub(crate) fn connect(&self, address: &PeerAddress) -> Result<(), TransportError> {
         let nonce = nonce()?;
-        let (out, outgoing) = mpsc::unbounded_channel();
-        let conn = {
-            let mut io = self.shared.lock();
-            let conn = io.next_conn();
-            io.sockets.insert(conn, out);
-            let now = self.shared.clock.now();
-            io.side.handle_connect(now, conn, address.clone(), nonce);
-            io.pump();
-            conn
-        };
-        self.shared.timer.notify_one();
+        // Our own connections are not held to the socket bound: the engine asks for them.
+        let (conn, outgoing) = self
+            .shared
+            .open(false, |side, now, conn| side.handle_connect(now, conn, address.clone(), nonce))
+            .ok_or_else(|| TransportError::Backend("side channel: no socket for a connection".into()))?;
         let shared = self.shared.clone();
         let address = address.clone();
         self.runtime.spawn(async move {
@@ -345,22 +361,10 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>) {
             }
         };
         let Ok(nonce) = nonce() else { continue };
-        let (out, outgoing) = mpsc::unbounded_channel();
-        let conn = {
-            let mut io = shared.lock();
-            if io.sockets.len() >= io.max_sockets {
-                io.sockets_refused += 1;
-                tracing::debug!(%from, sockets = io.sockets.len(), "side channel at its socket bound; closed");
-                continue;
-            }
-            let conn = io.next_conn();
-            io.sockets.insert(conn, out);
-            let now = shared.clock.now();
-            io.side.handle_accept(now, conn, nonce);
-            io.pump();
-            conn
+        let Some((conn, outgoing)) = shared.open(true, |side, now, conn| side.handle_accept(now, conn, nonce)) else {
+            tracing::debug!(%from, "side channel at its socket bound; closed");
+            continue;
         };
-        shared.timer.notify_one();
         let _ = stream.set_nodelay(true);
         tokio::spawn(run_socket(stream, conn, outgoing, shared.clone()));
     }
