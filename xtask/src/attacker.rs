@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint, SideEvent};
-use kv_core::{AgentName, EngineId, Handshake, Message, PeerAddress, PeerEvent, RequestId, Role, Time, Transport};
+use kv_core::{
+    AgentName, EngineId, Handshake, Message, PeerAddress, PeerEvent, PeerInfo, RequestId, Role, Time, Transport,
+};
 use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
 
 use crate::e2e::ProcessClock;
@@ -151,12 +153,12 @@ impl Attacker {
     }
 
     /// Connects `t` to P and waits up to `limit` for the outcome.
-    fn handshake(t: &mut NixlTransport, address: &PeerAddress, limit: Duration) -> Result<AgentName, String> {
+    fn handshake(t: &mut NixlTransport, address: &PeerAddress, limit: Duration) -> Result<Box<PeerInfo>, String> {
         t.connect(address).map_err(|e| e.to_string())?;
         let deadline = Instant::now() + limit;
         while Instant::now() < deadline {
             match t.poll_event() {
-                Some(PeerEvent::Connected(info)) => return Ok(info.agent),
+                Some(PeerEvent::Connected(info)) => return Ok(info),
                 Some(PeerEvent::ConnectFailed { error, .. }) => return Err(error.to_string()),
                 Some(_) => {}
                 None => std::thread::sleep(Duration::from_micros(200)),
@@ -211,8 +213,7 @@ impl Attacker {
     }
 
     fn p_alive(&self) -> bool {
-        std::fs::read_to_string(format!("/proc/{}/stat", self.config.p_pid))
-            .is_ok_and(|s| s.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+        crate::procfs::stat(self.config.p_pid).is_some_and(|fields| fields.first().is_some_and(|s| s != "Z"))
     }
 
     /// Runs `attack`, which returns (tried, held, detail) and calls [`Attacker::measure`] at its
@@ -244,7 +245,8 @@ impl Attacker {
     fn foreign_messages(&mut self) -> Result<Outcome> {
         let mut t = self.transport("intruder", 1, KeySource::Env(CLUSTER_KEY_ENV.into()))?;
         let p = Self::handshake(&mut t, &self.p_address(), Duration::from_secs(5))
-            .map_err(|e| anyhow!("the intruder could not handshake: {e}"))?;
+            .map_err(|e| anyhow!("the intruder could not handshake: {e}"))?
+            .agent;
         let ids: Vec<RequestId> = (0..self.config.requests)
             .flat_map(|i| {
                 let id = format!("req-{i}");
@@ -296,18 +298,11 @@ impl Attacker {
     /// them (the router checks P counted them as unauthenticated and released nothing).
     fn forged_sender_name(&mut self) -> Result<Outcome> {
         let mut t = self.transport("intruder2", 1, KeySource::Env(CLUSTER_KEY_ENV.into()))?;
-        t.connect(&self.p_address())?;
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let info = loop {
-            match t.poll_event() {
-                Some(PeerEvent::Connected(info)) => break info,
-                Some(PeerEvent::ConnectFailed { error, .. }) => return Err(anyhow!("intruder2 refused: {error}")),
-                _ if Instant::now() > deadline => return Err(anyhow!("intruder2 got no handshake")),
-                _ => std::thread::sleep(Duration::from_micros(200)),
-            }
-        };
+        let info = Self::handshake(&mut t, &self.p_address(), Duration::from_secs(5))
+            .map_err(|e| anyhow!("intruder2 could not handshake: {e}"))?;
         let md = kv_transport_nixl::nixl_agent_metadata(&info.handshake.agent_metadata).map_err(|e| anyhow!(e))?;
-        let name = format!("{}/tp0#{}", self.config.live_decode, self.config.live_instance);
+        let live = AgentName::new(EngineId::new(self.config.live_decode.clone()), 0);
+        let name = kv_transport_nixl::nixl_name(&live, self.config.live_instance);
         let agent = nixl_sys::Agent::new(&name).map_err(|e| anyhow!("agent {name}: {e}"))?;
         let (_, params) = agent.get_plugin_params("UCX").map_err(|e| anyhow!("UCX parameters: {e}"))?;
         let backend = agent.create_backend("UCX", &params).map_err(|e| anyhow!("UCX backend: {e}"))?;

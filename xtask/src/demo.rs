@@ -964,9 +964,7 @@ impl Demo {
             .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
             .unwrap_or(100.0);
         let cpu_ticks = |pid: u32| -> Option<f64> {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            // Fields after the command name, which is in parentheses: utime is the 12th, stime the 13th.
-            let fields: Vec<&str> = stat.rsplit(')').next()?.split_whitespace().collect();
+            let fields = xtask::procfs::stat(pid)?;
             Some(fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?)
         };
         let pids: Vec<(String, u32)> = self.nodes.iter().map(|(n, node)| (n.clone(), node.child.id())).collect();

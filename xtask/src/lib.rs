@@ -4,7 +4,7 @@
 //! - [`proto`]: the lines the router and the engines exchange over the engines' stdin and
 //!   stdout, one JSON object per line.
 //! - [`logging`]: the `tracing` subscriber the binaries install (`RUST_LOG`, to stderr).
-//! - [`stats`]: the quantile every report uses.
+//! - [`stats`]: the quantile every report uses; [`procfs`]: a process's `/proc/PID/stat`.
 //! - [`pattern`]: the bytes P computes for a prompt block, which D checks on arrival.
 //! - `node` (feature `nixl`): an engine process, P or D, running kvflow's connectors over
 //!   `NixlTransport` with host-memory KV pools from kv-cuda.
@@ -15,6 +15,7 @@
 
 pub mod logging;
 pub mod pattern;
+pub mod procfs;
 pub mod proto;
 pub mod stats;
 

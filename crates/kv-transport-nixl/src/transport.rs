@@ -98,7 +98,7 @@ impl NixlDescriptor for RawRegion {
 
 /// NIXL's agent name for one incarnation of a kvflow agent: a restarted engine is a new NIXL
 /// agent, never confused with its old self.
-fn nixl_name(agent: &AgentName, incarnation: u64) -> String {
+pub fn nixl_name(agent: &AgentName, incarnation: u64) -> String {
     format!("{agent}#{incarnation}")
 }
 
