@@ -20,6 +20,13 @@ pub struct Consumer {
     pub instance: u64,
 }
 
+impl Consumer {
+    /// The engine incarnation a handshake speaks for.
+    pub fn of(handshake: &Handshake) -> Self {
+        Consumer { engine: handshake.engine.clone(), instance: handshake.instance }
+    }
+}
+
 impl std::fmt::Display for Consumer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}#{}", self.engine, self.instance)
@@ -311,7 +318,7 @@ impl Peer {
 
     /// The engine incarnation this peer belongs to.
     pub fn consumer(&self) -> Consumer {
-        Consumer { engine: self.handshake.engine.clone(), instance: self.handshake.instance }
+        Consumer::of(&self.handshake)
     }
 
     /// The peer's pool shape, from its handshake.

@@ -29,7 +29,9 @@ use kv_core::{
 use kv_lease::HeartbeatPlanner;
 
 use super::scheduler::{DecodeCommand, DecodeReport, LoadOutcome};
-use crate::common::{block_indices, Action, Counters, LocalPool, Outbox, Peer, PreparedLists, RemoteRef, XferToken};
+use crate::common::{
+    block_indices, Action, Consumer, Counters, LocalPool, Outbox, Peer, PreparedLists, RemoteRef, XferToken,
+};
 use crate::config::{Config, Mode};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -198,9 +200,7 @@ impl DecodeWorker {
             self.counters.duplicate_messages += 1;
             return;
         }
-        if let Some(consumer) =
-            remote.consumer.as_ref().filter(|c| c.engine != self.offer.engine || c.instance != self.offer.instance)
-        {
+        if let Some(consumer) = remote.consumer.as_ref().filter(|c| **c != Consumer::of(&self.offer)) {
             // P bound this export to another engine incarnation at prefill (a restarted engine
             // gets the requests the router named for its old self): it may free the blocks
             // at any time for that one, so they are never safe to read here.

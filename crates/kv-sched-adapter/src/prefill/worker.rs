@@ -202,7 +202,7 @@ impl PrefillWorker {
 
     /// Every export this rank holds that is bound to an owner, with the owner.
     pub fn bound(&self) -> impl Iterator<Item = (&RequestId, &Consumer)> + '_ {
-        self.exports.iter().filter_map(|(id, e)| Some((id, self.families.get(&e.family)?.owner.as_ref()?)))
+        self.exports.keys().filter_map(|id| Some((id, self.owner(id)?)))
     }
 
     /// The D engine incarnation an export this rank holds is bound to, if any yet.
@@ -272,7 +272,7 @@ impl PrefillWorker {
                     // is gone, and whatever it registered or sent must not reach the new one.
                     self.peer_gone(now, &info.agent);
                 }
-                let incarnation = Consumer { engine: info.handshake.engine.clone(), instance: info.handshake.instance };
+                let incarnation = Consumer::of(&info.handshake);
                 if self.gone.is_gone(&incarnation) {
                     tracing::warn!(peer = %info.agent, %incarnation, "a stale incarnation handshook; ignored");
                     self.counters.ignored_messages += 1;
