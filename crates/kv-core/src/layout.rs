@@ -76,6 +76,26 @@ pub enum LayoutError {
 }
 
 impl KvLayout {
+    /// A K/V-split layout in the order and placement that transfer best: heads-major (`HND`),
+    /// one block-major region; [`KvLayout::validate`] checks the sizes.
+    pub fn split_kv(layers: u32, block_tokens: u32, kv_heads: u32, head_dim: u32, dtype_bytes: u32) -> Self {
+        KvLayout {
+            layers,
+            block_tokens,
+            kv_heads,
+            head_dim,
+            dtype_bytes,
+            attention: Attention::SplitKv,
+            order: MemoryOrder::Hnd,
+            placement: Placement::BlockMajor,
+        }
+    }
+
+    /// A Llama-3-8B-like layout: 32 layers, 8 KV heads of 128, bf16; 2 MiB a block at 16 tokens.
+    pub fn llama3_8b(block_tokens: u32) -> Self {
+        KvLayout::split_kv(32, block_tokens, 8, 128, 2)
+    }
+
     /// Checks that every dimension is non-zero.
     pub fn validate(&self) -> Result<(), LayoutError> {
         for (field, value) in [
