@@ -7,7 +7,6 @@
 use std::fmt::Write as _;
 
 use kv_core::{EngineId, Time};
-use kv_sched_adapter::Config;
 
 use super::format::{Event, Expect, Node, Scenario, Step};
 use crate::cluster::{Cluster, ClusterConfig};
@@ -34,48 +33,13 @@ impl Outcome {
 
 /// The cluster a scenario describes, with the network seeded by `seed`.
 pub fn cluster_config(scenario: &Scenario, seed: u64) -> ClusterConfig {
-    let (c, p) = (&scenario.cluster, &scenario.policy);
-    let connector = Config {
-        mode: c.mode,
-        kv_lease_duration: p.kv_lease_duration,
-        heartbeat_interval: p.heartbeat_interval,
-        lease_extension: p.lease_extension,
-        decoder_kv_blocks_ttl: p.decoder_kv_blocks_ttl,
-        push_registration_timeout: p.push_registration_timeout,
-        push_quarantine: p.push_quarantine,
-        load_failure_policy: p.kv_load_failure_policy,
-        early_notification_capacity: p.early_notification_capacity,
-        ..Config::with_lease(p.kv_lease_duration)
-    };
-    ClusterConfig {
-        mode: c.mode,
-        prefillers: c.prefillers,
-        decoders: c.decoders,
-        prefill_tp: c.prefill_tp,
-        decode_tp: c.decode_tp,
-        prefill_block_tokens: c.prefill_block_size,
-        decode_block_tokens: c.decode_block_size,
-        kv_heads: c.num_kv_heads,
-        mla: c.mla,
-        prefill_num_blocks: c.prefill_num_blocks,
-        decode_num_blocks: c.decode_num_blocks,
-        step_interval: c.step_interval,
-        network_latency: c.network_latency,
-        transfer_latency: c.transfer_latency,
-        worker_handoff: c.worker_handoff,
-        connector,
-        seed,
-        ..ClusterConfig::default()
-    }
+    let spec = scenario.cluster.clone();
+    ClusterConfig { connector: scenario.policy.connector(spec.mode), spec, seed, ..ClusterConfig::default() }
 }
 
 /// Runs `scenario` with the network seeded by `seed`.
 pub fn run(scenario: &Scenario, seed: u64) -> Outcome {
-    let built = if scenario.cluster.clock_skew.is_empty() {
-        Cluster::new(cluster_config(scenario, seed)).map_err(|e| e.to_string())
-    } else {
-        Err("clock_skew_ms is not supported by this runner yet".to_owned())
-    };
+    let built = Cluster::new(cluster_config(scenario, seed)).map_err(|e| e.to_string());
     let mut cluster = match built {
         Ok(cluster) => cluster,
         Err(e) => {
@@ -283,7 +247,7 @@ mod tests {
     use super::*;
 
     fn scenario(body: &str) -> Scenario {
-        let text = format!("name = \"t\"\n[cluster]\ndecoders = 2\n{body}");
+        let text = format!("name = \"t\"\ncluster = {{ decoders = 2 }}\n{body}");
         Scenario::from_toml_str(&text).unwrap_or_else(|e| panic!("{e}"))
     }
 
@@ -291,54 +255,17 @@ mod tests {
     fn events_this_runner_cannot_carry_out_say_so() {
         let s = scenario(
             r#"
-            [[step]]
-            at_s = 0
-            do = "prefill"
-            request = "r1"
-            prompt_tokens = 64
-            consumer = "decode1"
-            [[step]]
-            at_s = 0
-            do = "prefill"
-            request = "r2"
-            prompt_tokens = 64
-            [[step]]
-            at_s = 0
-            do = "arrive"
-            request = "r2"
-            [[step]]
-            at_s = 0
-            do = "fail_transfer"
-            request = "r2"
-            node = "decode0"
-            from_block = 1
-            [[step]]
-            at_s = 0
-            do = "schedule"
-            request = "r2"
-            cached_tokens = 16
-            [[step]]
-            at_s = 0
-            do = "pause"
-            node = "decode0"
-            for_s = 1
-            [[step]]
-            at_s = 0
-            do = "forge"
-            from = "decode1"
-            to = "prefill0"
-            message = "completion"
-            request = "r2"
-            [[step]]
-            at_s = 0
-            do = "intrude"
-            to = "prefill0"
-            as = "decode1"
-            [[step]]
-            at_s = 0
-            do = "schedule"
-            request = "r2"
-            cached_tokens = 0
+            step = [
+                { at_s = 0, do = "prefill", request = "r1", prompt_tokens = 64, consumer = "decode1" },
+                { at_s = 0, do = "prefill", request = "r2", prompt_tokens = 64 },
+                { at_s = 0, do = "arrive", request = "r2" },
+                { at_s = 0, do = "fail_transfer", request = "r2", node = "decode0", from_block = 1 },
+                { at_s = 0, do = "schedule", request = "r2", cached_tokens = 16 },
+                { at_s = 0, do = "pause", node = "decode0", for_s = 1 },
+                { at_s = 0, do = "forge", from = "decode1", to = "prefill0", message = "completion", request = "r2" },
+                { at_s = 0, do = "intrude", to = "prefill0", as = "decode1" },
+                { at_s = 0, do = "schedule", request = "r2", cached_tokens = 0 },
+            ]
             "#,
         );
         let mut cluster = Cluster::new(cluster_config(&s, 0)).unwrap_or_else(|e| panic!("{e}"));
@@ -385,7 +312,9 @@ mod tests {
             let failure = run(&scenario(&format!("[[step]]\nat_s = 0\n{expect}")), 0).failure;
             assert_eq!(failure, Some(format!("{wanted} by this runner yet")));
         }
-        let failure = run(&scenario("clock_skew_ms = { decode1 = -2500 }"), 0).failure;
+        let mut skewed = scenario("");
+        skewed.cluster.clock_skew.insert(Node::decode(1), -2_500_000_000);
+        let failure = run(&skewed, 0).failure;
         assert_eq!(
             failure.as_deref(),
             Some("cannot build the cluster: clock_skew_ms is not supported by this runner yet")

@@ -1,0 +1,135 @@
+//! What a scenario's expectations, a random run's invariants and a test read back from the
+//! cluster: blocks held, exports pending, release reasons, D's request states, counters
+//! (crashed incarnations included) and violations.
+
+use std::collections::BTreeSet;
+
+use kv_core::{BlockId, EngineId, RequestId};
+use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
+use kv_sched_adapter::{Counters, DecodeState, DecodeWorker, PrefillWorker, ReleaseReason};
+
+use super::Cluster;
+
+/// A worker that counts what it saw and dropped: P's or D's.
+pub(super) trait Counted: WorkerMachine {
+    /// Its counters so far.
+    fn counters(&self) -> Counters;
+}
+
+impl Counted for PrefillWorker {
+    fn counters(&self) -> Counters {
+        PrefillWorker::counters(self)
+    }
+}
+
+impl Counted for DecodeWorker {
+    fn counters(&self) -> Counters {
+        DecodeWorker::counters(self)
+    }
+}
+
+/// The counters of an engine's workers, summed over its TP ranks.
+pub(super) fn worker_counters<M: Counted>(workers: &[WorkerDriver<M>]) -> Counters {
+    let mut total = Counters::default();
+    for w in workers {
+        total.add(&w.machine_ref().counters());
+    }
+    total
+}
+
+impl Cluster {
+    /// Logical blocks an engine holds for export (P) or for loads (D); 0 when down.
+    pub fn held_blocks(&self, node: &str) -> u64 {
+        let id = EngineId::new(node);
+        if let Some(engine) = self.prefill.get(&id) {
+            return engine.as_ref().map_or(0, |e| e.pool.held() as u64);
+        }
+        if let Some(Some(engine)) = self.decode.get(&id) {
+            let held: BTreeSet<BlockId> = engine.scheduler.held_blocks().collect();
+            return held.len() as u64;
+        }
+        0
+    }
+
+    /// Exports a P engine has not freed.
+    pub fn pending_exports(&self, node: &str) -> u64 {
+        match self.prefill.get(&EngineId::new(node)) {
+            Some(Some(e)) => e.scheduler.pending() as u64,
+            _ => 0,
+        }
+    }
+
+    /// Why a P engine released an export, if it did.
+    pub fn release_reason(&self, node: &str, request: &RequestId) -> Option<ReleaseReason> {
+        self.history.get(&EngineId::new(node)).and_then(|h| h.released.get(request).copied())
+    }
+
+    /// Why any P engine released an export of this id, prefill engines in name order.
+    pub fn release_reason_anywhere(&self, request: &RequestId) -> Option<ReleaseReason> {
+        self.prefill.keys().find_map(|e| self.release_reason(e.as_str(), request))
+    }
+
+    /// Where a request stands on a D engine.
+    pub fn decode_state(&self, node: &str, request: &RequestId) -> Option<DecodeState> {
+        match self.decode.get(&EngineId::new(node)) {
+            Some(Some(e)) => e.scheduler.state(request).or_else(|| e.ended.get(request).copied()),
+            _ => None,
+        }
+    }
+
+    /// Every engine's counters, crashed incarnations included.
+    pub fn counters(&self) -> Counters {
+        let mut total = Counters::default();
+        for h in self.history.values() {
+            total.add(&h.retired);
+        }
+        for e in self.prefill.values().flatten() {
+            total.add(&worker_counters(&e.workers));
+        }
+        for e in self.decode.values().flatten() {
+            total.add(&worker_counters(&e.workers));
+        }
+        total
+    }
+
+    /// One P engine's counters, crashed incarnations included.
+    pub fn engine_counters(&self, node: &str) -> Counters {
+        let id = EngineId::new(node);
+        let mut total = self.history.get(&id).map(|h| h.retired).unwrap_or_default();
+        if let Some(Some(e)) = self.prefill.get(&id) {
+            total.add(&worker_counters(&e.workers));
+        }
+        if let Some(Some(e)) = self.decode.get(&id) {
+            total.add(&worker_counters(&e.workers));
+        }
+        total
+    }
+
+    /// Invariant violations seen so far (blocks freed twice, writes into freed blocks, ...).
+    pub fn violations(&self) -> &[String] {
+        &self.violations
+    }
+
+    /// Whether anything is still pending on an engine that is up.
+    pub fn busy(&self) -> bool {
+        self.prefill.values().flatten().any(|e| e.scheduler.pending() > 0 || e.pool.held() > 0)
+            || self.decode.values().flatten().any(|e| e.scheduler.pending() > 0 || e.pool.held() > 0)
+    }
+
+    /// Blocks held on engines that are up, by engine, for the drain check.
+    pub fn held_everywhere(&self) -> Vec<(String, u64)> {
+        let names: Vec<String> = self.prefill.keys().chain(self.decode.keys()).map(|e| e.as_str().to_owned()).collect();
+        names.into_iter().map(|n| (n.clone(), self.held_blocks(&n))).filter(|(_, h)| *h > 0).collect()
+    }
+
+    /// The state of every D worker, for debugging a failed run.
+    pub fn describe_decode_workers(&self) -> String {
+        let mut out = String::new();
+        for e in self.decode.values().flatten() {
+            for w in &e.workers {
+                out.push_str(&format!("{:#?}\n", w.machine_ref()));
+            }
+        }
+        out
+    }
+}

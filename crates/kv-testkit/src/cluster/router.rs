@@ -1,0 +1,269 @@
+//! The router's calls on the cluster: P runs a prompt and exports it; D has a request arrive,
+//! schedules its load, rejects it or aborts it.
+//!
+//! A call to a D engine that is paused (see `faults.rs`) waits for its resume.
+
+use kv_core::{EngineId, RequestId};
+use kv_sched_adapter::{Consumer, Mode, RemoteRef};
+
+use super::oracle::{self, Computed};
+use super::{err, fnv, Cluster, ClusterError, DecodeEngine, DecodeLoad, PrefillEngine};
+
+/// A router call on a D engine; one that reaches a paused engine waits for its resume.
+#[derive(Clone, Debug)]
+pub(super) enum DecodeCall {
+    Arrive { request: RequestId, remote: RemoteRef },
+    Schedule { request: RequestId, prefix_hit: bool },
+    Reject { request: RequestId, remote: RemoteRef },
+    Abort { request: RequestId },
+}
+
+impl Cluster {
+    fn prefill_engine(&mut self, node: &str) -> Result<&mut PrefillEngine, ClusterError> {
+        match self.prefill.get_mut(&EngineId::new(node)) {
+            Some(Some(engine)) => Ok(engine),
+            Some(None) => err(format!("{node} is down")),
+            None => err(format!("no prefill engine {node}")),
+        }
+    }
+
+    pub(super) fn decode_engine(&mut self, node: &str) -> Result<&mut DecodeEngine, ClusterError> {
+        match self.decode.get_mut(&EngineId::new(node)) {
+            Some(Some(engine)) => Ok(engine),
+            Some(None) => err(format!("{node} is down")),
+            None => err(format!("no decode engine {node}")),
+        }
+    }
+
+    /// Whether `node` is up and not paused.
+    fn check_running(&self, node: &str) -> Result<(), ClusterError> {
+        match self.paused.get(&EngineId::new(node)) {
+            Some((until, _)) => err(format!("{node} is paused until {until}")),
+            None => Ok(()),
+        }
+    }
+
+    /// P runs a prompt and exports it; with `n > 1`, the siblings `0_r` .. `{n-1}_r` share its
+    /// blocks. With a `consumer`, the router has already chosen that D engine (its incarnation
+    /// now), and P binds the exports to it.
+    pub fn prefill(
+        &mut self,
+        node: &str,
+        request: &RequestId,
+        prompt_tokens: u64,
+        n: u32,
+        consumer: Option<&str>,
+    ) -> Result<(), ClusterError> {
+        let now = self.now();
+        self.check_running(node)?;
+        let consumer = match consumer {
+            Some(d) if self.decode.contains_key(&EngineId::new(d)) => {
+                Some(Consumer { engine: EngineId::new(d), instance: self.instance(&EngineId::new(d)) })
+            }
+            Some(d) => return err(format!("no decode engine {d} to name as the consumer")),
+            None => None,
+        };
+        let p_tokens = self.config.spec.prefill_block_size;
+        let count = kv_core::blocks_for_tokens(prompt_tokens, p_tokens) as usize;
+        if count == 0 {
+            return err(format!("prefill of {request}: a prompt needs at least one token"));
+        }
+        self.prefills += 1;
+        let generation = self.history.get(&EngineId::new(node)).map_or(0, |h| h.generation);
+        let seed = fnv(&[
+            node.as_bytes(),
+            request.as_str().as_bytes(),
+            &generation.to_le_bytes(),
+            &self.prefills.to_le_bytes(),
+        ]);
+        let ids: Vec<RequestId> = if n > 1 {
+            (0..n).map(|i| RequestId::new(format!("{i}_{request}"))).collect()
+        } else {
+            vec![request.clone()]
+        };
+        let tp = self.config.spec.prefill_tp;
+        let engine = self.prefill_engine(node)?;
+        if let Some(id) = ids.iter().find(|id| engine.export_blocks.contains_key(*id)) {
+            return err(format!("{node} already exports {id}"));
+        }
+        let Some(blocks) = engine.pool.allocate(count) else {
+            return err(format!("{node} has no {count} free blocks for {request}"));
+        };
+        let dirty = oracle::dirty(&engine.ranks, &blocks);
+        oracle::fill(&mut engine.ranks, tp, &blocks, seed, p_tokens);
+        // allocate() took one reference; each further sibling export holds its own.
+        for _ in 1..ids.len() {
+            engine.pool.retain(&blocks);
+        }
+        let mut refs = Vec::new();
+        for id in &ids {
+            let remote = engine
+                .scheduler
+                .handle_finished(now, id.clone(), blocks.clone(), prompt_tokens, consumer.clone())
+                .map_err(|e| ClusterError(e.to_string()))?;
+            engine.export_blocks.insert(id.clone(), blocks.clone());
+            refs.push((id.clone(), remote));
+        }
+        let engine_id = engine.id.clone();
+        let mut engine = self.prefill.get_mut(&engine_id).and_then(Option::take).expect("up");
+        self.drain_prefill(&mut engine, now);
+        self.prefill.insert(engine_id.clone(), Some(engine));
+        self.count_written_after_free(node, &dirty);
+        let tokens = count as u64 * u64::from(p_tokens);
+        for (id, remote) in refs {
+            self.record(format!("{node} exported {id}"));
+            self.computed.insert((engine_id.clone(), id.clone()), Computed { seed, tokens });
+            self.exports.insert((engine_id.clone(), id), remote);
+        }
+        Ok(())
+    }
+
+    fn remote_for(
+        &self,
+        from: &str,
+        remote_request: &RequestId,
+        prompt_tokens: Option<u64>,
+    ) -> Result<RemoteRef, ClusterError> {
+        let engine = EngineId::new(from);
+        if let Some(remote) = self.exports.get(&(engine.clone(), remote_request.clone())) {
+            return Ok(remote.clone());
+        }
+        if self.config.spec.mode == Mode::Pull {
+            return err(format!("{from} has not run {remote_request}: pull mode needs P's blocks"));
+        }
+        let Some(prompt_tokens) = prompt_tokens else {
+            return err(format!("{remote_request} arrives before {from} ran it: prompt_tokens is required"));
+        };
+        if !self.prefill.contains_key(&engine) {
+            return err(format!("no prefill engine {from}"));
+        }
+        Ok(RemoteRef {
+            engine: engine.clone(),
+            request: remote_request.clone(),
+            addresses: (0..self.config.spec.prefill_tp).map(|r| Self::address(&engine, r)).collect(),
+            tp_size: self.config.spec.prefill_tp,
+            // D comes first in push mode: it cannot know P's incarnation yet.
+            instance: 0,
+            prompt_tokens,
+            export: None,
+            consumer: None,
+        })
+    }
+
+    /// Makes a router call on D engine `node`: now, or when it resumes if it is paused.
+    fn call(&mut self, node: &str, call: DecodeCall) -> Result<(), ClusterError> {
+        self.decode_engine(node)?;
+        if let Some((_, waiting)) = self.paused.get_mut(&EngineId::new(node)) {
+            waiting.push(call);
+            self.record(format!("{node} is paused; the router's call waits"));
+            return Ok(());
+        }
+        self.call_now(node, call)
+    }
+
+    /// Carries out a router call on D engine `node`, which is running.
+    pub(super) fn call_now(&mut self, node: &str, call: DecodeCall) -> Result<(), ClusterError> {
+        match call {
+            DecodeCall::Arrive { request, remote } => self.arrive_now(node, &request, remote),
+            DecodeCall::Schedule { request, prefix_hit } => self.schedule_now(node, &request, prefix_hit),
+            DecodeCall::Reject { request, remote } => self.reject_now(node, &request, remote),
+            DecodeCall::Abort { request } => self.abort_now(node, &request),
+        }
+    }
+
+    /// A request carrying P's parameters enters D's waiting queue.
+    pub fn arrive(
+        &mut self,
+        node: &str,
+        request: &RequestId,
+        from: &str,
+        remote_request: &RequestId,
+        prompt_tokens: Option<u64>,
+    ) -> Result<(), ClusterError> {
+        let remote = self.remote_for(from, remote_request, prompt_tokens)?;
+        self.call(node, DecodeCall::Arrive { request: request.clone(), remote })
+    }
+
+    fn arrive_now(&mut self, node: &str, request: &RequestId, remote: RemoteRef) -> Result<(), ClusterError> {
+        let engine = self.decode_engine(node)?;
+        engine.scheduler.handle_arrive(request.clone(), remote.clone()).map_err(|e| ClusterError(e.to_string()))?;
+        engine.loads.insert(request.clone(), DecodeLoad { remote, blocks: Vec::new(), prefix_hit: false });
+        self.record(format!("{node} arrived {request}"));
+        self.flush_decode(node)
+    }
+
+    /// D allocates blocks for a waiting request and starts its load.
+    pub fn schedule(&mut self, node: &str, request: &RequestId, prefix_hit: bool) -> Result<(), ClusterError> {
+        self.call(node, DecodeCall::Schedule { request: request.clone(), prefix_hit })
+    }
+
+    fn schedule_now(&mut self, node: &str, request: &RequestId, prefix_hit: bool) -> Result<(), ClusterError> {
+        let d_tokens = self.config.spec.decode_block_size;
+        let engine = self.decode_engine(node)?;
+        let Some(load) = engine.loads.get(request) else {
+            return err(format!("{request} is not waiting on {node}"));
+        };
+        let count = kv_core::blocks_for_tokens(load.remote.prompt_tokens, d_tokens) as usize;
+        let Some(blocks) = engine.pool.allocate(count.max(1)) else {
+            return err(format!("{node} has no {count} free blocks for {request}"));
+        };
+        let dirty = oracle::dirty(&engine.ranks, &blocks);
+        if let Err(e) = engine.scheduler.handle_schedule(request.clone(), blocks.clone(), prefix_hit) {
+            let _ = engine.pool.release(&blocks);
+            return Err(ClusterError(e.to_string()));
+        }
+        let load = engine.loads.get_mut(request).expect("present");
+        load.blocks = blocks;
+        load.prefix_hit = prefix_hit;
+        self.count_written_after_free(node, &dirty);
+        self.record(format!("{node} scheduled {request}"));
+        self.flush_decode(node)
+    }
+
+    /// D rejects a request carrying P's parameters before admission.
+    pub fn reject(
+        &mut self,
+        node: &str,
+        request: &RequestId,
+        from: &str,
+        remote_request: &RequestId,
+    ) -> Result<(), ClusterError> {
+        let remote = self.remote_for(from, remote_request, None)?;
+        self.call(node, DecodeCall::Reject { request: request.clone(), remote })
+    }
+
+    fn reject_now(&mut self, node: &str, request: &RequestId, remote: RemoteRef) -> Result<(), ClusterError> {
+        let engine = self.decode_engine(node)?;
+        engine.scheduler.handle_reject(request.clone(), remote).map_err(|e| ClusterError(e.to_string()))?;
+        self.record(format!("{node} rejected {request}"));
+        self.flush_decode(node)
+    }
+
+    /// The router aborts a request on an engine.
+    pub fn abort(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {
+        let id = EngineId::new(node);
+        if self.prefill.contains_key(&id) {
+            // After P finished, an abort on P changes nothing: the export ends by its own rules.
+            self.record(format!("{node} abort {request} (no effect on an export)"));
+            return Ok(());
+        }
+        self.call(node, DecodeCall::Abort { request: request.clone() })
+    }
+
+    fn abort_now(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {
+        let engine = self.decode_engine(node)?;
+        engine.scheduler.handle_abort(request);
+        self.record(format!("{node} aborted {request}"));
+        self.flush_decode(node)
+    }
+
+    /// Carries out at once what a router call on D set off.
+    fn flush_decode(&mut self, node: &str) -> Result<(), ClusterError> {
+        let id = EngineId::new(node);
+        let now = self.now();
+        let mut engine = self.decode.get_mut(&id).and_then(Option::take).expect("checked up");
+        self.drain_decode(&mut engine, now);
+        self.decode.insert(id, Some(engine));
+        Ok(())
+    }
+}
