@@ -88,6 +88,11 @@ impl Rank {
         self.transport.post(TransferRequest { op, peer: peer.name.clone(), pairs, notification })
     }
 
+    /// Reads `len` bytes at `offset` of `peer`'s pool into the same offset of this rank's.
+    fn read(&mut self, peer: &Rank, offset: u64, len: u64) -> TransferId {
+        self.post(TransferOp::Read, peer, vec![self.pair(offset, peer, offset, len)]).unwrap()
+    }
+
     fn send(&mut self, to: &Rank, payload: &str) {
         self.transport.send_notification(&to.name, payload.as_bytes()).unwrap();
     }
@@ -264,7 +269,7 @@ fn bytes_are_read_at_completion_not_at_post() {
     let world = World::new(1, NetConfig::default());
     let (mut p, mut d) = world.pair();
     p.write(0, b"request A");
-    let read = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 9)]).unwrap();
+    let read = d.read(&p, 0, 9);
     world.run(ms(2));
     p.write(0, b"request B");
     world.run(ms(3));
@@ -301,7 +306,7 @@ fn a_region_deregistered_in_flight_fails_the_transfer() {
     let world = World::new(1, NetConfig::default());
     let (mut p, mut d) = world.pair();
     p.write(0, b"gone");
-    let read = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 4)]).unwrap();
+    let read = d.read(&p, 0, 4);
     p.transport.deregister(p.region.id).unwrap();
     world.run(ms(5));
     assert!(matches!(d.transport.poll_transfer(read), TransferStatus::Failed(TransportError::TransferFailed(_))));
@@ -389,7 +394,7 @@ fn drop_rate_one_loses_every_notification() {
     for i in 0..10 {
         d.send(&p, &format!("n{i}"));
     }
-    let read = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 8)]).unwrap();
+    let read = d.read(&p, 0, 8);
     world.run(Duration::from_secs(1));
     assert_eq!(d.transport.poll_transfer(read), TransferStatus::Done, "transfers are not dropped");
     assert!(p.received().is_empty());
@@ -419,10 +424,10 @@ fn a_partition_drops_messages_both_ways_until_it_heals() {
 fn a_partition_fails_transfers_in_flight_and_posted_during_it_and_refuses_connects() {
     let world = World::new(1, NetConfig::default());
     let (p, mut d) = world.pair();
-    let in_flight = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 8)]).unwrap();
+    let in_flight = d.read(&p, 0, 8);
     world.run(ms(1));
     world.net.partition(engine(&p), engine(&d), world.clock.now() + ms(50));
-    let during = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 8)]).unwrap();
+    let during = d.read(&p, 0, 8);
     let mut late = Rank::start(&world.net, "decode1", Role::Decode, 16);
     world.net.partition(engine(&p), engine(&late), world.clock.now() + ms(50));
     late.transport.connect(&p.address).unwrap();
@@ -432,7 +437,7 @@ fn a_partition_fails_transfers_in_flight_and_posted_during_it_and_refuses_connec
     }
     assert!(matches!(&late.events()[..], [PeerEvent::ConnectFailed { error: TransportError::Unreachable(_), .. }]));
     world.run(ms(50));
-    let after = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 8)]).unwrap();
+    let after = d.read(&p, 0, 8);
     world.run(ms(5));
     assert_eq!(d.transport.poll_transfer(after), TransferStatus::Done);
 }
@@ -501,7 +506,7 @@ fn a_detected_crash_reports_the_peer_lost_and_fails_its_transfers() {
     let world = World::new(1, NetConfig::default());
     let (mut p, mut d) = world.pair();
     p.write(0, b"block");
-    let read = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 5)]).unwrap();
+    let read = d.read(&p, 0, 5);
     world.run(ms(1));
     world.net.crash(engine(&p), true);
     assert!(d.events().is_empty(), "the side channel closes one latency later");
@@ -521,7 +526,7 @@ fn an_undetected_crash_is_silent_and_the_restarted_agent_is_a_new_peer() {
     let (p, mut d) = world.pair();
     world.net.crash(&p.name, false);
     d.send(&p, "into the void");
-    let read = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 8)]).unwrap();
+    let read = d.read(&p, 0, 8);
     world.run(Duration::from_secs(1));
     assert!(d.events().is_empty(), "nobody tells decode");
     assert!(matches!(d.transport.poll_transfer(read), TransferStatus::Failed(TransportError::TransferFailed(_))));
@@ -589,7 +594,7 @@ fn an_injected_transfer_failure_hits_the_next_transfer_only() {
     let (mut p, mut d) = world.pair();
     p.write(0, b"kv");
     world.net.fail_next_transfer(engine(&d));
-    let first = d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 2)]).unwrap();
+    let first = d.read(&p, 0, 2);
     let second = d.post(TransferOp::Read, &p, vec![d.pair(8, &p, 0, 2)]).unwrap();
     world.run(ms(6));
     assert!(matches!(d.transport.poll_transfer(first), TransferStatus::Failed(TransportError::TransferFailed(_))));
@@ -607,7 +612,7 @@ fn faulty_trace(seed: u64) -> (Vec<String>, NetStats) {
     for i in 0..40 {
         d.send(&p, &format!("n{i}"));
         if i % 10 == 0 {
-            d.post(TransferOp::Read, &p, vec![d.pair(0, &p, 0, 64)]).unwrap();
+            d.read(&p, 0, 64);
         }
         world.run(Duration::from_micros(700));
         received.extend(p.received());
