@@ -4,14 +4,27 @@
 //! `target/criterion`, and this task reads them back and prints the ratio of the baseline to
 //! kvflow's implementation (above 1 means kvflow is faster).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use clap::Args;
 use serde_json::{json, Value};
 
-use crate::ci::{cargo, workspace_root};
+use crate::demo::{build_node, Demo, DemoConfig, NodeBinary};
 use crate::provision;
+use crate::workspace::{self, cargo, cargo_command};
+
+/// The flags of `cargo xtask bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Prints one JSON object on stdout instead of the tables.
+    #[arg(long)]
+    json: bool,
+    /// Measures less of each bench, to end within a minute once built.
+    #[arg(long)]
+    quick: bool,
+}
 
 /// One comparison: a criterion group, the operations measured, and which implementation is
 /// kvflow's and which the baseline.
@@ -37,19 +50,11 @@ const COMPARISONS: &[Comparison] = &[Comparison {
 
 /// Runs every bench, then prints the tables (or one JSON object with `--json`). `--quick`
 /// measures less of each, to end within a minute once built.
-pub fn run(args: &[String]) -> Result<()> {
-    let mut json_out = false;
-    let mut quick = false;
-    for arg in args {
-        match arg.as_str() {
-            "--json" => json_out = true,
-            "--quick" => quick = true,
-            other => bail!("unknown argument {other:?} (cargo xtask bench [--quick] [--json])"),
-        }
-    }
-    let root = workspace_root();
+pub fn run(args: &BenchArgs) -> Result<()> {
+    let BenchArgs { json: json_out, quick } = *args;
+    let root = workspace::root();
     // Build the engines first, so that building is not inside any measurement.
-    let node = crate::demo::build_node()?;
+    let node = build_node()?;
     for c in COMPARISONS {
         // --noplot: the numbers are read back below; plots are not needed.
         let mut args = vec!["bench", "--locked", "-p", c.package, "--bench", c.bench, "--", "--noplot"];
@@ -63,7 +68,7 @@ pub fn run(args: &[String]) -> Result<()> {
             cargo(&root, &args)?;
         }
     }
-    let criterion = target_dir(&root).join("criterion");
+    let criterion = workspace::target_dir(&root).join("criterion");
     let mut report = serde_json::Map::new();
     for c in COMPARISONS {
         let mut rows = Vec::new();
@@ -112,9 +117,9 @@ pub fn run(args: &[String]) -> Result<()> {
 /// How much of a core an engine with nothing pending uses: one P and one D started, left idle
 /// for 10 s. The JSON's `idle_cpu_percent` is the larger of the two, and
 /// `idle_cpu_percent_by_engine` has each.
-fn idle_bench(node: crate::demo::NodeBinary, json_out: bool) -> Result<Value> {
-    let config = crate::demo::DemoConfig { decoders: 1, kill: false, ..crate::demo::DemoConfig::default() };
-    let used = crate::demo::Demo::start(config, node)?.idle_cpu_percent(Duration::from_secs(10))?;
+fn idle_bench(node: NodeBinary, json_out: bool) -> Result<Value> {
+    let config = DemoConfig { decoders: 1, kill: false, ..DemoConfig::default() };
+    let used = Demo::start(config, node)?.idle_cpu_percent(Duration::from_secs(10))?;
     let most = used.values().copied().fold(0.0, f64::max);
     if !json_out {
         let list: Vec<String> = used.iter().map(|(n, p)| format!("{n} {p:.2}%")).collect();
@@ -129,9 +134,9 @@ idle engines, 10 s with nothing pending: {} of one core",
 
 /// Pull against push, end to end between processes: the time from P finishing a prompt to D
 /// holding its KV, one request at a time so that no queue is measured.
-fn latency_bench(node: crate::demo::NodeBinary, quick: bool, json_out: bool) -> Result<Value> {
+fn latency_bench(node: NodeBinary, quick: bool, json_out: bool) -> Result<Value> {
     let requests = if quick { 20 } else { 100 };
-    let base = crate::demo::DemoConfig {
+    let base = DemoConfig {
         decoders: 1,
         requests,
         concurrency: 1,
@@ -142,12 +147,12 @@ fn latency_bench(node: crate::demo::NodeBinary, quick: bool, json_out: bool) -> 
         reject_rate: 0.0,
         abort_rate: 0.0,
         sibling_rate: 0.0,
-        ..crate::demo::DemoConfig::default()
+        ..DemoConfig::default()
     };
     let mut results = serde_json::Map::new();
     for push in [false, true] {
-        let config = crate::demo::DemoConfig { push, ..base.clone() };
-        let report = crate::demo::Demo::start(config, node.clone())?.run()?;
+        let config = DemoConfig { push, ..base.clone() };
+        let report = Demo::start(config, node.clone())?.run()?;
         let failures = report.failures();
         if !failures.is_empty() {
             bail!("the {} run failed its checks: {}", if push { "push" } else { "pull" }, failures.join("; "));
@@ -178,25 +183,15 @@ fn latency_bench(node: crate::demo::NodeBinary, quick: bool, json_out: bool) -> 
 /// Runs `$CARGO args...` with its stdout sent to our stderr.
 fn run_to_stderr(root: &Path, args: &[&str]) -> Result<()> {
     use std::os::fd::AsFd;
-    let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    eprintln!("xtask: cargo {}", args.join(" "));
     let stderr = std::io::stderr().as_fd().try_clone_to_owned().context("cannot duplicate stderr")?;
-    let status = std::process::Command::new(&cargo_bin)
-        .args(args)
-        .current_dir(root)
-        .stdout(std::process::Stdio::from(stderr))
-        .status()
-        .with_context(|| format!("cannot start {cargo_bin}"))?;
-    if !status.success() {
-        bail!("`cargo {}` failed ({status})", args.join(" "));
-    }
-    Ok(())
+    let mut command = cargo_command(root, args, &[]);
+    command.stdout(std::process::Stdio::from(stderr));
+    workspace::run_cargo(command, args)
 }
 
 /// Runs the two-process transport bench (xtask's `benches/transport.rs`); prints its table, or
 /// returns its JSON object.
 fn transport_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick: bool) -> Result<Value> {
-    let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut args = vec!["bench", "--locked", "-p", "xtask", "--features", "nixl", "--bench", "transport", "--"];
     if json_out {
         args.push("--json");
@@ -204,14 +199,10 @@ fn transport_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick
     if quick {
         args.extend(["--iters", "11"]);
     }
-    eprintln!("xtask: cargo {}", args.join(" "));
-    let output = std::process::Command::new(&cargo_bin)
-        .args(&args)
-        .envs(envs.iter().map(|(k, v)| (k, v)))
-        .current_dir(root)
+    let output = cargo_command(root, &args, envs)
         .stderr(std::process::Stdio::inherit())
         .output()
-        .with_context(|| format!("cannot start {cargo_bin}"))?;
+        .with_context(|| format!("cannot start {}", workspace::cargo_bin()))?;
     let stdout = String::from_utf8_lossy(&output.stdout);
     if !output.status.success() {
         bail!("the transport bench failed ({}):\n{stdout}", output.status);
@@ -238,10 +229,6 @@ fn human_ns(ns: f64) -> String {
         n if n >= 1e3 => format!("{:.2} µs", n / 1e3),
         n => format!("{n:.1} ns"),
     }
-}
-
-fn target_dir(root: &Path) -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"))
 }
 
 /// Criterion's mean estimate, in nanoseconds, of `group/op/imp` from this run.

@@ -1,21 +1,20 @@
 //! `cargo xtask ci`: what CI runs, in the order that fails fastest.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use clap::Parser;
 
+use crate::demo::DemoArgs;
 use crate::provision;
+use crate::workspace::{self, cargo, cargo_env};
 
 /// Runs the fmt check, provisions libclang and the NIXL runtime (see [`provision::ensure`]),
 /// then clippy with `-D warnings` and every test of the workspace, with the provisioned paths in
 /// their environment, `cargo package` of every library crate, then a short demo in each mode
 /// and the attack suite.
-pub fn run(args: &[String]) -> Result<()> {
-    if let Some(arg) = args.first() {
-        bail!("cargo xtask ci takes no arguments, got {arg:?}");
-    }
-    let root = workspace_root();
+pub fn run() -> Result<()> {
+    let root = workspace::root();
     cargo(&root, &["fmt", "--all", "--", "--check"])?;
     let nixl = provision::ensure().context("cannot provision what nixl-sys needs (see `cargo xtask setup`)")?;
     let envs = nixl.envs();
@@ -41,17 +40,15 @@ pub fn run(args: &[String]) -> Result<()> {
     // A short demo in each mode, real processes over NIXL: any corrupt read, block written after
     // free, or block held after the drain fails it.
     for mode in ["pull", "push"] {
-        eprintln!("xtask: cargo xtask demo --mode {mode} (short)");
-        let args: Vec<String> =
-            ["--mode", mode, "--requests", "40", "--layers", "4", "--max-tokens", "256", "--lease-ms", "2000"]
-                .into_iter()
-                .map(String::from)
-                .collect();
+        let flags = ["--mode", mode, "--requests", "40", "--layers", "4", "--max-tokens", "256", "--lease-ms", "2000"];
+        eprintln!("xtask: cargo xtask demo {}", flags.join(" "));
+        // Through the demo's own parser, so that these are the flags a user would type.
+        let args = DemoArgs::try_parse_from(std::iter::once("demo").chain(flags))?;
         crate::demo::run(&args).with_context(|| format!("the short {mode} demo"))?;
     }
     // The engines under attack, and stopped past their lease, in both modes (about a minute).
     eprintln!("xtask: cargo xtask attack");
-    crate::demo::attack(&[]).context("the attack suite")?;
+    crate::demo::attack().context("the attack suite")?;
     Ok(())
 }
 
@@ -80,31 +77,4 @@ fn forget_packaged_sources() {
             }
         }
     }
-}
-
-/// The workspace root: the parent of this crate's manifest folder.
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace root").to_path_buf()
-}
-
-/// Runs `$CARGO args...` in `root`, failing with the command line when it fails.
-pub fn cargo(root: &Path, args: &[&str]) -> Result<()> {
-    cargo_env(root, args, &[])
-}
-
-/// Runs `$CARGO args...` in `root` with the extra environment `envs`, failing with the command
-/// line when it fails.
-pub fn cargo_env(root: &Path, args: &[&str], envs: &[(String, String)]) -> Result<()> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    eprintln!("xtask: cargo {}", args.join(" "));
-    let status = Command::new(&cargo)
-        .args(args)
-        .envs(envs.iter().map(|(k, v)| (k, v)))
-        .current_dir(root)
-        .status()
-        .with_context(|| format!("cannot start {cargo}"))?;
-    if !status.success() {
-        bail!("`cargo {}` failed ({status})", args.join(" "));
-    }
-    Ok(())
 }

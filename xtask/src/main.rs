@@ -1,6 +1,8 @@
 //! `cargo xtask <task>`: the one entry point that wires kvflow's crates together.
 //!
 //! Tasks live one per module. `ci` is what `.ci/run` and the README's test command run.
+//! The arguments are clap's: each task's flags are declared beside the task (`demo::DemoArgs`,
+//! `sim::SimArgs`, `bench::BenchArgs`), and `--help` on any of them lists them.
 
 mod bench;
 mod ci;
@@ -8,36 +10,48 @@ mod demo;
 mod provision;
 mod sim;
 mod sim_random;
+mod workspace;
 
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: cargo xtask <task>
+use clap::{Parser, Subcommand};
 
-tasks:
-  demo    one P and two D engines as processes over real NIXL/UCX, a workload with faults, a report
-          [--mode pull|push] [--json] (--help for the rest)
-  attack  the demo's engines under attack: bad bytes, floods, impersonation, foreign messages,
-          engines stopped past their lease; each attack says what it tried and what held
-  ci      fmt check, setup, clippy with -D warnings, every test of the workspace
-  setup   fetch what nixl-sys needs: libclang (apt-get as root) and the NIXL runtime (.nixl/)
-  sim     scenario files [PATH...] [--seed N], or random workloads --random --seeds A..B
-  bench   the criterion benches, each against its baseline in the same run [--json]";
+/// kvflow's task runner.
+#[derive(Parser)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// One P and two D engines as processes over real NIXL/UCX, a workload with faults, a
+    /// report.
+    Demo(demo::DemoArgs),
+    /// The demo's engines under attack: bad bytes, floods, impersonation, foreign messages,
+    /// engines stopped past their lease; each attack says what it tried and what held.
+    Attack,
+    /// The fmt check, setup, clippy with -D warnings, every test of the workspace, packaging,
+    /// a short demo in each mode and the attack suite.
+    Ci,
+    /// Fetch what nixl-sys needs: libclang (apt-get as root) and the NIXL runtime (.nixl/).
+    Setup,
+    /// Scenario files, or seeded random workloads, on the simulated cluster.
+    Sim(sim::SimArgs),
+    /// The criterion benches, each against its baseline in the same run, then the transport
+    /// and end-to-end benches.
+    Bench(bench::BenchArgs),
+}
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args.first().map(String::as_str) {
-        Some("ci") => ci::run(&args[1..]),
-        Some("demo") => demo::run(&args[1..]),
-        Some("attack") => demo::attack(&args[1..]),
-        Some("setup") => provision::run(&args[1..]),
-        Some("bench") => bench::run(&args[1..]),
-        Some("sim") => sim::run_task(&args[1..]),
-        Some("-h" | "--help" | "help") => {
-            println!("{USAGE}");
-            Ok(())
-        }
-        Some(other) => Err(anyhow::anyhow!("unknown task {other:?}\n\n{USAGE}")),
-        None => Err(anyhow::anyhow!("no task given\n\n{USAGE}")),
+    let result = match Cli::parse().task {
+        Task::Ci => ci::run(),
+        Task::Demo(args) => demo::run(&args),
+        Task::Attack => demo::attack(),
+        Task::Setup => provision::run(),
+        Task::Bench(args) => bench::run(&args),
+        Task::Sim(args) => sim::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -45,5 +59,16 @@ fn main() -> ExitCode {
             eprintln!("xtask: {err:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        // clap's own checks: no two flags of one task share a name, every default parses, ...
+        super::Cli::command().debug_assert();
     }
 }

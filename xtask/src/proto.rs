@@ -8,8 +8,9 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 
-use kv_core::{BlockId, EngineId, PeerAddress, RequestId, Time};
+use kv_core::{BlockId, EngineId, KvLayout, PeerAddress, Placement, RequestId, Time};
 use kv_sched_adapter::{Consumer, ExportInfo, RemoteRef};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// The environment variable in which the demo hands its engines the cluster key (64 hex
@@ -42,18 +43,16 @@ pub struct Model {
 }
 
 impl Model {
-    /// The layout of this model.
-    pub fn layout(&self) -> kv_core::KvLayout {
-        kv_core::KvLayout {
-            layers: self.layers,
-            block_tokens: self.block_tokens,
-            kv_heads: self.kv_heads,
-            head_dim: self.head_dim,
-            dtype_bytes: self.dtype_bytes,
-            attention: kv_core::Attention::SplitKv,
-            order: kv_core::MemoryOrder::Hnd,
-            placement: kv_core::Placement::LayerMajor,
-        }
+    /// A Llama-3-8B-like model ([`KvLayout::llama3_8b`]): 32 layers, 8 KV heads of 128, bf16.
+    pub fn llama3_8b(block_tokens: u32) -> Model {
+        let KvLayout { layers, kv_heads, head_dim, dtype_bytes, .. } = KvLayout::llama3_8b(block_tokens);
+        Model { layers, kv_heads, head_dim, dtype_bytes, block_tokens }
+    }
+
+    /// The layout of this model: K/V split, HND, one region per layer (as vLLM's caches).
+    pub fn layout(&self) -> KvLayout {
+        let split = KvLayout::split_kv(self.layers, self.block_tokens, self.kv_heads, self.head_dim, self.dtype_bytes);
+        KvLayout { placement: Placement::LayerMajor, ..split }
     }
 
     /// Bytes of one block, every layer.
@@ -270,6 +269,12 @@ pub enum Event {
 /// The host's realtime clock, in nanoseconds since the epoch.
 pub fn wall_ns() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// A message given as JSON on a binary's command line (clap's value parser for the one argument
+/// of `kvflow-node` and `kvflow-attack`).
+pub fn from_json<T: DeserializeOwned>(text: &str) -> Result<T, serde_json::Error> {
+    serde_json::from_str(text)
 }
 
 /// Writes one message as a line and flushes.

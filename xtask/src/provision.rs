@@ -24,7 +24,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use sha2::{Digest, Sha256};
 
-use crate::ci::workspace_root;
+use crate::workspace;
 
 /// The wheel that carries the NIXL runtime (nixl-sys 1.5.2 was seen working with it).
 pub const WHEEL_NAME: &str = "nixl_cu12-1.5.1-cp311-cp311-manylinux_2_28_x86_64.whl";
@@ -74,10 +74,7 @@ impl NixlEnv {
 }
 
 /// `cargo xtask setup`: provisions libclang and the NIXL runtime, then prints where they are.
-pub fn run(args: &[String]) -> Result<()> {
-    if let Some(arg) = args.first() {
-        bail!("cargo xtask setup takes no arguments, got {arg:?}");
-    }
+pub fn run() -> Result<()> {
     let start = Instant::now();
     let env = ensure()?;
     println!("libclang        {}", env.libclang_dir.display());
@@ -94,7 +91,7 @@ pub fn run(args: &[String]) -> Result<()> {
 
 /// Makes sure libclang and the NIXL runtime are there, fetching or installing what is missing.
 pub fn ensure() -> Result<NixlEnv> {
-    let root = workspace_root();
+    let root = workspace::root();
     let libclang_dir = ensure_libclang()?;
     ensure_runtime(&root)?;
     Ok(NixlEnv {

@@ -1,15 +1,18 @@
 //! `cargo xtask sim --random --seeds A..B`: seeded random workloads with faults.
 
+use std::ops::Range;
+
 use anyhow::{bail, Result};
 use kv_testkit::random;
 
-/// Runs seeds `from..to`; prints each failure with the command that replays it. With
+/// Runs the seeds of `seeds`; prints each failure with the command that replays it. With
 /// `trace`, prints every seed's event trace.
-pub fn run(from: u64, to: u64, verbose: bool, trace: bool) -> Result<()> {
+pub fn run(seeds: Range<u64>, verbose: bool, trace: bool) -> Result<()> {
+    let (from, to) = (seeds.start, seeds.end);
     let (mut passed, mut failed) = (0u64, 0u64);
     let (mut loads, mut events, mut skipped, mut prepared) = (0u64, 0usize, 0usize, 0u64);
     let mut digest = 0xcbf2_9ce4_8422_2325u64;
-    for seed in from..to {
+    for seed in seeds {
         let outcome = if trace {
             let (outcome, lines) = random::run_with_trace(seed);
             for line in lines {

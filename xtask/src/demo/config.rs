@@ -1,0 +1,286 @@
+//! The demo's settings: [`DemoConfig`], the run the router drives, and [`DemoArgs`], the flags
+//! of `cargo xtask demo` that change it, checked by [`DemoConfig::validate`] before anything
+//! starts.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use clap::{Parser, ValueEnum};
+use xtask::proto::{Model, NodeConfig, NodeRole};
+
+/// The flags of `cargo xtask demo`; the defaults are [`DemoConfig::default`]'s.
+#[derive(Parser, Debug)]
+#[command(name = "cargo xtask demo")]
+pub struct DemoArgs {
+    /// Pull (D reads P's blocks) or push (P writes into D's).
+    #[arg(long, value_enum, default_value_t = Mode::Pull)]
+    mode: Mode,
+    /// D engines.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().decoders)]
+    decoders: u32,
+    /// Requests the router sends.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().requests)]
+    requests: u32,
+    /// The workload's seed.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().seed)]
+    seed: u64,
+    /// Requests in flight at once.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().concurrency)]
+    concurrency: u32,
+    /// The shortest prompt, in tokens (lengths are drawn log-uniformly).
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().min_tokens)]
+    min_tokens: u64,
+    /// The longest prompt, in tokens.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().max_tokens)]
+    max_tokens: u64,
+    /// The model's layers (8 KV heads of 128, bf16, 16-token blocks).
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().model.layers)]
+    layers: u32,
+    /// Blocks in each engine's pool.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().blocks)]
+    blocks: u32,
+    /// The lease P holds an export under, in milliseconds.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().lease_ms)]
+    lease_ms: u64,
+    /// Leaves every D engine running (by default one is killed and restarted part-way).
+    #[arg(long)]
+    no_kill: bool,
+    /// Stops decode0 with SIGSTOP N times, each for 1.5 leases, with its reads in flight.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().pause_decode)]
+    pause_decode: u32,
+    /// Stops P once, past D's push watchdog but within D's quarantine, with its writes in flight.
+    #[arg(long)]
+    pause_prefill: bool,
+    /// Prints the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Who moves the bytes: D reads (pull) or P writes (push).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Mode {
+    Pull,
+    Push,
+}
+
+impl DemoArgs {
+    /// The run these flags ask for; an error names the flags whose values do not fit together.
+    pub fn config(&self) -> Result<DemoConfig> {
+        let defaults = DemoConfig::default();
+        let config = DemoConfig {
+            push: self.mode == Mode::Push,
+            decoders: self.decoders,
+            requests: self.requests,
+            seed: self.seed,
+            concurrency: self.concurrency,
+            min_tokens: self.min_tokens,
+            max_tokens: self.max_tokens,
+            model: Model { layers: self.layers, ..defaults.model },
+            blocks: self.blocks,
+            lease_ms: self.lease_ms,
+            kill: !self.no_kill,
+            pause_decode: self.pause_decode,
+            pause_prefill: self.pause_prefill,
+            ..defaults
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// The run's settings; the defaults end within 60 s on a 2-core machine.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DemoConfig {
+    /// Push mode (P writes) instead of pull (D reads).
+    pub push: bool,
+    /// D engines.
+    pub decoders: u32,
+    /// Requests the router sends.
+    pub requests: u32,
+    /// The workload's seed.
+    pub seed: u64,
+    /// Requests in flight at once.
+    pub concurrency: u32,
+    /// Prompt lengths are drawn log-uniformly from this range.
+    pub min_tokens: u64,
+    /// See `min_tokens`.
+    pub max_tokens: u64,
+    /// The model.
+    pub model: Model,
+    /// Blocks per engine's pool.
+    pub blocks: u32,
+    /// `kv_lease_duration`.
+    pub lease_ms: u64,
+    /// Kill and restart one D engine part-way.
+    pub kill: bool,
+    /// Times decode0 is stopped (SIGSTOP) for 1.5 leases.
+    pub pause_decode: u32,
+    /// Stop P once, past D's push watchdog and within its quarantine.
+    pub pause_prefill: bool,
+    /// Run `kvflow-attack` against P once the engines are up (see `cargo xtask attack`).
+    pub attack: bool,
+    /// Fractions of requests D rejects, the router aborts, and that ask for n > 1.
+    pub reject_rate: f64,
+    /// See `reject_rate`.
+    pub abort_rate: f64,
+    /// See `reject_rate`.
+    pub sibling_rate: f64,
+    /// Stop sending new requests after this long.
+    pub time_limit: Duration,
+}
+
+impl Default for DemoConfig {
+    fn default() -> Self {
+        DemoConfig {
+            push: false,
+            decoders: 2,
+            requests: 200,
+            seed: 1,
+            concurrency: 8,
+            min_tokens: 16,
+            max_tokens: 512,
+            // A Llama-3-8B-like layout: 32 layers, 8 KV heads of 128, bf16, 16-token blocks (2 MiB).
+            model: Model::llama3_8b(16),
+            blocks: 384,
+            lease_ms: 4000,
+            kill: true,
+            pause_decode: 0,
+            pause_prefill: false,
+            attack: false,
+            reject_rate: 0.08,
+            abort_rate: 0.08,
+            sibling_rate: 0.10,
+            time_limit: Duration::from_secs(40),
+        }
+    }
+}
+
+impl DemoConfig {
+    /// Checks that the settings describe a run that can work, naming the flags that set them.
+    pub fn validate(&self) -> Result<()> {
+        if self.decoders == 0 || self.requests == 0 || self.concurrency == 0 || self.model.layers == 0 {
+            bail!(
+                "--decoders ({}), --requests ({}), --concurrency ({}) and --layers ({}) must be positive",
+                self.decoders,
+                self.requests,
+                self.concurrency,
+                self.model.layers
+            );
+        }
+        if self.min_tokens == 0 || self.min_tokens > self.max_tokens {
+            bail!("need 0 < --min-tokens ({}) <= --max-tokens ({})", self.min_tokens, self.max_tokens);
+        }
+        let largest = self.max_tokens.div_ceil(u64::from(self.model.block_tokens));
+        if largest > u64::from(self.blocks) {
+            bail!(
+                "a prompt of --max-tokens {} needs {largest} blocks of {} tokens, more than a pool of --blocks {}",
+                self.max_tokens,
+                self.model.block_tokens,
+                self.blocks
+            );
+        }
+        if self.lease_ms < 600 {
+            bail!("--lease-ms {} is too short: heartbeats go every lease / 6 and reads need a margin", self.lease_ms);
+        }
+        Ok(())
+    }
+
+    /// The stops the run makes: (engine, when that many requests were issued, for how long).
+    pub(super) fn pauses(&self) -> VecDeque<Pause> {
+        let mut pauses = VecDeque::new();
+        let lease = Duration::from_millis(self.lease_ms);
+        for k in 0..self.pause_decode {
+            let at_issued = self.requests * (k + 1) / (self.pause_decode + 2);
+            pauses.push_back(Pause { engine: "decode0".into(), at_issued, length: lease * 3 / 2 });
+        }
+        if self.pause_prefill {
+            // Past the watchdog (decoder_ttl_ms) by half the quarantine (two leases).
+            let length = Duration::from_millis(self.node(NodeRole::Decode, "", 0).decoder_ttl_ms) + lease;
+            pauses.push_back(Pause { engine: "prefill0".into(), at_issued: self.requests / 4, length });
+        }
+        pauses.make_contiguous().sort_by_key(|p| p.at_issued);
+        pauses
+    }
+
+    /// The configuration of engine `name`, incarnation `instance`.
+    pub(super) fn node(&self, role: NodeRole, name: &str, instance: u64) -> NodeConfig {
+        NodeConfig {
+            role,
+            name: name.to_owned(),
+            instance,
+            push: self.push,
+            num_blocks: self.blocks,
+            model: self.model,
+            lease_ms: self.lease_ms,
+            read_safety_margin_ms: self.lease_ms / 4,
+            decoder_ttl_ms: self.lease_ms * 5,
+        }
+    }
+}
+
+/// A stop of one engine with SIGSTOP, then SIGCONT.
+#[derive(Clone, Debug)]
+pub(super) struct Pause {
+    /// The engine stopped.
+    pub(super) engine: String,
+    /// When: once this many requests were issued.
+    pub(super) at_issued: u32,
+    /// For how long.
+    pub(super) length: Duration,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The run `cargo xtask demo FLAGS` asks for, or the error it prints.
+    fn parse(flags: &[&str]) -> Result<DemoConfig, String> {
+        let args = DemoArgs::try_parse_from(std::iter::once("demo").chain(flags.iter().copied()));
+        args.map_err(|e| e.to_string())?.config().map_err(|e| format!("{e:#}"))
+    }
+
+    #[test]
+    fn no_flags_ask_for_the_default_run() {
+        assert_eq!(parse(&[]), Ok(DemoConfig::default()));
+    }
+
+    #[test]
+    fn the_flags_set_what_they_name() {
+        let flags =
+            ["--mode", "push", "--requests", "40", "--layers", "4", "--max-tokens", "256", "--lease-ms", "2000"];
+        let expected = DemoConfig {
+            push: true,
+            requests: 40,
+            model: Model { layers: 4, ..DemoConfig::default().model },
+            max_tokens: 256,
+            lease_ms: 2000,
+            ..DemoConfig::default()
+        };
+        assert_eq!(parse(&flags), Ok(expected));
+        let flags = ["--decoders", "3", "--seed", "9", "--concurrency", "2", "--min-tokens", "32", "--blocks", "64"];
+        let c = parse(&flags).unwrap();
+        assert_eq!((c.decoders, c.seed, c.concurrency, c.min_tokens, c.blocks), (3, 9, 2, 32, 64));
+        let c = parse(&["--no-kill", "--pause-decode", "2", "--pause-prefill"]).unwrap();
+        assert_eq!((c.kill, c.pause_decode, c.pause_prefill), (false, 2, true));
+    }
+
+    #[test]
+    fn a_bad_value_is_an_error_that_names_the_flag_and_the_value() {
+        let check = |flags: &[&str], expected: &[&str]| {
+            let err = parse(flags).expect_err("a bad value");
+            for part in expected {
+                assert!(err.contains(part), "{flags:?}: {err:?} does not name {part:?}");
+            }
+        };
+        check(&["--requests", "abc"], &["--requests", "abc"]);
+        check(&["--requests", "99999999999"], &["--requests", "99999999999"]);
+        check(&["--pause-decode", "4294967296"], &["--pause-decode", "4294967296"]);
+        check(&["--mode", "sideways"], &["--mode", "sideways"]);
+        check(&["--decoders", "0"], &["--decoders (0)"]);
+        check(&["--min-tokens", "600"], &["--min-tokens (600)", "--max-tokens (512)"]);
+        check(&["--max-tokens", "8192"], &["--max-tokens 8192", "--blocks 384"]);
+        check(&["--lease-ms", "100"], &["--lease-ms 100"]);
+        check(&["--bogus"], &["--bogus"]);
+    }
+}

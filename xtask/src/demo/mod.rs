@@ -1,0 +1,78 @@
+//! `cargo xtask demo`: one P engine and N D engines, each its own process on loopback, moving
+//! real bytes over NIXL/UCX under a workload with faults; this process is the router.
+//!
+//! The router sends prompts to P (lengths from a spread, some with n > 1 siblings), hands P's
+//! transfer parameters to a D engine (round robin), rejects some requests on D before
+//! admission and aborts others while they wait or load. Part-way it kills one D engine with
+//! SIGKILL and restarts it. In push mode D hears of each request first and P writes.
+//! `--pause-decode N` stops decode0 with SIGSTOP N times, each for 1.5 leases, with its reads
+//! in flight; `--pause-prefill` stops P once, past D's push watchdog but within D's
+//! quarantine, with its writes in flight: the fence and the quarantine must hold.
+//!
+//! P fills every block it computes with bytes derived from the request and block; D checks
+//! every byte it receives. After the workload the router waits for P's pool to empty (the
+//! killed engine's exports end by peer loss or by their lease), then asks every engine for
+//! its counts and prints the report; the exit status is non-zero if any check failed.
+//!
+//! - [`config`]: the run's settings and the flags of `cargo xtask demo` that change them.
+//! - [`router`]: the run itself, what the router does and hears.
+//! - [`processes`]: building, starting and stopping the engine processes and the attacker.
+//! - [`report`]: what the run measured, its checks, as text or JSON.
+
+mod config;
+mod processes;
+mod report;
+mod router;
+
+use anyhow::{bail, Result};
+use xtask::proto::Model;
+
+pub use config::{DemoArgs, DemoConfig};
+pub use processes::{build_node, NodeBinary};
+pub use router::Demo;
+
+use processes::build_node_and_attacker;
+
+/// `cargo xtask attack`: a pull run with decode0 stopped past the lease three times and a push
+/// run with P stopped past D's watchdog, each with `kvflow-attack` attacking P throughout.
+pub fn attack() -> Result<()> {
+    let node = build_node_and_attacker()?;
+    let mut failed = Vec::new();
+    for push in [false, true] {
+        let config = DemoConfig {
+            push,
+            requests: 400,
+            model: Model { layers: 4, ..DemoConfig::default().model },
+            max_tokens: 256,
+            lease_ms: 2000,
+            pause_decode: if push { 0 } else { 3 },
+            pause_prefill: push,
+            attack: true,
+            ..DemoConfig::default()
+        };
+        let report = Demo::start(config, node.clone())?.run()?;
+        report.print();
+        failed.extend(report.failures());
+    }
+    if !failed.is_empty() {
+        bail!("the attack suite failed:\n  {}", failed.join("\n  "));
+    }
+    Ok(())
+}
+
+/// `cargo xtask demo`.
+pub fn run(args: &DemoArgs) -> Result<()> {
+    let config = args.config()?;
+    let node = build_node()?;
+    let report = Demo::start(config, node)?.run()?;
+    if args.json {
+        println!("{}", report.json());
+    } else {
+        report.print();
+    }
+    let failures = report.failures();
+    if !failures.is_empty() {
+        bail!("the demo failed its checks:\n  {}", failures.join("\n  "));
+    }
+    Ok(())
+}

@@ -1,0 +1,243 @@
+//! The demo's processes: building `kvflow-node` (and `kvflow-attack`), starting each engine with
+//! its configuration and the cluster key, reading its event lines on a thread of its own into
+//! the router's channel, and stopping them all at the end.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command as Process, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use xtask::proto::{write_line, AttackConfig, AttackResult, Command, Event, NodeRole, CLUSTER_KEY_ENV};
+
+use super::Demo;
+use crate::provision;
+use crate::workspace;
+
+/// Provisions NIXL and builds `kvflow-node`; returns its path and the environment it needs.
+/// `KVFLOW_NODE_BIN` names a `kvflow-node` built elsewhere instead (for a machine without a
+/// toolchain, with `KVFLOW_NIXL_DIR` pointing at its runtime).
+pub fn build_node() -> Result<NodeBinary> {
+    if let Some(path) = std::env::var_os("KVFLOW_NODE_BIN") {
+        return Ok(NodeBinary { path: PathBuf::from(path), envs: Vec::new() });
+    }
+    let nixl = provision::ensure().context("the demo's engines need NIXL (see `cargo xtask setup`)")?;
+    let envs = nixl.envs();
+    build("kvflow-node", &envs)?;
+    let target = workspace::target_dir(&workspace::root());
+    Ok(NodeBinary { path: target.join("debug").join("kvflow-node"), envs })
+}
+
+/// As [`build_node`], and the attacker beside it.
+pub fn build_node_and_attacker() -> Result<NodeBinary> {
+    let node = build_node()?;
+    if std::env::var_os("KVFLOW_NODE_BIN").is_none() {
+        build("kvflow-attack", &node.envs)?;
+    }
+    Ok(node)
+}
+
+/// Builds xtask's binary `bin`, which needs the `nixl` feature, with the provisioned `envs`.
+fn build(bin: &str, envs: &[(String, String)]) -> Result<()> {
+    let args = ["build", "--locked", "-q", "-p", "xtask", "--features", "nixl", "--bin", bin];
+    workspace::cargo_env(&workspace::root(), &args, envs)
+}
+
+/// The engine binary and its environment.
+#[derive(Clone)]
+pub struct NodeBinary {
+    path: PathBuf,
+    envs: Vec<(String, String)>,
+}
+
+/// A running engine process.
+pub(super) struct Node {
+    /// P or D.
+    pub(super) role: NodeRole,
+    /// Its incarnation.
+    pub(super) instance: u64,
+    pub(super) child: Child,
+    stdin: ChildStdin,
+    /// Its side channel's port, once it said it is ready; `None` again once it is killed.
+    pub(super) port: Option<u16>,
+}
+
+/// An event from an engine process, or its end.
+pub(super) enum FromNode {
+    Event(Event),
+    Exited,
+    /// From the attacker: one attack's result, or its end.
+    Attack(AttackResult),
+    AttackerExited,
+}
+
+/// The router's name for the attacker process in its event channel.
+pub(super) const ATTACKER: &str = "attacker";
+
+/// Sends `signal` (`STOP`, `CONT`) to process `pid`.
+pub(super) fn signal(pid: u32, signal: &str) -> Result<()> {
+    let status = Process::new("kill").arg(format!("-{signal}")).arg(pid.to_string()).status()?;
+    if !status.success() {
+        bail!("kill -{signal} {pid} failed: {status}");
+    }
+    Ok(())
+}
+
+impl Demo {
+    /// Starts the attacker once no stop of P is ahead (a stopped P answers nobody, and the
+    /// attacks measure how P answers): at once in a pull run, after P's stop in a push run.
+    pub(super) fn attack_if_due(&mut self) -> Result<()> {
+        let p_stop_ahead = self.pauses.iter().any(|p| p.engine == "prefill0")
+            || self.paused.as_ref().is_some_and(|(p, ..)| p.engine == "prefill0");
+        if self.config.attack && !self.attacker_started && !p_stop_ahead {
+            self.attacker_started = true;
+            self.start_attacker()?;
+        }
+        Ok(())
+    }
+
+    /// Starts `kvflow-attack` against P, impersonating decode0.
+    fn start_attacker(&mut self) -> Result<()> {
+        let p = &self.nodes["prefill0"];
+        let config = AttackConfig {
+            p_port: p.port.expect("up"),
+            p_pid: p.child.id(),
+            model: self.config.model,
+            live_decode: "decode0".into(),
+            live_instance: self.nodes["decode0"].instance,
+            requests: self.config.requests,
+        };
+        let path = self.binary.path.with_file_name("kvflow-attack");
+        let mut child = self
+            .child(&path, serde_json::to_string(&config)?)
+            .stdin(Stdio::null())
+            .spawn()
+            .with_context(|| format!("cannot start {}", path.display()))?;
+        let stdout = child.stdout.take().expect("piped");
+        let sender = self.sender.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let from = match serde_json::from_str(&line) {
+                    Ok(result) => FromNode::Attack(result),
+                    Err(e) => {
+                        FromNode::Event(Event::Error { message: format!("unreadable attacker line {line:?}: {e}") })
+                    }
+                };
+                if sender.send((ATTACKER.to_owned(), 0, from)).is_err() {
+                    return;
+                }
+            }
+            let _ = sender.send((ATTACKER.to_owned(), 0, FromNode::AttackerExited));
+        });
+        self.attacker = Some(child);
+        self.progress.set_message("attacker started");
+        Ok(())
+    }
+
+    /// A process of the run: its one argument, the provisioned environment and the cluster
+    /// key, its stdout piped to the router.
+    fn child(&self, path: &Path, arg: String) -> Process {
+        let mut command = Process::new(path);
+        command
+            .arg(arg)
+            .envs(self.binary.envs.iter().map(|(k, v)| (k, v)))
+            .env(CLUSTER_KEY_ENV, &self.key)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        command
+    }
+
+    /// Starts engine `name`, incarnation `instance`; its lines come to the router's channel.
+    pub(super) fn spawn(&mut self, role: NodeRole, name: &str, instance: u64) -> Result<()> {
+        let config = serde_json::to_string(&self.config.node(role, name, instance))?;
+        let mut child = self
+            .child(&self.binary.path, config)
+            .stdin(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot start {} for {name}", self.binary.path.display()))?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = child.stdout.take().expect("piped");
+        let (sender, who) = (self.sender.clone(), name.to_owned());
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if !line.starts_with('{') {
+                    // Not the protocol: a library's log line (UCX logs to stdout). Pass it on.
+                    eprintln!("{who}: {line}");
+                    continue;
+                }
+                let event = serde_json::from_str(&line)
+                    .unwrap_or_else(|e| Event::Error { message: format!("unreadable line {line:?}: {e}") });
+                if sender.send((who.clone(), instance, FromNode::Event(event))).is_err() {
+                    return;
+                }
+            }
+            let _ = sender.send((who, instance, FromNode::Exited));
+        });
+        self.nodes.insert(name.to_owned(), Node { role, instance, child, stdin, port: None });
+        Ok(())
+    }
+
+    /// Sends `command` to engine `name`; an engine that cannot be reached is an error of the run.
+    pub(super) fn send(&mut self, name: &str, command: &Command) {
+        let Some(node) = self.nodes.get_mut(name) else { return };
+        if let Err(err) = write_line(&mut node.stdin, command) {
+            self.errors.push(format!("cannot reach {name}: {err}"));
+        }
+    }
+
+    /// Leaves the started engines idle for `window` and returns the share of one core each
+    /// used meanwhile, in percent (from `/proc/PID/stat`), then stops them.
+    pub fn idle_cpu_percent(mut self, window: Duration) -> Result<BTreeMap<String, f64>> {
+        let ticks_per_s: f64 = Process::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+            .unwrap_or(100.0);
+        let cpu_ticks = |pid: u32| -> Option<f64> {
+            let fields = xtask::procfs::stat(pid)?;
+            Some(fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?)
+        };
+        let pids: Vec<(String, u32)> = self.nodes.iter().map(|(n, node)| (n.clone(), node.child.id())).collect();
+        let before: Vec<Option<f64>> = pids.iter().map(|(_, pid)| cpu_ticks(*pid)).collect();
+        let start = Instant::now();
+        while start.elapsed() < window {
+            self.pump(Duration::from_millis(100))?;
+        }
+        let elapsed = start.elapsed().as_secs_f64();
+        let mut used = BTreeMap::new();
+        for ((name, pid), before) in pids.iter().zip(before) {
+            let (Some(a), Some(b)) = (before, cpu_ticks(*pid)) else { bail!("cannot read {name}'s CPU time") };
+            used.insert(name.clone(), (b - a) / ticks_per_s / elapsed * 100.0);
+        }
+        self.shutdown();
+        Ok(used)
+    }
+
+    /// Stops the attacker, resumes a stopped engine, and ends every engine: a shutdown command,
+    /// then a kill after 5 s.
+    pub(super) fn shutdown(&mut self) {
+        if let Some(mut child) = self.attacker.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if let Some((_, pid, _, _)) = self.paused.take() {
+            let _ = signal(pid, "CONT");
+        }
+        let live: Vec<String> = self.nodes.iter().filter(|(_, n)| n.port.is_some()).map(|(k, _)| k.clone()).collect();
+        for name in &live {
+            self.send(name, &Command::Shutdown);
+        }
+        for node in self.nodes.values_mut() {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while node.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = node.child.kill();
+            let _ = node.child.wait();
+        }
+    }
+}

@@ -1,0 +1,334 @@
+//! What a demo run measured ([`Report`]): requests by outcome, releases on P by reason, bytes,
+//! throughput and latencies, how long the killed engine's exports stayed held, the attacks,
+//! and the checks; [`Report::failures`] names every check that failed, and the report prints
+//! as text or as one JSON object.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use xtask::proto::AttackResult;
+
+use super::Demo;
+
+/// How many attacks `kvflow-attack` makes (see `xtask::attacker`).
+const ATTACKS: usize = 9;
+
+/// The longest a dead D engine's export may stay held on P after the death: P hears of the
+/// death when the engine's side channel closes, and releases what was bound to it at once.
+const DEATH_RELEASE_BOUND_MS: u64 = 1000;
+
+/// The `p`th percentile of `values`; zero for none.
+fn percentile(values: &[u64], p: f64) -> u64 {
+    xtask::stats::quantile(values, p / 100.0).unwrap_or(0)
+}
+
+/// What a run measured.
+pub struct Report {
+    mode: &'static str,
+    requests: u32,
+    exports: usize,
+    outcomes: BTreeMap<String, u64>,
+    releases: BTreeMap<String, u64>,
+    bytes: u64,
+    transfers: usize,
+    transfers_failed: usize,
+    transfer_gbps: f64,
+    run_gbps: f64,
+    elapsed: Duration,
+    transfer_p50_us: u64,
+    transfer_p99_us: u64,
+    kv_p50_us: u64,
+    kv_p99_us: u64,
+    kv_samples: usize,
+    killed: Option<String>,
+    pauses: Vec<(String, u64)>,
+    attacks: Option<Vec<AttackResult>>,
+    /// Exports released as `peer_lost` while the D engine they went to was alive.
+    released_for_live_engines: usize,
+    held_after_death_ms: Option<u64>,
+    longest_held_after_death: Option<String>,
+    /// The killed engine's exports still held at its death, by how P released them.
+    dead_engine_releases: BTreeMap<String, u64>,
+    lease_ms: u64,
+    corrupt_reads: u64,
+    written_after_free: u64,
+    held_after_drain: BTreeMap<String, u64>,
+    unreleased_exports: usize,
+    counters: BTreeMap<String, u64>,
+    errors: Vec<String>,
+}
+
+impl Report {
+    /// What `demo` saw in `elapsed`, with every engine's counts after the drain (`stats`).
+    pub(super) fn new(demo: &Demo, elapsed: Duration, stats: BTreeMap<String, Value>) -> Report {
+        let mut outcomes = BTreeMap::new();
+        let mut releases = BTreeMap::new();
+        for track in demo.tracks.values() {
+            *outcomes.entry(track.outcome.clone().unwrap_or_else(|| "unfinished".into())).or_insert(0) += 1;
+            if let Some((reason, _)) = &track.freed {
+                *releases.entry(reason.clone()).or_insert(0) += 1;
+            }
+        }
+        let done: Vec<_> = demo.transfers.iter().filter(|t| t.2).collect();
+        let bytes: u64 = done.iter().map(|t| t.0).sum();
+        let busy_ns: u64 = done.iter().map(|t| t.1).sum();
+        let took: Vec<u64> = done.iter().map(|t| t.1 / 1000).collect();
+        let kv: Vec<u64> = demo
+            .tracks
+            .values()
+            .filter_map(|t| Some(t.ready_at_ns?.saturating_sub(t.finished_at_ns?) / 1000))
+            .collect();
+        let mut longest_held_after_death = None;
+        let held_after_death_ms = demo.kill.as_ref().map(|k| {
+            demo.tracks
+                .iter()
+                .filter(|(_, t)| t.decode.as_ref().is_some_and(|(d, i)| *d == k.engine && *i == k.instance))
+                // A block is held from its export (which may come after the death, in push
+                // mode) until it is freed.
+                .filter_map(|(id, t)| Some((id, t.freed.as_ref()?, t.finished_at_ns?.max(k.at_ns))))
+                .map(|(id, (reason, freed), from)| (*freed, from, format!("{id}, released as {reason}")))
+                // P cannot release anything while it is stopped: count from its resume.
+                .map(|(freed, from, what)| {
+                    let p_stops = demo.paused_done.iter().filter(|(p, _, _)| p.engine == "prefill0");
+                    let from = p_stops
+                        .filter(|&&(_, began, ended)| began < freed && ended > from)
+                        .fold(from, |from, &(_, _, ended)| from.max(ended));
+                    ((freed.saturating_sub(from)) / 1_000_000, what)
+                })
+                .max()
+                .map_or(0, |(ms, what)| {
+                    longest_held_after_death = Some(what);
+                    ms
+                })
+        });
+        let mut dead_engine_releases = BTreeMap::new();
+        if let Some(k) = &demo.kill {
+            let dead = demo
+                .tracks
+                .values()
+                .filter(|t| t.decode.as_ref().is_some_and(|(d, i)| *d == k.engine && *i == k.instance));
+            // What the promise is about: exports still held when the engine died.
+            for (reason, _) in dead.filter_map(|t| t.freed.as_ref()).filter(|(_, at)| *at >= k.at_ns) {
+                *dead_engine_releases.entry(reason.clone()).or_insert(0) += 1;
+            }
+        }
+        let mut counters = BTreeMap::new();
+        let mut held_after_drain = BTreeMap::new();
+        let (mut written_after_free, mut corrupt_reads) = (0, 0);
+        for (name, s) in &stats {
+            held_after_drain.insert(name.clone(), s["held_blocks"].as_u64().unwrap_or(0));
+            written_after_free += s["written_after_free"].as_u64().unwrap_or(0);
+            if let Some(map) = s["counters"].as_object() {
+                for (k, v) in map {
+                    *counters.entry(k.clone()).or_insert(0) += v.as_u64().unwrap_or(0);
+                }
+            }
+        }
+        corrupt_reads += outcomes.get("corrupt").copied().unwrap_or(0);
+        Report {
+            mode: if demo.config.push { "push" } else { "pull" },
+            requests: demo.config.requests,
+            exports: demo.tracks.len(),
+            releases,
+            bytes,
+            transfers: done.len(),
+            transfers_failed: demo.transfers.len() - done.len(),
+            transfer_gbps: if busy_ns == 0 { 0.0 } else { bytes as f64 / busy_ns as f64 },
+            run_gbps: bytes as f64 / elapsed.as_nanos().max(1) as f64,
+            elapsed,
+            transfer_p50_us: percentile(&took, 50.0),
+            transfer_p99_us: percentile(&took, 99.0),
+            kv_p50_us: percentile(&kv, 50.0),
+            kv_p99_us: percentile(&kv, 99.0),
+            kv_samples: kv.len(),
+            killed: demo.kill.as_ref().map(|k| k.engine.clone()),
+            pauses: demo.paused_done.iter().map(|(p, _, _)| (p.engine.clone(), p.length.as_millis() as u64)).collect(),
+            attacks: demo.config.attack.then(|| demo.attacks.clone()),
+            released_for_live_engines: demo
+                .tracks
+                .values()
+                .filter(|t| t.freed.as_ref().is_some_and(|(reason, _)| reason == "peer_lost"))
+                .filter(|t| {
+                    let killed = demo.kill.as_ref().map(|k| (k.engine.clone(), k.instance));
+                    t.decode.is_some() && t.decode != killed
+                })
+                .count(),
+            held_after_death_ms,
+            longest_held_after_death,
+            dead_engine_releases,
+            lease_ms: demo.config.lease_ms,
+            corrupt_reads,
+            written_after_free,
+            unreleased_exports: demo
+                .tracks
+                .values()
+                .filter(|t| t.finished_at_ns.is_some() && t.freed.is_none())
+                .count(),
+            held_after_drain,
+            counters,
+            outcomes,
+            errors: demo.errors.clone(),
+        }
+    }
+
+    /// Every check the run failed, in words; empty when it passed.
+    pub fn failures(&self) -> Vec<String> {
+        let mut f = Vec::new();
+        if self.corrupt_reads > 0 {
+            f.push(format!("{} corrupt reads", self.corrupt_reads));
+        }
+        if self.written_after_free > 0 {
+            f.push(format!("{} blocks written after they were freed", self.written_after_free));
+        }
+        let held: u64 = self.held_after_drain.values().sum();
+        if held > 0 {
+            f.push(format!("{held} blocks still held after the drain: {:?}", self.held_after_drain));
+        }
+        if self.unreleased_exports > 0 {
+            f.push(format!("{} exports P never released", self.unreleased_exports));
+        }
+        if let Some(ms) = self.held_after_death_ms.filter(|&ms| ms > DEATH_RELEASE_BOUND_MS) {
+            f.push(format!(
+                "a block stayed held {ms} ms after its D engine died, longer than {DEATH_RELEASE_BOUND_MS} ms (lease {} ms): {}",
+                self.lease_ms,
+                self.longest_held_after_death.as_deref().unwrap_or("?")
+            ));
+        }
+        if let Some(n) = self.outcomes.get("unfinished") {
+            f.push(format!("{n} exports never finished"));
+        }
+        if self.released_for_live_engines > 0 {
+            f.push(format!(
+                "{} exports released as peer_lost while their D engine was alive",
+                self.released_for_live_engines
+            ));
+        }
+        if let Some(attacks) = &self.attacks {
+            if attacks.len() < ATTACKS {
+                f.push(format!("the attacker reported {} of {ATTACKS} attacks", attacks.len()));
+            }
+            f.extend(attacks.iter().flat_map(AttackResult::failures));
+            // The attacks that P must have noticed, by its own counts.
+            for counter in ["foreign_messages", "unauthenticated"] {
+                if self.counters.get(counter).copied().unwrap_or(0) == 0 {
+                    f.push(format!("P counted no {counter} under attack"));
+                }
+            }
+        }
+        f.extend(self.errors.iter().cloned());
+        f
+    }
+
+    /// The report as one JSON object.
+    pub fn json(&self) -> Value {
+        json!({
+            "mode": self.mode,
+            "requests": self.requests,
+            "exports": self.exports,
+            "outcomes": self.outcomes,
+            "releases_on_p": self.releases,
+            "bytes_moved": self.bytes,
+            "transfers": self.transfers,
+            "transfers_failed": self.transfers_failed,
+            "transfer_gbps": self.transfer_gbps,
+            "run_gbps": self.run_gbps,
+            "elapsed_s": self.elapsed.as_secs_f64(),
+            "transfer_latency_us": { "p50": self.transfer_p50_us, "p99": self.transfer_p99_us },
+            "kv_latency_us": { "p50": self.kv_p50_us, "p99": self.kv_p99_us, "samples": self.kv_samples },
+            "killed": self.killed,
+            "attacks": self.attacks,
+            "released_for_live_engines": self.released_for_live_engines,
+            "pauses_ms": self.pauses.iter().map(|(e, ms)| json!({ "engine": e, "ms": ms })).collect::<Vec<_>>(),
+            "longest_held_after_death_ms": self.held_after_death_ms,
+            "dead_engine_releases": self.dead_engine_releases,
+            "lease_ms": self.lease_ms,
+            "corrupt_reads": self.corrupt_reads,
+            "written_after_free": self.written_after_free,
+            "held_after_drain": self.held_after_drain,
+            "unreleased_exports": self.unreleased_exports,
+            "counters": self.counters,
+            "errors": self.errors,
+            "passed": self.failures().is_empty(),
+        })
+    }
+
+    /// The latencies alone, for the bench.
+    pub fn latency_json(&self) -> Value {
+        json!({
+            "kv_latency_us": { "p50": self.kv_p50_us, "p99": self.kv_p99_us, "samples": self.kv_samples },
+            "transfer_latency_us": { "p50": self.transfer_p50_us, "p99": self.transfer_p99_us },
+            "transfer_gbps": self.transfer_gbps,
+        })
+    }
+
+    /// The report as text.
+    pub fn print(&self) {
+        let list = |m: &BTreeMap<String, u64>| m.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", ");
+        println!(
+            "kvflow demo, {} mode: {} requests ({} exports) in {:.1} s",
+            self.mode,
+            self.requests,
+            self.exports,
+            self.elapsed.as_secs_f64()
+        );
+        println!("  outcomes on D        {}", list(&self.outcomes));
+        println!("  releases on P        {}", list(&self.releases));
+        println!(
+            "  bytes moved          {:.2} GiB in {} transfers ({} failed): {:.2} GB/s per transfer (bytes over time in flight), {:.2} GB/s over the run",
+            self.bytes as f64 / f64::from(1u32 << 30),
+            self.transfers,
+            self.transfers_failed,
+            self.transfer_gbps,
+            self.run_gbps
+        );
+        println!(
+            "  transfer latency     p50 {:.2} ms, p99 {:.2} ms (post to completion)",
+            self.transfer_p50_us as f64 / 1e3,
+            self.transfer_p99_us as f64 / 1e3
+        );
+        println!(
+            "  P done -> D holds KV p50 {:.2} ms, p99 {:.2} ms ({} requests)",
+            self.kv_p50_us as f64 / 1e3,
+            self.kv_p99_us as f64 / 1e3,
+            self.kv_samples
+        );
+        match (&self.killed, self.held_after_death_ms) {
+            (Some(engine), Some(ms)) => {
+                let list = self.dead_engine_releases.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>();
+                println!(
+                    "  {engine} killed         its exports on P were all released within {ms} ms of its death \
+                     (bound {DEATH_RELEASE_BOUND_MS} ms, lease {} ms); those held at its death: {}",
+                    self.lease_ms,
+                    if list.is_empty() { "none were held".to_owned() } else { list.join(", ") }
+                )
+            }
+            _ => println!("  no engine killed"),
+        }
+        if !self.pauses.is_empty() {
+            let list: Vec<String> = self.pauses.iter().map(|(e, ms)| format!("{e} {ms} ms")).collect();
+            println!("  stopped (SIGSTOP)    {} (lease {} ms)", list.join(", "), self.lease_ms);
+        }
+        for a in self.attacks.iter().flatten() {
+            let probe = a.probe_ms.map_or_else(|| "none".to_owned(), |ms| format!("{ms:.1} ms"));
+            println!(
+                "  attack {:<28} {}: {} (legit handshake {probe}, P +{:.1} MiB, P {}): {}",
+                a.attack,
+                if a.failures().is_empty() { "held" } else { "GOT THROUGH" },
+                a.tried,
+                a.rss_growth_mib,
+                if a.p_alive { "alive" } else { "DEAD" },
+                a.detail
+            );
+        }
+        println!("  released, D alive    {}", self.released_for_live_engines);
+        println!("  corrupt reads        {}", self.corrupt_reads);
+        println!("  written after free   {}", self.written_after_free);
+        println!("  held after drain     {}", list(&self.held_after_drain));
+        println!("  connector counters   {}", list(&self.counters));
+        for e in &self.errors {
+            println!("  error: {e}");
+        }
+        println!("  {}", if self.failures().is_empty() { "PASSED" } else { "FAILED" });
+    }
+}

@@ -1,0 +1,561 @@
+//! The demo's router: the [`Demo`] run that issues the workload to the engines, hands P's
+//! exports to D engines, aborts and rejects, kills, stops and restarts engines on schedule,
+//! handles every event the engines report, and drains at the end.
+//!
+//! Fields are visible to the sibling modules: `processes` starts and stops what the router
+//! drives, and `report` reads what it saw.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::process::Child;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use kv_testkit::Rng;
+use serde_json::{json, Value};
+use xtask::proto::{wall_ns, AttackResult, Command, Event, NodeRole, Remote};
+
+use super::config::{DemoConfig, Pause};
+use super::processes::{signal, FromNode, Node, NodeBinary, ATTACKER};
+use super::report::Report;
+
+/// One export (P's request id, which D's request shares): where it went and how it ended.
+#[derive(Default, Debug)]
+pub(super) struct Track {
+    parent: String,
+    pub(super) decode: Option<(String, u64)>,
+    pub(super) finished_at_ns: Option<u64>,
+    pub(super) outcome: Option<String>,
+    pub(super) ready_at_ns: Option<u64>,
+    pub(super) freed: Option<(String, u64)>,
+}
+
+/// What the router decided for a request.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Fate {
+    Normal,
+    Reject,
+    /// Abort on D this long after it arrives.
+    Abort(Duration),
+}
+
+/// A request of the workload and what the router decided for it.
+struct Request {
+    id: String,
+    prompt_tokens: u64,
+    n: u32,
+    fate: Fate,
+}
+
+/// A run: the engines and the router's view of the requests.
+pub struct Demo {
+    pub(super) config: DemoConfig,
+    pub(super) binary: NodeBinary,
+    /// The cluster key every engine of this run holds, as 64 hex digits.
+    pub(super) key: String,
+    pub(super) nodes: BTreeMap<String, Node>,
+    pub(super) events: Receiver<(String, u64, FromNode)>,
+    pub(super) sender: Sender<(String, u64, FromNode)>,
+    /// Requests not sent yet.
+    queue: VecDeque<Request>,
+    /// Prompts a busy P sent back, to send again from this time.
+    retries: VecDeque<(Instant, String)>,
+    /// Exports that found no live D engine, to hand over when one is up.
+    undelivered: VecDeque<(String, String, Remote, Fate)>,
+    /// Requests sent, by id, with their exports.
+    open: HashMap<String, (Request, Vec<String>)>,
+    pub(super) tracks: BTreeMap<String, Track>,
+    aborts: Vec<(Instant, String)>,
+    next_decode: usize,
+    issued: u32,
+    completed: u32,
+    pub(super) kill: Option<Kill>,
+    /// Stops still to make, the one in progress (its process and when it ends), and those made.
+    pub(super) pauses: VecDeque<Pause>,
+    pub(super) paused: Option<(Pause, u32, Instant, u64)>,
+    /// Stops made, with when each began and ended (wall clock, ns).
+    pub(super) paused_done: Vec<(Pause, u64, u64)>,
+    /// The attacker process while it runs, and what it reported.
+    pub(super) attacker: Option<Child>,
+    pub(super) attacker_started: bool,
+    pub(super) attacks: Vec<AttackResult>,
+    pub(super) transfers: Vec<(u64, u64, bool)>,
+    pub(super) errors: Vec<String>,
+    started: Instant,
+    pub(super) progress: indicatif::ProgressBar,
+}
+
+/// The D engine killed part-way.
+pub(super) struct Kill {
+    pub(super) engine: String,
+    pub(super) instance: u64,
+    pub(super) at_ns: u64,
+    restart_at: Option<Instant>,
+}
+
+impl Demo {
+    /// Starts the engines and waits until they listen.
+    pub fn start(config: DemoConfig, binary: NodeBinary) -> Result<Demo> {
+        let (sender, events) = mpsc::channel();
+        let mut rng = Rng::new(config.seed);
+        let queue = (0..config.requests).map(|i| workload(&config, &mut rng, i)).collect();
+        let progress = indicatif::ProgressBar::new(u64::from(config.requests));
+        progress.set_style(
+            indicatif::ProgressStyle::with_template("{spinner} {elapsed:>3} [{bar:40}] {pos}/{len} requests {msg}")
+                .expect("template")
+                .progress_chars("=> "),
+        );
+        let mut key = [0u8; 32];
+        getrandom::fill(&mut key).map_err(|e| anyhow!("no randomness for the cluster key: {e}"))?;
+        let pauses = config.pauses();
+        let mut demo = Demo {
+            config,
+            binary,
+            key: key.iter().map(|b| format!("{b:02x}")).collect(),
+            nodes: BTreeMap::new(),
+            events,
+            sender,
+            queue,
+            retries: VecDeque::new(),
+            undelivered: VecDeque::new(),
+            open: HashMap::new(),
+            tracks: BTreeMap::new(),
+            aborts: Vec::new(),
+            next_decode: 0,
+            issued: 0,
+            completed: 0,
+            kill: None,
+            pauses,
+            paused: None,
+            paused_done: Vec::new(),
+            attacker: None,
+            attacker_started: false,
+            attacks: Vec::new(),
+            transfers: Vec::new(),
+            errors: Vec::new(),
+            started: Instant::now(),
+            progress,
+        };
+        demo.spawn(NodeRole::Prefill, "prefill0", 1)?;
+        for i in 0..demo.config.decoders {
+            demo.spawn(NodeRole::Decode, &format!("decode{i}"), 1)?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while demo.nodes.values().any(|n| n.port.is_none()) {
+            demo.pump(Duration::from_millis(50))?;
+            if Instant::now() > deadline {
+                bail!("the engines did not start within 60 s: {}", demo.errors.join("; "));
+            }
+        }
+        demo.started = Instant::now();
+        Ok(demo)
+    }
+
+    fn prefill_address(&self) -> String {
+        format!("127.0.0.1:{}", self.nodes["prefill0"].port.unwrap_or(0))
+    }
+
+    /// The next live D engine, round robin.
+    fn pick_decode(&mut self) -> Option<String> {
+        let live: Vec<String> = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| n.role == NodeRole::Decode && n.port.is_some())
+            .map(|(name, _)| name.clone())
+            .collect();
+        if live.is_empty() {
+            return None;
+        }
+        self.next_decode = (self.next_decode + 1) % live.len();
+        Some(live[self.next_decode].clone())
+    }
+
+    /// Runs the workload, drains, stops the engines, and reports.
+    pub fn run(mut self) -> Result<Report> {
+        let kill_after = self.config.requests * 2 / 5;
+        let limit = self.started + self.config.time_limit;
+        // The run ends when every request has ended, the killed engine is back up, and no
+        // engine is stopped.
+        while self.completed < self.config.requests
+            || self.restarting()
+            || self.paused.is_some()
+            || self.attacker.is_some()
+            || (self.config.attack && !self.attacker_started)
+        {
+            let now = Instant::now();
+            if self.config.kill && self.kill.is_none() && self.issued >= kill_after {
+                self.kill_decode()?;
+            }
+            self.pause_if_due(now)?;
+            self.attack_if_due()?;
+            self.restart_if_due()?;
+            if now < limit {
+                self.issue(now);
+            } else if !self.queue.is_empty() {
+                let dropped = self.queue.len();
+                self.queue.clear();
+                self.errors.push(format!("time limit: {dropped} requests were never sent"));
+                self.completed += dropped as u32;
+            } else {
+                // Prompts P sent back, and exports waiting for a D engine, still go.
+                self.issue(now);
+            }
+            self.fire_aborts(now);
+            self.pump(Duration::from_millis(2))?;
+            let stopped: Duration = self.paused_done.iter().map(|(p, _, _)| p.length).sum();
+            if now > limit + stopped + Duration::from_millis(self.config.lease_ms * 3) {
+                self.errors.push(format!("{} requests never finished", self.config.requests - self.completed));
+                break;
+            }
+        }
+        self.progress.finish_and_clear();
+        let elapsed = self.started.elapsed();
+        let drain = self.drain()?;
+        self.shutdown();
+        Ok(Report::new(&self, elapsed, drain))
+    }
+
+    /// Sends prompts P sent back, then new requests while fewer than `concurrency` are open.
+    fn issue(&mut self, now: Instant) {
+        while self.retries.front().is_some_and(|(at, _)| *at <= now) {
+            let (_, id) = self.retries.pop_front().expect("front");
+            if let Some((r, exports)) = self.open.get(&id) {
+                // The same consumer as the first time: P binds the exports to it again.
+                let consumer = self.tracks.get(&exports[0]).and_then(|t| t.decode.clone());
+                let command = Command::Prefill { id: id.clone(), prompt_tokens: r.prompt_tokens, n: r.n, consumer };
+                self.send("prefill0", &command);
+            }
+        }
+        for _ in 0..self.undelivered.len() {
+            let (export, parent, remote, fate) = self.undelivered.pop_front().expect("counted");
+            self.dispatch(&export, &parent, remote, fate);
+        }
+        while self.open.len() < self.config.concurrency as usize {
+            let Some(request) = self.queue.pop_front() else { return };
+            self.issued += 1;
+            let (id, tokens, n) = (request.id.clone(), request.prompt_tokens, request.n);
+            let exports: Vec<String> =
+                if n > 1 { (0..n).map(|i| format!("{i}_{id}")).collect() } else { vec![id.clone()] };
+            for export in &exports {
+                self.tracks.entry(export.clone()).or_default().parent = id.clone();
+            }
+            // D loads sibling 0 once and serves the other siblings from its prefix cache, as
+            // vLLM does; P releases their exports when sibling 0 completes.
+            if request.fate != Fate::Reject {
+                for export in &exports[1..] {
+                    self.tracks.get_mut(export).expect("tracked").outcome = Some("prefix_cache".into());
+                }
+            }
+            // The router picks D before it sends the prompt to P, and names it: P binds the
+            // exports to that engine at once, so they go with it if it dies.
+            if !self.config.push {
+                if let Some(decode) = self.pick_decode() {
+                    let chosen = (decode.clone(), self.nodes[&decode].instance);
+                    for export in &exports {
+                        self.tracks.get_mut(export).expect("tracked").decode = Some(chosen.clone());
+                    }
+                }
+            }
+            if self.config.push {
+                // D hears first: it allocates and registers its blocks with P.
+                let address = self.prefill_address();
+                let remote = |export: &String| Remote {
+                    engine: "prefill0".into(),
+                    request: export.clone(),
+                    addresses: vec![address.clone()],
+                    instance: 0,
+                    prompt_tokens: tokens,
+                    export: None,
+                    consumer: None,
+                };
+                self.dispatch(&exports[0], &id, remote(&exports[0]), request.fate);
+                if request.fate == Fate::Reject {
+                    // D rejects the whole request: every sibling's export, on the same engine,
+                    // which P binds the family to (a rejection from another is foreign).
+                    let chosen = self.tracks.get(&exports[0]).and_then(|t| t.decode.clone());
+                    for export in &exports[1..] {
+                        self.tracks.get_mut(export).expect("tracked").decode = chosen.clone();
+                    }
+                    for export in &exports[1..] {
+                        self.dispatch(export, &id, remote(export), Fate::Reject);
+                    }
+                }
+            }
+            let consumer = self.tracks.get(&exports[0]).and_then(|t| t.decode.clone());
+            self.send("prefill0", &Command::Prefill { id: id.clone(), prompt_tokens: tokens, n, consumer });
+            self.open.insert(id, (request, exports));
+        }
+    }
+
+    /// Hands an export to a D engine: the one named at prefill, else the next live one;
+    /// arrival, or rejection before admission.
+    fn dispatch(&mut self, export: &str, parent: &str, remote: Remote, fate: Fate) {
+        let named = self.tracks.get(export).and_then(|t| t.decode.clone());
+        let decode = match named {
+            Some((decode, instance)) if self.nodes.get(&decode).is_some_and(|n| n.instance == instance) => decode,
+            // The engine P bound it to is gone: P releases it; the request is lost with it.
+            Some(_) => return self.finish_export(export, "lost", None),
+            None => match self.pick_decode() {
+                Some(decode) => decode,
+                None => {
+                    // The only D engine is down: hand it over once one is back.
+                    self.undelivered.push_back((export.to_owned(), parent.to_owned(), remote, fate));
+                    return;
+                }
+            },
+        };
+        let instance = self.nodes[&decode].instance;
+        let track = self.tracks.entry(export.to_owned()).or_default();
+        track.parent = parent.to_owned();
+        track.decode = Some((decode.clone(), instance));
+        let command = match fate {
+            Fate::Reject => Command::Reject { id: export.to_owned(), remote },
+            _ => Command::Arrive { id: export.to_owned(), remote },
+        };
+        self.send(&decode, &command);
+        if let Fate::Abort(after) = fate {
+            self.aborts.push((Instant::now() + after, export.to_owned()));
+        }
+    }
+
+    fn fire_aborts(&mut self, now: Instant) {
+        let due: Vec<String> = self.aborts.iter().filter(|(t, _)| *t <= now).map(|(_, id)| id.clone()).collect();
+        self.aborts.retain(|(t, _)| *t > now);
+        for id in due {
+            let Some(track) = self.tracks.get(&id) else { continue };
+            if track.outcome.is_some() {
+                continue;
+            }
+            let Some((decode, instance)) = track.decode.clone() else { continue };
+            if self.nodes.get(&decode).is_some_and(|n| n.instance == instance) {
+                self.send(&decode, &Command::Abort { id });
+            }
+        }
+    }
+
+    fn kill_decode(&mut self) -> Result<()> {
+        let engine = format!("decode{}", self.config.decoders - 1);
+        let node = self.nodes.get_mut(&engine).expect("started");
+        node.child.kill().with_context(|| format!("cannot kill {engine}"))?;
+        let _ = node.child.wait();
+        let at_ns = wall_ns();
+        let instance = node.instance;
+        node.port = None;
+        self.progress.set_message(format!("killed {engine}"));
+        // Its requests are lost with it; the router does not retry them.
+        let lost: Vec<String> = self
+            .tracks
+            .iter()
+            .filter(|(_, t)| t.outcome.is_none() && t.decode.as_ref() == Some(&(engine.clone(), instance)))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in lost {
+            self.finish_export(&id, "lost", None);
+        }
+        self.kill =
+            Some(Kill { engine, instance, at_ns, restart_at: Some(Instant::now() + Duration::from_millis(500)) });
+        Ok(())
+    }
+
+    /// Stops the next engine due, or resumes the stopped one when its time is up.
+    fn pause_if_due(&mut self, now: Instant) -> Result<()> {
+        if let Some((pause, pid, until, began)) = &self.paused {
+            if now >= *until {
+                signal(*pid, "CONT")?;
+                self.progress.set_message(format!("resumed {}", pause.engine));
+                self.paused_done.push((pause.clone(), *began, wall_ns()));
+                self.paused = None;
+            }
+            return Ok(());
+        }
+        if self.pauses.front().is_none_or(|p| p.at_issued > self.issued) {
+            return Ok(());
+        }
+        let pause = self.pauses.pop_front().expect("checked");
+        // A killed engine that is not back yet cannot be stopped: skip that stop.
+        let Some(node) = self.nodes.get(&pause.engine).filter(|n| n.port.is_some()) else {
+            self.errors.push(format!("{} was down when it was due to be stopped", pause.engine));
+            return Ok(());
+        };
+        signal(node.child.id(), "STOP")?;
+        self.progress.set_message(format!("stopped {} for {} ms", pause.engine, pause.length.as_millis()));
+        self.paused = Some((pause.clone(), node.child.id(), now + pause.length, wall_ns()));
+        Ok(())
+    }
+
+    /// Whether the killed engine is not yet back up.
+    fn restarting(&self) -> bool {
+        self.kill.as_ref().is_some_and(|k| self.nodes.get(&k.engine).is_none_or(|n| n.port.is_none()))
+    }
+
+    fn restart_if_due(&mut self) -> Result<()> {
+        let Some(kill) = &mut self.kill else { return Ok(()) };
+        if kill.restart_at.is_none_or(|t| t > Instant::now()) {
+            return Ok(());
+        }
+        kill.restart_at = None;
+        let engine = kill.engine.clone();
+        let instance = self.nodes[&engine].instance + 1;
+        self.spawn(NodeRole::Decode, &engine, instance)?;
+        self.progress.set_message(format!("restarted {engine}"));
+        Ok(())
+    }
+
+    /// Handles what the engines said, waiting up to `wait` for the first of it.
+    pub(super) fn pump(&mut self, wait: Duration) -> Result<()> {
+        let mut next = match self.events.recv_timeout(wait) {
+            Ok(e) => Some(e),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => bail!("every engine is gone"),
+        };
+        while let Some((name, instance, from)) = next {
+            self.on_event(&name, instance, from);
+            next = self.events.try_recv().ok();
+        }
+        Ok(())
+    }
+
+    fn on_event(&mut self, name: &str, instance: u64, from: FromNode) {
+        let from = match from {
+            FromNode::Attack(result) => {
+                self.progress.set_message(format!("attack {}", result.attack));
+                return self.attacks.push(result);
+            }
+            FromNode::AttackerExited => {
+                if let Some(mut child) = self.attacker.take() {
+                    match child.wait() {
+                        Ok(status) if status.success() => {}
+                        status => self.errors.push(format!("the attacker failed: {status:?}")),
+                    }
+                }
+                return;
+            }
+            FromNode::Event(Event::Error { message }) if name == ATTACKER => return self.errors.push(message),
+            other => other,
+        };
+        let current = self.nodes.get(name).is_some_and(|n| n.instance == instance);
+        let event = match from {
+            FromNode::Exited => {
+                let killed = self.kill.as_ref().is_some_and(|k| k.engine == name) && !current;
+                if current && self.nodes.get(name).is_some_and(|n| n.port.is_some()) && !killed {
+                    self.errors.push(format!("{name} (instance {instance}) exited unexpectedly"));
+                    if let Some(node) = self.nodes.get_mut(name) {
+                        node.port = None;
+                    }
+                }
+                return;
+            }
+            FromNode::Event(event) => event,
+            FromNode::Attack(_) | FromNode::AttackerExited => return,
+        };
+        if !current {
+            // A killed incarnation's last words.
+            return;
+        }
+        match event {
+            Event::Ready { port } => {
+                if let Some(node) = self.nodes.get_mut(name) {
+                    node.port = Some(port);
+                }
+            }
+            Event::Exported { id, remote, finished_at_ns } => {
+                let export = remote.request.clone();
+                let fate = self.open.get(&id).map_or(Fate::Normal, |(r, _)| r.fate);
+                let track = self.tracks.entry(export.clone()).or_default();
+                track.finished_at_ns = Some(finished_at_ns);
+                // Sibling 0 goes to D; so do the others when D rejects the whole request.
+                if !self.config.push && (track.outcome.is_none() || fate == Fate::Reject) {
+                    self.dispatch(&export, &id, remote, fate);
+                }
+            }
+            Event::Busy { id } => self.retries.push_back((Instant::now() + Duration::from_millis(20), id)),
+            Event::Freed { id, reason, at_ns } => {
+                self.tracks.entry(id).or_default().freed = Some((reason, at_ns));
+            }
+            Event::Outcome { id, outcome, ready_at_ns, .. } => {
+                let track = self.tracks.get(&id);
+                let from_here = track.and_then(|t| t.decode.as_ref()).is_some_and(|(d, i)| d == name && *i == instance);
+                if from_here && track.is_some_and(|t| t.outcome.is_none()) {
+                    let ready = (outcome == "ok" || outcome == "corrupt").then_some(ready_at_ns);
+                    self.finish_export(&id, &outcome, ready);
+                }
+            }
+            Event::Transfer { bytes, took_ns, ok } => self.transfers.push((bytes, took_ns, ok)),
+            Event::Stats { .. } => {}
+            Event::Error { message } => self.errors.push(format!("{name}: {message}")),
+        }
+    }
+
+    fn finish_export(&mut self, export: &str, outcome: &str, ready_at_ns: Option<u64>) {
+        let Some(track) = self.tracks.get_mut(export) else { return };
+        track.outcome = Some(outcome.to_owned());
+        track.ready_at_ns = ready_at_ns;
+        let parent = track.parent.clone();
+        let Some((_, exports)) = self.open.get(&parent) else { return };
+        if exports.iter().all(|e| self.tracks.get(e).is_some_and(|t| t.outcome.is_some())) {
+            self.open.remove(&parent);
+            self.completed += 1;
+            self.progress.inc(1);
+        }
+    }
+
+    /// Waits until P's pool is empty or the lease has run out twice over, then collects every
+    /// engine's counts.
+    fn drain(&mut self) -> Result<BTreeMap<String, Value>> {
+        let deadline = Instant::now() + Duration::from_millis(self.config.lease_ms * 2 + 2000);
+        loop {
+            let stats = self.collect_stats()?;
+            let held: u64 = stats.values().map(|s| s["held_blocks"].as_u64().unwrap_or(0)).sum();
+            if held == 0 || Instant::now() > deadline {
+                return Ok(stats);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Asks every live engine for its counts and waits for them all.
+    fn collect_stats(&mut self) -> Result<BTreeMap<String, Value>> {
+        let live: Vec<(String, u64)> =
+            self.nodes.iter().filter(|(_, n)| n.port.is_some()).map(|(k, n)| (k.clone(), n.instance)).collect();
+        for (name, _) in &live {
+            self.send(name, &Command::Stats);
+        }
+        let mut stats = BTreeMap::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while stats.len() < live.len() {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            let (name, instance, from) = self.events.recv_timeout(wait).map_err(|_| {
+                anyhow!("engines did not report their counts: {:?}", live.iter().map(|l| &l.0).collect::<Vec<_>>())
+            })?;
+            match from {
+                FromNode::Event(Event::Stats { held_blocks, written_after_free, counters })
+                    if live.contains(&(name.clone(), instance)) =>
+                {
+                    stats.insert(
+                        name,
+                        json!({ "held_blocks": held_blocks, "written_after_free": written_after_free, "counters": counters }),
+                    );
+                }
+                other => self.on_event(&name, instance, other),
+            }
+        }
+        Ok(stats)
+    }
+}
+
+/// The `i`-th request of the workload.
+fn workload(config: &DemoConfig, rng: &mut Rng, i: u32) -> Request {
+    // Log-uniform prompt lengths: many short prompts, some long ones.
+    let (lo, hi) = ((config.min_tokens as f64).ln(), (config.max_tokens as f64).ln());
+    let u = rng.below(1 << 30) as f64 / f64::from(1u32 << 30);
+    let prompt_tokens = ((lo + u * (hi - lo)).exp().round() as u64).clamp(config.min_tokens, config.max_tokens);
+    let n = if rng.chance(config.sibling_rate) { 2 + rng.below(3) as u32 } else { 1 };
+    let fate = if rng.chance(config.reject_rate) {
+        Fate::Reject
+    } else if rng.chance(config.abort_rate) {
+        Fate::Abort(Duration::from_millis(rng.below(40)))
+    } else {
+        Fate::Normal
+    };
+    Request { id: format!("req-{i}"), prompt_tokens, n, fate }
+}
