@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
+use clap::Parser;
 use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint, SideEvent};
 use kv_core::{
     AgentName, EngineId, Handshake, Message, PeerAddress, PeerEvent, PeerInfo, RequestId, Role, Time, Transport,
@@ -24,12 +25,22 @@ use kv_core::{
 use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
 
 use crate::e2e::ProcessClock;
-use crate::proto::{AttackConfig, AttackResult, CLUSTER_KEY_ENV};
+use crate::proto::{from_json, AttackConfig, AttackResult, CLUSTER_KEY_ENV};
+
+/// `kvflow-attack`'s argument.
+#[derive(Parser, Debug)]
+#[command(name = "kvflow-attack", about = "Attacks the P engine of `cargo xtask attack` and reports what held")]
+struct Args {
+    /// What to attack, `xtask::proto::AttackConfig` as JSON.
+    #[arg(value_name = "CONFIG", value_parser = from_json::<AttackConfig>)]
+    config: AttackConfig,
+}
 
 /// The attacker process's entry point.
 pub fn main() -> std::process::ExitCode {
+    let Args { config } = Args::parse();
     crate::logging::init();
-    match run() {
+    match run(config) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("kvflow-attack: {err:#}");
@@ -44,9 +55,7 @@ struct Attacker {
     probes: u32,
 }
 
-fn run() -> Result<()> {
-    let arg = std::env::args().nth(1).ok_or_else(|| anyhow!("usage: kvflow-attack '<AttackConfig as JSON>'"))?;
-    let config: AttackConfig = serde_json::from_str(&arg).context("the attack configuration")?;
+fn run(config: AttackConfig) -> Result<()> {
     kv_transport_nixl::runtime::prepare(None).context("the NIXL runtime")?;
     let mut a = Attacker { config, clock: Arc::new(ProcessClock::start()), probes: 0 };
     // Foreign messages first, while the router's requests are in flight.

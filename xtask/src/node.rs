@@ -20,22 +20,23 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
+use clap::Parser;
 use kv_core::{
     AgentName, BlockId, Clock, EngineId, Handshake, Memory, MemoryKind, PeerAddress, PeerEvent, PoolShape, PreparedId,
     PreparedTransfer, Region, RegionBase, RegionId, RequestId, Role, Time, TransferId, TransferRequest, TransferStatus,
     Transport, TransportError,
 };
-use kv_sched_adapter::driver::WorkerDriver;
+use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{
-    Consumer, Counters, DecodeEvent, DecodeScheduler, DecodeState, DecodeWorker, LocalPool, PrefillEvent,
-    PrefillScheduler, PrefillWorker,
+    Consumer, Counters, DecodeCommand, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker,
+    LocalPool, PrefillCommand, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker,
 };
 use kv_testkit::BlockPool;
 use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
 
 use crate::e2e::ProcessClock;
 use crate::pattern;
-use crate::proto::{wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Remote, CLUSTER_KEY_ENV};
+use crate::proto::{from_json, wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Remote, CLUSTER_KEY_ENV};
 
 /// The model name both sides' handshakes carry.
 /// The model name every demo engine serves.
@@ -50,10 +51,20 @@ const IN_FLIGHT_POLL: Duration = Duration::from_micros(50);
 const PENDING_POLL: Duration = Duration::from_millis(2);
 const IDLE_POLL: Duration = Duration::from_millis(50);
 
+/// `kvflow-node`'s argument.
+#[derive(Parser, Debug)]
+#[command(name = "kvflow-node", about = "An engine process of `cargo xtask demo`, P or D, driven by its router")]
+struct Args {
+    /// The engine's configuration, `xtask::proto::NodeConfig` as JSON.
+    #[arg(value_name = "CONFIG", value_parser = from_json::<NodeConfig>)]
+    config: NodeConfig,
+}
+
 /// Runs the engine its argument describes; the exit code says whether it stopped cleanly.
 pub fn main() -> ExitCode {
+    let Args { config } = Args::parse();
     crate::logging::init();
-    match run() {
+    match run(&config) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             let message = format!("{err:#}");
@@ -64,9 +75,7 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn run() -> Result<()> {
-    let arg = std::env::args().nth(1).ok_or_else(|| anyhow!("usage: kvflow-node '<NodeConfig as JSON>'"))?;
-    let config: NodeConfig = serde_json::from_str(&arg).context("the node configuration")?;
+fn run(config: &NodeConfig) -> Result<()> {
     // Every event of this process carries its engine and incarnation.
     let span = tracing::info_span!("engine", name = %config.name, instance = config.instance);
     let _entered = span.enter();
@@ -75,8 +84,8 @@ fn run() -> Result<()> {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || read_commands(tx));
     match config.role {
-        NodeRole::Prefill => run_node(PrefillNode::new(&config)?, rx),
-        NodeRole::Decode => run_node(DecodeNode::new(&config)?, rx),
+        NodeRole::Prefill => Node::<PrefillSide>::start(config)?.run(rx),
+        NodeRole::Decode => Node::<DecodeSide>::start(config)?.run(rx),
     }
 }
 
@@ -372,100 +381,154 @@ fn until(now: Time, wake: Option<Time>) -> Option<Duration> {
     wake.map(|w| Duration::from_nanos(w.as_nanos().saturating_sub(now.as_nanos())))
 }
 
-/// What the loop needs of an engine, P or D.
-trait EngineNode {
-    fn engine(&mut self) -> &mut Engine;
-    /// Whether transfers are in flight, and the worker's next wake-up.
-    fn wake(&mut self) -> (bool, Option<Time>);
+/// An engine process, P or D: the engine, its rank's worker, and what only its side keeps.
+struct Node<S: Side> {
+    engine: Engine,
+    worker: WorkerDriver<S::Worker>,
+    side: S,
+}
+
+/// What differs between P and D: the worker and its scheduler, and how the side handles the
+/// router's commands and the scheduler's events.
+trait Side: Sized {
+    /// The rank's worker.
+    type Worker: WorkerMachine;
+    /// A command of the scheduler for the worker.
+    type ToWorker;
+    /// The role the rank's handshake offer carries.
+    const ROLE: Role;
+    /// The worker and the side of engine `config`, whose rank offers `offer`, keeps `pool`, and
+    /// listens at `address`.
+    fn new(config: &NodeConfig, offer: &Handshake, pool: LocalPool, address: PeerAddress) -> (Self::Worker, Self);
+    /// Hands the worker a command of the scheduler.
+    fn handle_command(worker: &mut Self::Worker, now: Time, command: Self::ToWorker);
+    /// Hands the scheduler a report of the worker.
+    fn handle_report(&mut self, report: <Self::Worker as WorkerMachine>::Report) -> Result<()>;
+    /// The worker's counters, for the router's report.
+    fn counters(worker: &Self::Worker) -> Counters;
+    /// Carries out what the scheduler asks until nothing is left.
+    fn settle(node: &mut Node<Self>, now: Time) -> Result<()>;
+    /// Handles a command of the router other than `Stats` and `Shutdown`.
+    fn handle(node: &mut Node<Self>, command: Command) -> Result<()>;
+}
+
+impl<S: Side> Node<S> {
+    /// Starts the engine and its side, and tells the router it is ready.
+    fn start(config: &NodeConfig) -> Result<Self> {
+        let (engine, offer, transport) = Engine::start(config, S::ROLE)?;
+        let port = transport.inner.side_channel_addr().port();
+        let address = PeerAddress(format!("127.0.0.1:{port}"));
+        let (machine, side) = S::new(config, &offer, engine.pool(&offer), address);
+        let mut node = Node { engine, worker: WorkerDriver::new(machine, Box::new(transport)), side };
+        node.engine.emit(&Event::Ready { port });
+        Ok(node)
+    }
+
+    /// The engine's loop: a command or the next wake-up, then a step, until told to stop.
+    fn run(mut self, rx: Receiver<Result<Command, String>>) -> Result<()> {
+        loop {
+            let now = self.engine.now();
+            let wake = self.worker.poll_timeout();
+            if let Some(command) = next_command(&rx, self.pace(), until(now, wake)) {
+                if !self.handle(command)? {
+                    return Ok(());
+                }
+            }
+            let now = self.engine.now();
+            self.step(now)?;
+            self.engine.report_transfers();
+        }
+    }
+
     /// How often to poll the transport now.
-    fn pace(&mut self, in_flight: bool) -> Duration {
-        if in_flight {
+    fn pace(&self) -> Duration {
+        if self.worker.in_flight() > 0 {
             IN_FLIGHT_POLL
-        } else if self.engine().blocks.held() > 0 {
+        } else if self.engine.blocks.held() > 0 {
             PENDING_POLL
         } else {
             IDLE_POLL
         }
     }
+
     /// Steps the worker and carries out what follows.
-    fn step(&mut self, now: Time) -> Result<()>;
-    /// Handles one command; `false` to stop.
-    fn handle(&mut self, command: Command) -> Result<bool>;
-}
-
-/// The engine's loop: a command or the next wake-up, then a step, until told to stop.
-fn run_node(mut node: impl EngineNode, rx: Receiver<Result<Command, String>>) -> Result<()> {
-    loop {
-        let now = node.engine().now();
-        let (in_flight, wake) = node.wake();
-        let pace = node.pace(in_flight);
-        if let Some(command) = next_command(&rx, pace, until(now, wake)) {
-            if !node.handle(command)? {
-                return Ok(());
-            }
-        }
-        let now = node.engine().now();
-        node.step(now)?;
-        node.engine().report_transfers();
-    }
-}
-
-struct PrefillNode {
-    engine: Engine,
-    scheduler: PrefillScheduler,
-    worker: WorkerDriver<PrefillWorker>,
-}
-
-impl PrefillNode {
-    fn new(config: &NodeConfig) -> Result<Self> {
-        let (engine, offer, transport) = Engine::start(config, Role::Prefill)?;
-        let connector = config.connector();
-        let port = transport.inner.side_channel_addr().port();
-        let address = PeerAddress(format!("127.0.0.1:{port}"));
-        let scheduler =
-            PrefillScheduler::new(EngineId::new(config.name.clone()), config.instance, vec![address], connector);
-        let worker =
-            WorkerDriver::new(PrefillWorker::new(offer.clone(), connector, engine.pool(&offer)), Box::new(transport));
-        let mut node = PrefillNode { engine, scheduler, worker };
-        node.engine.emit(&Event::Ready { port });
-        Ok(node)
-    }
-}
-
-impl EngineNode for PrefillNode {
-    fn engine(&mut self) -> &mut Engine {
-        &mut self.engine
-    }
-
-    fn wake(&mut self) -> (bool, Option<Time>) {
-        (self.worker.in_flight() > 0, self.worker.poll_timeout())
-    }
-
     fn step(&mut self, now: Time) -> Result<()> {
         for report in self.worker.step(now) {
-            self.scheduler.handle_report(0, report)?;
+            self.side.handle_report(report)?;
         }
-        self.drain(now)
+        S::settle(self, now)
     }
 
+    /// Handles one command; `false` to stop.
     fn handle(&mut self, command: Command) -> Result<bool> {
         match command {
-            Command::Prefill { id, prompt_tokens, n, consumer } => {
-                let consumer = consumer.map(|(engine, instance)| Consumer { engine: EngineId::new(engine), instance });
-                self.prefill(id, prompt_tokens, n, consumer)?
-            }
             Command::Stats => {
-                let counters = self.worker.machine_ref().counters();
+                let counters = S::counters(self.worker.machine_ref());
                 self.engine.stats(counters);
             }
             Command::Shutdown => return Ok(false),
-            other => self.engine.emit(&Event::Error { message: format!("a prefill engine cannot {other:?}") }),
+            other => S::handle(self, other)?,
         }
         Ok(true)
     }
+
+    /// Hands the worker a command of the scheduler, and the scheduler what the worker reports
+    /// at once.
+    fn pass_to_worker(&mut self, now: Time, command: S::ToWorker) -> Result<()> {
+        S::handle_command(self.worker.machine(), now, command);
+        for report in self.worker.flush(now) {
+            self.side.handle_report(report)?;
+        }
+        Ok(())
+    }
 }
 
-impl PrefillNode {
+/// P's side: its scheduler.
+struct PrefillSide {
+    scheduler: PrefillScheduler,
+}
+
+impl Side for PrefillSide {
+    type Worker = PrefillWorker;
+    type ToWorker = PrefillCommand;
+    const ROLE: Role = Role::Prefill;
+
+    fn new(config: &NodeConfig, offer: &Handshake, pool: LocalPool, address: PeerAddress) -> (PrefillWorker, Self) {
+        let connector = config.connector();
+        let engine = EngineId::new(config.name.clone());
+        let scheduler = PrefillScheduler::new(engine, config.instance, vec![address], connector);
+        (PrefillWorker::new(offer.clone(), connector, pool), PrefillSide { scheduler })
+    }
+
+    fn handle_command(worker: &mut PrefillWorker, now: Time, command: PrefillCommand) {
+        worker.handle_command(now, command);
+    }
+
+    fn handle_report(&mut self, report: PrefillReport) -> Result<()> {
+        Ok(self.scheduler.handle_report(0, report)?)
+    }
+
+    fn counters(worker: &PrefillWorker) -> Counters {
+        worker.counters()
+    }
+
+    fn settle(node: &mut Node<Self>, now: Time) -> Result<()> {
+        node.drain(now)
+    }
+
+    fn handle(node: &mut Node<Self>, command: Command) -> Result<()> {
+        match command {
+            Command::Prefill { id, prompt_tokens, n, consumer } => {
+                let consumer = consumer.map(|(engine, instance)| Consumer { engine: EngineId::new(engine), instance });
+                node.prefill(id, prompt_tokens, n, consumer)?;
+            }
+            other => node.engine.emit(&Event::Error { message: format!("a prefill engine cannot {other:?}") }),
+        }
+        Ok(())
+    }
+}
+
+impl Node<PrefillSide> {
     /// Runs a prompt: allocates its blocks, fills them, and exports them (once per sibling).
     fn prefill(&mut self, id: String, prompt_tokens: u64, n: u32, consumer: Option<Consumer>) -> Result<()> {
         let count = kv_core::blocks_for_tokens(prompt_tokens, self.engine.shape.layout.block_tokens) as usize;
@@ -486,7 +549,7 @@ impl PrefillNode {
         let ids: Vec<String> = if n > 1 { (0..n).map(|i| format!("{i}_{id}")).collect() } else { vec![id.clone()] };
         let now = self.engine.now();
         for export in ids {
-            let remote = self.scheduler.handle_finished(
+            let remote = self.side.scheduler.handle_finished(
                 now,
                 RequestId::new(export),
                 blocks.clone(),
@@ -501,14 +564,9 @@ impl PrefillNode {
 
     /// Carries the scheduler's events to the worker and the pool until none is left.
     fn drain(&mut self, now: Time) -> Result<()> {
-        while let Some(event) = self.scheduler.poll_event() {
+        while let Some(event) = self.side.scheduler.poll_event() {
             match event {
-                PrefillEvent::ToWorker { command, .. } => {
-                    self.worker.machine().handle_command(now, command);
-                    for report in self.worker.flush(now) {
-                        self.scheduler.handle_report(0, report)?;
-                    }
-                }
+                PrefillEvent::ToWorker { command, .. } => self.pass_to_worker(now, command)?,
                 PrefillEvent::Free { request, blocks, reason } => {
                     self.engine.release(&blocks)?;
                     let event = Event::Freed {
@@ -531,33 +589,87 @@ struct Load {
     aborted: bool,
 }
 
-struct DecodeNode {
-    engine: Engine,
+/// D's side: its scheduler, and the requests it knows of.
+struct DecodeSide {
     scheduler: DecodeScheduler,
-    worker: WorkerDriver<DecodeWorker>,
     loads: HashMap<RequestId, Load>,
     /// Arrived, not yet given blocks, in arrival order.
     waiting: VecDeque<RequestId>,
 }
 
-impl DecodeNode {
-    fn new(config: &NodeConfig) -> Result<Self> {
-        let (engine, offer, transport) = Engine::start(config, Role::Decode)?;
+impl Side for DecodeSide {
+    type Worker = DecodeWorker;
+    type ToWorker = DecodeCommand;
+    const ROLE: Role = Role::Decode;
+
+    fn new(config: &NodeConfig, offer: &Handshake, pool: LocalPool, _: PeerAddress) -> (DecodeWorker, Self) {
         let connector = config.connector();
-        let port = transport.inner.side_channel_addr().port();
-        let worker =
-            WorkerDriver::new(DecodeWorker::new(offer.clone(), connector, engine.pool(&offer)), Box::new(transport));
-        let mut node = DecodeNode {
-            engine,
+        let side = DecodeSide {
             scheduler: DecodeScheduler::new(1, connector),
-            worker,
             loads: HashMap::new(),
             waiting: VecDeque::new(),
         };
-        node.engine.emit(&Event::Ready { port });
-        Ok(node)
+        (DecodeWorker::new(offer.clone(), connector, pool), side)
     }
 
+    fn handle_command(worker: &mut DecodeWorker, now: Time, command: DecodeCommand) {
+        worker.handle_command(now, command);
+    }
+
+    fn handle_report(&mut self, report: DecodeReport) -> Result<()> {
+        Ok(self.scheduler.handle_report(0, report)?)
+    }
+
+    fn counters(worker: &DecodeWorker) -> Counters {
+        worker.counters()
+    }
+
+    fn settle(node: &mut Node<Self>, now: Time) -> Result<()> {
+        node.schedule()?;
+        node.drain(now)
+    }
+
+    fn handle(node: &mut Node<Self>, command: Command) -> Result<()> {
+        match command {
+            Command::Arrive { id, remote } => {
+                let id = RequestId::new(id);
+                match node.side.scheduler.handle_arrive(id.clone(), remote.to_ref()) {
+                    Ok(()) => {
+                        node.side.loads.insert(id.clone(), Load { remote, blocks: Vec::new(), aborted: false });
+                        node.side.waiting.push_back(id);
+                    }
+                    Err(err) => {
+                        node.engine.emit(&Event::Error { message: format!("{}: {err}", node.engine.name) });
+                        node.outcome(&id, "refused", 0);
+                    }
+                }
+            }
+            Command::Reject { id, remote } => {
+                let id = RequestId::new(id);
+                match node.side.scheduler.handle_reject(id.clone(), remote.to_ref()) {
+                    Ok(()) => node.outcome(&id, "rejected", 0),
+                    Err(err) => {
+                        node.engine.emit(&Event::Error { message: format!("{}: {err}", node.engine.name) });
+                        node.outcome(&id, "refused", 0);
+                    }
+                }
+            }
+            Command::Abort { id } => {
+                let id = RequestId::new(id);
+                if let Some(load) = node.side.loads.get_mut(&id) {
+                    load.aborted = true;
+                }
+                // The outcome follows with the scheduler's `Ended`; a request already done stays done.
+                node.side.scheduler.handle_abort(&id);
+            }
+            other => node.engine.emit(&Event::Error { message: format!("a decode engine cannot {other:?}") }),
+        }
+        let now = node.engine.now();
+        Self::settle(node, now)
+    }
+}
+
+impl Node<DecodeSide> {
     fn outcome(&mut self, id: &RequestId, outcome: &str, bytes: u64) {
         self.outcome_at(id, outcome, bytes, wall_ns());
     }
@@ -566,112 +678,41 @@ impl DecodeNode {
         let event = Event::Outcome { id: id.as_str().to_owned(), outcome: outcome.to_owned(), bytes, ready_at_ns };
         self.engine.emit(&event);
     }
-}
 
-impl EngineNode for DecodeNode {
-    fn engine(&mut self) -> &mut Engine {
-        &mut self.engine
-    }
-
-    fn wake(&mut self) -> (bool, Option<Time>) {
-        (self.worker.in_flight() > 0, self.worker.poll_timeout())
-    }
-
-    fn step(&mut self, now: Time) -> Result<()> {
-        for report in self.worker.step(now) {
-            self.scheduler.handle_report(0, report)?;
-        }
-        self.schedule()?;
-        self.drain(now)
-    }
-
-    fn handle(&mut self, command: Command) -> Result<bool> {
-        match command {
-            Command::Arrive { id, remote } => {
-                let id = RequestId::new(id);
-                match self.scheduler.handle_arrive(id.clone(), remote.to_ref()) {
-                    Ok(()) => {
-                        self.loads.insert(id.clone(), Load { remote, blocks: Vec::new(), aborted: false });
-                        self.waiting.push_back(id);
-                    }
-                    Err(err) => {
-                        self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });
-                        self.outcome(&id, "refused", 0);
-                    }
-                }
-            }
-            Command::Reject { id, remote } => {
-                let id = RequestId::new(id);
-                match self.scheduler.handle_reject(id.clone(), remote.to_ref()) {
-                    Ok(()) => self.outcome(&id, "rejected", 0),
-                    Err(err) => {
-                        self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });
-                        self.outcome(&id, "refused", 0);
-                    }
-                }
-            }
-            Command::Abort { id } => {
-                let id = RequestId::new(id);
-                if let Some(load) = self.loads.get_mut(&id) {
-                    load.aborted = true;
-                }
-                // The outcome follows with the scheduler's `Ended`; a request already done stays done.
-                self.scheduler.handle_abort(&id);
-            }
-            Command::Stats => {
-                let counters = self.worker.machine_ref().counters();
-                self.engine.stats(counters);
-            }
-            Command::Shutdown => return Ok(false),
-            other => self.engine.emit(&Event::Error { message: format!("a decode engine cannot {other:?}") }),
-        }
-        let now = self.engine.now();
-        self.schedule()?;
-        self.drain(now)?;
-        Ok(true)
-    }
-}
-
-impl DecodeNode {
     /// Gives blocks to waiting requests, first come first served, while the pool has them.
     fn schedule(&mut self) -> Result<()> {
-        while let Some(id) = self.waiting.front().cloned() {
-            if self.scheduler.state(&id) != Some(DecodeState::Waiting) {
-                self.waiting.pop_front();
+        while let Some(id) = self.side.waiting.front().cloned() {
+            if self.side.scheduler.state(&id) != Some(DecodeState::Waiting) {
+                self.side.waiting.pop_front();
                 continue;
             }
-            let Some(load) = self.loads.get(&id) else {
-                self.waiting.pop_front();
+            let Some(load) = self.side.loads.get(&id) else {
+                self.side.waiting.pop_front();
                 continue;
             };
             let tokens = self.engine.shape.layout.block_tokens;
             let count = kv_core::blocks_for_tokens(load.remote.prompt_tokens, tokens).max(1) as usize;
             let Some(blocks) = self.engine.allocate(count)? else { break };
-            self.waiting.pop_front();
-            if let Err(err) = self.scheduler.handle_schedule(id.clone(), blocks.clone(), false) {
+            self.side.waiting.pop_front();
+            if let Err(err) = self.side.scheduler.handle_schedule(id.clone(), blocks.clone(), false) {
                 self.engine.release(&blocks)?;
                 self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });
                 continue;
             }
-            self.loads.get_mut(&id).expect("present").blocks = blocks;
+            self.side.loads.get_mut(&id).expect("present").blocks = blocks;
         }
         Ok(())
     }
 
     /// Carries the scheduler's events to the worker and the pool until none is left.
     fn drain(&mut self, now: Time) -> Result<()> {
-        while let Some(event) = self.scheduler.poll_event() {
+        while let Some(event) = self.side.scheduler.poll_event() {
             match event {
-                DecodeEvent::ToWorker { command, .. } => {
-                    self.worker.machine().handle_command(now, command);
-                    for report in self.worker.flush(now) {
-                        self.scheduler.handle_report(0, report)?;
-                    }
-                }
+                DecodeEvent::ToWorker { command, .. } => self.pass_to_worker(now, command)?,
                 DecodeEvent::Ended { request, state: DecodeState::Ready } => {
                     // The KV is in place now; checking it is the demo's work, not the load's.
                     let ready_at_ns = wall_ns();
-                    let Some(load) = self.loads.remove(&request) else { continue };
+                    let Some(load) = self.side.loads.remove(&request) else { continue };
                     let remote_id = RequestId::new(load.remote.request.clone());
                     let parent = remote_id.parent().unwrap_or(remote_id);
                     let seed = pattern::seed(&load.remote.engine, parent.as_str());
@@ -683,15 +724,15 @@ impl DecodeNode {
                 }
                 DecodeEvent::Ended { request, state } => {
                     // A rejection was reported when it was made; it has no load.
-                    let Some(load) = self.loads.get(&request) else { continue };
+                    let Some(load) = self.side.loads.get(&request) else { continue };
                     let aborted = load.aborted || state == DecodeState::Gone;
                     if load.blocks.is_empty() {
-                        self.loads.remove(&request);
+                        self.side.loads.remove(&request);
                     }
                     self.outcome(&request, if aborted { "aborted" } else { state.as_str() }, 0);
                 }
                 DecodeEvent::Free { request, blocks } => {
-                    self.loads.remove(&request);
+                    self.side.loads.remove(&request);
                     self.engine.release(&blocks)?;
                 }
             }
