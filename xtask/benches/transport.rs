@@ -30,19 +30,32 @@
 //! NIXL's thread pool, as vLLM configures it); the table's title names them. The child
 //! process (P) is this binary again, selected by `KVFLOW_BENCH_ROLE`.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use clap::Parser;
 use kv_core::{
-    BlockId, DescriptorPair, Granularity, HeadSlice, Initiator, KvLayout, Memory, MemoryKind, Message, Placement,
-    PlanInput, PoolShape, PoolSide, PreparedTransfer, Region, RegionBase, RequestId, Role, TransferOp, TransferPlan,
-    TransferRequest, Transport,
+    BlockId, DescriptorPair, Granularity, HeadSlice, Initiator, KvLayout, Memory, MemoryKind, Placement, PlanInput,
+    PoolShape, PoolSide, PreparedTransfer, Region, RegionBase, Role, TransferOp, TransferPlan, TransferRequest,
+    Transport,
 };
 use kv_cuda::CudaMemory;
 use kv_transport_nixl::{NixlConfig, NixlTransport};
 use xtask::e2e::{
-    connect, expect_line, gbps, iters_arg, loopback, median, nixl_skip_reason, offer_with, pattern,
-    serve_until_peer_leaves, spawn_self, wait_done,
+    completion, connect, expect_line, gbps, loopback, median, nixl_skip_reason, offer_with, pair, pattern,
+    post_and_wait, post_prepared_and_wait, ran_as_child, round_robin, serve_until_peer_leaves, spawn_self, timed,
+    BenchFlags,
 };
+
+/// The transport bench: 128 MiB of KV read between two processes over NIXL/UCX, six ways.
+#[derive(Parser, Debug)]
+#[command(name = "transport")]
+struct Args {
+    /// Rounds measured after the warm-up round.
+    #[arg(long, value_name = "N", default_value_t = 25, value_parser = clap::value_parser!(u32).range(1..))]
+    iters: u32,
+    #[command(flatten)]
+    flags: BenchFlags,
+}
 
 const BLOCKS: u32 = 64;
 const ROLE: &str = "KVFLOW_BENCH_ROLE";
@@ -102,28 +115,19 @@ fn plan(local: &[RegionBase], remote: &[RegionBase], granularity: Granularity) -
     TransferPlan::build(&input, granularity).expect("bench plan")
 }
 
-fn completion() -> Vec<u8> {
-    Message::Completion { request: RequestId::new("bench"), expected_consumers: 1 }.encode().expect("encode")
-}
-
 fn read(t: &mut NixlTransport, peer: &kv_core::AgentName, pairs: &[DescriptorPair]) -> Duration {
     let request = TransferRequest {
         op: TransferOp::Read,
         peer: peer.clone(),
         pairs: pairs.to_vec(),
-        notification: Some(completion()),
+        notification: Some(completion("bench")),
     };
     // Timed from the post: building the request is not the transport's work.
-    let start = Instant::now();
-    let id = t.post(request).expect("post");
-    wait_done(t, id, start).expect("bench read")
+    post_and_wait(t, request).expect("bench read")
 }
 
 fn read_prepared(t: &mut NixlTransport, request: &PreparedTransfer) -> Duration {
-    let request = request.clone();
-    let start = Instant::now();
-    let id = t.post_prepared(request).expect("post prepared");
-    wait_done(t, id, start).expect("bench read")
+    post_prepared_and_wait(t, request.clone()).expect("bench read")
 }
 
 /// Splits each whole-block descriptor into its planes (K, then V), as a connector that
@@ -177,13 +181,10 @@ fn round3(x: f64) -> f64 {
 }
 
 fn main() {
-    if std::env::var(ROLE).is_ok() {
-        prefill_child();
+    if ran_as_child(ROLE, prefill_child) {
         return;
     }
-    let args: Vec<String> = std::env::args().collect();
-    let json = args.iter().any(|a| a == "--json");
-    let iters = iters_arg(&args, 25);
+    let Args { iters, flags } = Args::parse();
     if let Some(reason) = nixl_skip_reason() {
         eprintln!("transport bench skipped: {reason}");
         std::process::exit(if std::env::var("CI").is_ok_and(|v| v == "true") { 1 } else { 0 });
@@ -197,13 +198,7 @@ fn main() {
     let remote = info.handshake.regions.clone();
     let local = layer_regions(&pool);
     let total = shape().pool_bytes();
-    let raw = vec![DescriptorPair {
-        local_region: 0,
-        local_addr: pool.addr,
-        remote_region: 0,
-        remote_addr: remote[0].addr,
-        len: total,
-    }];
+    let raw = vec![pair(pool.addr, remote[0].addr, total)];
     let merged = plan(&local, &remote, Granularity::Merged);
     // Per-block descriptors prepared once per side; the transfer names (layer, block) indices.
     let s = shape();
@@ -219,7 +214,7 @@ fn main() {
         local_indices: indices.clone(),
         remote: remote_list,
         remote_indices: indices,
-        notification: Some(completion()),
+        notification: Some(completion("bench")),
     };
     let whole_blocks = plan(&local, &remote, Granularity::PerBlock);
     let per_block = split_planes(whole_blocks.pairs(), s.plane_bytes());
@@ -239,35 +234,21 @@ fn main() {
         ("per-block whole", whole_blocks.len()),
         ("prepared blocks", prepared.local_indices.len()),
     ];
-    // Round-robin: every way sees the same stretch of a noisy machine.
-    let mut samples: [Vec<Duration>; 6] = Default::default();
-    for round in 0..=iters {
-        for (i, samples) in samples.iter_mut().enumerate() {
-            let took = match i {
-                0 => {
-                    let start = Instant::now();
-                    memory.copy(sink.id, 0, source.id, 0, total).expect("memcpy");
-                    start.elapsed()
-                }
-                1 => read(&mut d, &info.agent, &raw),
-                2 => read(&mut d, &info.agent, merged.pairs()),
-                3 => read(&mut d, &info.agent, &per_block),
-                4 => read(&mut d, &info.agent, whole_blocks.pairs()),
-                _ => read_prepared(&mut d, &prepared),
-            };
-            // Round 0 warms up.
-            if round > 0 {
-                samples.push(took);
-            }
-        }
-    }
+    let samples = round_robin(ways.len(), iters, |way| match way {
+        0 => timed(|| memory.copy(sink.id, 0, source.id, 0, total).expect("memcpy")),
+        1 => read(&mut d, &info.agent, &raw),
+        2 => read(&mut d, &info.agent, merged.pairs()),
+        3 => read(&mut d, &info.agent, &per_block),
+        4 => read(&mut d, &info.agent, whole_blocks.pairs()),
+        _ => read_prepared(&mut d, &prepared),
+    });
     // What arrived is P's pool, byte for byte, and memcpy copied it whole.
     for (what, region) in [("D's pool", pool), ("memcpy's sink", sink)] {
         let mut back = vec![0u8; total as usize];
         memory.read(region.id, 0, &mut back).expect("read back");
         assert!(back == expected, "the bytes in {what} differ from P's");
     }
-    let [_, raw_s, merged_s, block_s, whole_s, _] = &samples;
+    let [_, raw_s, merged_s, block_s, whole_s, _] = samples.as_slice() else { unreachable!("six ways") };
     let ratios = [
         ("merged_over_raw", "merged / raw", Paired::new(merged_s, raw_s), "target >= 0.9"),
         ("merged_over_per_block", "merged / per-block", Paired::new(merged_s, block_s), "target >= 1.8"),
@@ -288,7 +269,7 @@ fn main() {
     for (_, label, ratio, target) in &ratios {
         println!("  {label:<26} {:<20} {target}", ratio.text());
     }
-    if json {
+    if flags.json {
         // serde_json escapes what the environment put in `params`; format! would not.
         let mut fields = serde_json::Map::new();
         fields.insert("bytes".into(), total.into());

@@ -10,18 +10,30 @@
 //! says why it skipped and exits 0. `--host` runs the same ways over host pools (the copy is then
 //! a memcpy), which needs only the NIXL runtime.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kv_core::{
-    DescriptorPair, Memory, MemoryKind, Message, PreparedTransfer, RequestId, Role, TransferOp, TransferRequest,
-    Transport,
-};
+use clap::Parser;
+use kv_core::{Memory, MemoryKind, PreparedTransfer, Role, TransferOp, TransferRequest, Transport};
 use kv_cuda::CudaMemory;
-use kv_transport_nixl::NixlTransport;
 use xtask::e2e::{
-    connect, expect_line, gbps, gpu_skip_reason, iters_arg, median, nixl_skip_reason, offer, pattern,
-    serve_until_peer_leaves, shape, spawn_self, transport, wait_done, BLOCKS, POOL_BYTES,
+    completion, connect, expect_line, gbps, gpu_skip_reason, median, nixl_skip_reason, offer, pair, pattern,
+    post_and_wait, post_prepared_and_wait, ran_as_child, round_robin, serve_until_peer_leaves, shape, spawn_self,
+    timed, transport, BenchFlags, BLOCKS, POOL_BYTES,
 };
+
+/// The VRAM bench: a 256 MiB pool moved between two processes over NIXL, against a copy.
+#[derive(Parser, Debug)]
+#[command(name = "vram")]
+struct Args {
+    /// Rounds measured after the warm-up round.
+    #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
+    iters: u32,
+    /// Moves host pools instead of GPU memory (the copy is then a memcpy); needs no GPU.
+    #[arg(long)]
+    host: bool,
+    #[command(flatten)]
+    flags: BenchFlags,
+}
 
 const ROLE: &str = "KVFLOW_BENCH_ROLE";
 /// The pools' kind, for the child: `host` or `device`.
@@ -48,28 +60,12 @@ fn prefill_child() {
     serve_until_peer_leaves(&mut t);
 }
 
-fn post(t: &mut NixlTransport, request: TransferRequest) -> Duration {
-    let start = Instant::now();
-    let id = t.post(request).expect("post");
-    wait_done(t, id, start).expect("transfer")
-}
-
-fn post_prepared(t: &mut NixlTransport, request: PreparedTransfer) -> Duration {
-    let start = Instant::now();
-    let id = t.post_prepared(request).expect("post prepared");
-    wait_done(t, id, start).expect("transfer")
-}
-
 fn main() {
-    if std::env::var(ROLE).is_ok() {
-        prefill_child();
+    if ran_as_child(ROLE, prefill_child) {
         return;
     }
-    let args: Vec<String> = std::env::args().collect();
-    let json = args.iter().any(|a| a == "--json");
-    let host = args.iter().any(|a| a == "--host");
+    let Args { iters, host, flags } = Args::parse();
     let kind = pool_kind(host);
-    let iters = iters_arg(&args, 20);
     if let Some(reason) = if host { nixl_skip_reason() } else { gpu_skip_reason() } {
         eprintln!("vram bench skipped: {reason}");
         return;
@@ -88,21 +84,13 @@ fn main() {
     let info = connect(&mut d, port).expect("handshake with P");
     let remote = info.handshake.regions[0];
 
-    let whole = vec![DescriptorPair {
-        local_region: 0,
-        local_addr: pool.addr,
-        remote_region: 0,
-        remote_addr: remote.addr,
-        len: POOL_BYTES,
-    }];
+    let whole = vec![pair(pool.addr, remote.addr, POOL_BYTES)];
     let read =
         TransferRequest { op: TransferOp::Read, peer: info.agent.clone(), pairs: whole.clone(), notification: None };
     let write = TransferRequest { op: TransferOp::Write, peer: info.agent.clone(), pairs: whole, notification: None };
     let s = shape();
     let local_list = d.prepare(None, &s.block_descriptors(&[pool.addr])).expect("prepare D's blocks");
     let remote_list = d.prepare(Some(&info.agent), &s.block_descriptors(&[remote.addr])).expect("prepare P's blocks");
-    let note =
-        Message::Completion { request: RequestId::new("bench"), expected_consumers: 1 }.encode().expect("encode");
     let blocks = PreparedTransfer {
         op: TransferOp::Read,
         peer: info.agent.clone(),
@@ -110,31 +98,18 @@ fn main() {
         local_indices: (0..BLOCKS).collect(),
         remote: remote_list,
         remote_indices: (0..BLOCKS).collect(),
-        notification: Some(note),
+        notification: Some(completion("bench")),
     };
 
     let copy_name = if host { "memcpy" } else { "cuMemcpy DtoD" };
     let ways: [(&str, usize); 4] =
         [(copy_name, 1), ("NIXL read", 1), ("NIXL read blocks", BLOCKS as usize), ("NIXL write", 1)];
-    let mut samples: Vec<Vec<Duration>> = vec![Vec::new(); ways.len()];
-    for round in 0..=iters {
-        for (i, samples) in samples.iter_mut().enumerate() {
-            let took = match i {
-                0 => {
-                    let start = Instant::now();
-                    memory.copy(pool.id, 0, source.id, 0, POOL_BYTES).expect("device copy");
-                    start.elapsed()
-                }
-                1 => post(&mut d, read.clone()),
-                2 => post_prepared(&mut d, blocks.clone()),
-                _ => post(&mut d, write.clone()),
-            };
-            // Round 0 warms up.
-            if round > 0 {
-                samples.push(took);
-            }
-        }
-    }
+    let samples = round_robin(ways.len(), iters, |way| match way {
+        0 => timed(|| memory.copy(pool.id, 0, source.id, 0, POOL_BYTES).expect("device copy")),
+        1 => post_and_wait(&mut d, read.clone()).expect("read"),
+        2 => post_prepared_and_wait(&mut d, blocks.clone()).expect("prepared read"),
+        _ => post_and_wait(&mut d, write.clone()).expect("write"),
+    });
     // What D's pool holds is P's pool, byte for byte (every way moved the same bytes).
     let mut back = vec![0u8; POOL_BYTES as usize];
     memory.read(pool.id, 0, &mut back).expect("read D's pool back");
@@ -154,7 +129,7 @@ fn main() {
         let ms = d.as_secs_f64() * 1e3;
         println!("{name:<18} {descriptors:>12} {ms:>10.3} {g:>10.1} {:>9.2}x", g / copy_gbps);
     }
-    if json {
+    if flags.json {
         let mut fields = serde_json::Map::new();
         fields.insert("kind".into(), kind_name.into());
         fields.insert("bytes".into(), POOL_BYTES.into());

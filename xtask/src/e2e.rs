@@ -11,8 +11,8 @@
 //! memcpy.
 //!
 //! This library holds what the test and the benches share: the pool's layout, the handshake offer,
-//! a transport over a pool, the child process and its serving loop, the byte pattern, and the
-//! benches' arithmetic.
+//! a transport over a pool, the child process and its serving loop, the byte pattern, posting a
+//! transfer and timing it, and the benches' round-robin rounds, arithmetic and common flags.
 //!
 //! For a GPU machine that reaches no registry, `xtask/gpu/pack.sh` packs the release binaries and the
 //! NIXL runtime of the `nixl-cu13` wheel into one small folder, and `xtask/gpu/run.sh` runs the checks
@@ -24,8 +24,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    Attention, Clock, EngineId, Handshake, KvLayout, MemoryOrder, PeerAddress, PeerEvent, PeerInfo, Placement,
-    PoolShape, Region, RegionBase, Role, Time, TransferId, TransferStatus, Transport, TransportError,
+    Clock, DescriptorPair, EngineId, Handshake, KvLayout, Message, PeerAddress, PeerEvent, PeerInfo, PoolShape,
+    PreparedTransfer, Region, RegionBase, RequestId, Role, Time, TransferId, TransferRequest, TransferStatus,
+    Transport, TransportError,
 };
 use kv_transport_nixl::{runtime, NixlConfig, NixlError, NixlTransport};
 
@@ -36,18 +37,10 @@ pub const BLOCK_BYTES: u64 = 32 * 2 * 8 * 128 * 16 * 2;
 /// Bytes of a pool: 256 MiB.
 pub const POOL_BYTES: u64 = BLOCK_BYTES * BLOCKS as u64;
 
-/// The model's KV layout: 2 MiB blocks, block-major, so that a pool is one region.
+/// The model's KV layout: Llama-3-8B-like, 2 MiB blocks of 16 tokens, block-major, so that a
+/// pool is one region.
 pub fn layout() -> KvLayout {
-    KvLayout {
-        layers: 32,
-        block_tokens: 16,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype_bytes: 2,
-        attention: Attention::SplitKv,
-        order: MemoryOrder::Hnd,
-        placement: Placement::BlockMajor,
-    }
+    KvLayout::llama3_8b(16)
 }
 
 /// The pool's shape: every head, [`BLOCKS`] blocks.
@@ -148,6 +141,34 @@ pub fn connect(t: &mut NixlTransport, port: u16) -> Result<PeerInfo, String> {
     Err(format!("no handshake with 127.0.0.1:{port} within 30 s"))
 }
 
+/// One descriptor pair between the first region of each side: `len` bytes at `local_addr` and
+/// at `remote_addr`.
+pub fn pair(local_addr: u64, remote_addr: u64, len: u64) -> DescriptorPair {
+    DescriptorPair { local_region: 0, local_addr, remote_region: 0, remote_addr, len }
+}
+
+/// The notification D sends with a read of `request`: its completion, for one consumer.
+pub fn completion(request: &str) -> Vec<u8> {
+    Message::Completion { request: RequestId::new(request), expected_consumers: 1 }
+        .encode()
+        .expect("a completion encodes")
+}
+
+/// Posts `request` and waits until it is done; returns how long it took from just before the
+/// post (UCX may move the bytes inside the post call).
+pub fn post_and_wait(t: &mut NixlTransport, request: TransferRequest) -> Result<Duration, TransportError> {
+    let start = Instant::now();
+    let id = t.post(request)?;
+    wait_done(t, id, start)
+}
+
+/// As [`post_and_wait`], for a transfer between prepared descriptor lists.
+pub fn post_prepared_and_wait(t: &mut NixlTransport, request: PreparedTransfer) -> Result<Duration, TransportError> {
+    let start = Instant::now();
+    let id = t.post_prepared(request)?;
+    wait_done(t, id, start)
+}
+
 /// Polls a transfer until it is done, spinning, and returns how long it took since `start`.
 pub fn wait_done(t: &mut NixlTransport, id: TransferId, start: Instant) -> Result<Duration, TransportError> {
     loop {
@@ -160,6 +181,16 @@ pub fn wait_done(t: &mut NixlTransport, id: TransferId, start: Instant) -> Resul
             TransferStatus::Failed(e) => return Err(e),
         }
     }
+}
+
+/// Whether this process is the other process of a check, started by [`spawn_self`] with the
+/// environment variable `role` set; if it is, it has run `child`.
+pub fn ran_as_child(role: &str, child: impl FnOnce()) -> bool {
+    let is_child = std::env::var_os(role).is_some();
+    if is_child {
+        child();
+    }
+    is_child
 }
 
 /// This executable again, with `args`, and `env` set: the other process of a check. Its stdout is
@@ -201,13 +232,40 @@ pub fn serve_until_peer_leaves(t: &mut NixlTransport) {
     }
 }
 
-/// A bench's `--iters N`, else `default`.
-pub fn iters_arg(args: &[String], default: usize) -> usize {
-    args.iter()
-        .position(|a| a == "--iters")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+/// The flags both two-process benches take, beside their own (`--iters N`, and `--host` for the
+/// VRAM bench). `cargo bench` passes `--bench` to a `harness = false` bench: it is accepted
+/// and means nothing here.
+#[derive(clap::Args, Debug)]
+pub struct BenchFlags {
+    /// Prints one JSON object as the last line.
+    #[arg(long)]
+    pub json: bool,
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// Times `ways` ways of doing one thing round-robin, so that each sees the same stretch of a
+/// noisy machine: one round to warm up, then `iters` rounds. `run(i)` does way `i` once and
+/// returns how long it took; the result is each way's samples, in order.
+pub fn round_robin(ways: usize, iters: u32, mut run: impl FnMut(usize) -> Duration) -> Vec<Vec<Duration>> {
+    let mut samples = vec![Vec::new(); ways];
+    for round in 0..=iters {
+        for (way, samples) in samples.iter_mut().enumerate() {
+            let took = run(way);
+            // Round 0 warms up.
+            if round > 0 {
+                samples.push(took);
+            }
+        }
+    }
+    samples
+}
+
+/// How long `f` took.
+pub fn timed(f: impl FnOnce()) -> Duration {
+    let start = Instant::now();
+    f();
+    start.elapsed()
 }
 
 /// The middle sample (the upper one of an even count); zero for no samples.

@@ -13,13 +13,13 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    DescriptorPair, Memory, MemoryKind, Message, PeerEvent, PreparedTransfer, RequestId, Role, TransferOp,
-    TransferRequest, Transport,
+    DescriptorPair, Memory, MemoryKind, Message, PeerEvent, PreparedTransfer, Role, TransferOp, TransferRequest,
+    Transport,
 };
 use kv_cuda::CudaMemory;
 use xtask::e2e::{
-    connect, expect_line, gpu_skip_reason, nixl_skip_reason, offer, pattern, shape, spawn_self, transport, wait_done,
-    BLOCKS, BLOCK_BYTES, POOL_BYTES,
+    connect, expect_line, gbps, gpu_skip_reason, nixl_skip_reason, offer, pair, pattern, post_and_wait,
+    post_prepared_and_wait, ran_as_child, shape, spawn_self, transport, BLOCKS, BLOCK_BYTES, POOL_BYTES,
 };
 
 const ROLE: &str = "KVFLOW_TEST_ROLE";
@@ -71,11 +71,7 @@ fn prefill_child() {
 }
 
 fn completion(request: &str) -> Option<Vec<u8>> {
-    Some(Message::Completion { request: RequestId::new(request), expected_consumers: 1 }.encode().unwrap())
-}
-
-fn gbps(bytes: u64, took: Duration) -> f64 {
-    bytes as f64 / took.as_secs_f64() / 1e9
+    Some(xtask::e2e::completion(request))
 }
 
 /// NIXL "might deadlock" with several agents in one process: the tests of this binary take turns.
@@ -84,43 +80,34 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Whether this process is P (and has served as P), rather than a test to run.
-fn ran_as_child() -> bool {
-    if std::env::var(ROLE).as_deref() == Ok("prefill") {
-        prefill_child();
-        return true;
-    }
-    false
-}
-
-fn skip(test: &str, reason: &str) {
-    // Straight to stderr, past libtest's capture, so that a CPU run shows what it skipped.
-    let _ = writeln!(std::io::stderr(), "skipped {test}: {reason}");
-}
-
 #[test]
 fn gpu_two_processes_move_a_256_mib_pool_vram_to_vram_over_nixl() {
     const NAME: &str = "gpu_two_processes_move_a_256_mib_pool_vram_to_vram_over_nixl";
-    if ran_as_child() {
-        return;
-    }
-    if let Some(reason) = gpu_skip_reason() {
-        return skip(NAME, &reason);
-    }
-    move_a_pool_both_ways(NAME, "device", MemoryKind::PinnedHost);
+    check(NAME, gpu_skip_reason, false, "device", MemoryKind::PinnedHost);
 }
 
 #[test]
 fn two_processes_move_a_256_mib_host_pool_over_nixl() {
     const NAME: &str = "two_processes_move_a_256_mib_host_pool_over_nixl";
-    if ran_as_child() {
+    check(NAME, nixl_skip_reason, true, "host", MemoryKind::Host);
+}
+
+/// Test `name`: serves as P if this process is the test's other process; else moves pools of
+/// `kind_name` both ways, or says why it cannot here (`skip_reason`). A test that CI provides
+/// for (`ci_runs_it`: the NIXL runtime, not a GPU) fails under `CI=true` instead of skipping.
+fn check(name: &str, skip_reason: fn() -> Option<String>, ci_runs_it: bool, kind_name: &str, staging: MemoryKind) {
+    if ran_as_child(ROLE, prefill_child) {
         return;
     }
-    if let Some(reason) = nixl_skip_reason() {
-        assert!(std::env::var("CI").as_deref() != Ok("true"), "{NAME}: CI must run the NIXL tests, but {reason}");
-        return skip(NAME, &reason);
+    match skip_reason() {
+        None => move_a_pool_both_ways(name, kind_name, staging),
+        Some(reason) => {
+            let in_ci = std::env::var("CI").as_deref() == Ok("true");
+            assert!(!(ci_runs_it && in_ci), "{name}: CI must run the NIXL tests, but {reason}");
+            // Straight to stderr, past libtest's capture, so that a CPU run shows what it skipped.
+            let _ = writeln!(std::io::stderr(), "skipped {name}: {reason}");
+        }
     }
-    move_a_pool_both_ways(NAME, "host", MemoryKind::Host);
 }
 
 /// The whole exchange, with pools of `kind_name` on both sides and D's staging region of
@@ -145,19 +132,13 @@ fn move_a_pool_both_ways(name: &str, kind_name: &str, staging_kind: MemoryKind) 
 
     // 1. Block b of D's pool from block BLOCKS-1-b of P's: one descriptor pair per block.
     let pairs: Vec<DescriptorPair> = (0..u64::from(BLOCKS))
-        .map(|b| DescriptorPair {
-            local_region: 0,
-            local_addr: pool.addr + b * BLOCK_BYTES,
-            remote_region: 0,
-            remote_addr: remote.addr + (u64::from(BLOCKS) - 1 - b) * BLOCK_BYTES,
-            len: BLOCK_BYTES,
+        .map(|b| {
+            pair(pool.addr + b * BLOCK_BYTES, remote.addr + (u64::from(BLOCKS) - 1 - b) * BLOCK_BYTES, BLOCK_BYTES)
         })
         .collect();
     let request =
         TransferRequest { op: TransferOp::Read, peer: info.agent.clone(), pairs, notification: completion("r1") };
-    let start = Instant::now();
-    let id = d.post(request).unwrap();
-    let took = wait_done(&mut d, id, start).unwrap();
+    let took = post_and_wait(&mut d, request).unwrap();
     eprintln!("{name}: reversed read of 256 MiB in 128 descriptors: {took:?} ({:.1} GB/s)", gbps(POOL_BYTES, took));
     memory.read(pool.id, 0, &mut back).unwrap();
     for b in 0..BLOCKS as usize {
@@ -180,9 +161,7 @@ fn move_a_pool_both_ways(name: &str, kind_name: &str, staging_kind: MemoryKind) 
         remote_indices: (0..BLOCKS).collect(),
         notification: completion("r2"),
     };
-    let start = Instant::now();
-    let id = d.post_prepared(request).unwrap();
-    wait_done(&mut d, id, start).unwrap();
+    post_prepared_and_wait(&mut d, request).unwrap();
     memory.read(pool.id, 0, &mut back).unwrap();
     assert!(back == expected, "D's pool differs from P's after the prepared read");
     assert!(expect_line(&mut out, "NOTIFIED").unwrap().contains("\"r2\""));
@@ -196,9 +175,7 @@ fn move_a_pool_both_ways(name: &str, kind_name: &str, staging_kind: MemoryKind) 
         len: STAGING_BYTES,
     }];
     let request = TransferRequest { op: TransferOp::Read, peer: info.agent.clone(), pairs, notification: None };
-    let start = Instant::now();
-    let id = d.post(request).unwrap();
-    wait_done(&mut d, id, start).unwrap();
+    post_and_wait(&mut d, request).unwrap();
     let mut staged = vec![0u8; STAGING_BYTES as usize];
     memory.read(staging.id, 0, &mut staged).unwrap();
     let at = STAGING_OFFSET as usize;
@@ -206,18 +183,10 @@ fn move_a_pool_both_ways(name: &str, kind_name: &str, staging_kind: MemoryKind) 
 
     // 4. D writes its own pool into P's, whole; P checks its pool when the completion arrives.
     memory.write(pool.id, 0, &pattern(D_SEED, POOL_BYTES as usize)).unwrap();
-    let pairs = vec![DescriptorPair {
-        local_region: 0,
-        local_addr: pool.addr,
-        remote_region: 0,
-        remote_addr: remote.addr,
-        len: POOL_BYTES,
-    }];
+    let pairs = vec![pair(pool.addr, remote.addr, POOL_BYTES)];
     let request =
         TransferRequest { op: TransferOp::Write, peer: info.agent.clone(), pairs, notification: completion("w1") };
-    let start = Instant::now();
-    let id = d.post(request).unwrap();
-    let took = wait_done(&mut d, id, start).unwrap();
+    let took = post_and_wait(&mut d, request).unwrap();
     eprintln!("{name}: write of 256 MiB in 1 descriptor: {took:?} ({:.1} GB/s)", gbps(POOL_BYTES, took));
     let note = expect_line(&mut out, "NOTIFIED").unwrap();
     assert!(note.contains("\"w1\""), "{note}");
