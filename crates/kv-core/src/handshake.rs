@@ -120,21 +120,12 @@ pub fn check_compatible(local: &Handshake, peer: &Handshake) -> Result<Compatibl
 mod tests {
     use super::*;
     use crate::id::EngineId;
-    use crate::layout::{Attention, KvLayout, MemoryOrder, Placement};
+    use crate::layout::{KvLayout, MemoryOrder};
     use crate::time::Time;
     use crate::wire::PROTOCOL_VERSION;
 
     fn offer(role: Role, tp_size: u32, block_tokens: u32) -> Handshake {
-        let layout = KvLayout {
-            layers: 4,
-            block_tokens,
-            kv_heads: 8,
-            head_dim: 64,
-            dtype_bytes: 2,
-            attention: Attention::SplitKv,
-            order: MemoryOrder::Hnd,
-            placement: Placement::BlockMajor,
-        };
+        let layout = KvLayout::split_kv(4, block_tokens, 8, 64, 2);
         Handshake {
             protocol_version: PROTOCOL_VERSION,
             engine: EngineId::new(format!("{role:?}")),

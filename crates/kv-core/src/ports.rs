@@ -373,7 +373,7 @@ pub trait Transport: Send {
 mod tests {
     use super::*;
     use crate::id::EngineId;
-    use crate::layout::{Attention, KvLayout, MemoryOrder, Placement};
+    use crate::layout::KvLayout;
     use crate::wire::{Role, PROTOCOL_VERSION};
 
     #[test]
@@ -384,16 +384,7 @@ mod tests {
 
     #[test]
     fn clock_offset_is_taken_from_the_middle_of_the_round_trip() {
-        let layout = KvLayout {
-            layers: 1,
-            block_tokens: 16,
-            kv_heads: 1,
-            head_dim: 1,
-            dtype_bytes: 1,
-            attention: Attention::SplitKv,
-            order: MemoryOrder::Hnd,
-            placement: Placement::BlockMajor,
-        };
+        let layout = KvLayout::split_kv(1, 16, 1, 1, 1);
         let info = PeerInfo {
             agent: AgentName::new(EngineId::new("p"), 0),
             handshake: Handshake {

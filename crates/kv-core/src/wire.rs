@@ -293,7 +293,7 @@ impl Fnv {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{Attention, MemoryOrder, Placement};
+    use crate::layout::MemoryOrder;
     use proptest::prelude::*;
 
     fn request_id() -> impl Strategy<Value = RequestId> {
@@ -403,16 +403,7 @@ mod tests {
 
     #[test]
     fn handshakes_round_trip_and_hash_what_must_match() {
-        let layout = KvLayout {
-            layers: 32,
-            block_tokens: 16,
-            kv_heads: 8,
-            head_dim: 128,
-            dtype_bytes: 2,
-            attention: Attention::SplitKv,
-            order: MemoryOrder::Hnd,
-            placement: Placement::BlockMajor,
-        };
+        let layout = KvLayout::llama3_8b(16);
         let hs = Handshake {
             protocol_version: PROTOCOL_VERSION,
             engine: EngineId::new("prefill0"),

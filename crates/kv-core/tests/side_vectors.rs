@@ -18,8 +18,7 @@ use hmac::{Hmac, Mac};
 use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint, SideEvent, Transmit};
 use kv_core::wire::compatibility_hash;
 use kv_core::{
-    AgentName, Attention, EngineId, Handshake, KvLayout, LeaseState, MemoryOrder, Message, PeerAddress, Placement,
-    RegionBase, Renewal, Role, Time,
+    AgentName, EngineId, Handshake, KvLayout, LeaseState, Message, PeerAddress, RegionBase, Renewal, Role, Time,
 };
 use sha2::{Digest, Sha256};
 
@@ -97,16 +96,7 @@ impl Block {
 }
 
 fn layout(block_tokens: u32) -> KvLayout {
-    KvLayout {
-        layers: 32,
-        block_tokens,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype_bytes: 2,
-        attention: Attention::SplitKv,
-        order: MemoryOrder::Hnd,
-        placement: Placement::BlockMajor,
-    }
+    KvLayout::llama3_8b(block_tokens)
 }
 
 /// kvflow's agent metadata for one host region, with a stand-in for NIXL's own bytes.

@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use kv_core::{
-    AgentName, Attention, DescriptorPair, EngineId, KvLayout, Memory, MemoryKind, MemoryOrder, Notification,
-    PeerAddress, PeerEvent, Placement, PreparedTransfer, RefusalCause, Region, Role, Time, TransferId, TransferOp,
-    TransferRequest, TransferStatus, Transport, TransportError,
+    AgentName, DescriptorPair, EngineId, KvLayout, Memory, MemoryKind, Notification, PeerAddress, PeerEvent,
+    PreparedTransfer, RefusalCause, Region, Role, Time, TransferId, TransferOp, TransferRequest, TransferStatus,
+    Transport, TransportError,
 };
 use kv_testkit::{offer, FakeHeap, FakeNetwork, FakeTransport, InMemoryMemory, ManualClock, NetConfig, NetStats};
 
@@ -17,16 +17,7 @@ fn ms(n: u64) -> Duration {
 }
 
 fn layout(block_tokens: u32) -> KvLayout {
-    KvLayout {
-        layers: 2,
-        block_tokens,
-        kv_heads: 4,
-        head_dim: 16,
-        dtype_bytes: 2,
-        attention: Attention::SplitKv,
-        order: MemoryOrder::Hnd,
-        placement: Placement::BlockMajor,
-    }
+    KvLayout::split_kv(2, block_tokens, 4, 16, 2)
 }
 
 /// One engine rank: its agent on the network and its pool, one registered region.

@@ -7,8 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    Attention, Clock, EngineId, Handshake, KvLayout, MemoryKind, MemoryOrder, PeerEvent, Placement, Region, RegionBase,
-    RegionId, Role, Time, Transport,
+    Clock, EngineId, Handshake, KvLayout, MemoryKind, PeerEvent, Region, RegionBase, RegionId, Role, Time, Transport,
 };
 use kv_transport_nixl::{runtime, KeySource, NixlConfig, NixlTransport};
 
@@ -51,16 +50,7 @@ pub fn clock() -> Arc<dyn Clock> {
 
 /// A small model: 4 layers, 8 heads of 64, bf16, 16-token blocks: 128 KiB a block.
 pub fn layout(block_tokens: u32) -> KvLayout {
-    KvLayout {
-        layers: 4,
-        block_tokens,
-        kv_heads: 8,
-        head_dim: 64,
-        dtype_bytes: 2,
-        attention: Attention::SplitKv,
-        order: MemoryOrder::Hnd,
-        placement: Placement::BlockMajor,
-    }
+    KvLayout::split_kv(4, block_tokens, 8, 64, 2)
 }
 
 pub const BLOCK_BYTES: usize = 4 * 2 * 8 * 16 * 64 * 2;
