@@ -80,7 +80,7 @@ pub struct Config {
     /// that no write can come (or is seen gone): 2 × `kv_lease_duration` by default.
     pub push_quarantine: Duration,
     /// `kv_load_failure_policy`.
-    pub load_failure_policy: LoadFailurePolicy,
+    pub kv_load_failure_policy: LoadFailurePolicy,
     /// Completions that reached P before their export, kept until it registers (oldest evicted).
     pub early_notification_capacity: usize,
     /// D starts a read only if it has at least this long before P's deadline (clock uncertainty added).
@@ -98,7 +98,7 @@ impl Config {
             decoder_kv_blocks_ttl: Duration::from_secs(480),
             push_registration_timeout: Duration::from_secs(480),
             push_quarantine: kv_lease_duration * 2,
-            load_failure_policy: LoadFailurePolicy::Recompute,
+            kv_load_failure_policy: LoadFailurePolicy::Recompute,
             early_notification_capacity: 8192,
             read_safety_margin: Duration::from_secs(5),
         }

@@ -19,9 +19,9 @@ use std::time::Duration;
 use kv_core::{RequestId, Role, Time};
 
 use crate::cluster::{Cluster, ForgedMessage};
-use kv_sched_adapter::{LoadFailurePolicy, Mode};
+use kv_sched_adapter::{Config, LoadFailurePolicy, Mode};
 
-use crate::scenario::format::{ClusterSpec, Event, Node, PolicySpec, Scenario, Step};
+use crate::scenario::format::{ClusterSpec, Event, Node, Scenario, Step};
 use crate::scenario::runner::{apply, cluster_config};
 use crate::Rng;
 
@@ -80,7 +80,7 @@ pub fn generate(seed: u64) -> Scenario {
         clock_skew: BTreeMap::new(),
     };
     let lease_s = 2 + rng.below(9);
-    let mut policy = PolicySpec::with_lease(Duration::from_secs(lease_s));
+    let mut policy = Config { mode, ..Config::with_lease(Duration::from_secs(lease_s)) };
     policy.decoder_kv_blocks_ttl = Duration::from_secs(5 + rng.below(20));
     policy.push_registration_timeout = policy.decoder_kv_blocks_ttl;
     policy.kv_load_failure_policy =

@@ -187,7 +187,7 @@ impl DecodeScheduler {
     }
 
     fn failed_state(&self) -> DecodeState {
-        match self.config.load_failure_policy {
+        match self.config.kv_load_failure_policy {
             LoadFailurePolicy::Fail => DecodeState::Failed,
             LoadFailurePolicy::Recompute => DecodeState::Recompute,
         }

@@ -9,7 +9,6 @@ pub mod format;
 pub mod runner;
 
 pub use format::{
-    scenario_files, ClusterSpec, Event, Expect, ForgedMessage, Location, Node, PolicySpec, Scenario, ScenarioError,
-    Step,
+    scenario_files, ClusterSpec, Event, Expect, ForgedMessage, Location, Node, Scenario, ScenarioError, Step,
 };
 pub use runner::{run, Outcome};

@@ -7,6 +7,7 @@
 use std::fmt::Write as _;
 
 use kv_core::{EngineId, Time};
+use kv_sched_adapter::Config;
 
 use super::format::{Event, Expect, Node, Scenario, Step};
 use crate::cluster::{Cluster, ClusterConfig};
@@ -34,7 +35,7 @@ impl Outcome {
 /// The cluster a scenario describes, with the network seeded by `seed`.
 pub fn cluster_config(scenario: &Scenario, seed: u64) -> ClusterConfig {
     let spec = scenario.cluster.clone();
-    ClusterConfig { connector: scenario.policy.connector(spec.mode), spec, seed, ..ClusterConfig::default() }
+    ClusterConfig { connector: Config { mode: spec.mode, ..scenario.policy }, spec, seed, ..ClusterConfig::default() }
 }
 
 /// Runs `scenario` with the network seeded by `seed`.

@@ -67,7 +67,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kv_core::{EngineId, RequestId, Role, Time};
-use kv_sched_adapter::{Config, DecodeState, LoadFailurePolicy, Mode, ReleaseReason};
+use kv_sched_adapter::{Config, DecodeState, Mode, ReleaseReason};
 use serde::Deserialize;
 
 pub use error::{Location, ScenarioError};
@@ -79,8 +79,12 @@ pub struct Scenario {
     pub name: String,
     /// The `[cluster]` table, defaults applied.
     pub cluster: ClusterSpec,
-    /// The `[policy]` table, defaults applied.
-    pub policy: PolicySpec,
+    /// The `[policy]` table, defaults applied, as the connectors' settings (`mode` is the
+    /// `[cluster]` table's; what the format has no key for keeps [`Config::with_lease`]'s value).
+    /// Only what would stop the simulation (a zero lease or heartbeat) is refused when the file
+    /// is read; settings the lifecycle code deems unsound together are for it to refuse, as an
+    /// engine would.
+    pub policy: Config,
     /// The `[[step]]` tables in file order, which is non-decreasing time order.
     pub steps: Vec<Step>,
 }
@@ -257,72 +261,6 @@ impl ClusterSpec {
     }
 }
 
-/// The `[policy]` table: the lifecycle settings every engine runs with.
-///
-/// Only what would stop the simulation (a zero lease or heartbeat) is refused here; settings
-/// that the lifecycle code deems unsound together are for it to refuse, as an engine would.
-#[derive(Clone, PartialEq, Eq, Debug)]
-pub struct PolicySpec {
-    /// `kv_lease_duration_s` (30 s); positive.
-    pub kv_lease_duration: Duration,
-    /// `heartbeat_interval_s` (lease / 6); positive.
-    pub heartbeat_interval: Duration,
-    /// `lease_extension_s` (2 × lease / 3).
-    pub lease_extension: Duration,
-    /// `decoder_kv_blocks_ttl_s` (480 s).
-    pub decoder_kv_blocks_ttl: Duration,
-    /// `push_registration_timeout_s` (= `decoder_kv_blocks_ttl`).
-    pub push_registration_timeout: Duration,
-    /// `push_quarantine_s` (2 × lease): how long D keeps blocks it gave up on at the push
-    /// watchdog, unless P confirms that no write can come.
-    pub push_quarantine: Duration,
-    /// `kv_load_failure_policy` (recompute).
-    pub kv_load_failure_policy: LoadFailurePolicy,
-    /// `early_notification_capacity` (8192).
-    pub early_notification_capacity: usize,
-}
-
-impl PolicySpec {
-    /// The defaults of the format for a lease of `kv_lease_duration`: the connector's own,
-    /// [`Config::with_lease`].
-    pub fn with_lease(kv_lease_duration: Duration) -> Self {
-        let defaults = Config::with_lease(kv_lease_duration);
-        PolicySpec {
-            kv_lease_duration,
-            heartbeat_interval: defaults.heartbeat_interval,
-            lease_extension: defaults.lease_extension,
-            decoder_kv_blocks_ttl: defaults.decoder_kv_blocks_ttl,
-            push_registration_timeout: defaults.push_registration_timeout,
-            push_quarantine: defaults.push_quarantine,
-            kv_load_failure_policy: defaults.load_failure_policy,
-            early_notification_capacity: defaults.early_notification_capacity,
-        }
-    }
-
-    /// The connectors' settings for this policy in `mode`; what the format has no key for
-    /// keeps [`Config::with_lease`]'s value.
-    pub fn connector(&self, mode: Mode) -> Config {
-        Config {
-            mode,
-            kv_lease_duration: self.kv_lease_duration,
-            heartbeat_interval: self.heartbeat_interval,
-            lease_extension: self.lease_extension,
-            decoder_kv_blocks_ttl: self.decoder_kv_blocks_ttl,
-            push_registration_timeout: self.push_registration_timeout,
-            push_quarantine: self.push_quarantine,
-            load_failure_policy: self.kv_load_failure_policy,
-            early_notification_capacity: self.early_notification_capacity,
-            ..Config::with_lease(self.kv_lease_duration)
-        }
-    }
-}
-
-impl Default for PolicySpec {
-    fn default() -> Self {
-        PolicySpec::with_lease(Duration::from_secs(30))
-    }
-}
-
 /// One engine of the cluster, as scenario files name it: `prefill0`, `decode1`, ...
 ///
 /// Ordered prefill engines first, then by index. It deserializes from its name; whether the
@@ -486,15 +424,15 @@ pub enum Event {
     },
     /// `reject`: the request reaches D, and D rejects it before admission.
     Reject {
-        /// `request` (required).
+        /// `request` (required): D's id for the request it turns away.
         request: RequestId,
-        /// `node` (decode0): a decode engine.
+        /// `node` (decode0): the decode engine that rejects it.
         #[serde(default = "read::decode0")]
         node: Node,
-        /// `from` (prefill0): a prefill engine.
+        /// `from` (prefill0): the prefill engine whose export the rejection releases.
         #[serde(default = "read::prefill0")]
         from: Node,
-        /// `remote_request` (= `request`): P's id for the request.
+        /// `remote_request` (= `request`): P's id, which the rejection names.
         remote_request: RequestId,
     },
     /// `abort`: the router aborts the request on an engine.

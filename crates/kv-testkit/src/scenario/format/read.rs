@@ -12,13 +12,13 @@ use std::time::Duration;
 
 use kv_core::id::MAX_REQUEST_ID_LEN;
 use kv_core::{Role, Time};
-use kv_sched_adapter::{LoadFailurePolicy, Mode};
+use kv_sched_adapter::{Config, LoadFailurePolicy, Mode};
 use serde::de::{DeserializeOwned, Error as _, IgnoredAny};
 use serde::{Deserialize, Deserializer};
 use toml::de::{DeTable, DeValue, ValueDeserializer};
 use toml::Spanned;
 
-use super::{role_name, ClusterSpec, Event, Expect, Location, Node, PolicySpec, Scenario, ScenarioError, Step};
+use super::{role_name, ClusterSpec, Event, Expect, Location, Node, Scenario, ScenarioError, Step};
 
 /// Parses and validates a scenario from its text.
 pub(super) fn scenario(text: &str) -> Result<Scenario, ScenarioError> {
@@ -67,7 +67,7 @@ struct ClusterFile {
     clock_skew_ms: BTreeMap<Name, Number>,
 }
 
-/// `[policy]`; a key left out takes [`PolicySpec::with_lease`]'s value.
+/// `[policy]`; a key left out takes [`Config::with_lease`]'s value.
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, expecting = "a table")]
 struct PolicyFile {
@@ -164,7 +164,7 @@ impl<'a> Source<'a> {
         let steps = root.get_mut().remove("step");
         let head: FileHead = self.de(Spanned::new(root.span(), DeValue::Table(root.into_inner())), None)?;
         let cluster = self.cluster(head.cluster)?;
-        let policy = self.policy(head.policy)?;
+        let policy = self.policy(head.policy, cluster.mode)?;
         let items = match steps.map(|s| (s.span(), s.into_inner())) {
             None => Vec::new(),
             Some((_, DeValue::Array(items))) => items.into_iter().collect(),
@@ -223,7 +223,7 @@ impl<'a> Source<'a> {
         Ok(cluster)
     }
 
-    fn policy(&self, file: PolicyFile) -> Result<PolicySpec, ScenarioError> {
+    fn policy(&self, file: PolicyFile, mode: Mode) -> Result<Config, ScenarioError> {
         let secs = |value: &Option<Number>| value.as_ref().map(|v| self.duration(v, NANOS_PER_SEC)).transpose();
         let positive = |value: &Option<Number>, got: Duration, note: &str| match value {
             Some(value) if got.is_zero() => {
@@ -232,12 +232,12 @@ impl<'a> Source<'a> {
             _ => Ok(got),
         };
         let lease = secs(&file.kv_lease_duration_s)?.unwrap_or(Duration::from_secs(30));
-        let d = PolicySpec::with_lease(positive(&file.kv_lease_duration_s, lease, "")?);
+        let d = Config { mode, ..Config::with_lease(positive(&file.kv_lease_duration_s, lease, "")?) };
         let heartbeat = secs(&file.heartbeat_interval_s)?.unwrap_or(d.heartbeat_interval);
         // Zero would have D renew forever without time moving.
         let note = format!(" (the default is kv_lease_duration_s / 6 = {:?})", d.heartbeat_interval);
         let ttl = secs(&file.decoder_kv_blocks_ttl_s)?.unwrap_or(d.decoder_kv_blocks_ttl);
-        Ok(PolicySpec {
+        Ok(Config {
             heartbeat_interval: positive(&file.heartbeat_interval_s, heartbeat, &note)?,
             lease_extension: secs(&file.lease_extension_s)?.unwrap_or(d.lease_extension),
             decoder_kv_blocks_ttl: ttl,

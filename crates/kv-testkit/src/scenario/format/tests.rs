@@ -5,6 +5,8 @@
 
 mod errors;
 
+use kv_sched_adapter::LoadFailurePolicy;
+
 use super::*;
 
 /// A folder of the shared scenarios; CI checks `shared/` out beside the repository, at the
