@@ -25,6 +25,8 @@
 //! ```
 
 pub mod blocks;
+#[cfg(any(test, feature = "contract"))]
+pub mod contract;
 pub mod handshake;
 pub mod id;
 pub mod layout;
