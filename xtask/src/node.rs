@@ -15,18 +15,20 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::BufRead;
 use std::process::ExitCode;
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
+use std::task::Waker;
+use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 use clap::Parser;
 use kv_core::{
-    AgentName, BlockId, Clock, EngineId, Handshake, Memory, MemoryKind, PeerAddress, PeerEvent, PoolShape, PreparedId,
-    PreparedTransfer, Region, RegionBase, RegionId, RequestId, Role, Time, TransferId, TransferRequest, TransferStatus,
-    Transport, TransportError,
+    AgentName, BlockId, Clock, EngineId, Handshake, Memory, MemoryKind, PeerAddress, PeerEvent, PollIntervals,
+    PoolShape, PreparedId, PreparedTransfer, Region, RegionBase, RegionId, RequestId, Role, Time, TransferId,
+    TransferRequest, TransferStatus, Transport, TransportError,
 };
-use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
+use kv_sched_adapter::driver::{thread_waker, WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{
     Consumer, Counters, DecodeCommand, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker,
     LocalPool, PrefillCommand, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker,
@@ -42,14 +44,12 @@ use crate::proto::{from_json, wall_ns, write_line, Command, Event, NodeConfig, N
 /// The model name every demo engine serves.
 pub const MODEL: &str = "kvflow-demo";
 
-/// How long the loop sleeps at most while transfers are in flight, and otherwise.
-/// How often the loop polls the transport: while transfers are in flight; while the engine
-/// holds blocks (a notification may be on its way: a completion, a push write's); and with
-/// nothing pending, when only the router's commands (which wake the loop at once) and the
-/// worker's own deadlines can start anything.
-const IN_FLIGHT_POLL: Duration = Duration::from_micros(50);
-const PENDING_POLL: Duration = Duration::from_millis(2);
-const IDLE_POLL: Duration = Duration::from_millis(50);
+/// The longest the loop parks when the driver has nothing due: NIXL keeps the notifications
+/// nobody asks for (a key holder's stray or forged ones) until the engine fetches them, so an
+/// idle engine still fetches now and then. Everything else wakes the loop: the router's
+/// commands unpark it, the transport's waker announces side-channel events, and the driver's
+/// wait time covers deadlines, transfers in flight and the notifications a worker waits for.
+const IDLE_WAIT: Duration = Duration::from_millis(50);
 
 /// `kvflow-node`'s argument.
 #[derive(Parser, Debug)]
@@ -82,23 +82,27 @@ fn run(config: &NodeConfig) -> Result<()> {
     // Before any thread: it sets the environment NIXL reads.
     kv_transport_nixl::runtime::prepare(None).context("the NIXL runtime")?;
     let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || read_commands(tx));
+    let engine = std::thread::current();
+    std::thread::spawn(move || read_commands(tx, engine));
     match config.role {
         NodeRole::Prefill => Node::<PrefillSide>::start(config)?.run(rx),
         NodeRole::Decode => Node::<DecodeSide>::start(config)?.run(rx),
     }
 }
 
-/// Reads command lines until stdin closes (the router is gone), which means shut down.
-fn read_commands(tx: Sender<Result<Command, String>>) {
+/// Reads command lines until stdin closes (the router is gone), which means shut down; each
+/// command unparks the engine's thread.
+fn read_commands(tx: Sender<Result<Command, String>>, engine: Thread) {
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         let parsed = serde_json::from_str(&line).map_err(|e| format!("bad command {line:?}: {e}"));
         if tx.send(parsed).is_err() {
             return;
         }
+        engine.unpark();
     }
     let _ = tx.send(Ok(Command::Shutdown));
+    engine.unpark();
 }
 
 /// Time since the process started.
@@ -169,6 +173,12 @@ impl Transport for TimedTransport {
     }
     fn poll_event(&mut self) -> Option<PeerEvent> {
         self.inner.poll_event()
+    }
+    fn set_waker(&mut self, waker: Waker) {
+        self.inner.set_waker(waker)
+    }
+    fn poll_intervals(&self) -> PollIntervals {
+        self.inner.poll_intervals()
     }
 }
 
@@ -362,25 +372,6 @@ fn host_memory() -> Box<dyn Memory> {
     Box::new(kv_cuda::CudaMemory::new())
 }
 
-/// Waits for the next command, or until the engine's next wake-up.
-fn next_command(rx: &Receiver<Result<Command, String>>, pace: Duration, wake: Option<Duration>) -> Option<Command> {
-    let limit = pace;
-    let wait = wake.map_or(limit, |w| w.min(limit));
-    match rx.recv_timeout(wait) {
-        Ok(Ok(command)) => Some(command),
-        Ok(Err(message)) => {
-            let _ = write_line(&mut std::io::stdout(), &Event::Error { message });
-            None
-        }
-        Err(RecvTimeoutError::Timeout) => None,
-        Err(RecvTimeoutError::Disconnected) => Some(Command::Shutdown),
-    }
-}
-
-fn until(now: Time, wake: Option<Time>) -> Option<Duration> {
-    wake.map(|w| Duration::from_nanos(w.as_nanos().saturating_sub(now.as_nanos())))
-}
-
 /// An engine process, P or D: the engine, its rank's worker, and what only its side keeps.
 struct Node<S: Side> {
     engine: Engine,
@@ -424,30 +415,30 @@ impl<S: Side> Node<S> {
         Ok(node)
     }
 
-    /// The engine's loop: a command or the next wake-up, then a step, until told to stop.
+    /// The engine's loop: the router's commands, a step, then a wait for the next thing to do
+    /// (the driver's wait time, the transport's waker, a command), until told to stop.
     fn run(mut self, rx: Receiver<Result<Command, String>>) -> Result<()> {
+        self.worker.set_waker(thread_waker());
         loop {
-            let now = self.engine.now();
-            let wake = self.worker.poll_timeout();
-            if let Some(command) = next_command(&rx, self.pace(), until(now, wake)) {
-                if !self.handle(command)? {
-                    return Ok(());
+            loop {
+                match rx.try_recv() {
+                    Ok(Ok(command)) => {
+                        if !self.handle(command)? {
+                            return Ok(());
+                        }
+                    }
+                    Ok(Err(message)) => {
+                        let _ = write_line(&mut std::io::stdout(), &Event::Error { message });
+                    }
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => return Ok(()),
                 }
             }
             let now = self.engine.now();
             self.step(now)?;
             self.engine.report_transfers();
-        }
-    }
-
-    /// How often to poll the transport now.
-    fn pace(&self) -> Duration {
-        if self.worker.in_flight() > 0 {
-            IN_FLIGHT_POLL
-        } else if self.engine.blocks.held() > 0 {
-            PENDING_POLL
-        } else {
-            IDLE_POLL
+            let wait = self.worker.wait_time(self.engine.now()).map_or(IDLE_WAIT, |w| w.min(IDLE_WAIT));
+            std::thread::park_timeout(wait);
         }
     }
 

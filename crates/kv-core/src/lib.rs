@@ -43,7 +43,7 @@ pub use id::{AgentName, BlockId, EngineId, RequestId};
 pub use layout::{Attention, KvLayout, LayoutError, MemoryOrder, Placement, PoolShape};
 pub use plan::{DescriptorPair, Granularity, Initiator, PlanError, PlanInput, PoolSide, RegionBase, TransferPlan};
 pub use ports::{
-    Clock, Memory, MemoryError, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PreparedId,
+    Clock, Memory, MemoryError, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PollIntervals, PreparedId,
     PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp, TransferRequest, TransferStatus,
     Transport, TransportError,
 };

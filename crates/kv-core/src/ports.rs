@@ -8,6 +8,8 @@
 //! `poll_*` methods after every input and at its next wake-up.
 
 use std::fmt;
+use std::task::Waker;
+use std::time::Duration;
 
 use crate::handshake::HandshakeError;
 use crate::id::AgentName;
@@ -128,6 +130,22 @@ pub enum TransferOp {
     Read,
     /// Local to remote (push mode, P posts).
     Write,
+}
+
+/// How often an engine must poll a transport for what it cannot signal (see
+/// [`Transport::set_waker`]): `None` where everything of that kind wakes the waker.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct PollIntervals {
+    /// While transfers are in flight: their completion.
+    pub transfers: Option<Duration>,
+    /// While the engine waits for a peer's notification (a completion, an acknowledgement).
+    pub notifications: Option<Duration>,
+}
+
+impl PollIntervals {
+    /// A transport that signals nothing: poll every millisecond for both.
+    pub const UNSIGNALLED: PollIntervals =
+        PollIntervals { transfers: Some(Duration::from_millis(1)), notifications: Some(Duration::from_millis(1)) };
 }
 
 /// A posted transfer's handle, unique within one transport.
@@ -367,6 +385,18 @@ pub trait Transport: Send {
     fn send_notification(&mut self, peer: &AgentName, payload: &[u8]) -> Result<(), TransportError>;
     /// The next peer event or notification, if any, in the order they happened (see [`PeerEvent`]).
     fn poll_event(&mut self) -> Option<PeerEvent>;
+    /// Wakes `waker` whenever the transport's own threads queue something for
+    /// [`Transport::poll_event`] (a handshake, a lost peer), so that an engine can wait instead
+    /// of polling; the waker is woken at once if something is queued already. What the
+    /// transport cannot signal it polls for at [`Transport::poll_intervals`]. A transport
+    /// with no threads of its own (the default) keeps no waker.
+    fn set_waker(&mut self, waker: Waker) {
+        drop(waker);
+    }
+    /// How often to poll for what the waker does not announce.
+    fn poll_intervals(&self) -> PollIntervals {
+        PollIntervals::UNSIGNALLED
+    }
 }
 
 #[cfg(test)]

@@ -5,8 +5,36 @@
 //! lifecycle logic, so swapping the transport (NIXL, the in-memory fake) swaps nothing else.
 //! It is synchronous; a tokio engine calls [`WorkerDriver::step`] from its loop, and the
 //! simulator calls it at each simulated time.
+//!
+//! Between steps an engine waits rather than polls: [`WorkerDriver::wait_time`] says how long
+//! it may (until the machine's next deadline, and no longer than the transport's poll interval
+//! for what the transport cannot signal), and the waker given to [`WorkerDriver::set_waker`]
+//! ends the wait early when the transport's own threads queue something. A synchronous engine
+//! parks its thread with [`thread_waker`]:
+//!
+//! ```no_run
+//! # use kv_sched_adapter::driver::{thread_waker, WorkerDriver, WorkerMachine};
+//! # fn engine<M: WorkerMachine>(driver: &mut WorkerDriver<M>, now: impl Fn() -> kv_core::Time) {
+//! driver.set_waker(thread_waker());
+//! loop {
+//!     let reports = driver.step(now());
+//!     // ... hand `reports` to the scheduler, and the scheduler's commands to the machine ...
+//!     # drop(reports);
+//!     match driver.wait_time(now()) {
+//!         Some(wait) => std::thread::park_timeout(wait),
+//!         None => std::thread::park(),
+//!     }
+//! }
+//! # }
+//! ```
+//! Anything else that should wake the engine (its own input) unparks the thread too; a
+//! spurious wake-up costs one step that finds nothing to do.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::task::{Wake, Waker};
+use std::thread::Thread;
+use std::time::Duration;
 
 use kv_core::{Notification, PeerEvent, PreparedId, Time, TransferId, TransferStatus, Transport, TransportError};
 
@@ -32,6 +60,9 @@ pub trait WorkerMachine {
     fn poll_action(&mut self) -> Option<Action<Self::Report>>;
     /// The next wake-up.
     fn poll_timeout(&mut self) -> Option<Time>;
+    /// Whether the machine waits for something a peer sends (a completion, an acknowledgement,
+    /// a push write's notification), which the transport may not be able to signal.
+    fn awaits_peers(&self) -> bool;
 }
 
 macro_rules! worker_machine {
@@ -58,6 +89,9 @@ macro_rules! worker_machine {
             }
             fn poll_timeout(&mut self) -> Option<Time> {
                 <$machine>::poll_timeout(self)
+            }
+            fn awaits_peers(&self) -> bool {
+                <$machine>::awaits_peers(self)
             }
         }
     };
@@ -173,8 +207,47 @@ impl<M: WorkerMachine> WorkerDriver<M> {
         self.machine.poll_timeout()
     }
 
+    /// Hands the transport the waker that ends an engine's wait when the transport's own
+    /// threads queue something ([`Transport::set_waker`]).
+    pub fn set_waker(&mut self, waker: Waker) {
+        self.transport.set_waker(waker);
+    }
+
+    /// How long the engine may wait from `now` before its next [`WorkerDriver::step`]: until
+    /// the machine's next deadline, and no longer than the transport's poll interval while
+    /// transfers are in flight or the machine awaits a peer; `None` when nothing is due and
+    /// only the waker (or the engine's own input) can bring work.
+    pub fn wait_time(&mut self, now: Time) -> Option<Duration> {
+        let intervals = self.transport.poll_intervals();
+        let deadline = self.machine.poll_timeout().map(|at| at.saturating_since(now));
+        let transfers = if self.in_flight.is_empty() { None } else { intervals.transfers };
+        let peers = if self.machine.awaits_peers() { intervals.notifications } else { None };
+        [deadline, transfers, peers].into_iter().flatten().min()
+    }
+
     /// Transfers posted and not yet ended.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
     }
 }
+
+/// A waker that unparks the calling thread: for an engine that waits with
+/// [`std::thread::park_timeout`] (see the module docs).
+pub fn thread_waker() -> Waker {
+    Waker::from(Arc::new(Unpark(std::thread::current())))
+}
+
+struct Unpark(Thread);
+
+impl Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+#[cfg(test)]
+mod tests;

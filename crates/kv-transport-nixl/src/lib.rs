@@ -34,7 +34,7 @@ pub fn nixl_agent_metadata(agent_metadata: &[u8]) -> Result<&[u8], String> {
     metadata::decode(agent_metadata).map(|(_, nixl)| nixl)
 }
 pub use side::SideStatus;
-pub use transport::{nixl_name, NixlConfig, NixlTransport, DEFAULT_SIDE_CHANNEL_PORT};
+pub use transport::{nixl_name, NixlConfig, NixlTransport, DEFAULT_POLL_INTERVALS, DEFAULT_SIDE_CHANNEL_PORT};
 
 /// Why a [`NixlTransport`] could not be made.
 #[derive(Clone, Debug, thiserror::Error)]

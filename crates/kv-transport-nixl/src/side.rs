@@ -22,6 +22,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::Waker;
 use std::thread::JoinHandle;
 
 use kv_core::side::{ClusterKey, ConnId, NotifyError, SideConfig, SideEndpoint, SideEvent, SideLimits};
@@ -77,9 +78,19 @@ struct Io {
     max_queued: usize,
     sockets_refused: u64,
     refusals_dropped: u64,
+    /// The engine's waker, woken whenever an item is queued.
+    waker: Option<Waker>,
 }
 
 impl Io {
+    /// Queues `item` for the transport and wakes the engine.
+    fn queue(&mut self, item: Item) {
+        self.items.push_back(item);
+        if let Some(waker) = &self.waker {
+            waker.wake_by_ref();
+        }
+    }
+
     /// Carries out what the endpoint asked for: bytes to sockets, closes, events to the queue.
     fn pump(&mut self) {
         while let Some(t) = self.side.poll_transmit() {
@@ -104,7 +115,7 @@ impl Io {
                 }
                 _ => {}
             }
-            self.items.push_back(Item::Event(event));
+            self.queue(Item::Event(event));
         }
     }
 
@@ -167,7 +178,7 @@ impl Shared {
             return;
         }
         if io.established.contains(&conn) {
-            io.items.push_back(Item::PeerClosed(conn));
+            io.queue(Item::PeerClosed(conn));
             return;
         }
         io.sockets.remove(&conn);
@@ -224,6 +235,7 @@ impl SideChannel {
             max_queued,
             sockets_refused: 0,
             refusals_dropped: 0,
+            waker: None,
         };
         let shared = Arc::new(Shared { io: Mutex::new(io), clock, connect_timeout, timer: Notify::new() });
         let (shutdown, stop) = oneshot::channel();
@@ -303,6 +315,15 @@ impl SideChannel {
     }
 
     /// The next thing that happened, if any.
+    /// Wakes `waker` whenever an item is queued from now on, and at once if one is queued.
+    pub(crate) fn set_waker(&self, waker: Waker) {
+        let mut io = self.shared.lock();
+        if !io.items.is_empty() {
+            waker.wake_by_ref();
+        }
+        io.waker = Some(waker);
+    }
+
     pub(crate) fn poll_item(&self) -> Option<Item> {
         self.shared.lock().items.pop_front()
     }

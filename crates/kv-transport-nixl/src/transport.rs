@@ -4,12 +4,13 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::task::Waker;
 use std::time::Duration;
 
 use kv_core::side::{ConnId, SideEvent, SideLimits};
 use kv_core::wire::MAX_MESSAGE_BYTES;
 use kv_core::{
-    AgentName, Clock, Handshake, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PreparedId,
+    AgentName, Clock, Handshake, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PollIntervals, PreparedId,
     PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp, TransferRequest, TransferStatus,
     Transport, TransportError,
 };
@@ -30,6 +31,14 @@ pub const DEFAULT_SIDE_CHANNEL_PORT: u16 = 5600;
 /// NIXL's own default, 0, makes it spin a core whatever the load: on a 2-core machine running
 /// the demo's three engines, that tripled transfer latency (p50 7.2 ms at 0, 2.5 ms at 20 ms).
 pub const DEFAULT_PROGRESS_PERIOD: Duration = Duration::from_millis(10);
+
+/// How often an engine polls a NIXL transport for what it cannot signal, by default: NIXL
+/// reports transfer completions and notifications only when asked (UCX gives no descriptor
+/// for them through NIXL's API), so an engine polls for completions every 50 µs while
+/// transfers are in flight, and for notifications every 2 ms while it waits for a peer.
+/// Side-channel events (handshakes, lost peers) wake the engine's waker instead.
+pub const DEFAULT_POLL_INTERVALS: PollIntervals =
+    PollIntervals { transfers: Some(Duration::from_micros(50)), notifications: Some(Duration::from_millis(2)) };
 
 /// How to build a [`NixlTransport`].
 #[derive(Clone, Debug)]
@@ -52,6 +61,9 @@ pub struct NixlConfig {
     /// `num_threads` and `split_batch_size`, with which NIXL's thread-pool engine splits one
     /// transfer's descriptors across threads. An unknown name fails `NixlTransport::new`.
     pub ucx_params: Vec<(String, String)>,
+    /// How often the engine should poll for completions and notifications
+    /// ([`Transport::poll_intervals`]); [`DEFAULT_POLL_INTERVALS`] unless configured.
+    pub poll_intervals: PollIntervals,
 }
 
 impl Default for NixlConfig {
@@ -63,6 +75,7 @@ impl Default for NixlConfig {
             ucx_workers: None,
             progress_thread: Some(DEFAULT_PROGRESS_PERIOD),
             ucx_params: Vec::new(),
+            poll_intervals: DEFAULT_POLL_INTERVALS,
         }
     }
 }
@@ -161,6 +174,7 @@ pub struct NixlTransport {
     transfers: BTreeMap<TransferId, Pending>,
     next_transfer: u64,
     events: VecDeque<PeerEvent>,
+    poll_intervals: PollIntervals,
 }
 
 impl std::fmt::Debug for NixlTransport {
@@ -228,6 +242,7 @@ impl NixlTransport {
             transfers: BTreeMap::new(),
             next_transfer: 0,
             events: VecDeque::new(),
+            poll_intervals: config.poll_intervals,
         })
     }
 
@@ -484,6 +499,17 @@ impl Transport for NixlTransport {
         let remote = self.peers.get(peer).ok_or_else(|| TransportError::UnknownPeer(peer.clone()))?;
         let sealed = self.side.seal(peer, payload)?;
         self.agent.send_notification(&remote.nixl, &sealed, Some(&self.backend)).map_err(|e| backend_error("notify", e))
+    }
+
+    fn set_waker(&mut self, waker: Waker) {
+        if !self.events.is_empty() {
+            waker.wake_by_ref();
+        }
+        self.side.set_waker(waker);
+    }
+
+    fn poll_intervals(&self) -> PollIntervals {
+        self.poll_intervals
     }
 
     fn poll_event(&mut self) -> Option<PeerEvent> {

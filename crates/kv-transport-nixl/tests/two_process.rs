@@ -1,7 +1,8 @@
 //! Real NIXL/UCX between two processes on loopback: reads and writes of 64 blocks with a
 //! notification, remote ranges checked against the peer's registrations, handshake refusals on
 //! both sides, bad handshake bytes, a killed peer, the cluster key (only its holders handshake,
-//! and their notifications open), a transport made, used and dropped inside a tokio runtime
+//! and their notifications open), a parked engine woken by the transport's waker when its peer
+//! dies, a transport made, used and dropped inside a tokio runtime
 //! and on a plain thread, and one made before the runtime was prepared.
 //!
 //! Each test runs as the parent; it starts this test binary again as the child (selected by
@@ -12,6 +13,9 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -370,6 +374,50 @@ fn a_killed_p_is_reported_lost_within_a_second() {
         other => panic!("expected the peer lost within 1 s, got {other:?}"),
     }
     assert!(killed.elapsed() < Duration::from_secs(1), "took {:?}", killed.elapsed());
+}
+
+/// Unparks the test's thread and remembers that it did.
+struct Flag(std::thread::Thread, AtomicBool);
+
+impl Wake for Flag {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.1.store(true, Ordering::SeqCst);
+        self.0.unpark();
+    }
+}
+
+#[test]
+fn a_parked_engine_is_woken_when_its_peer_dies() {
+    const NAME: &str = "a_parked_engine_is_woken_when_its_peer_dies";
+    if child_main() || !nixl_or_skip(NAME) {
+        return;
+    }
+    let _serial = serial();
+    let (mut child, _out, port) = start_listener(NAME, Role::Prefill, &[]);
+    let pool = HostPool::new(4);
+    let mut d = transport(offer("decode0", Role::Decode, 1, 16, &pool, 4), &pool);
+    let info = connect(&mut d, port);
+    while d.poll_event().is_some() {}
+    let flag = Arc::new(Flag(std::thread::current(), false.into()));
+    d.set_waker(Waker::from(flag.clone()));
+    assert!(!flag.1.load(Ordering::SeqCst), "nothing was queued, so nothing woke");
+    let killed = Instant::now();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The engine waits without polling: only the transport's waker can end this early.
+    while !flag.1.load(Ordering::SeqCst) && killed.elapsed() < Duration::from_secs(2) {
+        std::thread::park_timeout(Duration::from_secs(2).saturating_sub(killed.elapsed()));
+    }
+    let woken = killed.elapsed();
+    assert!(flag.1.load(Ordering::SeqCst), "the waker was not woken in 2 s");
+    assert!(woken < Duration::from_secs(1), "woken after {woken:?}");
+    match d.poll_event() {
+        Some(PeerEvent::Lost(agent)) => assert_eq!(agent, info.agent),
+        other => panic!("woken, but the next event is {other:?}, not the peer lost"),
+    }
 }
 
 /// A key file in a fresh temporary folder, readable by its owner only.

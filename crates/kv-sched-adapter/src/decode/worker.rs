@@ -144,6 +144,12 @@ impl DecodeWorker {
         self.loads.len()
     }
 
+    /// Whether a peer's notification may change something now: an acknowledgement of a
+    /// renewal, P's push write or its answer to a cancel, for a request this rank tracks.
+    pub fn awaits_peers(&self) -> bool {
+        !self.loads.is_empty()
+    }
+
     /// A command from the scheduler.
     pub fn handle_command(&mut self, now: Time, command: DecodeCommand) {
         match command {

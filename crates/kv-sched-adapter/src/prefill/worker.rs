@@ -189,6 +189,12 @@ impl PrefillWorker {
         self.exports.len()
     }
 
+    /// Whether a peer's notification may change something now: a completion, renewal,
+    /// rejection, abort or push registration for an export this rank holds.
+    pub fn awaits_peers(&self) -> bool {
+        !self.exports.is_empty()
+    }
+
     /// How much this rank keeps in its bounded tables, for metrics and bound checks.
     pub fn book(&self) -> PrefillBook {
         PrefillBook {
