@@ -209,21 +209,8 @@ impl Engine {
         let regions = (0..shape.region_count())
             .map(|i| RegionBase { addr: region.addr + u64::from(i) * shape.region_len(), len: shape.region_len() })
             .collect();
-        let offer = Handshake {
-            protocol_version: kv_core::wire::PROTOCOL_VERSION,
-            engine: EngineId::new(config.name.clone()),
-            rank: 0,
-            tp_size: 1,
-            instance: config.instance,
-            role,
-            model: MODEL.to_owned(),
-            layout,
-            num_blocks: config.num_blocks,
-            regions,
-            compat_hash: kv_core::wire::compatibility_hash(MODEL, &layout),
-            clock: Time::ZERO,
-            agent_metadata: Vec::new(),
-        };
+        let agent = AgentName::new(EngineId::new(config.name.clone()), 0);
+        let offer = LocalPool { shape, regions }.offer(&agent, 1, config.instance, role, MODEL);
         let clock = Arc::new(ProcessClock::start());
         // The router's key, when it gave one; without it the side channel is loopback-only anyway.
         let key = match std::env::var_os(CLUSTER_KEY_ENV) {
@@ -390,7 +377,12 @@ trait Side: Sized {
     const ROLE: Role;
     /// The worker and the side of engine `config`, whose rank offers `offer`, keeps `pool`, and
     /// listens at `address`.
-    fn new(config: &NodeConfig, offer: &Handshake, pool: LocalPool, address: PeerAddress) -> (Self::Worker, Self);
+    fn new(
+        config: &NodeConfig,
+        offer: &Handshake,
+        pool: LocalPool,
+        address: PeerAddress,
+    ) -> Result<(Self::Worker, Self)>;
     /// Hands the worker a command of the scheduler.
     fn handle_command(worker: &mut Self::Worker, now: Time, command: Self::ToWorker);
     /// Hands the scheduler a report of the worker.
@@ -409,7 +401,7 @@ impl<S: Side> Node<S> {
         let (engine, offer, transport) = Engine::start(config, S::ROLE)?;
         let port = transport.inner.side_channel_addr().port();
         let address = PeerAddress(format!("127.0.0.1:{port}"));
-        let (machine, side) = S::new(config, &offer, engine.pool(&offer), address);
+        let (machine, side) = S::new(config, &offer, engine.pool(&offer), address).context("the connector")?;
         let mut node = Node { engine, worker: WorkerDriver::new(machine, Box::new(transport)), side };
         node.engine.emit(&Event::Ready { port });
         Ok(node)
@@ -484,11 +476,16 @@ impl Side for PrefillSide {
     type ToWorker = PrefillCommand;
     const ROLE: Role = Role::Prefill;
 
-    fn new(config: &NodeConfig, offer: &Handshake, pool: LocalPool, address: PeerAddress) -> (PrefillWorker, Self) {
+    fn new(
+        config: &NodeConfig,
+        offer: &Handshake,
+        pool: LocalPool,
+        address: PeerAddress,
+    ) -> Result<(PrefillWorker, Self)> {
         let connector = config.connector();
         let engine = EngineId::new(config.name.clone());
-        let scheduler = PrefillScheduler::new(engine, config.instance, vec![address], connector);
-        (PrefillWorker::new(offer.clone(), connector, pool), PrefillSide { scheduler })
+        let scheduler = PrefillScheduler::new(engine, config.instance, vec![address], connector)?;
+        Ok((PrefillWorker::new(offer.clone(), connector, pool)?, PrefillSide { scheduler }))
     }
 
     fn handle_command(worker: &mut PrefillWorker, now: Time, command: PrefillCommand) {
@@ -593,14 +590,14 @@ impl Side for DecodeSide {
     type ToWorker = DecodeCommand;
     const ROLE: Role = Role::Decode;
 
-    fn new(config: &NodeConfig, offer: &Handshake, pool: LocalPool, _: PeerAddress) -> (DecodeWorker, Self) {
+    fn new(config: &NodeConfig, offer: &Handshake, pool: LocalPool, _: PeerAddress) -> Result<(DecodeWorker, Self)> {
         let connector = config.connector();
         let side = DecodeSide {
-            scheduler: DecodeScheduler::new(1, connector),
+            scheduler: DecodeScheduler::new(1, connector)?,
             loads: HashMap::new(),
             waiting: VecDeque::new(),
         };
-        (DecodeWorker::new(offer.clone(), connector, pool), side)
+        Ok((DecodeWorker::new(offer.clone(), connector, pool)?, side))
     }
 
     fn handle_command(worker: &mut DecodeWorker, now: Time, command: DecodeCommand) {

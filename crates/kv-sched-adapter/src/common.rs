@@ -2,11 +2,15 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use kv_core::wire::{compatibility_hash, PROTOCOL_VERSION};
+use kv_core::Role;
 use kv_core::{
     AgentName, BlockId, Compatible, EngineId, Handshake, Message, PeerAddress, PeerInfo, Placement, PoolShape,
     PreparedId, PreparedTransfer, RefusalCause, RegionBase, RequestId, Time, TransferRequest, TransportError,
 };
 use kv_lease::ClockOffset;
+
+use crate::config::ConfigError;
 
 /// A D engine incarnation: the one consumer an export is bound to.
 ///
@@ -198,6 +202,58 @@ pub struct LocalPool {
     pub shape: PoolShape,
     /// Its registered regions.
     pub regions: Vec<RegionBase>,
+}
+
+impl LocalPool {
+    /// The handshake offer of `agent`, a rank of a `tp_size`-wide engine, incarnation
+    /// `instance`, serving `model` in `role` over this pool: its layout, block count and
+    /// regions, the protocol version and the compatibility hash. The transport stamps the
+    /// clock and adds its agent metadata when it sends the offer.
+    pub fn offer(&self, agent: &AgentName, tp_size: u32, instance: u64, role: Role, model: &str) -> Handshake {
+        let layout = self.shape.layout;
+        Handshake {
+            protocol_version: PROTOCOL_VERSION,
+            engine: agent.engine.clone(),
+            rank: agent.rank,
+            tp_size,
+            instance,
+            role,
+            model: model.to_owned(),
+            layout,
+            num_blocks: self.shape.num_blocks,
+            regions: self.regions.clone(),
+            compat_hash: compatibility_hash(model, &layout),
+            clock: Time::ZERO,
+            agent_metadata: Vec::new(),
+        }
+    }
+
+    /// Checks that `offer`, a worker's handshake, describes this pool and a `role` rank, so a
+    /// hand-built offer that disagrees fails at construction instead of failing every load.
+    pub(crate) fn check_offer(&self, offer: &Handshake, role: Role) -> Result<(), ConfigError> {
+        let mismatch = |field, offer: String, pool: String| Err(ConfigError::Offer { field, offer, pool });
+        if offer.role != role {
+            return mismatch("role", format!("{:?}", offer.role), format!("{role:?} (the worker's)"));
+        }
+        if offer.rank >= offer.tp_size {
+            return mismatch("rank", offer.rank.to_string(), format!("below tp_size {}", offer.tp_size));
+        }
+        if offer.layout != self.shape.layout {
+            return mismatch("layout", format!("{:?}", offer.layout), format!("{:?}", self.shape.layout));
+        }
+        if offer.num_blocks != self.shape.num_blocks {
+            return mismatch("num_blocks", offer.num_blocks.to_string(), self.shape.num_blocks.to_string());
+        }
+        if offer.regions != self.regions {
+            return mismatch("regions", format!("{:?}", offer.regions), format!("{:?}", self.regions));
+        }
+        let heads = self.shape.layout.heads_per_rank(offer.tp_size);
+        if self.shape.heads != heads {
+            let pool = format!("{} heads a rank, {heads} at tp_size {}", self.shape.heads, offer.tp_size);
+            return mismatch("tp_size", offer.tp_size.to_string(), pool);
+        }
+        Ok(())
+    }
 }
 
 /// A prepared descriptor list: not asked for, asked for, ready, or refused (then pairs).

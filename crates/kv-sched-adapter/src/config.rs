@@ -62,7 +62,20 @@ impl fmt::Display for ReleaseReason {
 }
 
 /// The connector's settings; [`Config::default`] gives vLLM's defaults.
+///
+/// With the `serde` feature it deserializes from [`ExtraConfig`], the keys an engine already
+/// passes in vLLM's `kv_connector_extra_config`, and is validated as it is read:
+///
+/// ```
+/// # #[cfg(feature = "serde")] {
+/// # let json = r#"{"kv_lease_duration": 12, "kv_load_failure_policy": "fail"}"#;
+/// # fn from_json(json: &str) -> kv_sched_adapter::Config { serde_json::from_str(json).unwrap() }
+/// let config = from_json(json);
+/// assert_eq!(config.heartbeat_interval, std::time::Duration::from_secs(2)); // lease / 6
+/// # }
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Deserialize), serde(try_from = "ExtraConfig"))]
 pub struct Config {
     /// Pull or push.
     pub mode: Mode,
@@ -104,12 +117,38 @@ impl Config {
         }
     }
 
+    /// The settings `extra` gives, every key it leaves out at vLLM's default for its lease
+    /// (`push_registration_timeout` at `decoder_kv_blocks_ttl`), validated.
+    pub fn from_extra(extra: &ExtraConfig) -> Result<Config, ConfigError> {
+        let lease = seconds("kv_lease_duration", extra.kv_lease_duration)?;
+        let d = Config::with_lease(lease.unwrap_or(Duration::from_secs(30)));
+        let ttl = seconds("decoder_kv_blocks_ttl", extra.decoder_kv_blocks_ttl)?.unwrap_or(d.decoder_kv_blocks_ttl);
+        let timeout = seconds("push_registration_timeout", extra.push_registration_timeout)?.unwrap_or(ttl);
+        let config = Config {
+            mode: extra.mode.unwrap_or(d.mode),
+            heartbeat_interval: seconds("heartbeat_interval", extra.heartbeat_interval)?
+                .unwrap_or(d.heartbeat_interval),
+            lease_extension: seconds("heartbeat_lease_extension", extra.heartbeat_lease_extension)?
+                .unwrap_or(d.lease_extension),
+            decoder_kv_blocks_ttl: ttl,
+            push_registration_timeout: timeout,
+            push_quarantine: seconds("push_quarantine", extra.push_quarantine)?.unwrap_or(d.push_quarantine),
+            kv_load_failure_policy: extra.kv_load_failure_policy.unwrap_or(d.kv_load_failure_policy),
+            early_notification_capacity: extra.early_notification_capacity.unwrap_or(d.early_notification_capacity),
+            read_safety_margin: seconds("read_safety_margin", extra.read_safety_margin)?
+                .unwrap_or(d.read_safety_margin),
+            ..d
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
     /// Checks the settings that would make the lifecycle unsound.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let positive = [
             ("kv_lease_duration", self.kv_lease_duration),
             ("heartbeat_interval", self.heartbeat_interval),
-            ("lease_extension", self.lease_extension),
+            ("heartbeat_lease_extension", self.lease_extension),
             ("push_registration_timeout", self.push_registration_timeout),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, d)| d.is_zero()) {
@@ -133,17 +172,85 @@ impl Default for Config {
     }
 }
 
+impl TryFrom<ExtraConfig> for Config {
+    type Error = ConfigError;
+
+    fn try_from(extra: ExtraConfig) -> Result<Config, ConfigError> {
+        Config::from_extra(&extra)
+    }
+}
+
+/// The connector's keys in vLLM's `kv_connector_extra_config`, as an engine already has them:
+/// every key optional (a key left out takes vLLM's default, derived from the lease where vLLM
+/// derives it), durations in seconds as vLLM writes them, and, with the `serde` feature,
+/// unknown keys refused. [`Config::from_extra`] turns it into validated settings.
+#[derive(Clone, Default, PartialEq, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Deserialize), serde(default, deny_unknown_fields))]
+pub struct ExtraConfig {
+    /// `mode`: `"pull"` (the default) or `"push"`.
+    pub mode: Option<Mode>,
+    /// `kv_lease_duration` (30 s): the lease on P's exported blocks.
+    pub kv_lease_duration: Option<f64>,
+    /// `heartbeat_interval` (lease / 6): how often D renews its waiting requests' leases.
+    pub heartbeat_interval: Option<f64>,
+    /// `heartbeat_lease_extension` (2 × lease / 3): a renewal's `expiry = max(old, now + this)`.
+    pub heartbeat_lease_extension: Option<f64>,
+    /// `decoder_kv_blocks_ttl` (480 s).
+    pub decoder_kv_blocks_ttl: Option<f64>,
+    /// `push_registration_timeout` (= `decoder_kv_blocks_ttl`): D gives up a push that never came.
+    pub push_registration_timeout: Option<f64>,
+    /// `push_quarantine` (2 × lease): how long D keeps given-up push blocks out of its pool.
+    pub push_quarantine: Option<f64>,
+    /// `kv_load_failure_policy` (`"recompute"`, or `"fail"`).
+    pub kv_load_failure_policy: Option<LoadFailurePolicy>,
+    /// `early_notification_capacity` (8192): completions staged before their export.
+    pub early_notification_capacity: Option<usize>,
+    /// `read_safety_margin` (5 s): D starts a read only this long before P's deadline.
+    pub read_safety_margin: Option<f64>,
+}
+
+/// `value` seconds of the setting `key`, when it is a finite, non-negative number that fits.
+fn seconds(key: &'static str, value: Option<f64>) -> Result<Option<Duration>, ConfigError> {
+    value.map(|s| Duration::try_from_secs_f64(s).map_err(|_| ConfigError::Seconds { key, value: s })).transpose()
+}
+
 /// Settings that cannot work together.
-#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+#[derive(Clone, PartialEq, Debug, thiserror::Error)]
 pub enum ConfigError {
     /// A duration that must be positive is zero.
-    #[error("{name} must be positive")]
+    #[error("{name} must be positive, not 0")]
     Zero {
         /// The setting.
         name: &'static str,
     },
+    /// A worker's handshake offer does not describe its pool or its role.
+    #[error("the handshake offer's {field} is {offer}, but the pool's is {pool}")]
+    Offer {
+        /// The field that disagrees.
+        field: &'static str,
+        /// The offer's value.
+        offer: String,
+        /// The pool's.
+        pool: String,
+    },
+    /// A scheduler with no TP ranks.
+    #[error("a scheduler needs at least one TP rank, got {tp}")]
+    NoRanks {
+        /// The ranks given.
+        tp: u32,
+    },
+    /// A duration in seconds that is negative, not a number, or too large.
+    #[error("{key} = {value:?} is not a duration in seconds")]
+    Seconds {
+        /// The setting.
+        key: &'static str,
+        /// What it was given.
+        value: f64,
+    },
     /// Heartbeats come no faster than the extension they grant.
-    #[error("heartbeat interval {heartbeat_interval:?} must be shorter than the lease extension {lease_extension:?}")]
+    #[error(
+        "heartbeat_interval {heartbeat_interval:?} must be shorter than heartbeat_lease_extension {lease_extension:?}"
+    )]
     HeartbeatTooSlow {
         /// The interval.
         heartbeat_interval: Duration,
@@ -165,9 +272,53 @@ mod tests {
         let slow = Config { heartbeat_interval: Duration::from_secs(25), ..c };
         assert_eq!(
             slow.validate().unwrap_err().to_string(),
-            "heartbeat interval 25s must be shorter than the lease extension 20s"
+            "heartbeat_interval 25s must be shorter than heartbeat_lease_extension 20s"
         );
         let zero = Config { kv_lease_duration: Duration::ZERO, ..c };
-        assert_eq!(zero.validate().unwrap_err().to_string(), "kv_lease_duration must be positive");
+        assert_eq!(zero.validate().unwrap_err().to_string(), "kv_lease_duration must be positive, not 0");
+    }
+
+    /// What `json` (a `kv_connector_extra_config`) reads as: the settings, or the error's text.
+    #[cfg(feature = "serde")]
+    fn read(json: &str) -> Result<Config, String> {
+        serde_json::from_str::<Config>(json).map_err(|e| e.to_string())
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn extra_config_reads_vllm_keys_in_seconds_with_defaults_from_the_lease() {
+        let secs = Duration::from_secs;
+        assert_eq!(read("{}"), Ok(Config::default()));
+        let c = read(r#"{"kv_lease_duration": 12}"#).unwrap();
+        assert_eq!((c.heartbeat_interval, c.lease_extension, c.push_quarantine), (secs(2), secs(8), secs(24)));
+        let c = read(r#"{"mode": "push", "decoder_kv_blocks_ttl": 60, "kv_load_failure_policy": "fail"}"#).unwrap();
+        assert_eq!((c.mode, c.kv_load_failure_policy), (Mode::Push, LoadFailurePolicy::Fail));
+        assert_eq!((c.decoder_kv_blocks_ttl, c.push_registration_timeout), (secs(60), secs(60)));
+        let c = read(r#"{"heartbeat_interval": 0.5, "heartbeat_lease_extension": 2.5, "read_safety_margin": 1}"#);
+        let c = c.unwrap();
+        assert_eq!(
+            (c.heartbeat_interval, c.lease_extension),
+            (Duration::from_millis(500), Duration::from_millis(2500))
+        );
+        assert_eq!(c.read_safety_margin, secs(1));
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn extra_config_refuses_bad_values_naming_key_and_value() {
+        let check = |json: &str, expected: &str| {
+            let err = read(json).unwrap_err();
+            assert!(err.contains(expected), "{json}: {err:?} does not say {expected:?}");
+        };
+        check(r#"{"kv_lease_duration": -3}"#, "kv_lease_duration = -3.0 is not a duration in seconds");
+        check(r#"{"push_quarantine": 1e300}"#, "push_quarantine = 1e300 is not a duration in seconds");
+        check(r#"{"kv_lease_duration": 0}"#, "kv_lease_duration must be positive, not 0");
+        check(
+            r#"{"heartbeat_interval": 30}"#,
+            "heartbeat_interval 30s must be shorter than heartbeat_lease_extension 20s",
+        );
+        check(r#"{"kv_lease_durations": 30}"#, "unknown field `kv_lease_durations`");
+        check(r#"{"kv_load_failure_policy": "retry"}"#, "unknown variant `retry`");
+        check(r#"{"kv_lease_duration": "30"}"#, "invalid type: string \"30\"");
     }
 }

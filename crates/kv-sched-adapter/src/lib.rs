@@ -47,7 +47,8 @@
 //!
 //! | engine moment | call |
 //! |---|---|
-//! | start-up, per rank | build a transport with its handshake offer; `PrefillWorker::new(offer, config, pool)`; wrap both in a `WorkerDriver` |
+//! | start-up | the settings: `Config` from the engine's `kv_connector_extra_config` ([`ExtraConfig`], serde with the `serde` feature), validated; `PrefillScheduler::new(engine, instance, rank_addresses, config)?` |
+//! | start-up, per rank | the handshake offer from the rank's pool ([`LocalPool::offer`]), a transport with it; `PrefillWorker::new(offer, config, pool)?` (an offer that does not describe the pool, or unsound settings, fail here, naming the values); wrap both in a `WorkerDriver` |
 //! | a request finishes its prompt | `PrefillScheduler::handle_finished(now, id, blocks, prompt_tokens)`; hand the returned [`RemoteRef`] to the router |
 //! | every scheduler step | drain `PrefillScheduler::poll_event`: give `ToWorker` commands to the rank's worker (`handle_command`), free the blocks of `Free` |
 //! | every worker step, per rank | `WorkerDriver::step(now)`; give each report to `PrefillScheduler::handle_report(rank, report)` |
@@ -57,6 +58,7 @@
 //!
 //! | engine moment | call |
 //! |---|---|
+//! | start-up | `DecodeScheduler::new(tp, config)?`, and per rank `DecodeWorker::new(pool.offer(..), config, pool)?` in a `WorkerDriver` |
 //! | a request with P's [`RemoteRef`] enters the waiting queue | `DecodeScheduler::handle_arrive(id, remote)` |
 //! | blocks are allocated for it | `DecodeScheduler::handle_schedule(id, blocks, prefix_hit)` |
 //! | it is rejected before admission | `DecodeScheduler::handle_reject(id, remote)` |
@@ -92,7 +94,7 @@ pub mod driver;
 mod prefill;
 
 pub use common::{Action, Consumer, Counters, ExportInfo, LocalPool, RemoteRef, XferToken};
-pub use config::{Config, ConfigError, LoadFailurePolicy, Mode, ReleaseReason};
+pub use config::{Config, ConfigError, ExtraConfig, LoadFailurePolicy, Mode, ReleaseReason};
 pub use decode::{
     DecodeCommand, DecodeError, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LoadOutcome,
 };

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, VecDeque};
 use kv_core::{BlockId, RequestId};
 
 use crate::common::RemoteRef;
-use crate::config::{Config, LoadFailurePolicy, Mode};
+use crate::config::{Config, ConfigError, LoadFailurePolicy, Mode};
 
 /// What D's scheduler tells a worker rank.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -175,9 +175,14 @@ pub struct DecodeScheduler {
 }
 
 impl DecodeScheduler {
-    /// A scheduler for an engine of `tp` ranks.
-    pub fn new(tp: u32, config: Config) -> Self {
-        DecodeScheduler { tp, config, requests: BTreeMap::new(), events: VecDeque::new() }
+    /// A scheduler for an engine of `tp` ranks; fails on settings that cannot work
+    /// ([`Config::validate`]) or no ranks.
+    pub fn new(tp: u32, config: Config) -> Result<Self, ConfigError> {
+        config.validate()?;
+        if tp == 0 {
+            return Err(ConfigError::NoRanks { tp });
+        }
+        Ok(DecodeScheduler { tp, config, requests: BTreeMap::new(), events: VecDeque::new() })
     }
 
     fn broadcast(&mut self, command: impl Fn() -> DecodeCommand) {

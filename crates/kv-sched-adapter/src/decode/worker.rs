@@ -32,7 +32,7 @@ use super::scheduler::{DecodeCommand, DecodeReport, LoadOutcome};
 use crate::common::{
     block_indices, Action, Consumer, Counters, LocalPool, Outbox, Peer, PreparedLists, RemoteRef, XferToken,
 };
-use crate::config::{Config, Mode};
+use crate::config::{Config, ConfigError, Mode};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Phase {
@@ -115,9 +115,13 @@ pub struct DecodeWorker {
 }
 
 impl DecodeWorker {
-    /// The worker of the rank that `offer` describes, over `pool`.
-    pub fn new(offer: Handshake, config: Config, pool: LocalPool) -> Self {
-        DecodeWorker {
+    /// The worker of the rank that `offer` describes, over `pool`; fails on settings that
+    /// cannot work ([`Config::validate`]) or an offer that does not describe `pool`
+    /// ([`LocalPool::offer`] builds one that does).
+    pub fn new(offer: Handshake, config: Config, pool: LocalPool) -> Result<Self, ConfigError> {
+        config.validate()?;
+        pool.check_offer(&offer, Role::Decode)?;
+        Ok(DecodeWorker {
             heartbeats: HeartbeatPlanner::new(config.heartbeat_interval),
             offer,
             config,
@@ -131,7 +135,7 @@ impl DecodeWorker {
             lists: PreparedLists::default(),
             out: Outbox::default(),
             counters: Counters::default(),
-        }
+        })
     }
 
     /// What this rank counted.

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use kv_core::{BlockId, EngineId, PeerAddress, RequestId, Time};
 
 use crate::common::{Consumer, ExportInfo, RemoteRef};
-use crate::config::{Config, ReleaseReason};
+use crate::config::{Config, ConfigError, ReleaseReason};
 
 /// What P's scheduler tells a worker rank.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -97,10 +97,28 @@ pub struct PrefillScheduler {
 
 impl PrefillScheduler {
     /// A scheduler for incarnation `instance` of `engine` (the value its workers' handshakes
-    /// carry), whose rank `r` listens at `addresses[r]`.
-    pub fn new(engine: EngineId, instance: u64, addresses: Vec<PeerAddress>, config: Config) -> Self {
-        let tp = addresses.len() as u32;
-        PrefillScheduler { engine, instance, tp, addresses, config, exports: BTreeMap::new(), events: VecDeque::new() }
+    /// carry), whose rank `r` listens at `addresses[r]`; fails on settings that cannot work
+    /// ([`Config::validate`]) or no address.
+    pub fn new(
+        engine: EngineId,
+        instance: u64,
+        addresses: Vec<PeerAddress>,
+        config: Config,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let tp = u32::try_from(addresses.len()).unwrap_or(u32::MAX);
+        if tp == 0 {
+            return Err(ConfigError::NoRanks { tp });
+        }
+        Ok(PrefillScheduler {
+            engine,
+            instance,
+            tp,
+            addresses,
+            config,
+            exports: BTreeMap::new(),
+            events: VecDeque::new(),
+        })
     }
 
     /// A request finished its prompt: export `blocks` under a lease from `now`, bound to

@@ -32,7 +32,7 @@ use kv_lease::LeaseTable;
 use super::book::{EarlyStage, GoneIncarnations, Recent};
 use super::scheduler::{PrefillCommand, PrefillReport};
 use crate::common::{block_indices, Action, Consumer, Counters, LocalPool, Outbox, Peer, PreparedLists, XferToken};
-use crate::config::{Config, Mode, ReleaseReason};
+use crate::config::{Config, ConfigError, Mode, ReleaseReason};
 
 /// At most this many parents whose sibling was transferred are remembered (seed 002's bound),
 /// each for one lease; a sibling that registers later than that is held by its own lease.
@@ -147,9 +147,13 @@ pub struct PrefillWorker {
 }
 
 impl PrefillWorker {
-    /// The worker of the rank that `offer` describes (its agent's handshake), over `pool`.
-    pub fn new(offer: Handshake, config: Config, pool: LocalPool) -> Self {
-        PrefillWorker {
+    /// The worker of the rank that `offer` describes (its agent's handshake), over `pool`;
+    /// fails on settings that cannot work ([`Config::validate`]) or an offer that does not
+    /// describe `pool` ([`LocalPool::offer`] builds one that does).
+    pub fn new(offer: Handshake, config: Config, pool: LocalPool) -> Result<Self, ConfigError> {
+        config.validate()?;
+        pool.check_offer(&offer, Role::Prefill)?;
+        Ok(PrefillWorker {
             early: EarlyStage::new(config.early_notification_capacity),
             offer,
             config,
@@ -167,7 +171,7 @@ impl PrefillWorker {
             lists: PreparedLists::default(),
             out: Outbox::default(),
             counters: Counters::default(),
-        }
+        })
     }
 
     /// How long an early message waits for its export. A push registration may come long

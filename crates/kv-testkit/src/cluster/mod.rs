@@ -34,12 +34,12 @@ use kv_core::{
 };
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{
-    Config, Counters, DecodeEvent, DecodeScheduler, DecodeState, DecodeWorker, LocalPool, PrefillCommand, PrefillEvent,
-    PrefillScheduler, PrefillWorker, ReleaseReason, RemoteRef,
+    Config, ConfigError, Counters, DecodeEvent, DecodeScheduler, DecodeState, DecodeWorker, LocalPool, PrefillCommand,
+    PrefillEvent, PrefillScheduler, PrefillWorker, ReleaseReason, RemoteRef,
 };
 
 use crate::scenario::ClusterSpec;
-use crate::{offer, BlockPool, FakeHeap, FakeNetwork, InMemoryMemory, ManualClock, NetConfig};
+use crate::{BlockPool, FakeHeap, FakeNetwork, InMemoryMemory, ManualClock, NetConfig, FAKE_MODEL};
 
 pub use faults::ForgedMessage;
 use oracle::{Computed, RankMemory};
@@ -261,7 +261,7 @@ impl Cluster {
         &mut self,
         engine: &EngineId,
         role: Role,
-        worker: impl Fn(Handshake, LocalPool) -> M,
+        worker: impl Fn(Handshake, LocalPool) -> Result<M, ConfigError>,
     ) -> Result<(Vec<RankMemory>, Vec<WorkerDriver<M>>), ClusterError> {
         let spec = &self.config.spec;
         let (tp, num_blocks) = (spec.tp_size(role), spec.num_blocks(role));
@@ -278,17 +278,15 @@ impl Cluster {
                 .allocate(MemoryKind::Host, shape.pool_bytes())
                 .map_err(|e| ClusterError(format!("{engine}: {e}")))?;
             let agent = AgentName::new(engine.clone(), rank);
-            let mut hs = offer(&agent, role, tp, layout);
-            hs.num_blocks = num_blocks;
-            hs.instance = instance;
-            hs.regions = vec![RegionBase { addr: region.addr, len: region.len }];
+            let pool = LocalPool { shape, regions: vec![RegionBase { addr: region.addr, len: region.len }] };
+            let hs = pool.offer(&agent, tp, instance, role, FAKE_MODEL);
             let mut transport = self
                 .net
                 .transport(agent, Self::address(engine, rank), heap, hs.clone())
                 .map_err(|e| ClusterError(e.to_string()))?;
             kv_core::Transport::register(&mut transport, &region).map_err(|e| ClusterError(e.to_string()))?;
-            let pool = LocalPool { shape, regions: hs.regions.clone() };
-            workers.push(WorkerDriver::new(worker(hs, pool), Box::new(transport)));
+            let machine = worker(hs, pool).map_err(|e| ClusterError(format!("{engine} rank {rank}: {e}")))?;
+            workers.push(WorkerDriver::new(machine, Box::new(transport)));
             ranks.push(RankMemory::new(memory, region, shape, rank));
         }
         Ok((ranks, workers))
@@ -302,7 +300,8 @@ impl Cluster {
         let addresses = (0..spec.prefill_tp).map(|r| Self::address(id, r)).collect();
         Ok(PrefillEngine {
             id: id.clone(),
-            scheduler: PrefillScheduler::new(id.clone(), self.instance(id), addresses, connector),
+            scheduler: PrefillScheduler::new(id.clone(), self.instance(id), addresses, connector)
+                .map_err(|e| ClusterError(format!("{id}: {e}")))?,
             workers,
             ranks,
             pool: BlockPool::new(spec.prefill_num_blocks),
@@ -317,7 +316,8 @@ impl Cluster {
         let spec = &self.config.spec;
         Ok(DecodeEngine {
             id: id.clone(),
-            scheduler: DecodeScheduler::new(spec.decode_tp, connector),
+            scheduler: DecodeScheduler::new(spec.decode_tp, connector)
+                .map_err(|e| ClusterError(format!("{id}: {e}")))?,
             workers,
             ranks,
             pool: BlockPool::new(spec.decode_num_blocks),

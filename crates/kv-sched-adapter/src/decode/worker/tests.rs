@@ -1,28 +1,52 @@
 //! Unit tests of the decode worker; the scenarios and random seeds of kv-testkit drive the rest of it.
 
-use kv_core::{EngineId, KvLayout, PeerAddress, PoolShape, Role, Time};
+use kv_core::{EngineId, KvLayout, PeerAddress, PoolShape, RegionBase, Role, Time};
+
+use crate::DecodeScheduler;
 
 use super::*;
 
-fn worker(tp: u32) -> DecodeWorker {
+fn pool(tp: u32) -> LocalPool {
     let layout = KvLayout::split_kv(2, 16, 4, 8, 2);
     let shape = PoolShape::new(layout, layout.kv_heads / tp, 8).unwrap();
-    let offer = Handshake {
-        protocol_version: kv_core::wire::PROTOCOL_VERSION,
-        engine: EngineId::new("decode0"),
-        rank: 0,
-        tp_size: tp,
-        instance: 1,
-        role: Role::Decode,
-        model: "m".into(),
-        layout,
-        num_blocks: 8,
-        regions: Vec::new(),
-        compat_hash: kv_core::wire::compatibility_hash("m", &layout),
-        clock: Time::ZERO,
-        agent_metadata: Vec::new(),
+    LocalPool { shape, regions: vec![RegionBase { addr: 0x10_0000, len: shape.pool_bytes() }] }
+}
+
+fn worker(tp: u32) -> DecodeWorker {
+    let pool = pool(tp);
+    let offer = pool.offer(&AgentName::new(EngineId::new("decode0"), 0), tp, 1, Role::Decode, "m");
+    DecodeWorker::new(offer, Config::default(), pool).unwrap()
+}
+
+#[test]
+fn a_worker_is_refused_when_its_offer_or_settings_disagree_naming_the_values() {
+    let check = |tp: u32, change: &dyn Fn(&mut Handshake, &mut Config), expected: &str| {
+        let pool = pool(tp);
+        let mut offer = pool.offer(&AgentName::new(EngineId::new("decode0"), 0), tp, 1, Role::Decode, "m");
+        let mut config = Config::default();
+        change(&mut offer, &mut config);
+        let err = DecodeWorker::new(offer, config, pool).unwrap_err().to_string();
+        assert_eq!(err, expected);
     };
-    DecodeWorker::new(offer, Config::default(), LocalPool { shape, regions: Vec::new() })
+    check(2, &|o, _| o.num_blocks = 0, "the handshake offer's num_blocks is 0, but the pool's is 8");
+    check(
+        2,
+        &|o, _| o.role = Role::Prefill,
+        "the handshake offer's role is Prefill, but the pool's is Decode (the worker's)",
+    );
+    check(
+        2,
+        &|o, _| o.tp_size = 4,
+        "the handshake offer's tp_size is 4, but the pool's is 2 heads a rank, 1 at tp_size 4",
+    );
+    check(2, &|o, _| o.rank = 2, "the handshake offer's rank is 2, but the pool's is below tp_size 2");
+    check(
+        2,
+        &|o, _| o.regions.clear(),
+        "the handshake offer's regions is [], but the pool's is [RegionBase { addr: 1048576, len: 16384 }]",
+    );
+    check(1, &|_, c| c.kv_lease_duration = std::time::Duration::ZERO, "kv_lease_duration must be positive, not 0");
+    assert!(DecodeScheduler::new(0, Config::default()).is_err_and(|e| e.to_string().contains("got 0")));
 }
 
 fn remote(tp_size: u32, addresses: usize) -> RemoteRef {
