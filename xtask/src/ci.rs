@@ -11,8 +11,8 @@ use crate::workspace::{self, cargo, cargo_env};
 
 /// Runs the fmt check, provisions libclang and the NIXL runtime (see [`provision::ensure`]),
 /// then clippy with `-D warnings` and every test of the workspace, with the provisioned paths in
-/// their environment, `cargo package` of every library crate, then a short demo in each mode
-/// and the attack suite.
+/// their environment, the examples, `cargo package` of every library crate, then a short demo
+/// in each mode and the attack suite.
 pub fn run() -> Result<()> {
     let root = workspace::root();
     cargo(&root, &["fmt", "--all", "--", "--check"])?;
@@ -27,6 +27,8 @@ pub fn run() -> Result<()> {
         ["clippy", "--workspace", "--all-targets", "--locked", "--features", "xtask/nixl", "--", "-D", "warnings"];
     cargo_env(&root, &clippy, &envs)?;
     cargo_env(&root, &["test", "--workspace", "--locked", "--features", "xtask/nixl"], &envs)?;
+    // The examples a user runs first (`cargo test` only builds them).
+    cargo(&root, &["run", "--locked", "-q", "-p", "kv-testkit", "--example", "pull_pair"])?;
     // Every library crate packages and builds from its package, as a user's dependency would.
     // Cargo takes its own unpublished packages for immutable registry crates: it reuses their
     // unpacked sources and their build artifacts by name and version. Fresh ones, each run.
