@@ -40,7 +40,6 @@ use crate::e2e::ProcessClock;
 use crate::pattern;
 use crate::proto::{from_json, wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Remote, CLUSTER_KEY_ENV};
 
-/// The model name both sides' handshakes carry.
 /// The model name every demo engine serves.
 pub const MODEL: &str = "kvflow-demo";
 
@@ -105,7 +104,6 @@ fn read_commands(tx: Sender<Result<Command, String>>, engine: Thread) {
     engine.unpark();
 }
 
-/// Time since the process started.
 /// A transfer that ended: bytes, post-to-end time, success.
 type Ended = (u64, Duration, bool);
 

@@ -314,7 +314,6 @@ impl SideChannel {
         Ok(())
     }
 
-    /// The next thing that happened, if any.
     /// Wakes `waker` whenever an item is queued from now on, and at once if one is queued.
     pub(crate) fn set_waker(&self, waker: Waker) {
         let mut io = self.shared.lock();
@@ -324,6 +323,7 @@ impl SideChannel {
         io.waker = Some(waker);
     }
 
+    /// The next thing that happened, if any.
     pub(crate) fn poll_item(&self) -> Option<Item> {
         self.shared.lock().items.pop_front()
     }
