@@ -137,21 +137,11 @@ impl Attacker {
 
     /// A handshake offer of a D engine that P accepts (no memory: none is needed to talk).
     fn offer(&self, engine: &str, instance: u64) -> Handshake {
-        let layout = self.config.model.layout();
+        let agent = AgentName::new(EngineId::new(engine), 0);
+        let model = crate::node::MODEL;
         Handshake {
-            protocol_version: kv_core::wire::PROTOCOL_VERSION,
-            engine: EngineId::new(engine),
-            rank: 0,
-            tp_size: 1,
-            instance,
-            role: Role::Decode,
-            model: crate::node::MODEL.to_owned(),
-            layout,
             num_blocks: 1,
-            regions: Vec::new(),
-            compat_hash: kv_core::wire::compatibility_hash(crate::node::MODEL, &layout),
-            clock: Time::ZERO,
-            agent_metadata: Vec::new(),
+            ..Handshake::new(&agent, 1, instance, Role::Decode, model, self.config.model.layout())
         }
     }
 

@@ -24,9 +24,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    Clock, DescriptorPair, EngineId, Handshake, KvLayout, Message, PeerAddress, PeerEvent, PeerInfo, PoolShape,
-    PreparedTransfer, Region, RegionBase, RequestId, Role, Time, TransferId, TransferRequest, TransferStatus,
-    Transport, TransportError,
+    AgentName, Clock, DescriptorPair, EngineId, Handshake, KvLayout, Message, PeerAddress, PeerEvent, PeerInfo,
+    PoolShape, PreparedTransfer, Region, RegionBase, RequestId, Role, Time, TransferId, TransferRequest,
+    TransferStatus, Transport, TransportError,
 };
 use kv_transport_nixl::{runtime, NixlConfig, NixlError, NixlTransport};
 
@@ -88,21 +88,8 @@ pub fn offer(engine: &str, role: Role, pool: &Region) -> Handshake {
 
 /// The handshake offer of rank 0 of `engine`, a TP of one, for a pool of `layout`.
 pub fn offer_with(engine: &str, role: Role, layout: KvLayout, num_blocks: u32, regions: Vec<RegionBase>) -> Handshake {
-    Handshake {
-        protocol_version: kv_core::wire::PROTOCOL_VERSION,
-        engine: EngineId::new(engine),
-        rank: 0,
-        tp_size: 1,
-        instance: 0,
-        role,
-        model: "kvflow-e2e".into(),
-        layout,
-        num_blocks,
-        regions,
-        compat_hash: kv_core::wire::compatibility_hash("kvflow-e2e", &layout),
-        clock: Time::ZERO,
-        agent_metadata: Vec::new(),
-    }
+    let agent = AgentName::new(EngineId::new(engine), 0);
+    Handshake { num_blocks, regions, ..Handshake::new(&agent, 1, 0, role, "kvflow-e2e", layout) }
 }
 
 /// The transport configuration of these checks: NIXL's defaults, the side channel on an

@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::id::{BlockId, EngineId, RequestId, MAX_REQUEST_ID_LEN};
+use crate::id::{AgentName, BlockId, EngineId, RequestId, MAX_REQUEST_ID_LEN};
 use crate::layout::KvLayout;
 use crate::plan::RegionBase;
 use crate::time::Time;
@@ -208,6 +208,28 @@ impl Message {
 }
 
 impl Handshake {
+    /// The offer of `agent`, a rank of a `tp_size`-wide engine, incarnation `instance`,
+    /// serving `model` in `layout` as `role`, with the protocol version and the compatibility
+    /// hash, and no pool yet (no blocks, no regions: set them for a rank that has one). The
+    /// transport stamps the clock and adds its agent metadata when it sends the offer.
+    pub fn new(agent: &AgentName, tp_size: u32, instance: u64, role: Role, model: &str, layout: KvLayout) -> Self {
+        Handshake {
+            protocol_version: PROTOCOL_VERSION,
+            engine: agent.engine.clone(),
+            rank: agent.rank,
+            tp_size,
+            instance,
+            role,
+            model: model.to_owned(),
+            layout,
+            num_blocks: 0,
+            regions: Vec::new(),
+            compat_hash: compatibility_hash(model, &layout),
+            clock: Time::ZERO,
+            agent_metadata: Vec::new(),
+        }
+    }
+
     /// Encodes the handshake as one frame.
     pub fn encode(&self) -> Result<Vec<u8>, WireError> {
         encode_frame(self, MAX_HANDSHAKE_BYTES, "handshake")

@@ -2,7 +2,6 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kv_core::wire::{compatibility_hash, PROTOCOL_VERSION};
 use kv_core::Role;
 use kv_core::{
     AgentName, BlockId, Compatible, EngineId, Handshake, Message, PeerAddress, PeerInfo, Placement, PoolShape,
@@ -210,21 +209,10 @@ impl LocalPool {
     /// regions, the protocol version and the compatibility hash. The transport stamps the
     /// clock and adds its agent metadata when it sends the offer.
     pub fn offer(&self, agent: &AgentName, tp_size: u32, instance: u64, role: Role, model: &str) -> Handshake {
-        let layout = self.shape.layout;
         Handshake {
-            protocol_version: PROTOCOL_VERSION,
-            engine: agent.engine.clone(),
-            rank: agent.rank,
-            tp_size,
-            instance,
-            role,
-            model: model.to_owned(),
-            layout,
             num_blocks: self.shape.num_blocks,
             regions: self.regions.clone(),
-            compat_hash: compatibility_hash(model, &layout),
-            clock: Time::ZERO,
-            agent_metadata: Vec::new(),
+            ..Handshake::new(agent, tp_size, instance, role, model, self.shape.layout)
         }
     }
 

@@ -86,8 +86,7 @@ pub use network::{FakeNetwork, FakeTransport, NetConfig, NetStats, Scope};
 pub use pool::BlockPool;
 pub use rng::Rng;
 
-use kv_core::wire::{compatibility_hash, PROTOCOL_VERSION};
-use kv_core::{AgentName, Handshake, KvLayout, Role, Time};
+use kv_core::{AgentName, Handshake, KvLayout, Role};
 
 /// The model every [`offer`] names.
 pub const FAKE_MODEL: &str = "kvflow-fake-model";
@@ -96,19 +95,5 @@ pub const FAKE_MODEL: &str = "kvflow-fake-model";
 /// [`FAKE_MODEL`] in `layout`: no pool regions, no blocks, no agent metadata, clock zero (the
 /// fake network stamps the clock when the offer leaves).
 pub fn offer(agent: &AgentName, role: Role, tp_size: u32, layout: KvLayout) -> Handshake {
-    Handshake {
-        protocol_version: PROTOCOL_VERSION,
-        engine: agent.engine.clone(),
-        rank: agent.rank,
-        tp_size,
-        instance: 0,
-        role,
-        model: FAKE_MODEL.to_owned(),
-        layout,
-        num_blocks: 0,
-        regions: Vec::new(),
-        compat_hash: compatibility_hash(FAKE_MODEL, &layout),
-        clock: Time::ZERO,
-        agent_metadata: Vec::new(),
-    }
+    Handshake::new(agent, tp_size, 0, role, FAKE_MODEL, layout)
 }

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    Clock, EngineId, Handshake, KvLayout, MemoryKind, PeerEvent, Region, RegionBase, RegionId, Role, Time, Transport,
+    AgentName, Clock, EngineId, Handshake, KvLayout, MemoryKind, PeerEvent, Region, RegionBase, RegionId, Role, Time,
+    Transport,
 };
 use kv_transport_nixl::{runtime, KeySource, NixlConfig, NixlTransport};
 
@@ -103,22 +104,9 @@ pub fn pattern(seed: u8, block: usize, i: usize) -> u8 {
 
 /// The handshake offer of rank 0 of `engine`.
 pub fn offer(engine: &str, role: Role, tp: u32, block_tokens: u32, pool: &HostPool, blocks: u32) -> Handshake {
-    let layout = layout(block_tokens);
-    Handshake {
-        protocol_version: kv_core::wire::PROTOCOL_VERSION,
-        engine: EngineId::new(engine),
-        rank: 0,
-        tp_size: tp,
-        instance: 0,
-        role,
-        model: "kvflow-test-model".into(),
-        layout,
-        num_blocks: blocks,
-        regions: vec![pool.base()],
-        compat_hash: kv_core::wire::compatibility_hash("kvflow-test-model", &layout),
-        clock: Time::ZERO,
-        agent_metadata: Vec::new(),
-    }
+    let agent = AgentName::new(EngineId::new(engine), 0);
+    let offer = Handshake::new(&agent, tp, 0, role, "kvflow-test-model", layout(block_tokens));
+    Handshake { num_blocks: blocks, regions: vec![pool.base()], ..offer }
 }
 
 /// The variable a test's cluster key is passed in, to its children too.
