@@ -55,7 +55,8 @@ pub fn run() -> Result<()> {
 }
 
 /// The library crates `cargo package` verifies.
-const PACKAGES: [&str; 6] = ["kv-core", "kv-lease", "kv-sched-adapter", "kv-testkit", "kv-cuda", "kv-transport-nixl"];
+const PACKAGES: [&str; 7] =
+    ["kv-core", "kv-lease", "kv-sched-adapter", "kv-testkit", "kv-cuda", "kv-side-tcp", "kv-transport-nixl"];
 
 /// Removes cargo's unpacked copies of this workspace's own packages from earlier `cargo
 /// package` runs. Cargo verifies a package against its workspace siblings through a local

@@ -18,22 +18,19 @@
 //! side builds the peer's descriptor lists with the peer's true memory type (DRAM or VRAM) and
 //! device id, and refuses a remote range outside them before NIXL sees it.
 
-mod key;
 mod metadata;
 pub mod runtime;
-mod side;
 mod transport;
 
 use std::path::PathBuf;
 
-pub use key::KeySource;
+pub use kv_side_tcp::{KeySource, SideStatus};
 
 /// The NIXL part of a handshake's agent metadata (after kvflow's registration table), for
 /// tools that drive NIXL themselves, such as `cargo xtask attack`. Never panics.
 pub fn nixl_agent_metadata(agent_metadata: &[u8]) -> Result<&[u8], String> {
     metadata::decode(agent_metadata).map(|(_, nixl)| nixl)
 }
-pub use side::SideStatus;
 pub use transport::{nixl_name, NixlConfig, NixlTransport, DEFAULT_POLL_INTERVALS, DEFAULT_SIDE_CHANNEL_PORT};
 
 /// Why a [`NixlTransport`] could not be made.
@@ -70,13 +67,8 @@ pub enum NixlError {
     #[error("NIXL agent: {0}")]
     Agent(String),
     /// The cluster key could not be read.
-    #[error("cluster key from {from}: {reason}")]
-    Key {
-        /// Where it was looked for (a file or an environment variable, by name).
-        from: String,
-        /// Why it is not a key; never the key itself.
-        reason: String,
-    },
+    #[error(transparent)]
+    Key(#[from] kv_side_tcp::KeyError),
     /// The configuration contradicts itself.
     #[error("NIXL transport configuration: {0}")]
     Config(String),

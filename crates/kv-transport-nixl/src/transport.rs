@@ -20,8 +20,9 @@ use nixl_sys::{
 };
 
 use crate::metadata::{self, mem_type, Registration, TypedRanges};
-use crate::side::{Item, SideChannel, SideStatus};
-use crate::{runtime, KeySource, NixlError};
+use kv_side_tcp::{Item, KeySource, SideChannel, SideStatus};
+
+use crate::{runtime, NixlError};
 
 /// The side channel's default port, as vLLM's NixlConnector uses.
 pub const DEFAULT_SIDE_CHANNEL_PORT: u16 = 5600;
@@ -196,16 +197,7 @@ impl NixlTransport {
     /// [`runtime::prepare`] first.
     pub fn new(mut offer: Handshake, config: &NixlConfig, clock: Arc<dyn Clock>) -> Result<Self, NixlError> {
         let key = config.key.load()?;
-        if key.is_none() {
-            if !config.bind.ip().is_loopback() {
-                return Err(NixlError::Config(format!(
-                    "the side channel would listen on {} without a cluster key, handing this agent's KV pool to \
-                     anyone who can reach it: set NixlConfig::key, or bind to loopback",
-                    config.bind
-                )));
-            }
-            tracing::info!(bind = %config.bind, "no cluster key: the side channel listens on loopback only and authenticates nobody");
-        }
+        kv_side_tcp::check_bind(config.bind, &key).map_err(NixlError::Config)?;
         runtime::prepared()?;
         let name = AgentName::new(offer.engine.clone(), offer.rank);
         let nixl = nixl_name(&name, offer.instance);

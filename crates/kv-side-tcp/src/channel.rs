@@ -1,6 +1,8 @@
 //! The side channel's sockets: kv-core's [`SideEndpoint`] speaks the protocol (authentication,
 //! sealed offers, bounds, deadlines); this module only moves its bytes over TCP.
 //!
+//! Errors are kv-core's [`TransportError`], so that an adapter hands them on as they are.
+//!
 //! The sockets live on a thread of their own, with a single-threaded tokio runtime that no
 //! caller ever enters: a [`SideChannel`] can be made, used and dropped inside or outside an
 //! engine's own tokio runtime. That thread drives the endpoint at once as bytes arrive, so a
@@ -10,7 +12,7 @@
 //!
 //! One thing the socket thread leaves to the transport: the close of an established peer's
 //! connection. It queues [`Item::PeerClosed`], and the transport first collects the
-//! notifications that peer sent (NIXL holds them), opens them while the peer's session still
+//! notifications that peer sent (on the adapter's data path), opens them while the peer's session still
 //! exists, and only then tells the endpoint ([`SideChannel::peer_closed`]), which reports the
 //! loss: what a peer said before it died is handled before its death.
 //!
@@ -36,7 +38,7 @@ const SOCKET_SLACK: usize = 16;
 
 /// What the socket thread hands the transport, in order.
 #[derive(Debug)]
-pub(crate) enum Item {
+pub enum Item {
     /// An endpoint event.
     Event(SideEvent),
     /// An established peer's connection closed: collect its notifications, then call
@@ -191,14 +193,14 @@ impl Shared {
 }
 
 /// Fresh random bytes for a handshake nonce, from the operating system.
-fn nonce() -> Result<[u8; 32], TransportError> {
+pub fn nonce() -> Result<[u8; 32], TransportError> {
     let mut nonce = [0u8; 32];
     getrandom::fill(&mut nonce).map_err(|e| TransportError::Backend(format!("no randomness for a nonce: {e}")))?;
     Ok(nonce)
 }
 
 /// The side channel of one agent: a listener, the connections, and the endpoint.
-pub(crate) struct SideChannel {
+pub struct SideChannel {
     shared: Arc<Shared>,
     runtime: tokio::runtime::Handle,
     local: SocketAddr,
@@ -209,7 +211,7 @@ pub(crate) struct SideChannel {
 impl SideChannel {
     /// Binds the listener on the calling thread (so that a bad address fails here), then
     /// starts the socket thread.
-    pub(crate) fn start(
+    pub fn start(
         bind: SocketAddr,
         key: ClusterKey,
         limits: SideLimits,
@@ -277,23 +279,23 @@ impl SideChannel {
     }
 
     /// Replaces the offer that handshakes from now on send.
-    pub(crate) fn set_offer(&self, offer: Handshake) -> Result<(), TransportError> {
+    pub fn set_offer(&self, offer: Handshake) -> Result<(), TransportError> {
         self.shared.lock().side.set_offer(offer).map_err(|e| TransportError::backend("side channel", e))
     }
 
     /// The offer handshakes send.
-    pub(crate) fn offer(&self) -> Handshake {
+    pub fn offer(&self) -> Handshake {
         self.shared.lock().side.offer().clone()
     }
 
     /// Where the listener listens.
-    pub(crate) fn local_addr(&self) -> SocketAddr {
+    pub fn local_addr(&self) -> SocketAddr {
         self.local
     }
 
     /// Starts a handshake with the listener at `address` (`host:port`); the outcome comes as
     /// an event.
-    pub(crate) fn connect(&self, address: &PeerAddress) -> Result<(), TransportError> {
+    pub fn connect(&self, address: &PeerAddress) -> Result<(), TransportError> {
         let nonce = nonce()?;
         // Our own connections are not held to the socket bound: the engine asks for them.
         let (conn, outgoing) = self
@@ -315,7 +317,7 @@ impl SideChannel {
     }
 
     /// Wakes `waker` whenever an item is queued from now on, and at once if one is queued.
-    pub(crate) fn set_waker(&self, waker: Waker) {
+    pub fn set_waker(&self, waker: Waker) {
         let mut io = self.shared.lock();
         if !io.items.is_empty() {
             waker.wake_by_ref();
@@ -324,28 +326,28 @@ impl SideChannel {
     }
 
     /// The next thing that happened, if any.
-    pub(crate) fn poll_item(&self) -> Option<Item> {
+    pub fn poll_item(&self) -> Option<Item> {
         self.shared.lock().items.pop_front()
     }
 
     /// An established connection closed (after [`Item::PeerClosed`]), or the transport drops
     /// a peer it cannot use: the endpoint reports the peer lost and the socket closes.
-    pub(crate) fn peer_closed(&self, conn: ConnId) {
+    pub fn peer_closed(&self, conn: ConnId) {
         self.shared.drive(|side, now| side.handle_closed(now, conn));
     }
 
     /// Tags `payload` for the peer `to` (see [`SideEndpoint::seal_notification`]).
-    pub(crate) fn seal(&self, to: &AgentName, payload: &[u8]) -> Result<Vec<u8>, NotifyError> {
+    pub fn seal(&self, to: &AgentName, payload: &[u8]) -> Result<Vec<u8>, NotifyError> {
         self.shared.lock().side.seal_notification(to, payload)
     }
 
     /// Opens a tagged notification from `from` (see [`SideEndpoint::open_notification`]).
-    pub(crate) fn open(&self, from: &AgentName, sealed: &[u8]) -> Result<Vec<u8>, NotifyError> {
+    pub fn open(&self, from: &AgentName, sealed: &[u8]) -> Result<Vec<u8>, NotifyError> {
         self.shared.lock().side.open_notification(from, sealed)
     }
 
     /// What the channel holds now.
-    pub(crate) fn status(&self) -> SideStatus {
+    pub fn status(&self) -> SideStatus {
         let io = self.shared.lock();
         SideStatus {
             peers: io.side.peer_count(),

@@ -6,9 +6,7 @@ use std::path::PathBuf;
 
 use kv_core::side::ClusterKey;
 
-use crate::NixlError;
-
-/// Where [`crate::NixlConfig::key`] is read from, when the transport is made.
+/// Where a transport's cluster key is read from, when the transport is made.
 ///
 /// Either form holds the key as 64 hex digits (surrounding whitespace ignored). Without a key
 /// ([`KeySource::None`]) the side channel authenticates nobody, so the transport refuses to
@@ -26,30 +24,55 @@ pub enum KeySource {
 
 impl KeySource {
     /// Reads the key; the error names where it looked, never what it found.
-    pub fn load(&self) -> Result<ClusterKey, NixlError> {
+    pub fn load(&self) -> Result<ClusterKey, KeyError> {
         let (text, from) = match self {
             KeySource::None => return Ok(ClusterKey::none()),
             KeySource::File(path) => {
                 let from = format!("key file {}", path.display());
                 let text = std::fs::read_to_string(path)
-                    .map_err(|e| NixlError::Key { from: from.clone(), reason: e.to_string() })?;
+                    .map_err(|e| KeyError { from: from.clone(), reason: e.to_string() })?;
                 warn_if_shared(path);
                 (text, from)
             }
             KeySource::Env(name) => {
                 let from = format!("environment variable {name}");
-                let text =
-                    std::env::var(name).map_err(|e| NixlError::Key { from: from.clone(), reason: e.to_string() })?;
+                let text = std::env::var(name).map_err(|e| KeyError { from: from.clone(), reason: e.to_string() })?;
                 (text, from)
             }
         };
-        let key =
-            ClusterKey::from_hex(&text).map_err(|e| NixlError::Key { from: from.clone(), reason: e.to_string() })?;
+        let key = ClusterKey::from_hex(&text).map_err(|e| KeyError { from: from.clone(), reason: e.to_string() })?;
         if key.is_none() {
-            return Err(NixlError::Key { from, reason: "the all-zero key authenticates nobody".into() });
+            return Err(KeyError { from, reason: "the all-zero key authenticates nobody".into() });
         }
         Ok(key)
     }
+}
+
+/// Refuses to listen beyond loopback without a key: the side channel would then hand the
+/// agent's KV pool (its metadata, a capability) to anyone who can reach it. The error is the
+/// reason, naming the address; the adapter wraps it in its own configuration error.
+pub fn check_bind(bind: std::net::SocketAddr, key: &ClusterKey) -> Result<(), String> {
+    if !key.is_none() {
+        return Ok(());
+    }
+    if !bind.ip().is_loopback() {
+        return Err(format!(
+            "the side channel would listen on {bind} without a cluster key, handing this agent's KV pool to \
+             anyone who can reach it: set the transport's key, or bind to loopback"
+        ));
+    }
+    tracing::info!(%bind, "no cluster key: the side channel listens on loopback only and authenticates nobody");
+    Ok(())
+}
+
+/// Why the cluster key could not be read.
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+#[error("cluster key from {from}: {reason}")]
+pub struct KeyError {
+    /// Where it was looked for (a file or an environment variable, by name).
+    pub from: String,
+    /// Why it is not a key; never the key itself.
+    pub reason: String,
 }
 
 /// Logs when a key file can be read by other users of the machine.
