@@ -621,3 +621,53 @@ fn the_same_seed_gives_the_same_trace() {
     assert!(stats.dropped > 0 && stats.duplicated > 0, "{stats:?}");
     assert!((12..20).map(faulty_trace).any(|other| other != trace), "other seeds should differ");
 }
+
+/// The fake network's pair for kv-core's Transport contract: A is decode0, B is prefill0.
+struct FakePair {
+    world: World,
+    a: Rank,
+    b: Rank,
+}
+
+impl kv_core::contract::TransportPair for FakePair {
+    fn transport(&mut self, side: kv_core::contract::Side) -> &mut dyn Transport {
+        match side {
+            kv_core::contract::Side::A => &mut self.a.transport,
+            kv_core::contract::Side::B => &mut self.b.transport,
+        }
+    }
+
+    fn region(&self, side: kv_core::contract::Side) -> Region {
+        match side {
+            kv_core::contract::Side::A => self.a.region,
+            kv_core::contract::Side::B => self.b.region,
+        }
+    }
+
+    fn write(&mut self, side: kv_core::contract::Side, offset: u64, bytes: &[u8]) {
+        match side {
+            kv_core::contract::Side::A => self.a.write(offset, bytes),
+            kv_core::contract::Side::B => self.b.write(offset, bytes),
+        }
+    }
+
+    fn read(&mut self, side: kv_core::contract::Side, offset: u64, out: &mut [u8]) {
+        let rank = if side == kv_core::contract::Side::A { &self.a } else { &self.b };
+        out.copy_from_slice(&rank.bytes(offset, out.len()));
+    }
+
+    fn wait(&mut self) {
+        self.world.run(ms(1));
+    }
+
+    fn kill_b(&mut self) {
+        self.world.net.crash(&self.b.name, true);
+    }
+}
+
+#[test]
+fn the_fake_transport_keeps_the_transport_contract() {
+    let world = World::new(7, NetConfig::default());
+    let (b, a) = world.pair();
+    kv_core::contract::transport(&mut FakePair { world, a, b });
+}

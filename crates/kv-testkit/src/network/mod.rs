@@ -752,6 +752,9 @@ fn validate(
     local: &BTreeMap<RegionId, Region>,
     remote: Option<&BTreeMap<RegionId, Region>>,
 ) -> Result<(), TransportError> {
+    if pairs.is_empty() {
+        return Err(TransportError::InvalidTransfer("no descriptor pairs".into()));
+    }
     for pair in pairs {
         if pair.len == 0 {
             let reason = format!("empty descriptor at local {:#x}, remote {:#x}", pair.local_addr, pair.remote_addr);

@@ -1,4 +1,5 @@
-//! Contract checks for port adapters: what every [`Memory`] must do, whatever it runs on.
+//! Contract checks for port adapters: what every [`Memory`] and every
+//! [`Transport`](crate::Transport) must do, whatever it runs on.
 //!
 //! An adapter's tests call these on an instance of their own (behind the `contract` feature,
 //! as a dev-dependency), so an adapter author learns that the adapter keeps the port's
@@ -9,8 +10,17 @@
 //! // In an adapter's tests, with its own `Memory` in place of the reference one:
 //! kv_core::contract::memory(&mut kv_core::contract::VecMemory::default());
 //! ```
+//!
+//! A transport adapter implements [`TransportPair`] for two of its agents, connected to each
+//! other, and calls [`transport`]: notifications only after the bytes are in place, outcomes
+//! reported once, unregistered ranges refused, prepared transfers equal to address pairs, and
+//! a killed peer reported lost.
 
 use std::collections::HashMap;
+
+mod transport;
+
+pub use transport::*;
 
 use crate::ports::{Memory, MemoryError, MemoryKind, Region, RegionId};
 

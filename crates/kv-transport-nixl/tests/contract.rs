@@ -1,0 +1,73 @@
+//! kv-core's Transport contract, kept by two NIXL agents over UCX in one process (the tests
+//! of this binary are one, so no two pairs of agents run at once).
+
+mod common;
+
+use std::time::Duration;
+
+use kv_core::contract::{Side, TransportPair};
+use kv_core::{PeerEvent, Region, Role, Transport};
+use kv_transport_nixl::NixlTransport;
+
+use common::{next_event, nixl_or_skip, offer, transport, HostPool};
+
+/// D (A) connected to P (B), each with one host pool of one 128 KiB block registered.
+struct NixlPair {
+    a: NixlTransport,
+    b: Option<NixlTransport>,
+    pools: [HostPool; 2],
+}
+
+impl NixlPair {
+    fn pool(&mut self, side: Side) -> &mut HostPool {
+        &mut self.pools[side as usize]
+    }
+}
+
+impl TransportPair for NixlPair {
+    fn transport(&mut self, side: Side) -> &mut dyn Transport {
+        match side {
+            Side::A => &mut self.a,
+            Side::B => self.b.as_mut().expect("B is killed only at the end"),
+        }
+    }
+
+    fn region(&self, side: Side) -> Region {
+        self.pools[side as usize].region()
+    }
+
+    fn write(&mut self, side: Side, offset: u64, bytes: &[u8]) {
+        let at = offset as usize;
+        self.pool(side).bytes[at..at + bytes.len()].copy_from_slice(bytes);
+    }
+
+    fn read(&mut self, side: Side, offset: u64, out: &mut [u8]) {
+        // NIXL wrote these bytes behind the compiler's back: read them afresh.
+        let bytes = std::hint::black_box(&self.pool(side).bytes);
+        out.copy_from_slice(&bytes[offset as usize..offset as usize + out.len()]);
+    }
+
+    fn wait(&mut self) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+
+    fn kill_b(&mut self) {
+        self.b = None;
+    }
+}
+
+#[test]
+fn two_nixl_agents_keep_the_transport_contract() {
+    if !nixl_or_skip("two_nixl_agents_keep_the_transport_contract") {
+        return;
+    }
+    let pools = [HostPool::new(1), HostPool::new(1)];
+    let mut b = transport(offer("contract-p", Role::Prefill, 1, 16, &pools[1], 1), &pools[1]);
+    let mut a = transport(offer("contract-d", Role::Decode, 1, 16, &pools[0], 1), &pools[0]);
+    a.connect(&kv_core::PeerAddress(format!("127.0.0.1:{}", b.side_channel_addr().port()))).unwrap();
+    for t in [&mut a, &mut b] {
+        let event = next_event(t, Duration::from_secs(10));
+        assert!(matches!(event, Some(PeerEvent::Connected(_))), "{event:?}");
+    }
+    kv_core::contract::transport(&mut NixlPair { a, b: Some(b), pools });
+}
