@@ -1,0 +1,450 @@
+//! What a transport's threads share: the side channel, the registered memory, the peers a
+//! data connection may authenticate as, the transfers in flight, the queue of received
+//! notifications, the engine's waker and the counters.
+//!
+//! Lock order, where two are held at once: `transfers`, then a connection's queue, then the
+//! side channel's own lock; `peers`, then a connection's slot. No lock is held while a socket
+//! blocks, except a region's copy lock (see `memory`), and the waker is woken with no lock held.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::task::Waker;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kv_core::side::SideLimits;
+use kv_core::{AgentName, Notification, PeerEvent, TransferId, TransferOp, TransferStatus, TransportError};
+use kv_side_tcp::SideChannel;
+
+use crate::memory::Registry;
+use crate::metadata::TOKEN_BYTES;
+use crate::DataStatus;
+
+/// How long a peer whose side channel closed may go on sending on its data connections
+/// before its loss is reported: what it sent before it closed is taken in first.
+pub(crate) const CLOSE_GRACE: Duration = Duration::from_millis(500);
+
+/// Locks a mutex, taking over the data of a thread that panicked while holding it.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One descriptor pair of a transfer: local address, remote address, length.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct Pair {
+    pub(crate) local: u64,
+    pub(crate) remote: u64,
+    pub(crate) len: u64,
+}
+
+/// A transfer in flight, until the engine polls its outcome.
+pub(crate) struct Flight {
+    pub(crate) op: TransferOp,
+    pub(crate) peer: AgentName,
+    /// The outgoing data connection that carries it.
+    pub(crate) conn: u64,
+    pub(crate) pairs: Arc<[Pair]>,
+    /// Reads: bytes arrived per pair, and whether the pair is settled (all there, or refused).
+    received: Vec<(u64, bool)>,
+    /// Replies still to come: a read's unsettled pairs, or a write's acknowledgement.
+    unsettled: usize,
+    /// The first thing that went wrong; the transfer fails with it once settled.
+    error: Option<TransportError>,
+    /// A read's notification, sealed and sent once every byte is here.
+    pub(crate) notification: Option<Vec<u8>>,
+    outcome: Option<TransferStatus>,
+}
+
+impl Flight {
+    pub(crate) fn new(
+        op: TransferOp,
+        peer: AgentName,
+        conn: u64,
+        pairs: Arc<[Pair]>,
+        notification: Option<Vec<u8>>,
+    ) -> Self {
+        let (received, unsettled) = match op {
+            TransferOp::Read => (vec![(0, false); pairs.len()], pairs.len()),
+            TransferOp::Write => (Vec::new(), 1),
+        };
+        Flight { op, peer, conn, pairs, received, unsettled, error: None, notification, outcome: None }
+    }
+}
+
+/// What settling a reply did to its transfer.
+pub(crate) enum Settled {
+    /// More replies are due.
+    Pending,
+    /// The read's bytes are all here and it has a notification: seal and send it, then call
+    /// [`Shared::finish`].
+    Notify(AgentName, Vec<u8>),
+    /// The outcome is recorded.
+    Finished,
+}
+
+/// An established side-channel peer, as the data listener checks HELLO against it.
+pub(crate) struct Established {
+    pub(crate) incarnation: u64,
+    /// When its side channel closed, if it did.
+    pub(crate) closing_since: Option<Instant>,
+    /// Its data connections to us that are serving.
+    pub(crate) incoming: usize,
+}
+
+/// An accepted data connection's socket and thread.
+pub(crate) struct Incoming {
+    pub(crate) stream: Arc<TcpStream>,
+    pub(crate) thread: JoinHandle<()>,
+}
+
+/// The counters behind [`DataStatus`].
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) incoming_open: AtomicUsize,
+    pub(crate) outgoing_open: AtomicUsize,
+    pub(crate) connections_refused: AtomicU64,
+    pub(crate) frames_refused: AtomicU64,
+    pub(crate) ranges_refused: AtomicU64,
+    pub(crate) events_dropped: AtomicU64,
+    pub(crate) bytes_sent: AtomicU64,
+    pub(crate) bytes_received: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// Everything a transport shares with its threads.
+pub(crate) struct Shared {
+    pub(crate) side: SideChannel,
+    pub(crate) registry: Registry,
+    pub(crate) token: [u8; TOKEN_BYTES],
+    pub(crate) limits: SideLimits,
+    pub(crate) max_incoming: usize,
+    stop: AtomicBool,
+    pub(crate) peers: Mutex<HashMap<AgentName, Established>>,
+    pub(crate) peers_changed: Condvar,
+    pub(crate) transfers: Mutex<HashMap<TransferId, Flight>>,
+    inbox: Mutex<VecDeque<PeerEvent>>,
+    waker: Mutex<Option<Waker>>,
+    pub(crate) incoming: Mutex<HashMap<u64, Incoming>>,
+    pub(crate) counters: Counters,
+}
+
+impl Shared {
+    pub(crate) fn new(side: SideChannel, token: [u8; TOKEN_BYTES], limits: SideLimits, max_incoming: usize) -> Self {
+        Shared {
+            side,
+            registry: Registry::default(),
+            token,
+            limits,
+            max_incoming,
+            stop: AtomicBool::new(false),
+            peers: Mutex::new(HashMap::new()),
+            peers_changed: Condvar::new(),
+            transfers: Mutex::new(HashMap::new()),
+            inbox: Mutex::new(VecDeque::new()),
+            waker: Mutex::new(None),
+            incoming: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
+        }
+    }
+
+    /// Wakes every thread waiting for the established peers to change.
+    pub(crate) fn peers_changed_notify(&self) {
+        let _peers = lock(&self.peers);
+        self.peers_changed.notify_all();
+    }
+
+    /// Waits up to [`CLOSE_GRACE`] for `agent` at `incarnation` to be seen gone (its side
+    /// channel closed, or lost), unless `closed` says the transport closed the connection
+    /// first; whether it was.
+    pub(crate) fn await_peer_gone(&self, agent: &AgentName, incarnation: u64, closed: &dyn Fn() -> bool) -> bool {
+        let deadline = Instant::now() + CLOSE_GRACE;
+        let mut peers = lock(&self.peers);
+        loop {
+            let gone = peers.get(agent).is_none_or(|e| e.incarnation != incarnation || e.closing_since.is_some());
+            let now = Instant::now();
+            // `closed` is asked under the peers lock, which a close takes to notify: no wake is missed.
+            if gone || self.stopping() || closed() || now >= deadline {
+                return gone;
+            }
+            peers = self.peers_changed.wait_timeout(peers, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// Whether the transport is being dropped.
+    pub(crate) fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    /// Tells every thread to stop, including any waiting for a peer to be established.
+    pub(crate) fn begin_stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.peers_changed_notify();
+    }
+
+    /// Wakes the engine, if it gave a waker.
+    pub(crate) fn wake(&self) {
+        let waker = lock(&self.waker).clone();
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+
+    pub(crate) fn set_waker(&self, waker: Waker) {
+        *lock(&self.waker) = Some(waker);
+    }
+
+    /// Whether something waits for the engine: a received event, or a settled transfer.
+    pub(crate) fn has_ready(&self) -> bool {
+        !lock(&self.inbox).is_empty() || lock(&self.transfers).values().any(|f| f.outcome.is_some())
+    }
+
+    /// Queues an event from a data connection, or counts it dropped when the queue holds
+    /// `max_queued_events`; wakes the engine.
+    pub(crate) fn queue_event(&self, event: PeerEvent) {
+        {
+            let mut inbox = lock(&self.inbox);
+            if inbox.len() >= self.limits.max_queued_events {
+                Counters::add(&self.counters.events_dropped, 1);
+                tracing::warn!(bound = self.limits.max_queued_events, "data-path event queue full; event dropped");
+                return;
+            }
+            inbox.push_back(event);
+        }
+        self.wake();
+    }
+
+    /// Opens a sealed notification that a data connection authenticated as `from` carried,
+    /// and queues it, or its refusal when it does not open.
+    pub(crate) fn deliver(&self, from: &AgentName, sealed: &[u8]) {
+        let event = match self.side.open(from, sealed) {
+            Ok(payload) => PeerEvent::Notification(Notification { from: from.clone(), payload }),
+            Err(e) => PeerEvent::Refused { peer: Some(from.clone()), cause: e.cause(), reason: e.to_string() },
+        };
+        self.queue_event(event);
+    }
+
+    /// Every event the data connections queued, oldest first.
+    pub(crate) fn take_inbox(&self) -> VecDeque<PeerEvent> {
+        std::mem::take(&mut *lock(&self.inbox))
+    }
+
+    /// Counts an incoming connection closed before it authenticated.
+    pub(crate) fn refuse_connection(&self, reason: &str) {
+        Counters::add(&self.counters.connections_refused, 1);
+        tracing::debug!(reason, "data connection refused");
+    }
+
+    /// Whether a data connection of `agent` at `incarnation` may go on: the transport runs,
+    /// the peer is established, and its side channel did not close (or closed less than
+    /// [`CLOSE_GRACE`] ago and the connection is in the middle of something).
+    pub(crate) fn keep_serving(&self, agent: &AgentName, incarnation: u64, idle: bool) -> bool {
+        if self.stopping() {
+            return false;
+        }
+        match lock(&self.peers).get(agent) {
+            Some(e) if e.incarnation == incarnation => {
+                e.closing_since.is_none_or(|since| !idle && since.elapsed() < CLOSE_GRACE)
+            }
+            _ => false,
+        }
+    }
+
+    /// The incoming data connections of a closing peer (that incarnation) are done.
+    pub(crate) fn closing_settled(&self, agent: &AgentName, incarnation: u64) -> bool {
+        lock(&self.peers).get(agent).is_none_or(|e| e.incarnation != incarnation || e.incoming == 0)
+    }
+
+    /// A peer's incoming data connection ended: its closing may now settle.
+    pub(crate) fn incoming_ended(&self, agent: &AgentName, incarnation: u64) {
+        if let Some(e) = lock(&self.peers).get_mut(agent).filter(|e| e.incarnation == incarnation) {
+            e.incoming = e.incoming.saturating_sub(1);
+        }
+        self.wake();
+    }
+
+    /// The transfers' outcome, once: `Done` unless an error was recorded.
+    fn settle_outcome(flight: &mut Flight) {
+        if flight.outcome.is_none() {
+            flight.outcome = Some(match flight.error.take() {
+                Some(e) => TransferStatus::Failed(e),
+                None => TransferStatus::Done,
+            });
+        }
+    }
+
+    /// Records `status` as the outcome of `id` unless it has one, and wakes the engine.
+    pub(crate) fn finish(&self, id: TransferId, status: TransferStatus) {
+        if let Some(flight) = lock(&self.transfers).get_mut(&id) {
+            flight.outcome.get_or_insert(status);
+        }
+        self.wake();
+    }
+
+    /// Records the first error of `id`; it fails once its replies are in.
+    pub(crate) fn flight_error(&self, id: TransferId, error: TransportError) {
+        if let Some(flight) = lock(&self.transfers).get_mut(&id) {
+            flight.error.get_or_insert(error);
+        }
+    }
+
+    /// Fails every unsettled transfer that connection `conn` carries, and wakes the engine.
+    pub(crate) fn fail_flights(&self, conn: u64, why: &TransportError) {
+        let mut failed = 0;
+        for flight in lock(&self.transfers).values_mut().filter(|f| f.conn == conn && f.outcome.is_none()) {
+            flight.outcome = Some(TransferStatus::Failed(why.clone()));
+            failed += 1;
+        }
+        if failed > 0 {
+            tracing::debug!(conn, failed, error = %why, "transfers failed with their data connection");
+            self.wake();
+        }
+    }
+
+    /// Where the bytes of a DATA frame go: `Ok(Some(local address))`, `Ok(None)` to drop
+    /// them (the transfer failed already), or `Err` when the frame does not fit the transfer
+    /// it names (the peer broke the protocol).
+    pub(crate) fn read_target(
+        &self,
+        conn: u64,
+        id: TransferId,
+        pair: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<Option<Pair>, String> {
+        let transfers = lock(&self.transfers);
+        let flight = transfers
+            .get(&id)
+            .filter(|f| f.conn == conn && f.op == TransferOp::Read)
+            .ok_or_else(|| format!("DATA for {id:?}, which is no read in flight on this connection"))?;
+        let (p, &(received, settled)) = flight
+            .pairs
+            .get(pair as usize)
+            .zip(flight.received.get(pair as usize))
+            .ok_or_else(|| format!("DATA for pair {pair} of {id:?}, which has {}", flight.pairs.len()))?;
+        let fits = offset.checked_add(len).is_some_and(|end| end <= p.len);
+        if settled || offset != received || !fits {
+            return Err(format!(
+                "DATA {offset}+{len} for pair {pair} of {id:?} ({} bytes, {received} received{})",
+                p.len,
+                if settled { ", settled" } else { "" }
+            ));
+        }
+        Ok((flight.error.is_none() && flight.outcome.is_none()).then_some(*p))
+    }
+
+    /// `len` bytes of a read's pair arrived (or were dropped, with `error`).
+    pub(crate) fn read_progress(&self, id: TransferId, pair: u32, len: u64, error: Option<TransportError>) -> Settled {
+        let mut transfers = lock(&self.transfers);
+        let Some(flight) = transfers.get_mut(&id) else { return Settled::Finished };
+        if let Some(error) = error {
+            flight.error.get_or_insert(error);
+        }
+        let p_len = flight.pairs[pair as usize].len;
+        let entry = &mut flight.received[pair as usize];
+        entry.0 += len;
+        if entry.0 == p_len && !entry.1 {
+            entry.1 = true;
+            flight.unsettled -= 1;
+        }
+        Self::read_settled(flight)
+    }
+
+    /// The listener refused a read's pair.
+    pub(crate) fn range_refused(
+        &self,
+        conn: u64,
+        id: TransferId,
+        pair: u32,
+        error: TransportError,
+    ) -> Result<Settled, String> {
+        let mut transfers = lock(&self.transfers);
+        let flight = transfers
+            .get_mut(&id)
+            .filter(|f| f.conn == conn && f.op == TransferOp::Read)
+            .ok_or_else(|| format!("RANGE_ERROR for {id:?}, which is no read in flight on this connection"))?;
+        let entry = flight
+            .received
+            .get_mut(pair as usize)
+            .filter(|e| !e.1)
+            .ok_or_else(|| format!("RANGE_ERROR for pair {pair} of {id:?}, which is not a pair in flight"))?;
+        entry.1 = true;
+        flight.unsettled -= 1;
+        flight.error.get_or_insert(error);
+        Ok(Self::read_settled(flight))
+    }
+
+    fn read_settled(flight: &mut Flight) -> Settled {
+        if flight.unsettled > 0 || flight.outcome.is_some() {
+            return Settled::Pending;
+        }
+        match flight.notification.take() {
+            Some(payload) if flight.error.is_none() => Settled::Notify(flight.peer.clone(), payload),
+            _ => {
+                Self::settle_outcome(flight);
+                Settled::Finished
+            }
+        }
+    }
+
+    /// A write's acknowledgement: `error` if the listener refused it.
+    pub(crate) fn write_acked(&self, conn: u64, id: TransferId, error: Option<TransportError>) -> Result<(), String> {
+        {
+            let mut transfers = lock(&self.transfers);
+            let flight = transfers
+                .get_mut(&id)
+                .filter(|f| f.conn == conn && f.op == TransferOp::Write && f.unsettled == 1)
+                .ok_or_else(|| format!("WRITE_ACK for {id:?}, which is no write in flight on this connection"))?;
+            flight.unsettled = 0;
+            if let Some(error) = error {
+                flight.error.get_or_insert(error);
+            }
+            Self::settle_outcome(flight);
+        }
+        self.wake();
+        Ok(())
+    }
+
+    /// The outcome of `id`, once; `None` while it is in flight.
+    pub(crate) fn take_outcome(&self, id: TransferId) -> Option<TransferStatus> {
+        let mut transfers = lock(&self.transfers);
+        match transfers.get(&id) {
+            None => Some(TransferStatus::Failed(TransportError::UnknownTransfer(id))),
+            Some(f) if f.outcome.is_some() => transfers.remove(&id).and_then(|f| f.outcome),
+            Some(_) => None,
+        }
+    }
+
+    /// Joins the threads of incoming connections that ended, closing their sockets.
+    pub(crate) fn reap_incoming(&self) {
+        let done: Vec<Incoming> = {
+            let mut incoming = lock(&self.incoming);
+            let ids: Vec<u64> = incoming.iter().filter(|(_, c)| c.thread.is_finished()).map(|(&id, _)| id).collect();
+            ids.into_iter().filter_map(|id| incoming.remove(&id)).collect()
+        };
+        for conn in done {
+            let _ = conn.thread.join();
+        }
+    }
+
+    /// What the data path holds and has refused.
+    pub(crate) fn status(&self) -> DataStatus {
+        let c = &self.counters;
+        DataStatus {
+            incoming: c.incoming_open.load(Ordering::Relaxed),
+            outgoing: c.outgoing_open.load(Ordering::Relaxed),
+            connections_refused: c.connections_refused.load(Ordering::Relaxed),
+            frames_refused: c.frames_refused.load(Ordering::Relaxed),
+            ranges_refused: c.ranges_refused.load(Ordering::Relaxed),
+            events_dropped: c.events_dropped.load(Ordering::Relaxed),
+            bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
+            bytes_received: c.bytes_received.load(Ordering::Relaxed),
+        }
+    }
+}
