@@ -48,8 +48,9 @@ pub struct RemoteRef {
     pub addresses: Vec<PeerAddress>,
     /// P's TP size.
     pub tp_size: u32,
-    /// P's incarnation, as its handshake names it; 0 when D comes first in push mode.
-    pub instance: u64,
+    /// P's incarnation, as its handshake names it; `None` when D comes first in push mode and
+    /// cannot know it yet.
+    pub instance: Option<u64>,
     /// Prompt tokens P computed.
     pub prompt_tokens: u64,
     /// The export, once P has finished the prompt: absent in push mode when D comes first.

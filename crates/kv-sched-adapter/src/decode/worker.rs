@@ -268,8 +268,9 @@ impl DecodeWorker {
         }
         // The export lives in the P incarnation that made it; a restarted P has none of it, and
         // its pool at those addresses holds other requests' blocks.
-        let instance = load.remote.instance;
-        if instance != 0 && load.targets.iter().any(|t| self.peers[t].handshake.instance != instance) {
+        let restarted =
+            load.remote.instance.is_some_and(|i| load.targets.iter().any(|t| self.peers[t].handshake.instance != i));
+        if restarted {
             tracing::info!(%request, "P restarted since it exported this request");
             self.fail(now, request);
             return;

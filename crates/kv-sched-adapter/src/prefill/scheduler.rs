@@ -157,7 +157,7 @@ impl PrefillScheduler {
             request,
             addresses: self.addresses.clone(),
             tp_size: self.tp,
-            instance: self.instance,
+            instance: Some(self.instance),
             prompt_tokens,
             export: Some(ExportInfo { blocks, deadline }),
             consumer,

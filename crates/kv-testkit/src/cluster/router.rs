@@ -143,7 +143,7 @@ impl Cluster {
             addresses: (0..self.config.spec.prefill_tp).map(|r| Self::address(&engine, r)).collect(),
             tp_size: self.config.spec.prefill_tp,
             // D comes first in push mode: it cannot know P's incarnation yet.
-            instance: 0,
+            instance: None,
             prompt_tokens,
             export: None,
             consumer: None,

@@ -55,7 +55,7 @@ fn remote(tp_size: u32, addresses: usize) -> RemoteRef {
         request: RequestId::new("r1"),
         addresses: (0..addresses).map(|i| PeerAddress(format!("127.0.0.1:{}", 5600 + i))).collect(),
         tp_size,
-        instance: 1,
+        instance: Some(1),
         prompt_tokens: 16,
         export: None,
         consumer: None,
