@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use crate::demo::{build_node, Demo, DemoConfig, NodeBinary};
 use crate::provision;
 use crate::workspace::{self, cargo, cargo_command};
+use xtask::proto::TransportKind;
 
 /// The flags of `cargo xtask bench`.
 #[derive(Args, Debug)]
@@ -24,6 +25,10 @@ pub struct BenchArgs {
     /// Measures less of each bench, to end within a minute once built.
     #[arg(long)]
     quick: bool,
+    /// The transport of the end-to-end runs (pull against push, idle engines): NIXL over
+    /// UCX, or plain TCP. The two-process transport bench always measures NIXL.
+    #[arg(long, value_enum, default_value_t = TransportKind::Nixl)]
+    transport: TransportKind,
 }
 
 /// One comparison: a criterion group, the operations measured, and which implementation is
@@ -51,7 +56,7 @@ const COMPARISONS: &[Comparison] = &[Comparison {
 /// Runs every bench, then prints the tables (or one JSON object with `--json`). `--quick`
 /// measures less of each, to end within a minute once built.
 pub fn run(args: &BenchArgs) -> Result<()> {
-    let BenchArgs { json: json_out, quick } = *args;
+    let BenchArgs { json: json_out, quick, transport: kind } = *args;
     let root = workspace::root();
     // Build the engines first, so that building is not inside any measurement.
     let node = build_node()?;
@@ -97,8 +102,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut threaded_envs = nixl.envs();
     threaded_envs.push(("KVFLOW_BENCH_UCX_PARAMS".into(), "num_threads=4".into()));
     let threaded = transport_bench(&root, &threaded_envs, json_out, quick)?;
-    let latency = latency_bench(node.clone(), quick, json_out)?;
-    let idle = idle_bench(node, json_out)?;
+    let latency = latency_bench(node.clone(), kind, quick, json_out)?;
+    let idle = idle_bench(node, kind, json_out)?;
     if json_out {
         if let Value::Object(fields) = transport {
             report.extend(fields);
@@ -106,6 +111,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         if let Some(t) = threaded.get("transport") {
             report.insert("transport_num_threads_4".into(), t.clone());
         }
+        report.insert("end_to_end_transport".into(), kind.name().into());
         report.insert("pull_vs_push".into(), latency);
         report.insert("idle_cpu_percent".into(), idle["max"].clone());
         report.insert("idle_cpu_percent_by_engine".into(), idle["by_engine"].clone());
@@ -117,8 +123,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 /// How much of a core an engine with nothing pending uses: one P and one D started, left idle
 /// for 10 s. The JSON's `idle_cpu_percent` is the larger of the two, and
 /// `idle_cpu_percent_by_engine` has each.
-fn idle_bench(node: NodeBinary, json_out: bool) -> Result<Value> {
-    let config = DemoConfig { decoders: 1, kill: false, ..DemoConfig::default() };
+fn idle_bench(node: NodeBinary, transport: TransportKind, json_out: bool) -> Result<Value> {
+    let config = DemoConfig { decoders: 1, kill: false, transport, ..DemoConfig::default() };
     let used = Demo::start(config, node)?.idle_cpu_percent(Duration::from_secs(10))?;
     let most = used.values().copied().fold(0.0, f64::max);
     if !json_out {
@@ -134,7 +140,7 @@ idle engines, 10 s with nothing pending: {} of one core",
 
 /// Pull against push, end to end between processes: the time from P finishing a prompt to D
 /// holding its KV, one request at a time so that no queue is measured.
-fn latency_bench(node: NodeBinary, quick: bool, json_out: bool) -> Result<Value> {
+fn latency_bench(node: NodeBinary, transport: TransportKind, quick: bool, json_out: bool) -> Result<Value> {
     let requests = if quick { 20 } else { 100 };
     let base = DemoConfig {
         decoders: 1,
@@ -147,6 +153,7 @@ fn latency_bench(node: NodeBinary, quick: bool, json_out: bool) -> Result<Value>
         reject_rate: 0.0,
         abort_rate: 0.0,
         sibling_rate: 0.0,
+        transport,
         ..DemoConfig::default()
     };
     let mut results = serde_json::Map::new();
@@ -163,7 +170,10 @@ fn latency_bench(node: NodeBinary, quick: bool, json_out: bool) -> Result<Value>
     let (pull, push) = (p50("pull"), p50("push"));
     results.insert("pull_over_push_p50".into(), json!(if push > 0.0 { pull / push } else { 0.0 }));
     if !json_out {
-        println!("\npull vs push: P done -> D holds KV, {requests} requests of 32 MiB, one at a time");
+        println!(
+            "\npull vs push over {}: P done -> D holds KV, {requests} requests of 32 MiB, one at a time",
+            transport.name()
+        );
         println!("{:<6} {:>12} {:>12} {:>16}", "mode", "p50 ms", "p99 ms", "transfer p50 ms");
         for mode in ["pull", "push"] {
             let r = &results[mode];

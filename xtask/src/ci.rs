@@ -28,7 +28,10 @@ pub fn run() -> Result<()> {
     cargo_env(&root, &clippy, &envs)?;
     cargo_env(&root, &["test", "--workspace", "--locked", "--features", "xtask/nixl"], &envs)?;
     // The examples a user runs first (`cargo test` only builds them).
-    cargo(&root, &["run", "--locked", "-q", "-p", "kv-testkit", "--example", "pull_pair"])?;
+    cargo(&root, &["run", "--locked", "-q", "-p", "xtask", "--example", "pull_pair"])?;
+    for example in ["pull_pair_nixl", "pull_pair_tcp"] {
+        cargo_env(&root, &["run", "--locked", "-q", "-p", "xtask", "--features", "nixl", "--example", example], &envs)?;
+    }
     // Every library crate packages and builds from its package, as a user's dependency would.
     // Cargo takes its own unpublished packages for immutable registry crates: it reuses their
     // unpacked sources and their build artifacts by name and version. Fresh ones, each run.
@@ -55,8 +58,16 @@ pub fn run() -> Result<()> {
 }
 
 /// The library crates `cargo package` verifies.
-const PACKAGES: [&str; 7] =
-    ["kv-core", "kv-lease", "kv-sched-adapter", "kv-testkit", "kv-cuda", "kv-side-tcp", "kv-transport-nixl"];
+const PACKAGES: [&str; 8] = [
+    "kv-core",
+    "kv-lease",
+    "kv-sched-adapter",
+    "kv-testkit",
+    "kv-cuda",
+    "kv-side-tcp",
+    "kv-transport-nixl",
+    "kv-transport-tcp",
+];
 
 /// Removes cargo's unpacked copies of this workspace's own packages from earlier `cargo
 /// package` runs. Cargo verifies a package against its workspace siblings through a local

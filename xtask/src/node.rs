@@ -1,11 +1,12 @@
-//! An engine process: a P or D engine running kvflow's connectors over `NixlTransport`, with
-//! a host-memory KV pool from kv-cuda. It stands in for vLLM's engine core: it allocates
+//! An engine process: a P or D engine running kvflow's connectors over `NixlTransport` (or
+//! `TcpTransport`, the baseline, as its configuration says), with a host-memory KV pool from
+//! kv-cuda. It stands in for vLLM's engine core: it allocates
 //! blocks, "computes" a prompt by filling its blocks with [`pattern`] bytes, checks every
 //! byte D receives, and frees blocks when the connector says so.
 //!
 //! The router drives it with [`Command`] lines on stdin and reads [`Event`] lines on stdout.
-//! Its loop waits for a command or its next wake-up (a few milliseconds at most, since NIXL's
-//! notifications and completions are polled), then steps its worker through
+//! Its loop waits for a command or its next wake-up (a few milliseconds at most over NIXL,
+//! whose notifications and completions are polled; TCP wakes it for everything), then steps its worker through
 //! [`WorkerDriver`], exactly as an engine's step would.
 //!
 //! Freed blocks are scrubbed with [`pattern::SCRUB`]: a read after free then delivers scrub
@@ -35,10 +36,13 @@ use kv_sched_adapter::{
 };
 use kv_testkit::BlockPool;
 use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
+use kv_transport_tcp::{TcpConfig, TcpTransport};
 
 use crate::e2e::ProcessClock;
 use crate::pattern;
-use crate::proto::{from_json, wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Remote, CLUSTER_KEY_ENV};
+use crate::proto::{
+    from_json, wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Remote, TransportKind, CLUSTER_KEY_ENV,
+};
 
 /// The model name every demo engine serves.
 pub const MODEL: &str = "kvflow-demo";
@@ -79,7 +83,9 @@ fn run(config: &NodeConfig) -> Result<()> {
     let span = tracing::info_span!("engine", name = %config.name, instance = config.instance);
     let _entered = span.enter();
     // Before any thread: it sets the environment NIXL reads.
-    kv_transport_nixl::runtime::prepare(None).context("the NIXL runtime")?;
+    if config.transport == TransportKind::Nixl {
+        kv_transport_nixl::runtime::prepare(None).context("the NIXL runtime")?;
+    }
     let (tx, rx) = mpsc::channel();
     let engine = std::thread::current();
     std::thread::spawn(move || read_commands(tx, engine));
@@ -109,7 +115,7 @@ type Ended = (u64, Duration, bool);
 
 /// The transport, timing each transfer it posts from post to completion.
 struct TimedTransport {
-    inner: NixlTransport,
+    inner: Box<dyn Transport>,
     posted: HashMap<TransferId, (Instant, u64)>,
     local_lists: HashMap<PreparedId, Vec<u64>>,
     ended: Sender<Ended>,
@@ -198,7 +204,7 @@ struct Engine {
 
 impl Engine {
     /// Allocates and registers the pool, and builds the rank's transport and handshake offer.
-    fn start(config: &NodeConfig, role: Role) -> Result<(Engine, Handshake, TimedTransport)> {
+    fn start(config: &NodeConfig, role: Role) -> Result<(Engine, Handshake, TimedTransport, u16)> {
         let layout = config.model.layout();
         let shape = PoolShape::new(layout, layout.kv_heads, config.num_blocks)
             .map_err(|e| anyhow!("pool of {} blocks: {e}", config.num_blocks))?;
@@ -215,8 +221,21 @@ impl Engine {
             Some(_) => KeySource::Env(CLUSTER_KEY_ENV.to_owned()),
             None => KeySource::None,
         };
-        let nixl = NixlConfig { bind: "127.0.0.1:0".parse().expect("loopback"), key, ..NixlConfig::default() };
-        let mut inner = NixlTransport::new(offer.clone(), &nixl, clock.clone()).context("the NIXL transport")?;
+        let bind = "127.0.0.1:0".parse().expect("loopback");
+        let (mut inner, port): (Box<dyn Transport>, u16) = match config.transport {
+            TransportKind::Nixl => {
+                let nixl = NixlConfig { bind, key, ..NixlConfig::default() };
+                let t = NixlTransport::new(offer.clone(), &nixl, clock.clone()).context("the NIXL transport")?;
+                let port = t.side_channel_addr().port();
+                (Box::new(t), port)
+            }
+            TransportKind::Tcp => {
+                let tcp = TcpConfig { bind, key, ..TcpConfig::default() };
+                let t = TcpTransport::new(offer.clone(), &tcp, clock.clone()).context("the TCP transport")?;
+                let port = t.side_channel_addr().port();
+                (Box::new(t), port)
+            }
+        };
         inner.register(&region).context("registering the KV pool")?;
         let (tx, ended) = mpsc::channel();
         let transport = TimedTransport { inner, posted: HashMap::new(), local_lists: HashMap::new(), ended: tx };
@@ -233,7 +252,7 @@ impl Engine {
             out: std::io::stdout(),
             chunk: vec![0; shape.layer_block_bytes() as usize],
         };
-        Ok((engine, offer, transport))
+        Ok((engine, offer, transport, port))
     }
 
     fn now(&self) -> Time {
@@ -396,8 +415,7 @@ trait Side: Sized {
 impl<S: Side> Node<S> {
     /// Starts the engine and its side, and tells the router it is ready.
     fn start(config: &NodeConfig) -> Result<Self> {
-        let (engine, offer, transport) = Engine::start(config, S::ROLE)?;
-        let port = transport.inner.side_channel_addr().port();
+        let (engine, offer, transport, port) = Engine::start(config, S::ROLE)?;
         let address = PeerAddress(format!("127.0.0.1:{port}"));
         let (machine, side) = S::new(config, &offer, engine.pool(&offer), address).context("the connector")?;
         let mut node = Node { engine, worker: WorkerDriver::new(machine, Box::new(transport)), side };
@@ -573,6 +591,8 @@ struct Load {
     remote: Remote,
     blocks: Vec<BlockId>,
     aborted: bool,
+    /// Time spent checking the scrub bytes of `blocks` when they were allocated.
+    scrub_check: Duration,
 }
 
 /// D's side: its scheduler, and the requests it knows of.
@@ -621,7 +641,10 @@ impl Side for DecodeSide {
                 let id = RequestId::new(id);
                 match node.side.scheduler.handle_arrive(id.clone(), remote.to_ref()) {
                     Ok(()) => {
-                        node.side.loads.insert(id.clone(), Load { remote, blocks: Vec::new(), aborted: false });
+                        node.side.loads.insert(
+                            id.clone(),
+                            Load { remote, blocks: Vec::new(), aborted: false, scrub_check: Duration::ZERO },
+                        );
                         node.side.waiting.push_back(id);
                     }
                     Err(err) => {
@@ -657,11 +680,18 @@ impl Side for DecodeSide {
 
 impl Node<DecodeSide> {
     fn outcome(&mut self, id: &RequestId, outcome: &str, bytes: u64) {
-        self.outcome_at(id, outcome, bytes, wall_ns());
+        self.outcome_at(id, outcome, bytes, wall_ns(), Duration::ZERO);
     }
 
-    fn outcome_at(&mut self, id: &RequestId, outcome: &str, bytes: u64, ready_at_ns: u64) {
-        let event = Event::Outcome { id: id.as_str().to_owned(), outcome: outcome.to_owned(), bytes, ready_at_ns };
+    fn outcome_at(&mut self, id: &RequestId, outcome: &str, bytes: u64, ready_at_ns: u64, scrub_check: Duration) {
+        let scrub_check_ns = scrub_check.as_nanos() as u64;
+        let event = Event::Outcome {
+            id: id.as_str().to_owned(),
+            outcome: outcome.to_owned(),
+            bytes,
+            ready_at_ns,
+            scrub_check_ns,
+        };
         self.engine.emit(&event);
     }
 
@@ -678,14 +708,18 @@ impl Node<DecodeSide> {
             };
             let tokens = self.engine.shape.layout.block_tokens;
             let count = kv_core::blocks_for_tokens(load.remote.prompt_tokens, tokens).max(1) as usize;
+            let checking = Instant::now();
             let Some(blocks) = self.engine.allocate(count)? else { break };
+            let scrub_check = checking.elapsed();
             self.side.waiting.pop_front();
             if let Err(err) = self.side.scheduler.handle_schedule(id.clone(), blocks.clone(), false) {
                 self.engine.release(&blocks)?;
                 self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });
                 continue;
             }
-            self.side.loads.get_mut(&id).expect("present").blocks = blocks;
+            let load = self.side.loads.get_mut(&id).expect("present");
+            load.blocks = blocks;
+            load.scrub_check = scrub_check;
         }
         Ok(())
     }
@@ -704,7 +738,8 @@ impl Node<DecodeSide> {
                     let seed = pattern::seed(&load.remote.engine, parent.as_str());
                     let ok = self.engine.check(seed, &load.blocks)?;
                     let bytes = load.blocks.len() as u64 * self.engine.shape.block_bytes();
-                    self.outcome_at(&request, if ok { "ok" } else { "corrupt" }, bytes, ready_at_ns);
+                    let outcome = if ok { "ok" } else { "corrupt" };
+                    self.outcome_at(&request, outcome, bytes, ready_at_ns, load.scrub_check);
                     // The engine decodes and is done with the blocks.
                     self.engine.release(&load.blocks)?;
                 }

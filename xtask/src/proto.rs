@@ -27,6 +27,27 @@ pub enum NodeRole {
     Decode,
 }
 
+/// Which `Transport` adapter an engine moves KV with.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// NIXL over UCX (kv-transport-nixl).
+    #[default]
+    Nixl,
+    /// Plain TCP sockets (kv-transport-tcp), the baseline NIXL is compared against.
+    Tcp,
+}
+
+impl TransportKind {
+    /// Its name on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Nixl => "nixl",
+            TransportKind::Tcp => "tcp",
+        }
+    }
+}
+
 /// The model every engine of a run serves: a K/V-split, HND, layer-major layout.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
 pub struct Model {
@@ -86,6 +107,8 @@ pub struct NodeConfig {
     pub read_safety_margin_ms: u64,
     /// `decoder_kv_blocks_ttl` and `push_registration_timeout`, in milliseconds.
     pub decoder_ttl_ms: u64,
+    /// The transport adapter.
+    pub transport: TransportKind,
 }
 
 impl NodeConfig {
@@ -110,8 +133,8 @@ pub struct Remote {
     pub request: String,
     /// P's side-channel address per rank.
     pub addresses: Vec<String>,
-    /// P's incarnation (0: not known yet, push mode).
-    pub instance: u64,
+    /// P's incarnation (`None`: not known yet, push mode).
+    pub instance: Option<u64>,
     /// Prompt tokens.
     pub prompt_tokens: u64,
     /// P's blocks and the lease's deadline (ns on P's clock), once P has exported.
@@ -240,6 +263,11 @@ pub enum Event {
         bytes: u64,
         /// When its KV was in place (for `ok` and `corrupt`).
         ready_at_ns: u64,
+        /// How long, before that, D's engine spent checking that the blocks it allocated for
+        /// the load still held their scrub bytes: the demo's own check for writes after free,
+        /// which a real engine does not make, so the KV latency leaves it out.
+        #[serde(default)]
+        scrub_check_ns: u64,
     },
     /// A transfer this engine posted ended.
     Transfer {
@@ -296,7 +324,7 @@ mod tests {
             request: RequestId::new("1_req-3"),
             addresses: vec![PeerAddress("127.0.0.1:5600".into())],
             tp_size: 1,
-            instance: 2,
+            instance: Some(2),
             prompt_tokens: 300,
             export: Some(ExportInfo { blocks: vec![BlockId(4), BlockId(9)], deadline: Time::from_nanos(77) }),
             consumer: Some(Consumer { engine: EngineId::new("decode1"), instance: 3 }),

@@ -66,7 +66,8 @@
 //! | every step | `WorkerDriver::step(now)` per rank, reports to `handle_report(rank, report)`; drain `DecodeScheduler::poll_event` (`ToWorker` to the rank's `handle_command` then `WorkerDriver::flush`; `Ready`: the KV is in place; `Free`: the load failed or was aborted, free the blocks, the request is [`DecodeState::Failed`], [`DecodeState::Recompute`] or [`DecodeState::Gone`]) |
 //!
 //! kv-testkit's `cluster` module is a complete engine of both kinds over the in-memory
-//! transport, and reads as a worked example.
+//! transport, and reads as a worked example; xtask's `pull_pair` examples are the smallest
+//! pair, one engine code over the fake transport, NIXL and TCP.
 //!
 //! # Decisions beyond vLLM
 //!

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use clap::{Parser, ValueEnum};
-use xtask::proto::{Model, NodeConfig, NodeRole};
+use xtask::proto::{Model, NodeConfig, NodeRole, TransportKind};
 
 /// The flags of `cargo xtask demo`; the defaults are [`DemoConfig::default`]'s.
 #[derive(Parser, Debug)]
@@ -52,6 +52,9 @@ pub struct DemoArgs {
     /// Stops P once, past D's push watchdog but within D's quarantine, with its writes in flight.
     #[arg(long)]
     pause_prefill: bool,
+    /// The transport the engines move KV with: NIXL over UCX, or plain TCP (the baseline).
+    #[arg(long, value_enum, default_value_t = TransportKind::Nixl)]
+    transport: TransportKind,
     /// Prints the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -82,6 +85,7 @@ impl DemoArgs {
             kill: !self.no_kill,
             pause_decode: self.pause_decode,
             pause_prefill: self.pause_prefill,
+            transport: self.transport,
             ..defaults
         };
         config.validate()?;
@@ -128,6 +132,8 @@ pub struct DemoConfig {
     pub sibling_rate: f64,
     /// Stop sending new requests after this long.
     pub time_limit: Duration,
+    /// The transport the engines move KV with.
+    pub transport: TransportKind,
 }
 
 impl Default for DemoConfig {
@@ -147,6 +153,7 @@ impl Default for DemoConfig {
             kill: true,
             pause_decode: 0,
             pause_prefill: false,
+            transport: TransportKind::Nixl,
             attack: false,
             reject_rate: 0.08,
             abort_rate: 0.08,
@@ -179,6 +186,9 @@ impl DemoConfig {
                 self.model.block_tokens,
                 self.blocks
             );
+        }
+        if self.attack && self.transport != TransportKind::Nixl {
+            bail!("the attack drives NIXL itself; it runs against --transport nixl, not {}", self.transport.name());
         }
         if self.lease_ms < 600 {
             bail!("--lease-ms {} is too short: heartbeats go every lease / 6 and reads need a margin", self.lease_ms);
@@ -215,6 +225,7 @@ impl DemoConfig {
             lease_ms: self.lease_ms,
             read_safety_margin_ms: self.lease_ms / 4,
             decoder_ttl_ms: self.lease_ms * 5,
+            transport: self.transport,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! `cargo xtask demo`: one P engine and N D engines, each its own process on loopback, moving
-//! real bytes over NIXL/UCX under a workload with faults; this process is the router.
+//! real bytes over NIXL/UCX (or plain TCP with `--transport tcp`) under a workload with
+//! faults; this process is the router.
 //!
 //! The router sends prompts to P (lengths from a spread, some with n > 1 siblings), hands P's
 //! transfer parameters to a D engine (round robin), rejects some requests on D before

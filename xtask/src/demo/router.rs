@@ -27,6 +27,8 @@ pub(super) struct Track {
     pub(super) finished_at_ns: Option<u64>,
     pub(super) outcome: Option<String>,
     pub(super) ready_at_ns: Option<u64>,
+    /// Of the time to `ready_at_ns`, what D spent on the demo's own scrub checks.
+    pub(super) scrub_check_ns: u64,
     pub(super) freed: Option<(String, u64)>,
 }
 
@@ -263,7 +265,7 @@ impl Demo {
                     engine: "prefill0".into(),
                     request: export.clone(),
                     addresses: vec![address.clone()],
-                    instance: 0,
+                    instance: None,
                     prompt_tokens: tokens,
                     export: None,
                     consumer: None,
@@ -472,11 +474,14 @@ impl Demo {
             Event::Freed { id, reason, at_ns } => {
                 self.tracks.entry(id).or_default().freed = Some((reason, at_ns));
             }
-            Event::Outcome { id, outcome, ready_at_ns, .. } => {
+            Event::Outcome { id, outcome, ready_at_ns, scrub_check_ns, .. } => {
                 let track = self.tracks.get(&id);
                 let from_here = track.and_then(|t| t.decode.as_ref()).is_some_and(|(d, i)| d == name && *i == instance);
                 if from_here && track.is_some_and(|t| t.outcome.is_none()) {
                     let ready = (outcome == "ok" || outcome == "corrupt").then_some(ready_at_ns);
+                    if let Some(track) = self.tracks.get_mut(&id) {
+                        track.scrub_check_ns = scrub_check_ns;
+                    }
                     self.finish_export(&id, &outcome, ready);
                 }
             }
