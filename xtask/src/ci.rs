@@ -12,7 +12,7 @@ use crate::workspace::{self, cargo, cargo_env};
 /// Runs the fmt check, provisions libclang and the NIXL runtime (see [`provision::ensure`]),
 /// then clippy with `-D warnings` and every test of the workspace, with the provisioned paths in
 /// their environment, the examples, `cargo package` of every library crate, then a short demo
-/// in each mode and the attack suite.
+/// in each mode over each transport, and the attack suite.
 pub fn run() -> Result<()> {
     let root = workspace::root();
     cargo(&root, &["fmt", "--all", "--", "--check"])?;
@@ -42,14 +42,15 @@ pub fn run() -> Result<()> {
     let package =
         ["package", "--workspace", "--exclude", "xtask", "--locked", "--allow-dirty", "--target-dir", &verify];
     cargo_env(&root, &package, &envs)?;
-    // A short demo in each mode, real processes over NIXL: any corrupt read, block written after
-    // free, or block held after the drain fails it.
-    for mode in ["pull", "push"] {
-        let flags = ["--mode", mode, "--requests", "40", "--layers", "4", "--max-tokens", "256", "--lease-ms", "2000"];
+    // A short demo in each mode over each transport, real processes: any corrupt read, block
+    // written after free, or block held after the drain fails it.
+    for (transport, mode) in [("nixl", "pull"), ("nixl", "push"), ("tcp", "pull"), ("tcp", "push")] {
+        let flags = ["--transport", transport, "--mode", mode, "--requests", "40", "--layers", "4"];
+        let flags = [&flags[..], &["--max-tokens", "256", "--lease-ms", "2000"]].concat();
         eprintln!("xtask: cargo xtask demo {}", flags.join(" "));
         // Through the demo's own parser, so that these are the flags a user would type.
         let args = DemoArgs::try_parse_from(std::iter::once("demo").chain(flags))?;
-        crate::demo::run(&args).with_context(|| format!("the short {mode} demo"))?;
+        crate::demo::run(&args).with_context(|| format!("the short {mode} demo over {transport}"))?;
     }
     // The engines under attack, and stopped past their lease, in both modes (about a minute).
     eprintln!("xtask: cargo xtask attack");
