@@ -5,6 +5,37 @@
 //! quinn-proto does. They read no clock and touch no socket, so the simulator, the tests, the
 //! demo and an engine all run this same code.
 //!
+//! The scheduler side of one request, P to D, as it runs (the workers, which move the bytes
+//! over a transport, get the `ToWorker` commands; xtask's `pull_pair` examples run the whole
+//! pair over the fake transport, NIXL and TCP):
+//!
+//! ```
+//! use kv_core::{BlockId, EngineId, PeerAddress, RequestId, Time};
+//! use kv_sched_adapter::{Config, DecodeCommand, DecodeEvent, DecodeScheduler, PrefillScheduler};
+//!
+//! let config = Config::default(); // or `Config::from_extra` with vLLM's kv_connector_extra_config
+//! let address = PeerAddress("10.0.0.1:5600".into());
+//! let mut p = PrefillScheduler::new(EngineId::new("prefill0"), 1, vec![address], config)?;
+//! let mut d = DecodeScheduler::new(1, config)?;
+//!
+//! // P finished a 40-token prompt in its blocks 7, 8 and 9: the router hands D what P returns.
+//! let request = RequestId::new("req-1");
+//! let remote = p.handle_finished(Time::ZERO, request.clone(), vec![BlockId(7), BlockId(8), BlockId(9)], 40, None)?;
+//! assert_eq!(remote.export.as_ref().map(|e| e.blocks.len()), Some(3));
+//!
+//! // D admits it, then gives it blocks 0, 1 and 2: its worker is told to load the KV.
+//! d.handle_arrive(request.clone(), remote)?;
+//! d.handle_schedule(request.clone(), vec![BlockId(0), BlockId(1), BlockId(2)], false)?;
+//! let commands: Vec<DecodeCommand> = std::iter::from_fn(|| d.poll_event())
+//!     .filter_map(|e| match e {
+//!         DecodeEvent::ToWorker { command, .. } => Some(command),
+//!         _ => None,
+//!     })
+//!     .collect();
+//! assert!(matches!(commands.last(), Some(DecodeCommand::Load { blocks, .. }) if blocks.len() == 3));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! Engines are built as a scheduler and one worker per TP rank, and so is the connector:
 //!
 //! - [`PrefillScheduler`] exports a finished request ([`PrefillScheduler::handle_finished`]

@@ -8,22 +8,46 @@
 //! usable once its `Connected` event arrives, and gone at its `Lost`. A [`KeySource`] names
 //! where the cluster key is read from.
 //!
-//! ```no_run
+//! Two agents meet on loopback; each sees the other connected, with its offer:
+//!
+//! ```
 //! use std::sync::Arc;
-//! use kv_core::side::SideLimits;
+//! use std::time::{Duration, Instant};
+//! use kv_core::side::{SideEvent, SideLimits};
+//! use kv_core::{AgentName, Clock, EngineId, Handshake, KvLayout, PeerAddress, Role, Time};
 //! use kv_side_tcp::{Item, KeySource, SideChannel};
-//! # fn offer() -> kv_core::Handshake { unimplemented!() }
-//! # fn clock() -> Arc<dyn kv_core::Clock> { unimplemented!() }
-//! let key = KeySource::None.load()?;
-//! let side = SideChannel::start("127.0.0.1:0".parse()?, key, SideLimits::default(), offer(), clock())?;
-//! side.connect(&kv_core::PeerAddress("127.0.0.1:5600".into()))?;
-//! while let Some(item) = side.poll_item() {
-//!     match item {
-//!         Item::Event(event) => drop(event), // Connected: the peer is usable; Lost: it is gone
-//!         // Collect what the peer sent on the data path first, then:
-//!         Item::PeerClosed(conn) => side.peer_closed(conn),
+//!
+//! struct Since(Instant);
+//! impl Clock for Since {
+//!     fn now(&self) -> Time {
+//!         Time::from_nanos(self.0.elapsed().as_nanos() as u64)
 //!     }
 //! }
+//!
+//! let clock: Arc<dyn Clock> = Arc::new(Since(Instant::now()));
+//! let start = |engine: &str, role: Role| -> Result<SideChannel, Box<dyn std::error::Error>> {
+//!     let agent = AgentName::new(EngineId::new(engine), 0);
+//!     // An adapter puts what peers need to reach its data path into `agent_metadata`.
+//!     let offer = Handshake::new(&agent, 1, 1, role, "model", KvLayout::split_kv(1, 16, 1, 8, 2));
+//!     let key = KeySource::None.load()?; // loopback only; a cluster key authenticates peers
+//!     Ok(SideChannel::start("127.0.0.1:0".parse()?, key, SideLimits::default(), offer, clock.clone())?)
+//! };
+//! let (p, d) = (start("prefill0", Role::Prefill)?, start("decode0", Role::Decode)?);
+//! d.connect(&PeerAddress(p.local_addr().to_string()))?;
+//! let mut met = Vec::new();
+//! let deadline = Instant::now() + Duration::from_secs(10);
+//! while met.len() < 2 && Instant::now() < deadline {
+//!     for side in [&p, &d] {
+//!         match side.poll_item() {
+//!             Some(Item::Event(SideEvent::Connected { info, .. })) => met.push(info.agent.to_string()),
+//!             // Collect what the peer sent on the data path first, then:
+//!             Some(Item::PeerClosed(conn)) => side.peer_closed(conn),
+//!             _ => std::thread::sleep(Duration::from_millis(1)),
+//!         }
+//!     }
+//! }
+//! met.sort();
+//! assert_eq!(met, ["decode0/tp0", "prefill0/tp0"]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 

@@ -12,6 +12,34 @@
 //! before it starts threads, loads it from where it is told or `KVFLOW_NIXL_DIR` says (nothing
 //! is baked in at build time), with no library path exported.
 //!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Instant;
+//! use kv_core::{AgentName, Clock, EngineId, Handshake, KvLayout, MemoryKind, Region, RegionId, Role, Time, Transport};
+//! use kv_transport_nixl::{runtime, NixlConfig, NixlTransport};
+//!
+//! struct Since(Instant);
+//! impl Clock for Since {
+//!     fn now(&self) -> Time {
+//!         Time::from_nanos(self.0.elapsed().as_nanos() as u64)
+//!     }
+//! }
+//!
+//! // Once, at startup, before the engine starts threads (here: only where a runtime is set up).
+//! if let Err(e) = runtime::prepare(None) {
+//!     return Ok(eprintln!("skipped: {e}"));
+//! }
+//! let offer = Handshake::new(&AgentName::new(EngineId::new("prefill0"), 0), 1, 1, Role::Prefill, "model", KvLayout::split_kv(1, 16, 1, 8, 2));
+//! let config = NixlConfig { bind: "127.0.0.1:0".parse()?, ..NixlConfig::default() };
+//! let mut transport = NixlTransport::new(offer, &config, Arc::new(Since(Instant::now())))?;
+//! let pool = vec![0u8; 1 << 20];
+//! transport.register(&Region { id: RegionId(1), kind: MemoryKind::Host, addr: pool.as_ptr() as u64, len: 1 << 20 })?;
+//! // Peers connect to this address (or this one connects to theirs) and read the pool.
+//! assert!(transport.side_channel_addr().port() > 0);
+//! drop(transport); // before the pool it registered
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! Register every region before peers connect: NIXL's metadata, which peers load at
 //! handshake, lists the registrations that exist then. The handshake's agent metadata carries,
 //! ahead of NIXL's, a table of those registrations with their memory kind and GPU, so that each

@@ -11,21 +11,67 @@
 //! the listener wants from whoever connects, and the table of registered regions (layout in
 //! `src/metadata.rs`). Register every region before peers connect, as with NIXL.
 //!
-//! ```no_run
+//! Unlike NIXL, whose UCX serves a peer's reads with no help from the engine, an agent serves
+//! a peer's data connection only once its own engine has taken in that peer's handshake (any
+//! `poll_event` or `post` after it; the side channel wakes the engine's waker for it); until
+//! then the connection waits, up to the side channel's `auth_timeout`. An engine that runs
+//! `WorkerDriver::step` as it should does this every step.
+//!
+//! Two agents in one process: D reads P's 4 KiB over loopback.
+//!
+//! ```
 //! use std::sync::Arc;
-//! use kv_core::{Transport, PeerAddress};
+//! use std::time::{Duration, Instant};
+//! use kv_core::{AgentName, Clock, DescriptorPair, EngineId, Handshake, KvLayout, MemoryKind, PeerAddress};
+//! use kv_core::{PeerEvent, Region, RegionId, Role, Time, TransferOp, TransferRequest, TransferStatus, Transport};
 //! use kv_transport_tcp::{TcpConfig, TcpTransport};
-//! # fn offer() -> kv_core::Handshake { unimplemented!() }
-//! # fn clock() -> Arc<dyn kv_core::Clock> { unimplemented!() }
-//! # fn region() -> kv_core::Region { unimplemented!() }
-//! let config = TcpConfig { bind: "127.0.0.1:0".parse()?, ..TcpConfig::default() };
-//! let mut transport = TcpTransport::new(offer(), &config, clock())?;
-//! transport.register(&region())?;
-//! transport.connect(&PeerAddress("127.0.0.1:5700".into()))?;
-//! while let Some(event) = transport.poll_event() {
-//!     // Connected: post reads and writes to the peer; Notification; Lost; ...
-//!     let _ = event;
+//!
+//! struct Since(Instant);
+//! impl Clock for Since {
+//!     fn now(&self) -> Time {
+//!         Time::from_nanos(self.0.elapsed().as_nanos() as u64)
+//!     }
 //! }
+//!
+//! let clock: Arc<dyn Clock> = Arc::new(Since(Instant::now()));
+//! let config = TcpConfig { bind: "127.0.0.1:0".parse()?, ..TcpConfig::default() };
+//! let (p_pool, d_pool) = (vec![7u8; 4096], vec![0u8; 4096]);
+//! let region = |pool: &Vec<u8>| Region { id: RegionId(1), kind: MemoryKind::Host, addr: pool.as_ptr() as u64, len: 4096 };
+//! let agent = |engine: &str, role: Role, pool: &Vec<u8>| -> Result<TcpTransport, Box<dyn std::error::Error>> {
+//!     let name = AgentName::new(EngineId::new(engine), 0);
+//!     let offer = Handshake::new(&name, 1, 1, role, "model", KvLayout::split_kv(1, 16, 1, 8, 2));
+//!     let mut transport = TcpTransport::new(offer, &config, clock.clone())?;
+//!     transport.register(&region(pool))?; // before peers connect: they learn the registrations
+//!     Ok(transport)
+//! };
+//! let (mut p, mut d) = (agent("prefill0", Role::Prefill, &p_pool)?, agent("decode0", Role::Decode, &d_pool)?);
+//! d.connect(&PeerAddress(p.side_channel_addr().to_string()))?;
+//! // Both engines' loops take in the handshake (P serves D's reads once it has).
+//! let deadline = Instant::now() + Duration::from_secs(10);
+//! let (mut peer, mut p_knows_d) = (None, false);
+//! while peer.is_none() || !p_knows_d {
+//!     match d.poll_event() {
+//!         Some(PeerEvent::Connected(info)) => peer = Some(info.agent),
+//!         _ if Instant::now() > deadline => return Err("no handshake".into()),
+//!         _ => std::thread::sleep(Duration::from_millis(1)),
+//!     }
+//!     p_knows_d |= matches!(p.poll_event(), Some(PeerEvent::Connected(_)));
+//! }
+//! let peer = peer.expect("connected");
+//! let pairs = vec![DescriptorPair {
+//!     local_region: 0,
+//!     local_addr: d_pool.as_ptr() as u64,
+//!     remote_region: 0,
+//!     remote_addr: p_pool.as_ptr() as u64,
+//!     len: 4096,
+//! }];
+//! let id = d.post(TransferRequest { op: TransferOp::Read, peer, pairs, notification: Some(b"done".to_vec()) })?;
+//! while d.poll_transfer(id) == TransferStatus::InProgress {
+//!     std::thread::sleep(Duration::from_millis(1));
+//! }
+//! // The transport wrote D's pool behind the compiler's back: read it afresh.
+//! assert!(std::hint::black_box(&d_pool).iter().all(|&b| b == 7));
+//! drop((d, p)); // the transports let go of the pools before the pools are freed
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
