@@ -44,8 +44,8 @@ pub use layout::{Attention, KvLayout, LayoutError, MemoryOrder, Placement, PoolS
 pub use plan::{DescriptorPair, Granularity, Initiator, PlanError, PlanInput, PoolSide, RegionBase, TransferPlan};
 pub use ports::{
     Clock, Memory, MemoryError, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PollIntervals, PreparedId,
-    PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp, TransferRequest, TransferStatus,
-    Transport, TransportError,
+    PreparedLists, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp, TransferRequest,
+    TransferStatus, Transport, TransportError,
 };
 pub use time::Time;
 pub use tp::{DecodeRankPlan, HeadSlice, TpError, TpMapping};

@@ -148,6 +148,56 @@ impl PollIntervals {
         PollIntervals { transfers: Some(Duration::from_millis(1)), notifications: Some(Duration::from_millis(1)) };
 }
 
+/// A transport's prepared lists by id, each of local memory or of one peer's: what
+/// [`Transport::prepare`] hands out and [`Transport::post_prepared`] names, with the port's
+/// errors for a list that was never prepared or belongs to another side. Adapters keep what
+/// their backend needs for a list (ranges, a handle) as `T`.
+#[derive(Debug)]
+pub struct PreparedLists<T> {
+    lists: std::collections::BTreeMap<PreparedId, (Option<AgentName>, T)>,
+    next: u64,
+}
+
+impl<T> Default for PreparedLists<T> {
+    fn default() -> Self {
+        PreparedLists { lists: std::collections::BTreeMap::new(), next: 0 }
+    }
+}
+
+impl<T> PreparedLists<T> {
+    /// Keeps `list`, of local memory (`owner` none) or of `owner`'s, under a new id.
+    pub fn insert(&mut self, owner: Option<AgentName>, list: T) -> PreparedId {
+        let id = PreparedId(self.next);
+        self.next += 1;
+        self.lists.insert(id, (owner, list));
+        id
+    }
+
+    /// List `id`, which must be of `owner`'s memory (`None`: local).
+    pub fn get(&self, id: PreparedId, owner: Option<&AgentName>) -> Result<&T, TransportError> {
+        match self.lists.get(&id) {
+            Some((who, list)) if who.as_ref() == owner => Ok(list),
+            Some(_) => Err(TransportError::InvalidTransfer(format!("{id:?} is prepared for another side"))),
+            None => Err(TransportError::InvalidTransfer(format!("{id:?} was never prepared"))),
+        }
+    }
+
+    /// Forgets every list of `peer`'s memory (the peer is gone).
+    pub fn forget_peer(&mut self, peer: &AgentName) {
+        self.lists.retain(|_, (owner, _)| owner.as_ref() != Some(peer));
+    }
+
+    /// How many lists are kept.
+    pub fn len(&self) -> usize {
+        self.lists.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.lists.is_empty()
+    }
+}
+
 /// A posted transfer's handle, unique within one transport.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
 pub struct TransferId(pub u64);
@@ -186,6 +236,17 @@ pub struct PreparedTransfer {
     pub remote_indices: Vec<u32>,
     /// Delivered to the peer when the transfer completes, and only then.
     pub notification: Option<Vec<u8>>,
+}
+
+impl PreparedTransfer {
+    /// Refuses a transfer whose index lists are empty or of unequal lengths.
+    pub fn check_counts(&self) -> Result<(), TransportError> {
+        let (l, r) = (self.local_indices.len(), self.remote_indices.len());
+        if l != r || l == 0 {
+            return Err(TransportError::InvalidTransfer(format!("{l} local entries for {r} remote ones")));
+        }
+        Ok(())
+    }
 }
 
 /// Where a posted transfer stands.
@@ -410,6 +471,24 @@ mod tests {
     fn the_ports_are_object_safe() {
         fn takes(_: Option<&dyn Transport>, _: Option<&dyn Memory>, _: Option<&dyn Clock>) {}
         takes(None, None, None);
+    }
+
+    #[test]
+    fn prepared_lists_are_found_only_for_their_own_side_and_go_with_their_peer() {
+        let (p, q) = (AgentName::new(EngineId::new("p"), 0), AgentName::new(EngineId::new("q"), 0));
+        let mut lists = PreparedLists::default();
+        let local = lists.insert(None, "local");
+        let of_p = lists.insert(Some(p.clone()), "p's");
+        let of_q = lists.insert(Some(q.clone()), "q's");
+        assert_eq!(lists.get(local, None), Ok(&"local"));
+        assert_eq!(lists.get(of_p, Some(&p)), Ok(&"p's"));
+        let other = |id| Err(TransportError::InvalidTransfer(format!("{id:?} is prepared for another side")));
+        assert_eq!(lists.get(of_p, None), other(of_p), "a peer's list named as local");
+        assert_eq!(lists.get(of_p, Some(&q)), other(of_p), "p's list named as q's");
+        lists.forget_peer(&p);
+        let never = Err(TransportError::InvalidTransfer(format!("{of_p:?} was never prepared")));
+        assert_eq!(lists.get(of_p, Some(&p)), never, "a lost peer's lists are gone");
+        assert_eq!((lists.len(), lists.get(of_q, Some(&q))), (2, Ok(&"q's")));
     }
 
     #[test]

@@ -55,4 +55,22 @@ mod channel;
 mod key;
 
 pub use channel::{nonce, Item, SideChannel, SideStatus};
+
+/// The process's monotonic clock, reading zero when it was made: what a transport's side
+/// channel stamps its offers with, for engines and tests that have no clock of their own.
+#[derive(Debug)]
+pub struct MonotonicClock(std::time::Instant);
+
+impl MonotonicClock {
+    /// A clock that reads zero now.
+    pub fn start() -> Self {
+        MonotonicClock(std::time::Instant::now())
+    }
+}
+
+impl kv_core::Clock for MonotonicClock {
+    fn now(&self) -> kv_core::Time {
+        kv_core::Time::from_nanos(self.0.elapsed().as_nanos() as u64)
+    }
+}
 pub use key::{check_bind, KeyError, KeySource};

@@ -11,8 +11,8 @@ use kv_core::side::{ConnId, SideEvent, SideLimits};
 use kv_core::wire::MAX_MESSAGE_BYTES;
 use kv_core::{
     AgentName, Clock, Handshake, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PollIntervals, PreparedId,
-    PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp, TransferRequest, TransferStatus,
-    Transport, TransportError,
+    PreparedLists, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp, TransferRequest,
+    TransferStatus, Transport, TransportError,
 };
 use nixl_sys::{
     Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle,
@@ -137,7 +137,6 @@ fn descriptor_list(typed: &TypedRanges) -> Result<XferDescList<'static>, Transpo
 /// A prepared NIXL descriptor list.
 struct Prepared {
     handle: PreparedHandle,
-    owner: Option<AgentName>,
     lens: Vec<u64>,
 }
 
@@ -166,7 +165,7 @@ enum Pending {
 pub struct NixlTransport {
     name: AgentName,
     /// Declared before `agent`: prepared lists are released before the agent they belong to.
-    prepared: BTreeMap<PreparedId, Prepared>,
+    prepared: PreparedLists<Prepared>,
     agent: Agent,
     backend: Backend,
     side: SideChannel,
@@ -225,7 +224,7 @@ impl NixlTransport {
         let side = SideChannel::start(config.bind, key, config.side_limits.clone(), offer, clock)?;
         Ok(NixlTransport {
             name,
-            prepared: BTreeMap::new(),
+            prepared: PreparedLists::default(),
             agent,
             backend,
             side,
@@ -431,11 +430,8 @@ impl Transport for NixlTransport {
         let args = self.opt_args()?;
         let handle =
             self.agent.prepare_xfer_dlist(&agent_name, &list, Some(&args)).map_err(|e| backend_error("prepare", e))?;
-        let id = PreparedId(self.next_transfer);
-        self.next_transfer += 1;
         let lens = ranges.iter().map(|&(_, len)| len).collect();
-        self.prepared.insert(id, Prepared { handle: PreparedHandle(handle), owner: peer.cloned(), lens });
-        Ok(id)
+        Ok(self.prepared.insert(peer.cloned(), Prepared { handle: PreparedHandle(handle), lens }))
     }
 
     fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError> {
@@ -443,16 +439,9 @@ impl Transport for NixlTransport {
         if !self.peers.contains_key(&request.peer) {
             return Err(TransportError::UnknownPeer(request.peer));
         }
-        let list = |id: PreparedId, owner: Option<&AgentName>| match self.prepared.get(&id) {
-            Some(p) if p.owner.as_ref() == owner => Ok(p),
-            Some(_) => Err(TransportError::InvalidTransfer(format!("{id:?} is prepared for another side"))),
-            None => Err(TransportError::InvalidTransfer(format!("{id:?} was never prepared"))),
-        };
-        let (local, remote) = (list(request.local, None)?, list(request.remote, Some(&request.peer))?);
-        if request.local_indices.len() != request.remote_indices.len() || request.local_indices.is_empty() {
-            let (l, r) = (request.local_indices.len(), request.remote_indices.len());
-            return Err(TransportError::InvalidTransfer(format!("{l} local entries for {r} remote ones")));
-        }
+        let local = self.prepared.get(request.local, None)?;
+        let remote = self.prepared.get(request.remote, Some(&request.peer))?;
+        request.check_counts()?;
         for (&l, &r) in request.local_indices.iter().zip(&request.remote_indices) {
             match (local.lens.get(l as usize), remote.lens.get(r as usize)) {
                 (Some(a), Some(b)) if a == b => {}

@@ -11,8 +11,8 @@ use kv_core::side::{ConnId, SideEvent};
 use kv_core::wire::MAX_MESSAGE_BYTES;
 use kv_core::{
     AgentName, Clock, DescriptorPair, Handshake, MemoryKind, PeerAddress, PeerEvent, PeerInfo, PollIntervals,
-    PreparedId, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp, TransferRequest,
-    TransferStatus, Transport, TransportError,
+    PreparedId, PreparedLists, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp,
+    TransferRequest, TransferStatus, Transport, TransportError,
 };
 use kv_side_tcp::{Item, SideChannel, SideStatus};
 
@@ -30,12 +30,6 @@ struct Peer {
     out: OutConn,
 }
 
-/// A prepared list: its owner (`None`: local memory) and ranges.
-struct Prepared {
-    owner: Option<AgentName>,
-    ranges: Vec<(u64, u64)>,
-}
-
 /// kv-core's [`Transport`] over plain TCP: one agent per TP rank, the TCP side channel for
 /// the handshake and liveness, and a data listener that peers connect to with the capability
 /// its metadata carries. See the crate docs for the protocol.
@@ -46,7 +40,8 @@ pub struct TcpTransport {
     data_addr: SocketAddr,
     accept: Option<JoinHandle<()>>,
     peers: HashMap<AgentName, Peer>,
-    prepared: HashMap<PreparedId, Prepared>,
+    /// Each prepared list's `(address, length)` ranges.
+    prepared: PreparedLists<Vec<(u64, u64)>>,
     events: VecDeque<PeerEvent>,
     /// Peers whose side channel closed (connection, agent, incarnation, when), waiting for
     /// their data connections to end.
@@ -54,7 +49,6 @@ pub struct TcpTransport {
     /// Threads of connections closed while they were still connecting.
     retired: Vec<JoinHandle<()>>,
     next_transfer: u64,
-    next_prepared: u64,
     next_conn: u64,
 }
 
@@ -122,12 +116,11 @@ impl TcpTransport {
             data_addr,
             accept: Some(accept),
             peers: HashMap::new(),
-            prepared: HashMap::new(),
+            prepared: PreparedLists::default(),
             events: VecDeque::new(),
             closing: Vec::new(),
             retired: Vec::new(),
             next_transfer: 0,
-            next_prepared: 0,
             next_conn: 0,
         })
     }
@@ -226,7 +219,7 @@ impl TcpTransport {
                         if let Some(peer) = self.peers.remove(&agent) {
                             self.close_conn(peer.out, TransportError::PeerLost(agent.clone()));
                         }
-                        self.prepared.retain(|_, p| p.owner.as_ref() != Some(&agent));
+                        self.prepared.forget_peer(&agent);
                         self.events.push_back(PeerEvent::Lost(agent));
                     }
                 }
@@ -267,7 +260,7 @@ impl TcpTransport {
                 if let Some(old) = self.peers.insert(agent.clone(), Peer { conn, incarnation, meta, out }) {
                     // A newer incarnation replaced it (its loss may still be on the way).
                     self.close_conn(old.out, TransportError::PeerLost(agent.clone()));
-                    self.prepared.retain(|_, p| p.owner.as_ref() != Some(&agent));
+                    self.prepared.forget_peer(&agent);
                 }
                 let mut peers = lock(&self.shared.peers);
                 peers.insert(agent, Established { incarnation, closing_since: None, incoming: 0 });
@@ -407,10 +400,7 @@ impl Transport for TcpTransport {
                 return Err(TransportError::NotRegistered { side, addr, len });
             }
         }
-        let id = PreparedId(self.next_prepared);
-        self.next_prepared += 1;
-        self.prepared.insert(id, Prepared { owner: peer.cloned(), ranges: ranges.to_vec() });
-        Ok(id)
+        Ok(self.prepared.insert(peer.cloned(), ranges.to_vec()))
     }
 
     fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError> {
@@ -418,16 +408,9 @@ impl Transport for TcpTransport {
         if !self.peers.contains_key(&request.peer) {
             return Err(TransportError::UnknownPeer(request.peer));
         }
-        let list = |id: PreparedId, owner: Option<&AgentName>| match self.prepared.get(&id) {
-            Some(p) if p.owner.as_ref() == owner => Ok(&p.ranges),
-            Some(_) => Err(TransportError::InvalidTransfer(format!("{id:?} is prepared for another side"))),
-            None => Err(TransportError::InvalidTransfer(format!("{id:?} was never prepared"))),
-        };
-        let (local, remote) = (list(request.local, None)?, list(request.remote, Some(&request.peer))?);
-        if request.local_indices.len() != request.remote_indices.len() || request.local_indices.is_empty() {
-            let (l, r) = (request.local_indices.len(), request.remote_indices.len());
-            return Err(TransportError::InvalidTransfer(format!("{l} local entries for {r} remote ones")));
-        }
+        let local = self.prepared.get(request.local, None)?;
+        let remote = self.prepared.get(request.remote, Some(&request.peer))?;
+        request.check_counts()?;
         let mut pairs = Vec::with_capacity(request.local_indices.len());
         for (&l, &r) in request.local_indices.iter().zip(&request.remote_indices) {
             match (local.get(l as usize), remote.get(r as usize)) {

@@ -120,23 +120,12 @@ pub fn pull_pair<N: Net>(net: &mut N) -> Fallible<()> {
     Ok(())
 }
 
-/// The process's monotonic clock.
-#[cfg(feature = "nixl")]
-pub struct ProcessClock(std::time::Instant);
-
-#[cfg(feature = "nixl")]
-impl kv_core::Clock for ProcessClock {
-    fn now(&self) -> Time {
-        Time::from_nanos(self.0.elapsed().as_nanos() as u64)
-    }
-}
-
 /// Both engines in this process over a real transport that `make` builds (with the process's
 /// clock), their pools in kv-cuda's host memory; a wait parks until a transport's waker or
 /// the deadline.
 #[cfg(feature = "nixl")]
 pub struct Sockets<F> {
-    clock: std::sync::Arc<ProcessClock>,
+    clock: std::sync::Arc<xtask::e2e::ProcessClock>,
     make: F,
 }
 
@@ -146,7 +135,7 @@ where
     F: FnMut(&Handshake, std::sync::Arc<dyn kv_core::Clock>) -> Fallible<(Box<dyn Transport>, PeerAddress)>,
 {
     pub fn new(make: F) -> Self {
-        Sockets { clock: std::sync::Arc::new(ProcessClock(std::time::Instant::now())), make }
+        Sockets { clock: std::sync::Arc::new(xtask::e2e::ProcessClock::start()), make }
     }
 }
 

@@ -1,10 +1,8 @@
 //! [`FakeTransport`]: one agent's [`Transport`] on the fake network.
 
-use std::collections::BTreeMap;
-
 use kv_core::{
-    AgentName, DescriptorPair, PeerAddress, PeerEvent, PreparedId, PreparedTransfer, Region, RegionId, TransferId,
-    TransferRequest, TransferStatus, Transport, TransportError,
+    AgentName, DescriptorPair, PeerAddress, PeerEvent, PreparedId, PreparedLists, PreparedTransfer, Region, RegionId,
+    TransferId, TransferRequest, TransferStatus, Transport, TransportError,
 };
 
 use super::{validate, Agent, Body, Endpoint, Event, FakeNetwork, Message, Net, Transfer};
@@ -17,25 +15,14 @@ use super::{validate, Agent, Body, Endpoint, Event, FakeNetwork, Message, Net, T
 pub struct FakeTransport {
     me: Endpoint,
     network: FakeNetwork,
-    /// Prepared lists. Their ranges are checked when a transfer posts them, as every fake
+    /// Prepared lists' `(address, length)` ranges. They are checked when a transfer posts them, as every fake
     /// transfer is.
-    prepared: BTreeMap<PreparedId, PreparedList>,
+    prepared: PreparedLists<Vec<(u64, u64)>>,
 }
-
-/// Whose memory a prepared list names (none: local) and its `(address, length)` ranges.
-type PreparedList = (Option<AgentName>, Vec<(u64, u64)>);
 
 impl FakeTransport {
     pub(super) fn new(me: Endpoint, network: FakeNetwork) -> Self {
-        FakeTransport { me, network, prepared: BTreeMap::new() }
-    }
-
-    fn prepared_list(&self, id: PreparedId, owner: Option<&AgentName>) -> Result<&[(u64, u64)], TransportError> {
-        match self.prepared.get(&id) {
-            Some((who, ranges)) if who.as_ref() == owner => Ok(ranges),
-            Some(_) => Err(TransportError::InvalidTransfer(format!("{id:?} is prepared for another side"))),
-            None => Err(TransportError::InvalidTransfer(format!("{id:?} was never prepared"))),
-        }
+        FakeTransport { me, network, prepared: PreparedLists::default() }
     }
 
     /// The network this agent is on.
@@ -84,18 +71,13 @@ impl Transport for FakeTransport {
         if let Some(peer) = peer {
             self.settled(|net, me| net.caller(me)?.link(peer).map(|_| ()))?;
         }
-        let id = PreparedId(self.prepared.len() as u64);
-        self.prepared.insert(id, (peer.cloned(), ranges.to_vec()));
-        Ok(id)
+        Ok(self.prepared.insert(peer.cloned(), ranges.to_vec()))
     }
 
     fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError> {
-        if request.local_indices.len() != request.remote_indices.len() {
-            let (l, r) = (request.local_indices.len(), request.remote_indices.len());
-            return Err(TransportError::InvalidTransfer(format!("{l} local entries for {r} remote ones")));
-        }
-        let local = self.prepared_list(request.local, None)?;
-        let remote = self.prepared_list(request.remote, Some(&request.peer))?;
+        request.check_counts()?;
+        let local = self.prepared.get(request.local, None)?;
+        let remote = self.prepared.get(request.remote, Some(&request.peer))?;
         let entry = |list: &[(u64, u64)], i: u32| {
             list.get(i as usize).copied().ok_or_else(|| {
                 TransportError::InvalidTransfer(format!("entry {i} of a list of {} prepared ranges", list.len()))

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    AgentName, Clock, EngineId, Handshake, KvLayout, MemoryKind, PeerEvent, Region, RegionBase, RegionId, Role, Time,
+    AgentName, Clock, EngineId, Handshake, KvLayout, MemoryKind, PeerEvent, Region, RegionBase, RegionId, Role,
     Transport,
 };
 use kv_transport_nixl::{runtime, KeySource, NixlConfig, NixlTransport};
@@ -36,17 +36,9 @@ pub fn nixl_or_skip(test: &str) -> bool {
     false
 }
 
-/// A monotonic clock for a real process.
-pub struct ProcessClock(Instant);
-
-impl Clock for ProcessClock {
-    fn now(&self) -> Time {
-        Time::from_nanos(self.0.elapsed().as_nanos() as u64)
-    }
-}
-
+/// The process's monotonic clock.
 pub fn clock() -> Arc<dyn Clock> {
-    Arc::new(ProcessClock(Instant::now()))
+    Arc::new(kv_side_tcp::MonotonicClock::start())
 }
 
 /// A small model: 4 layers, 8 heads of 64, bf16, 16-token blocks: 128 KiB a block.

@@ -10,22 +10,14 @@ use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    AgentName, Clock, EngineId, Handshake, KvLayout, MemoryKind, PeerAddress, PeerEvent, Region, RegionId, Role, Time,
+    AgentName, Clock, EngineId, Handshake, KvLayout, MemoryKind, PeerAddress, PeerEvent, Region, RegionId, Role,
     TransferId, TransferStatus, Transport,
 };
 use kv_transport_tcp::{TcpConfig, TcpTransport};
 
-/// A monotonic clock for a real process.
-pub struct ProcessClock(Instant);
-
-impl Clock for ProcessClock {
-    fn now(&self) -> Time {
-        Time::from_nanos(self.0.elapsed().as_nanos() as u64)
-    }
-}
-
+/// The process's monotonic clock.
 pub fn clock() -> Arc<dyn Clock> {
-    Arc::new(ProcessClock(Instant::now()))
+    Arc::new(kv_side_tcp::MonotonicClock::start())
 }
 
 pub const PAGE: usize = 4096;
