@@ -42,15 +42,24 @@ pub fn run() -> Result<()> {
     let package =
         ["package", "--workspace", "--exclude", "xtask", "--locked", "--allow-dirty", "--target-dir", &verify];
     cargo_env(&root, &package, &envs)?;
-    // A short demo in each mode over each transport, real processes: any corrupt read, block
-    // written after free, or block held after the drain fails it.
-    for (transport, mode) in [("nixl", "pull"), ("nixl", "push"), ("tcp", "pull"), ("tcp", "push")] {
-        let flags = ["--transport", transport, "--mode", mode, "--requests", "40", "--layers", "4"];
-        let flags = [&flags[..], &["--max-tokens", "256", "--lease-ms", "2000"]].concat();
+    // Short demos, real processes: each mode over each transport, then P's 16-token blocks into
+    // D's 32-token ones, and MLA. Any corrupt read, block written after free, or block held
+    // after the drain fails them; D checks every row by layer, plane, head and token.
+    let short = ["--requests", "40", "--layers", "4", "--max-tokens", "256", "--lease-ms", "2000"];
+    let topologies: [&[&str]; 6] = [
+        &["--transport", "nixl", "--mode", "pull"],
+        &["--transport", "nixl", "--mode", "push"],
+        &["--transport", "tcp", "--mode", "pull"],
+        &["--transport", "tcp", "--mode", "push"],
+        &["--p-block-tokens", "16", "--d-block-tokens", "32"],
+        &["--mla"],
+    ];
+    for topology in topologies {
+        let flags = [topology, &short[..]].concat();
         eprintln!("xtask: cargo xtask demo {}", flags.join(" "));
         // Through the demo's own parser, so that these are the flags a user would type.
-        let args = DemoArgs::try_parse_from(std::iter::once("demo").chain(flags))?;
-        crate::demo::run(&args).with_context(|| format!("the short {mode} demo over {transport}"))?;
+        let args = DemoArgs::try_parse_from(std::iter::once("demo").chain(flags.iter().copied()))?;
+        crate::demo::run(&args).with_context(|| format!("the short demo with {}", topology.join(" ")))?;
     }
     // The engines under attack, and stopped past their lease, in both modes (about a minute).
     eprintln!("xtask: cargo xtask attack");

@@ -274,11 +274,31 @@ impl Engine {
         u64::from(at.region) * self.shape.region_len() + at.offset
     }
 
+    /// The chunks of the block at `position` of a prompt, one per plane of `layer`, in the
+    /// order they lie in the layer's part of the block.
+    fn chunks(&self, layer: u32, position: usize) -> impl Iterator<Item = pattern::Chunk> {
+        let (layout, shape) = (self.shape.layout, self.shape);
+        (0..layout.planes()).map(move |plane| pattern::Chunk {
+            layer,
+            plane,
+            // One rank holds every head (or MLA's one latent).
+            first_head: 0,
+            heads: shape.heads,
+            first_token: position as u64 * u64::from(layout.block_tokens),
+            tokens: layout.block_tokens,
+            row_bytes: shape.head_bytes_per_token() as usize,
+            order: layout.order,
+        })
+    }
+
     /// Fills `blocks`, in prompt order, with the prompt's bytes.
     fn fill(&mut self, seed: u64, blocks: &[BlockId]) -> Result<()> {
+        let plane_bytes = self.shape.plane_bytes() as usize;
         for (position, &block) in blocks.iter().enumerate() {
             for layer in 0..self.shape.layout.layers {
-                pattern::fill(&mut self.chunk, seed, layer, position as u32);
+                for (i, chunk) in self.chunks(layer, position).enumerate() {
+                    pattern::fill(&mut self.chunk[i * plane_bytes..(i + 1) * plane_bytes], seed, &chunk);
+                }
                 let at = self.offset(layer, block);
                 self.memory.write(self.region.id, at, &self.chunk)?;
             }
@@ -286,14 +306,17 @@ impl Engine {
         Ok(())
     }
 
-    /// Whether `blocks`, in prompt order, hold the prompt's bytes.
-    fn check(&mut self, seed: u64, blocks: &[BlockId]) -> Result<bool> {
+    /// Whether `blocks`, in prompt order, hold the bytes of a prompt of `tokens` tokens.
+    fn check(&mut self, seed: u64, blocks: &[BlockId], tokens: u64) -> Result<bool> {
+        let plane_bytes = self.shape.plane_bytes() as usize;
         let mut all = true;
         for (position, &block) in blocks.iter().enumerate() {
             for layer in 0..self.shape.layout.layers {
                 let at = self.offset(layer, block);
                 self.memory.read(self.region.id, at, &mut self.chunk)?;
-                all &= pattern::check(&self.chunk, seed, layer, position as u32);
+                for (i, chunk) in self.chunks(layer, position).enumerate() {
+                    all &= pattern::check(&self.chunk[i * plane_bytes..(i + 1) * plane_bytes], seed, &chunk, tokens);
+                }
             }
         }
         Ok(all)
@@ -736,7 +759,7 @@ impl Node<DecodeSide> {
                     let remote_id = RequestId::new(load.remote.request.clone());
                     let parent = remote_id.parent().unwrap_or(remote_id);
                     let seed = pattern::seed(&load.remote.engine, parent.as_str());
-                    let ok = self.engine.check(seed, &load.blocks)?;
+                    let ok = self.engine.check(seed, &load.blocks, load.remote.prompt_tokens)?;
                     let bytes = load.blocks.len() as u64 * self.engine.shape.block_bytes();
                     let outcome = if ok { "ok" } else { "corrupt" };
                     self.outcome_at(&request, outcome, bytes, ready_at_ns, load.scrub_check);

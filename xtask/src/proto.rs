@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 
-use kv_core::{BlockId, EngineId, KvLayout, PeerAddress, Placement, RequestId, Time};
+use kv_core::{Attention, BlockId, EngineId, KvLayout, PeerAddress, Placement, RequestId, Time};
 use kv_sched_adapter::{Consumer, ExportInfo, RemoteRef};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -61,28 +61,30 @@ pub struct Model {
     pub dtype_bytes: u32,
     /// Tokens per block.
     pub block_tokens: u32,
+    /// Multi-head latent attention: one latent plane of `head_dim` (`kv_heads` is 1), as
+    /// DeepSeek's models cache it, instead of K and V planes of `kv_heads` heads.
+    #[serde(default)]
+    pub mla: bool,
 }
 
 impl Model {
     /// A Llama-3-8B-like model ([`KvLayout::llama3_8b`]): 32 layers, 8 KV heads of 128, bf16.
     pub fn llama3_8b(block_tokens: u32) -> Model {
         let KvLayout { layers, kv_heads, head_dim, dtype_bytes, .. } = KvLayout::llama3_8b(block_tokens);
-        Model { layers, kv_heads, head_dim, dtype_bytes, block_tokens }
+        Model { layers, kv_heads, head_dim, dtype_bytes, block_tokens, mla: false }
     }
 
-    /// The layout of this model: K/V split, HND, one region per layer (as vLLM's caches).
+    /// A DeepSeek-like MLA model of `layers` layers: one latent of 576 bf16 elements (512 of
+    /// compressed KV and 64 of rotary key) per token.
+    pub fn mla(layers: u32, block_tokens: u32) -> Model {
+        Model { layers, kv_heads: 1, head_dim: 576, dtype_bytes: 2, block_tokens, mla: true }
+    }
+
+    /// The layout of this model: K/V split (or MLA), HND, one region per layer (as vLLM's caches).
     pub fn layout(&self) -> KvLayout {
         let split = KvLayout::split_kv(self.layers, self.block_tokens, self.kv_heads, self.head_dim, self.dtype_bytes);
-        KvLayout { placement: Placement::LayerMajor, ..split }
-    }
-
-    /// Bytes of one block, every layer.
-    pub fn block_bytes(&self) -> u64 {
-        2 * u64::from(self.layers)
-            * u64::from(self.kv_heads)
-            * u64::from(self.head_dim)
-            * u64::from(self.dtype_bytes)
-            * u64::from(self.block_tokens)
+        let attention = if self.mla { Attention::Mla } else { Attention::SplitKv };
+        KvLayout { placement: Placement::LayerMajor, attention, ..split }
     }
 }
 

@@ -34,9 +34,18 @@ pub struct DemoArgs {
     /// The longest prompt, in tokens.
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().max_tokens)]
     max_tokens: u64,
-    /// The model's layers (8 KV heads of 128, bf16, 16-token blocks).
+    /// The model's layers (8 KV heads of 128, bf16; or, with --mla, one latent of 576).
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().model.layers)]
     layers: u32,
+    /// MLA: one latent plane per token, as DeepSeek's models cache it, instead of K and V.
+    #[arg(long)]
+    mla: bool,
+    /// Tokens per block on P.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().model.block_tokens)]
+    p_block_tokens: u32,
+    /// Tokens per block on D (a multiple of P's; by default P's).
+    #[arg(long, value_name = "N")]
+    d_block_tokens: Option<u32>,
     /// Blocks in each engine's pool.
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().blocks)]
     blocks: u32,
@@ -79,7 +88,12 @@ impl DemoArgs {
             concurrency: self.concurrency,
             min_tokens: self.min_tokens,
             max_tokens: self.max_tokens,
-            model: Model { layers: self.layers, ..defaults.model },
+            model: if self.mla {
+                Model::mla(self.layers, self.p_block_tokens)
+            } else {
+                Model { layers: self.layers, block_tokens: self.p_block_tokens, ..defaults.model }
+            },
+            d_block_tokens: self.d_block_tokens.unwrap_or(self.p_block_tokens),
             blocks: self.blocks,
             lease_ms: self.lease_ms,
             kill: !self.no_kill,
@@ -110,8 +124,10 @@ pub struct DemoConfig {
     pub min_tokens: u64,
     /// See `min_tokens`.
     pub max_tokens: u64,
-    /// The model.
+    /// The model, with P's block size.
     pub model: Model,
+    /// D's block size.
+    pub d_block_tokens: u32,
     /// Blocks per engine's pool.
     pub blocks: u32,
     /// `kv_lease_duration`.
@@ -148,6 +164,7 @@ impl Default for DemoConfig {
             max_tokens: 512,
             // A Llama-3-8B-like layout: 32 layers, 8 KV heads of 128, bf16, 16-token blocks (2 MiB).
             model: Model::llama3_8b(16),
+            d_block_tokens: 16,
             blocks: 384,
             lease_ms: 4000,
             kill: true,
@@ -178,12 +195,20 @@ impl DemoConfig {
         if self.min_tokens == 0 || self.min_tokens > self.max_tokens {
             bail!("need 0 < --min-tokens ({}) <= --max-tokens ({})", self.min_tokens, self.max_tokens);
         }
-        let largest = self.max_tokens.div_ceil(u64::from(self.model.block_tokens));
+        if self.model.block_tokens == 0 || self.d_block_tokens == 0 {
+            bail!(
+                "--p-block-tokens ({}) and --d-block-tokens ({}) must be positive",
+                self.model.block_tokens,
+                self.d_block_tokens
+            );
+        }
+        // The smaller blocks need the most of them.
+        let tokens = self.model.block_tokens.min(self.d_block_tokens);
+        let largest = self.max_tokens.div_ceil(u64::from(tokens));
         if largest > u64::from(self.blocks) {
             bail!(
-                "a prompt of --max-tokens {} needs {largest} blocks of {} tokens, more than a pool of --blocks {}",
+                "a prompt of --max-tokens {} needs {largest} blocks of {tokens} tokens, more than a pool of --blocks {}",
                 self.max_tokens,
-                self.model.block_tokens,
                 self.blocks
             );
         }
@@ -221,11 +246,19 @@ impl DemoConfig {
             instance,
             push: self.push,
             num_blocks: self.blocks,
-            model: self.model,
+            model: self.model_of(role),
             lease_ms: self.lease_ms,
             read_safety_margin_ms: self.lease_ms / 4,
             decoder_ttl_ms: self.lease_ms * 5,
             transport: self.transport,
+        }
+    }
+
+    /// The model as engines of `role` run it: P's or D's block size.
+    fn model_of(&self, role: NodeRole) -> Model {
+        match role {
+            NodeRole::Prefill => self.model,
+            NodeRole::Decode => Model { block_tokens: self.d_block_tokens, ..self.model },
         }
     }
 }
