@@ -42,17 +42,20 @@ pub fn run() -> Result<()> {
     let package =
         ["package", "--workspace", "--exclude", "xtask", "--locked", "--allow-dirty", "--target-dir", &verify];
     cargo_env(&root, &package, &envs)?;
-    // Short demos, real processes: each mode over each transport, then P's 16-token blocks into
-    // D's 32-token ones, and MLA. Any corrupt read, block written after free, or block held
-    // after the drain fails them; D checks every row by layer, plane, head and token.
+    // Short demos, real processes: each mode over each transport, then P at TP 2 into D at TP 4
+    // and back, MLA from TP 2 into TP 1, and P's 16-token blocks into D's 32-token ones. Any
+    // corrupt read, block written after free, or block held after the drain fails them; D
+    // checks every row by layer, plane, head and token.
     let short = ["--requests", "40", "--layers", "4", "--max-tokens", "256", "--lease-ms", "2000"];
-    let topologies: [&[&str]; 6] = [
+    let topologies: [&[&str]; 8] = [
         &["--transport", "nixl", "--mode", "pull"],
         &["--transport", "nixl", "--mode", "push"],
         &["--transport", "tcp", "--mode", "pull"],
         &["--transport", "tcp", "--mode", "push"],
+        &["--p-tp", "2", "--d-tp", "4"],
+        &["--p-tp", "4", "--d-tp", "2", "--mode", "push"],
+        &["--mla", "--p-tp", "2", "--d-tp", "1"],
         &["--p-block-tokens", "16", "--d-block-tokens", "32"],
-        &["--mla"],
     ];
     for topology in topologies {
         let flags = [topology, &short[..]].concat();

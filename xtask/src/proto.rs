@@ -111,6 +111,13 @@ pub struct NodeConfig {
     pub decoder_ttl_ms: u64,
     /// The transport adapter.
     pub transport: TransportKind,
+    /// TP ranks: one worker, transport and part of the pool each, on a thread of its own.
+    #[serde(default = "one")]
+    pub tp: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 impl NodeConfig {
@@ -226,10 +233,10 @@ pub enum Command {
 /// What an engine reports.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Event {
-    /// Up: its side channel listens on `port`.
+    /// Up: its ranks' side channels listen on `ports`, by rank.
     Ready {
-        /// The side channel's port.
-        port: u16,
+        /// Each rank's side-channel port.
+        ports: Vec<u16>,
     },
     /// P exported a request (one event per sibling).
     Exported {

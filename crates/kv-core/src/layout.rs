@@ -134,6 +134,18 @@ impl KvLayout {
         }
     }
 
+    /// The model-wide index of the first head rank `rank` of a `tp`-wide engine holds (it holds
+    /// [`KvLayout::heads_per_rank`] from there): 0 for MLA's latent, which every rank holds;
+    /// ranks beyond the head count share heads, `tp / kv_heads` to a head.
+    pub fn first_head(&self, rank: u32, tp: u32) -> u32 {
+        let tp = tp.max(1);
+        match self.attention {
+            Attention::Mla => 0,
+            Attention::SplitKv if tp <= self.kv_heads => rank * (self.kv_heads / tp),
+            Attention::SplitKv => rank / (tp / self.kv_heads.max(1)),
+        }
+    }
+
     /// The same layout with another block size (P and D may differ in nothing else).
     pub fn with_block_tokens(self, block_tokens: u32) -> Self {
         KvLayout { block_tokens, ..self }
@@ -287,6 +299,17 @@ pub(crate) mod tests {
             order: MemoryOrder::Hnd,
             placement,
         }
+    }
+
+    #[test]
+    fn each_rank_holds_its_slice_of_heads_or_shares_one() {
+        let split = llama_like(Placement::BlockMajor); // 8 heads
+        let heads = |tp: u32| (0..tp).map(|r| (split.first_head(r, tp), split.heads_per_rank(tp))).collect::<Vec<_>>();
+        assert_eq!(heads(2), [(0, 4), (4, 4)]);
+        assert_eq!(heads(8), (0..8).map(|h| (h, 1)).collect::<Vec<_>>());
+        assert_eq!(heads(16)[..4], [(0, 1), (0, 1), (1, 1), (1, 1)], "two ranks to a head");
+        let mla = KvLayout { attention: Attention::Mla, kv_heads: 1, ..split };
+        assert_eq!((mla.first_head(3, 4), mla.heads_per_rank(4)), (0, 1), "every rank holds the latent");
     }
 
     #[test]

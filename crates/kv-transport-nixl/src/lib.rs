@@ -25,9 +25,10 @@
 //!     }
 //! }
 //!
-//! // Once, at startup, before the engine starts threads (here: only where a runtime is set up).
-//! if let Err(e) = runtime::prepare(None) {
-//!     return Ok(eprintln!("skipped: {e}"));
+//! // Once, at startup, before the engine starts threads (this example stops where no runtime
+//! // is set up: the error says how to set one up).
+//! if runtime::prepare(None).is_err() {
+//!     return Ok(());
 //! }
 //! let offer = Handshake::new(&AgentName::new(EngineId::new("prefill0"), 0), 1, 1, Role::Prefill, "model", KvLayout::split_kv(1, 16, 1, 8, 2));
 //! let config = NixlConfig { bind: "127.0.0.1:0".parse()?, ..NixlConfig::default() };

@@ -40,6 +40,12 @@ pub struct DemoArgs {
     /// MLA: one latent plane per token, as DeepSeek's models cache it, instead of K and V.
     #[arg(long)]
     mla: bool,
+    /// P's TP size: ranks, each with its own worker, NIXL agent and part of the pool (its heads).
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().p_tp)]
+    p_tp: u32,
+    /// D's TP size.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().d_tp)]
+    d_tp: u32,
     /// Tokens per block on P.
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().model.block_tokens)]
     p_block_tokens: u32,
@@ -94,6 +100,8 @@ impl DemoArgs {
                 Model { layers: self.layers, block_tokens: self.p_block_tokens, ..defaults.model }
             },
             d_block_tokens: self.d_block_tokens.unwrap_or(self.p_block_tokens),
+            p_tp: self.p_tp,
+            d_tp: self.d_tp,
             blocks: self.blocks,
             lease_ms: self.lease_ms,
             kill: !self.no_kill,
@@ -128,6 +136,10 @@ pub struct DemoConfig {
     pub model: Model,
     /// D's block size.
     pub d_block_tokens: u32,
+    /// P's TP size: its ranks, each with its own worker, transport and part of the pool.
+    pub p_tp: u32,
+    /// D's TP size.
+    pub d_tp: u32,
     /// Blocks per engine's pool.
     pub blocks: u32,
     /// `kv_lease_duration`.
@@ -165,6 +177,8 @@ impl Default for DemoConfig {
             // A Llama-3-8B-like layout: 32 layers, 8 KV heads of 128, bf16, 16-token blocks (2 MiB).
             model: Model::llama3_8b(16),
             d_block_tokens: 16,
+            p_tp: 1,
+            d_tp: 1,
             blocks: 384,
             lease_ms: 4000,
             kill: true,
@@ -194,6 +208,9 @@ impl DemoConfig {
         }
         if self.min_tokens == 0 || self.min_tokens > self.max_tokens {
             bail!("need 0 < --min-tokens ({}) <= --max-tokens ({})", self.min_tokens, self.max_tokens);
+        }
+        if self.p_tp == 0 || self.d_tp == 0 || self.p_tp > 64 || self.d_tp > 64 {
+            bail!("--p-tp ({}) and --d-tp ({}) must be between 1 and 64", self.p_tp, self.d_tp);
         }
         if self.model.block_tokens == 0 || self.d_block_tokens == 0 {
             bail!(
@@ -251,6 +268,10 @@ impl DemoConfig {
             read_safety_margin_ms: self.lease_ms / 4,
             decoder_ttl_ms: self.lease_ms * 5,
             transport: self.transport,
+            tp: match role {
+                NodeRole::Prefill => self.p_tp,
+                NodeRole::Decode => self.d_tp,
+            },
         }
     }
 

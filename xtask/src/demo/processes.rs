@@ -59,8 +59,10 @@ pub(super) struct Node {
     pub(super) instance: u64,
     pub(super) child: Child,
     stdin: ChildStdin,
-    /// Its side channel's port, once it said it is ready; `None` again once it is killed.
+    /// Its rank 0's side-channel port, once it said it is ready; `None` again once it is killed.
     pub(super) port: Option<u16>,
+    /// Every rank's side-channel port, by rank, once it said it is ready.
+    pub(super) ports: Vec<u16>,
 }
 
 /// An event from an engine process, or its end.
@@ -176,7 +178,7 @@ impl Demo {
             }
             let _ = sender.send((who, instance, FromNode::Exited));
         });
-        self.nodes.insert(name.to_owned(), Node { role, instance, child, stdin, port: None });
+        self.nodes.insert(name.to_owned(), Node { role, instance, child, stdin, port: None, ports: Vec::new() });
         Ok(())
     }
 

@@ -153,8 +153,9 @@ impl Demo {
         Ok(demo)
     }
 
-    fn prefill_address(&self) -> String {
-        format!("127.0.0.1:{}", self.nodes["prefill0"].port.unwrap_or(0))
+    /// P's ranks' side-channel addresses, by rank.
+    fn prefill_addresses(&self) -> Vec<String> {
+        self.nodes["prefill0"].ports.iter().map(|port| format!("127.0.0.1:{port}")).collect()
     }
 
     /// The next live D engine, round robin.
@@ -260,11 +261,11 @@ impl Demo {
             }
             if self.config.push {
                 // D hears first: it allocates and registers its blocks with P.
-                let address = self.prefill_address();
+                let addresses = self.prefill_addresses();
                 let remote = |export: &String| Remote {
                     engine: "prefill0".into(),
                     request: export.clone(),
-                    addresses: vec![address.clone()],
+                    addresses: addresses.clone(),
                     instance: None,
                     prompt_tokens: tokens,
                     export: None,
@@ -455,9 +456,10 @@ impl Demo {
             return;
         }
         match event {
-            Event::Ready { port } => {
+            Event::Ready { ports } => {
                 if let Some(node) = self.nodes.get_mut(name) {
-                    node.port = Some(port);
+                    node.port = ports.first().copied();
+                    node.ports = ports;
                 }
             }
             Event::Exported { id, remote, finished_at_ns } => {

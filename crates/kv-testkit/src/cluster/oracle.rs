@@ -8,7 +8,7 @@
 
 use std::collections::BTreeSet;
 
-use kv_core::{BlockId, EngineId, KvLayout, Memory, PoolShape, Region, RequestId};
+use kv_core::{BlockId, EngineId, Memory, PoolShape, Region, RequestId};
 
 use super::{Cluster, DecodeEngine};
 use crate::{BlockPool, InMemoryMemory};
@@ -48,17 +48,6 @@ impl RankMemory {
         let mut bytes = vec![0; self.shape.block_bytes() as usize];
         self.memory.read(self.region.id, self.block_offset(block), &mut bytes).is_ok()
             && bytes.iter().all(|&b| b == SCRUB)
-    }
-}
-
-/// The model-wide index of the first head a rank holds.
-fn first_head(layout: &KvLayout, rank: u32, tp: u32) -> u32 {
-    if layout.is_mla() {
-        0
-    } else if tp <= layout.kv_heads {
-        rank * (layout.kv_heads / tp)
-    } else {
-        rank / (tp / layout.kv_heads)
     }
 }
 
@@ -120,7 +109,7 @@ pub(super) fn dirty(ranks: &[RankMemory], blocks: &[BlockId]) -> BTreeSet<BlockI
 /// `seed`, `block_tokens` tokens to a block, all of them valid.
 pub(super) fn fill(ranks: &mut [RankMemory], tp: u32, blocks: &[BlockId], seed: u64, block_tokens: u32) {
     for rank in ranks {
-        let first = first_head(&rank.shape.layout, rank.rank, tp);
+        let first = rank.shape.layout.first_head(rank.rank, tp);
         for (i, &block) in blocks.iter().enumerate() {
             let bytes: Vec<u8> = block_bytes(&rank.shape, first, seed, i as u64 * u64::from(block_tokens), u64::MAX)
                 .into_iter()
@@ -174,7 +163,7 @@ impl Cluster {
         let d_tokens = u64::from(self.config.spec.decode_block_size);
         let mut corrupt = false;
         for rank in &engine.ranks {
-            let first = first_head(&rank.shape.layout, rank.rank, self.config.spec.decode_tp);
+            let first = rank.shape.layout.first_head(rank.rank, self.config.spec.decode_tp);
             for (i, &block) in load.blocks.iter().enumerate() {
                 let expected = block_bytes(&rank.shape, first, computed.seed, i as u64 * d_tokens, computed.tokens);
                 let mut got = vec![0; expected.len()];

@@ -1,13 +1,17 @@
-//! An engine process: a P or D engine running kvflow's connectors over `NixlTransport` (or
-//! `TcpTransport`, the baseline, as its configuration says), with a host-memory KV pool from
-//! kv-cuda. It stands in for vLLM's engine core: it allocates
-//! blocks, "computes" a prompt by filling its blocks with [`pattern`] bytes, checks every
-//! byte D receives, and frees blocks when the connector says so.
+//! An engine process: a P or D engine of `tp` ranks running kvflow's connectors over
+//! `NixlTransport` (or `TcpTransport`, the baseline, as its configuration says), with a
+//! host-memory KV pool from kv-cuda, one part per rank. It stands in for vLLM's engine core:
+//! it allocates blocks (the same ids on every rank), "computes" a prompt by filling its blocks
+//! with [`pattern`] bytes (each rank its heads), checks every byte D receives, and frees blocks
+//! when the connector says so.
 //!
 //! The router drives it with [`Command`] lines on stdin and reads [`Event`] lines on stdout.
-//! Its loop waits for a command or its next wake-up (a few milliseconds at most over NIXL,
-//! whose notifications and completions are polled; TCP wakes it for everything), then steps its worker through
-//! [`WorkerDriver`], exactly as an engine's step would.
+//! The engine's thread keeps the scheduler side and the pool's memory; each rank's worker and
+//! transport (one NIXL agent per rank) runs on a thread of its own (`rank.rs`), stepped through
+//! [`WorkerDriver`] at its own wake-ups (its deadlines, its transport's waker; a few
+//! milliseconds at most over NIXL, whose notifications and completions are polled), exactly as
+//! an engine's GPU worker would. Commands and reports cross between them on channels, and each
+//! side unparks the other.
 //!
 //! Freed blocks are scrubbed with [`pattern::SCRUB`]: a read after free then delivers scrub
 //! bytes and fails D's check. D also checks that a block it allocates again still holds its
@@ -18,40 +22,39 @@ use std::io::BufRead;
 use std::process::ExitCode;
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
-use std::task::Waker;
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 use clap::Parser;
 use kv_core::{
-    AgentName, BlockId, Clock, EngineId, Handshake, Memory, MemoryKind, PeerAddress, PeerEvent, PollIntervals,
-    PoolShape, PreparedId, PreparedTransfer, Region, RegionBase, RegionId, RequestId, Role, Time, TransferId,
-    TransferRequest, TransferStatus, Transport, TransportError,
+    AgentName, BlockId, Clock, EngineId, Handshake, Memory, MemoryKind, PeerAddress, PoolShape, Region, RegionBase,
+    RegionId, RequestId, Role, Time,
 };
-use kv_sched_adapter::driver::{thread_waker, WorkerDriver, WorkerMachine};
+use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{
     Consumer, Counters, DecodeCommand, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker,
     LocalPool, PrefillCommand, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker,
 };
 use kv_testkit::BlockPool;
-use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
-use kv_transport_tcp::{TcpConfig, TcpTransport};
+
+mod rank;
+mod transport;
 
 use crate::e2e::ProcessClock;
 use crate::pattern;
-use crate::proto::{
-    from_json, wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Remote, TransportKind, CLUSTER_KEY_ENV,
-};
+use crate::proto::{from_json, wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Remote, TransportKind};
+use transport::{transport, Ended, TimedTransport};
 
 /// The model name every demo engine serves.
 pub const MODEL: &str = "kvflow-demo";
 
-/// The longest the loop parks when the driver has nothing due: NIXL keeps the notifications
-/// nobody asks for (a key holder's stray or forged ones) until the engine fetches them, so an
-/// idle engine still fetches now and then. Everything else wakes the loop: the router's
-/// commands unpark it, the transport's waker announces side-channel events, and the driver's
-/// wait time covers deadlines, transfers in flight and the notifications a worker waits for.
+/// The longest a thread parks when nothing is due: NIXL keeps the notifications nobody asks
+/// for (a key holder's stray or forged ones) until a rank fetches them, so an idle rank still
+/// fetches now and then. Everything else wakes the threads: the router's commands and the
+/// ranks' reports unpark the engine's, the scheduler's commands and the transport's waker a
+/// rank's, and a rank's driver's wait time covers its deadlines, transfers in flight and the
+/// notifications its worker waits for.
 const IDLE_WAIT: Duration = Duration::from_millis(50);
 
 /// `kvflow-node`'s argument.
@@ -110,89 +113,30 @@ fn read_commands(tx: Sender<Result<Command, String>>, engine: Thread) {
     engine.unpark();
 }
 
-/// A transfer that ended: bytes, post-to-end time, success.
-type Ended = (u64, Duration, bool);
-
-/// The transport, timing each transfer it posts from post to completion.
-struct TimedTransport {
-    inner: Box<dyn Transport>,
-    posted: HashMap<TransferId, (Instant, u64)>,
-    local_lists: HashMap<PreparedId, Vec<u64>>,
-    ended: Sender<Ended>,
+/// One TP rank's part of the pool: its region, its shape (its heads), and its first head.
+struct RankPool {
+    region: Region,
+    shape: PoolShape,
+    first_head: u32,
 }
 
-impl TimedTransport {
-    /// Starts timing a transfer from `start`, taken before the post: UCX may move the bytes
-    /// inside the post call itself.
-    fn posted(&mut self, id: TransferId, start: Instant, bytes: u64) -> TransferId {
-        self.posted.insert(id, (start, bytes));
-        id
-    }
+/// A rank's worker-to-be: its handshake offer, its pool, and its transport with the port its
+/// side channel listens on.
+struct RankStart {
+    offer: Handshake,
+    pool: LocalPool,
+    transport: TimedTransport,
+    port: u16,
 }
 
-impl Transport for TimedTransport {
-    fn agent(&self) -> &AgentName {
-        self.inner.agent()
-    }
-    fn register(&mut self, region: &Region) -> Result<(), TransportError> {
-        self.inner.register(region)
-    }
-    fn deregister(&mut self, region: RegionId) -> Result<(), TransportError> {
-        self.inner.deregister(region)
-    }
-    fn connect(&mut self, address: &PeerAddress) -> Result<(), TransportError> {
-        self.inner.connect(address)
-    }
-    fn post(&mut self, request: TransferRequest) -> Result<TransferId, TransportError> {
-        let bytes = request.pairs.iter().map(|p| p.len).sum();
-        let start = Instant::now();
-        let id = self.inner.post(request)?;
-        Ok(self.posted(id, start, bytes))
-    }
-    fn prepare(&mut self, peer: Option<&AgentName>, ranges: &[(u64, u64)]) -> Result<PreparedId, TransportError> {
-        let id = self.inner.prepare(peer, ranges)?;
-        if peer.is_none() {
-            self.local_lists.insert(id, ranges.iter().map(|r| r.1).collect());
-        }
-        Ok(id)
-    }
-    fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError> {
-        let lens = self.local_lists.get(&request.local);
-        let bytes = request.local_indices.iter().filter_map(|&i| lens.and_then(|l| l.get(i as usize))).sum();
-        let start = Instant::now();
-        let id = self.inner.post_prepared(request)?;
-        Ok(self.posted(id, start, bytes))
-    }
-    fn poll_transfer(&mut self, id: TransferId) -> TransferStatus {
-        let status = self.inner.poll_transfer(id);
-        if !matches!(status, TransferStatus::InProgress) {
-            if let Some((start, bytes)) = self.posted.remove(&id) {
-                let _ = self.ended.send((bytes, start.elapsed(), matches!(status, TransferStatus::Done)));
-            }
-        }
-        status
-    }
-    fn send_notification(&mut self, peer: &AgentName, payload: &[u8]) -> Result<(), TransportError> {
-        self.inner.send_notification(peer, payload)
-    }
-    fn poll_event(&mut self) -> Option<PeerEvent> {
-        self.inner.poll_event()
-    }
-    fn set_waker(&mut self, waker: Waker) {
-        self.inner.set_waker(waker)
-    }
-    fn poll_intervals(&self) -> PollIntervals {
-        self.inner.poll_intervals()
-    }
-}
-
-/// What both engine kinds have: the clock, the pool's memory and blocks, and stdout.
+/// What both engine kinds have: the clock, the pool's memory (every rank's part) and blocks,
+/// and stdout.
 struct Engine {
     name: String,
     clock: Arc<ProcessClock>,
     memory: Box<dyn Memory>,
-    region: Region,
-    shape: PoolShape,
+    /// By rank; the same block ids on every rank.
+    ranks: Vec<RankPool>,
     blocks: BlockPool,
     /// Blocks freed at least once (and so scrubbed); others were never written.
     scrubbed: Vec<bool>,
@@ -203,48 +147,36 @@ struct Engine {
 }
 
 impl Engine {
-    /// Allocates and registers the pool, and builds the rank's transport and handshake offer.
-    fn start(config: &NodeConfig, role: Role) -> Result<(Engine, Handshake, TimedTransport, u16)> {
+    /// Allocates every rank's part of the pool, and builds each rank's transport (registered)
+    /// and handshake offer.
+    fn start(config: &NodeConfig, role: Role) -> Result<(Engine, Vec<RankStart>)> {
         let layout = config.model.layout();
-        let shape = PoolShape::new(layout, layout.kv_heads, config.num_blocks)
+        let tp = config.tp.max(1);
+        let shape = PoolShape::new(layout, layout.heads_per_rank(tp), config.num_blocks)
             .map_err(|e| anyhow!("pool of {} blocks: {e}", config.num_blocks))?;
-        let mut memory = host_memory();
-        let region = memory.allocate(MemoryKind::Host, shape.pool_bytes()).context("the KV pool")?;
-        let regions = (0..shape.region_count())
-            .map(|i| RegionBase { addr: region.addr + u64::from(i) * shape.region_len(), len: shape.region_len() })
-            .collect();
-        let agent = AgentName::new(EngineId::new(config.name.clone()), 0);
-        let offer = LocalPool { shape, regions }.offer(&agent, 1, config.instance, role, MODEL);
         let clock = Arc::new(ProcessClock::start());
-        // The router's key, when it gave one; without it the side channel is loopback-only anyway.
-        let key = match std::env::var_os(CLUSTER_KEY_ENV) {
-            Some(_) => KeySource::Env(CLUSTER_KEY_ENV.to_owned()),
-            None => KeySource::None,
-        };
-        let bind = "127.0.0.1:0".parse().expect("loopback");
-        let (mut inner, port): (Box<dyn Transport>, u16) = match config.transport {
-            TransportKind::Nixl => {
-                let nixl = NixlConfig { bind, key, ..NixlConfig::default() };
-                let t = NixlTransport::new(offer.clone(), &nixl, clock.clone()).context("the NIXL transport")?;
-                let port = t.side_channel_addr().port();
-                (Box::new(t), port)
-            }
-            TransportKind::Tcp => {
-                let tcp = TcpConfig { bind, key, ..TcpConfig::default() };
-                let t = TcpTransport::new(offer.clone(), &tcp, clock.clone()).context("the TCP transport")?;
-                let port = t.side_channel_addr().port();
-                (Box::new(t), port)
-            }
-        };
-        inner.register(&region).context("registering the KV pool")?;
+        let mut memory = host_memory();
         let (tx, ended) = mpsc::channel();
-        let transport = TimedTransport { inner, posted: HashMap::new(), local_lists: HashMap::new(), ended: tx };
+        let (mut ranks, mut starts) = (Vec::new(), Vec::new());
+        for rank in 0..tp {
+            let region = memory.allocate(MemoryKind::Host, shape.pool_bytes()).context("the KV pool")?;
+            let regions = (0..shape.region_count())
+                .map(|i| RegionBase { addr: region.addr + u64::from(i) * shape.region_len(), len: shape.region_len() })
+                .collect();
+            let agent = AgentName::new(EngineId::new(config.name.clone()), rank);
+            let pool = LocalPool { shape, regions };
+            let offer = pool.offer(&agent, tp, config.instance, role, MODEL);
+            let (mut inner, port) = transport(config, &offer, clock.clone())?;
+            inner.register(&region).with_context(|| format!("registering rank {rank}'s KV pool"))?;
+            let transport = TimedTransport::new(inner, tx.clone());
+            ranks.push(RankPool { region, shape, first_head: layout.first_head(rank, tp) });
+            starts.push(RankStart { offer, pool, transport, port });
+        }
         let engine = Engine {
             name: config.name.clone(),
             clock,
             memory,
-            region,
-            shape,
+            ranks,
             blocks: BlockPool::new(config.num_blocks),
             scrubbed: vec![false; config.num_blocks as usize],
             written_after_free: 0,
@@ -252,7 +184,7 @@ impl Engine {
             out: std::io::stdout(),
             chunk: vec![0; shape.layer_block_bytes() as usize],
         };
-        Ok((engine, offer, transport, port))
+        Ok((engine, starts))
     }
 
     fn now(&self) -> Time {
@@ -264,25 +196,29 @@ impl Engine {
         let _ = write_line(&mut self.out, event);
     }
 
-    fn pool(&self, offer: &Handshake) -> LocalPool {
-        LocalPool { shape: self.shape, regions: offer.regions.clone() }
+    /// The layout every rank shares, and the shape of one rank's part of the pool.
+    fn shape(&self) -> PoolShape {
+        self.ranks[0].shape
     }
 
-    /// The byte offset of `(layer, block)` in the pool region.
-    fn offset(&self, layer: u32, block: BlockId) -> u64 {
-        let at = self.shape.plane_offset(layer, block.0, 0);
-        u64::from(at.region) * self.shape.region_len() + at.offset
+    /// Each rank's layer-major chunks of `block` at `layer`, as (region, offset in it): the
+    /// layer's planes of that block, adjacent.
+    fn places(&self, layer: u32, block: BlockId) -> impl Iterator<Item = (usize, RegionId, u64)> + '_ {
+        self.ranks.iter().enumerate().map(move |(r, rank)| {
+            let at = rank.shape.plane_offset(layer, block.0, 0);
+            (r, rank.region.id, u64::from(at.region) * rank.shape.region_len() + at.offset)
+        })
     }
 
-    /// The chunks of the block at `position` of a prompt, one per plane of `layer`, in the
-    /// order they lie in the layer's part of the block.
-    fn chunks(&self, layer: u32, position: usize) -> impl Iterator<Item = pattern::Chunk> {
-        let (layout, shape) = (self.shape.layout, self.shape);
+    /// The chunks rank `rank` holds of the block at `position` of a prompt, one per plane of
+    /// `layer`, in the order they lie in the layer's part of the block.
+    fn chunks(&self, rank: usize, layer: u32, position: usize) -> impl Iterator<Item = pattern::Chunk> {
+        let (shape, first_head) = (self.ranks[rank].shape, self.ranks[rank].first_head);
+        let layout = shape.layout;
         (0..layout.planes()).map(move |plane| pattern::Chunk {
             layer,
             plane,
-            // One rank holds every head (or MLA's one latent).
-            first_head: 0,
+            first_head,
             heads: shape.heads,
             first_token: position as u64 * u64::from(layout.block_tokens),
             tokens: layout.block_tokens,
@@ -291,64 +227,70 @@ impl Engine {
         })
     }
 
-    /// Fills `blocks`, in prompt order, with the prompt's bytes.
+    /// Fills `blocks`, in prompt order, with the prompt's bytes on every rank.
     fn fill(&mut self, seed: u64, blocks: &[BlockId]) -> Result<()> {
-        let plane_bytes = self.shape.plane_bytes() as usize;
+        let plane_bytes = self.shape().plane_bytes() as usize;
         for (position, &block) in blocks.iter().enumerate() {
-            for layer in 0..self.shape.layout.layers {
-                for (i, chunk) in self.chunks(layer, position).enumerate() {
-                    pattern::fill(&mut self.chunk[i * plane_bytes..(i + 1) * plane_bytes], seed, &chunk);
+            for layer in 0..self.shape().layout.layers {
+                for (rank, region, at) in self.places(layer, block).collect::<Vec<_>>() {
+                    for (i, chunk) in self.chunks(rank, layer, position).enumerate() {
+                        pattern::fill(&mut self.chunk[i * plane_bytes..(i + 1) * plane_bytes], seed, &chunk);
+                    }
+                    self.memory.write(region, at, &self.chunk)?;
                 }
-                let at = self.offset(layer, block);
-                self.memory.write(self.region.id, at, &self.chunk)?;
             }
         }
         Ok(())
     }
 
-    /// Whether `blocks`, in prompt order, hold the bytes of a prompt of `tokens` tokens.
+    /// Whether `blocks`, in prompt order, hold the bytes of a prompt of `tokens` tokens on
+    /// every rank.
     fn check(&mut self, seed: u64, blocks: &[BlockId], tokens: u64) -> Result<bool> {
-        let plane_bytes = self.shape.plane_bytes() as usize;
+        let plane_bytes = self.shape().plane_bytes() as usize;
         let mut all = true;
         for (position, &block) in blocks.iter().enumerate() {
-            for layer in 0..self.shape.layout.layers {
-                let at = self.offset(layer, block);
-                self.memory.read(self.region.id, at, &mut self.chunk)?;
-                for (i, chunk) in self.chunks(layer, position).enumerate() {
-                    all &= pattern::check(&self.chunk[i * plane_bytes..(i + 1) * plane_bytes], seed, &chunk, tokens);
+            for layer in 0..self.shape().layout.layers {
+                for (rank, region, at) in self.places(layer, block).collect::<Vec<_>>() {
+                    self.memory.read(region, at, &mut self.chunk)?;
+                    for (i, chunk) in self.chunks(rank, layer, position).enumerate() {
+                        let got = &self.chunk[i * plane_bytes..(i + 1) * plane_bytes];
+                        all &= pattern::check(got, seed, &chunk, tokens);
+                    }
                 }
             }
         }
         Ok(all)
     }
 
-    /// Takes `count` blocks, counting any freed block that no longer holds its scrub.
+    /// Takes `count` blocks, counting any freed block that no longer holds its scrub on some rank.
     fn allocate(&mut self, count: usize) -> Result<Option<Vec<BlockId>>> {
         let Some(blocks) = self.blocks.allocate(count) else { return Ok(None) };
         for &block in &blocks {
             if !self.scrubbed[block.0 as usize] {
                 continue;
             }
-            for layer in 0..self.shape.layout.layers {
-                let at = self.offset(layer, block);
-                self.memory.read(self.region.id, at, &mut self.chunk)?;
-                if !pattern::is_scrub(&self.chunk) {
-                    self.written_after_free += 1;
-                    break;
+            'layers: for layer in 0..self.shape().layout.layers {
+                for (_, region, at) in self.places(layer, block).collect::<Vec<_>>() {
+                    self.memory.read(region, at, &mut self.chunk)?;
+                    if !pattern::is_scrub(&self.chunk) {
+                        self.written_after_free += 1;
+                        break 'layers;
+                    }
                 }
             }
         }
         Ok(Some(blocks))
     }
 
-    /// Drops a reference to each block and scrubs those now free.
+    /// Drops a reference to each block and scrubs those now free, on every rank.
     fn release(&mut self, blocks: &[BlockId]) -> Result<()> {
         let freed = self.blocks.release(blocks).map_err(|b| anyhow!("{}: block {b} freed twice", self.name))?;
         self.chunk.fill(pattern::SCRUB);
         for block in freed {
-            for layer in 0..self.shape.layout.layers {
-                let at = self.offset(layer, block);
-                self.memory.write(self.region.id, at, &self.chunk)?;
+            for layer in 0..self.shape().layout.layers {
+                for (_, region, at) in self.places(layer, block).collect::<Vec<_>>() {
+                    self.memory.write(region, at, &self.chunk)?;
+                }
             }
             self.scrubbed[block.0 as usize] = true;
         }
@@ -402,54 +344,62 @@ fn host_memory() -> Box<dyn Memory> {
 /// An engine process, P or D: the engine, its rank's worker, and what only its side keeps.
 struct Node<S: Side> {
     engine: Engine,
-    worker: WorkerDriver<S::Worker>,
+    /// Each TP rank's thread, by rank.
+    ranks: Vec<rank::Rank<S::ToWorker>>,
+    /// What the ranks' workers report, by rank.
+    reports: Receiver<(u32, <S::Worker as WorkerMachine>::Report)>,
     side: S,
 }
 
 /// What differs between P and D: the worker and its scheduler, and how the side handles the
 /// router's commands and the scheduler's events.
 trait Side: Sized {
-    /// The rank's worker.
-    type Worker: WorkerMachine;
-    /// A command of the scheduler for the worker.
-    type ToWorker;
-    /// The role the rank's handshake offer carries.
+    /// A rank's worker.
+    type Worker: WorkerMachine<Report: Send> + Send + 'static;
+    /// A command of the scheduler for a worker.
+    type ToWorker: Send + 'static;
+    /// The role the ranks' handshake offers carry.
     const ROLE: Role;
-    /// The worker and the side of engine `config`, whose rank offers `offer`, keeps `pool`, and
-    /// listens at `address`.
-    fn new(
-        config: &NodeConfig,
-        offer: &Handshake,
-        pool: LocalPool,
-        address: PeerAddress,
-    ) -> Result<(Self::Worker, Self)>;
-    /// Hands the worker a command of the scheduler.
+    /// The scheduler side of engine `config`, whose ranks listen at `addresses`, by rank.
+    fn new(config: &NodeConfig, addresses: Vec<PeerAddress>) -> Result<Self>;
+    /// The worker of the rank that offers `offer` and keeps `pool`.
+    fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<Self::Worker>;
+    /// Hands a worker a command of the scheduler.
     fn handle_command(worker: &mut Self::Worker, now: Time, command: Self::ToWorker);
-    /// Hands the scheduler a report of the worker.
-    fn handle_report(&mut self, report: <Self::Worker as WorkerMachine>::Report) -> Result<()>;
+    /// Hands the scheduler a report of rank `rank`'s worker.
+    fn handle_report(&mut self, rank: u32, report: <Self::Worker as WorkerMachine>::Report) -> Result<()>;
     /// The worker's counters, for the router's report.
     fn counters(worker: &Self::Worker) -> Counters;
     /// Carries out what the scheduler asks until nothing is left.
-    fn settle(node: &mut Node<Self>, now: Time) -> Result<()>;
+    fn settle(node: &mut Node<Self>) -> Result<()>;
     /// Handles a command of the router other than `Stats` and `Shutdown`.
     fn handle(node: &mut Node<Self>, command: Command) -> Result<()>;
 }
 
 impl<S: Side> Node<S> {
-    /// Starts the engine and its side, and tells the router it is ready.
+    /// Starts the engine, its side and a thread per rank, and tells the router it is ready.
     fn start(config: &NodeConfig) -> Result<Self> {
-        let (engine, offer, transport, port) = Engine::start(config, S::ROLE)?;
-        let address = PeerAddress(format!("127.0.0.1:{port}"));
-        let (machine, side) = S::new(config, &offer, engine.pool(&offer), address).context("the connector")?;
-        let mut node = Node { engine, worker: WorkerDriver::new(machine, Box::new(transport)), side };
-        node.engine.emit(&Event::Ready { port });
+        let (engine, starts) = Engine::start(config, S::ROLE)?;
+        let ports: Vec<u16> = starts.iter().map(|r| r.port).collect();
+        let addresses = ports.iter().map(|port| PeerAddress(format!("127.0.0.1:{port}"))).collect();
+        let side = S::new(config, addresses).context("the connector")?;
+        let (tx, reports) = mpsc::channel();
+        let mut ranks = Vec::new();
+        for (rank, start) in (0u32..).zip(starts) {
+            let worker = S::worker(config, &start.offer, start.pool).context("the connector")?;
+            let driver = WorkerDriver::new(worker, Box::new(start.transport));
+            let hooks = rank::Hooks { handle: S::handle_command, counters: S::counters };
+            let clock: Arc<dyn Clock> = engine.clock.clone();
+            ranks.push(rank::Rank::spawn(rank, driver, hooks, clock, tx.clone(), std::thread::current())?);
+        }
+        let mut node = Node { engine, ranks, reports, side };
+        node.engine.emit(&Event::Ready { ports });
         Ok(node)
     }
 
-    /// The engine's loop: the router's commands, a step, then a wait for the next thing to do
-    /// (the driver's wait time, the transport's waker, a command), until told to stop.
+    /// The engine's loop: the router's commands, the ranks' reports, then a wait for the next
+    /// thing to do (a command or a report unparks it), until told to stop.
     fn run(mut self, rx: Receiver<Result<Command, String>>) -> Result<()> {
-        self.worker.set_waker(thread_waker());
         loop {
             loop {
                 match rx.try_recv() {
@@ -465,27 +415,28 @@ impl<S: Side> Node<S> {
                     Err(TryRecvError::Disconnected) => return Ok(()),
                 }
             }
-            let now = self.engine.now();
-            self.step(now)?;
+            self.step()?;
             self.engine.report_transfers();
-            let wait = self.worker.wait_time(self.engine.now()).map_or(IDLE_WAIT, |w| w.min(IDLE_WAIT));
-            std::thread::park_timeout(wait);
+            std::thread::park_timeout(IDLE_WAIT);
         }
     }
 
-    /// Steps the worker and carries out what follows.
-    fn step(&mut self, now: Time) -> Result<()> {
-        for report in self.worker.step(now) {
-            self.side.handle_report(report)?;
+    /// Hands the scheduler what the ranks reported, and carries out what follows.
+    fn step(&mut self) -> Result<()> {
+        while let Ok((rank, report)) = self.reports.try_recv() {
+            self.side.handle_report(rank, report)?;
         }
-        S::settle(self, now)
+        S::settle(self)
     }
 
     /// Handles one command; `false` to stop.
     fn handle(&mut self, command: Command) -> Result<bool> {
         match command {
             Command::Stats => {
-                let counters = S::counters(self.worker.machine_ref());
+                let mut counters = Counters::default();
+                for rank in &self.ranks {
+                    counters.add(&rank.counters());
+                }
                 self.engine.stats(counters);
             }
             Command::Shutdown => return Ok(false),
@@ -494,13 +445,11 @@ impl<S: Side> Node<S> {
         Ok(true)
     }
 
-    /// Hands the worker a command of the scheduler, and the scheduler what the worker reports
-    /// at once.
-    fn pass_to_worker(&mut self, now: Time, command: S::ToWorker) -> Result<()> {
-        S::handle_command(self.worker.machine(), now, command);
-        for report in self.worker.flush(now) {
-            self.side.handle_report(report)?;
-        }
+    /// Hands rank `rank`'s worker a command of the scheduler; what it reports comes back
+    /// through `reports`.
+    fn pass_to_worker(&mut self, rank: u32, command: S::ToWorker) -> Result<()> {
+        let worker = self.ranks.get(rank as usize).ok_or_else(|| anyhow!("the scheduler named rank {rank}"))?;
+        worker.send(command);
         Ok(())
     }
 }
@@ -515,32 +464,30 @@ impl Side for PrefillSide {
     type ToWorker = PrefillCommand;
     const ROLE: Role = Role::Prefill;
 
-    fn new(
-        config: &NodeConfig,
-        offer: &Handshake,
-        pool: LocalPool,
-        address: PeerAddress,
-    ) -> Result<(PrefillWorker, Self)> {
-        let connector = config.connector();
+    fn new(config: &NodeConfig, addresses: Vec<PeerAddress>) -> Result<Self> {
         let engine = EngineId::new(config.name.clone());
-        let scheduler = PrefillScheduler::new(engine, config.instance, vec![address], connector)?;
-        Ok((PrefillWorker::new(offer.clone(), connector, pool)?, PrefillSide { scheduler }))
+        let scheduler = PrefillScheduler::new(engine, config.instance, addresses, config.connector())?;
+        Ok(PrefillSide { scheduler })
+    }
+
+    fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<PrefillWorker> {
+        Ok(PrefillWorker::new(offer.clone(), config.connector(), pool)?)
     }
 
     fn handle_command(worker: &mut PrefillWorker, now: Time, command: PrefillCommand) {
         worker.handle_command(now, command);
     }
 
-    fn handle_report(&mut self, report: PrefillReport) -> Result<()> {
-        Ok(self.scheduler.handle_report(0, report)?)
+    fn handle_report(&mut self, rank: u32, report: PrefillReport) -> Result<()> {
+        Ok(self.scheduler.handle_report(rank, report)?)
     }
 
     fn counters(worker: &PrefillWorker) -> Counters {
         worker.counters()
     }
 
-    fn settle(node: &mut Node<Self>, now: Time) -> Result<()> {
-        node.drain(now)
+    fn settle(node: &mut Node<Self>) -> Result<()> {
+        node.drain()
     }
 
     fn handle(node: &mut Node<Self>, command: Command) -> Result<()> {
@@ -558,7 +505,7 @@ impl Side for PrefillSide {
 impl Node<PrefillSide> {
     /// Runs a prompt: allocates its blocks, fills them, and exports them (once per sibling).
     fn prefill(&mut self, id: String, prompt_tokens: u64, n: u32, consumer: Option<Consumer>) -> Result<()> {
-        let count = kv_core::blocks_for_tokens(prompt_tokens, self.engine.shape.layout.block_tokens) as usize;
+        let count = kv_core::blocks_for_tokens(prompt_tokens, self.engine.shape().layout.block_tokens) as usize;
         if count == 0 || n == 0 {
             let message = format!("prefill of {id}: {prompt_tokens} prompt tokens and n = {n}; both must be positive");
             self.engine.emit(&Event::Error { message });
@@ -586,14 +533,14 @@ impl Node<PrefillSide> {
             let event = Event::Exported { id: id.clone(), remote: Remote::from(&remote), finished_at_ns: wall_ns() };
             self.engine.emit(&event);
         }
-        self.drain(now)
+        self.drain()
     }
 
     /// Carries the scheduler's events to the worker and the pool until none is left.
-    fn drain(&mut self, now: Time) -> Result<()> {
+    fn drain(&mut self) -> Result<()> {
         while let Some(event) = self.side.scheduler.poll_event() {
             match event {
-                PrefillEvent::ToWorker { command, .. } => self.pass_to_worker(now, command)?,
+                PrefillEvent::ToWorker { rank, command } => self.pass_to_worker(rank, command)?,
                 PrefillEvent::Free { request, blocks, reason } => {
                     self.engine.release(&blocks)?;
                     let event = Event::Freed {
@@ -631,31 +578,30 @@ impl Side for DecodeSide {
     type ToWorker = DecodeCommand;
     const ROLE: Role = Role::Decode;
 
-    fn new(config: &NodeConfig, offer: &Handshake, pool: LocalPool, _: PeerAddress) -> Result<(DecodeWorker, Self)> {
-        let connector = config.connector();
-        let side = DecodeSide {
-            scheduler: DecodeScheduler::new(1, connector)?,
-            loads: HashMap::new(),
-            waiting: VecDeque::new(),
-        };
-        Ok((DecodeWorker::new(offer.clone(), connector, pool)?, side))
+    fn new(config: &NodeConfig, addresses: Vec<PeerAddress>) -> Result<Self> {
+        let scheduler = DecodeScheduler::new(addresses.len() as u32, config.connector())?;
+        Ok(DecodeSide { scheduler, loads: HashMap::new(), waiting: VecDeque::new() })
+    }
+
+    fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<DecodeWorker> {
+        Ok(DecodeWorker::new(offer.clone(), config.connector(), pool)?)
     }
 
     fn handle_command(worker: &mut DecodeWorker, now: Time, command: DecodeCommand) {
         worker.handle_command(now, command);
     }
 
-    fn handle_report(&mut self, report: DecodeReport) -> Result<()> {
-        Ok(self.scheduler.handle_report(0, report)?)
+    fn handle_report(&mut self, rank: u32, report: DecodeReport) -> Result<()> {
+        Ok(self.scheduler.handle_report(rank, report)?)
     }
 
     fn counters(worker: &DecodeWorker) -> Counters {
         worker.counters()
     }
 
-    fn settle(node: &mut Node<Self>, now: Time) -> Result<()> {
+    fn settle(node: &mut Node<Self>) -> Result<()> {
         node.schedule()?;
-        node.drain(now)
+        node.drain()
     }
 
     fn handle(node: &mut Node<Self>, command: Command) -> Result<()> {
@@ -696,8 +642,7 @@ impl Side for DecodeSide {
             }
             other => node.engine.emit(&Event::Error { message: format!("a decode engine cannot {other:?}") }),
         }
-        let now = node.engine.now();
-        Self::settle(node, now)
+        Self::settle(node)
     }
 }
 
@@ -729,7 +674,7 @@ impl Node<DecodeSide> {
                 self.side.waiting.pop_front();
                 continue;
             };
-            let tokens = self.engine.shape.layout.block_tokens;
+            let tokens = self.engine.shape().layout.block_tokens;
             let count = kv_core::blocks_for_tokens(load.remote.prompt_tokens, tokens).max(1) as usize;
             let checking = Instant::now();
             let Some(blocks) = self.engine.allocate(count)? else { break };
@@ -748,10 +693,10 @@ impl Node<DecodeSide> {
     }
 
     /// Carries the scheduler's events to the worker and the pool until none is left.
-    fn drain(&mut self, now: Time) -> Result<()> {
+    fn drain(&mut self) -> Result<()> {
         while let Some(event) = self.side.scheduler.poll_event() {
             match event {
-                DecodeEvent::ToWorker { command, .. } => self.pass_to_worker(now, command)?,
+                DecodeEvent::ToWorker { rank, command } => self.pass_to_worker(rank, command)?,
                 DecodeEvent::Ended { request, state: DecodeState::Ready } => {
                     // The KV is in place now; checking it is the demo's work, not the load's.
                     let ready_at_ns = wall_ns();
@@ -760,7 +705,8 @@ impl Node<DecodeSide> {
                     let parent = remote_id.parent().unwrap_or(remote_id);
                     let seed = pattern::seed(&load.remote.engine, parent.as_str());
                     let ok = self.engine.check(seed, &load.blocks, load.remote.prompt_tokens)?;
-                    let bytes = load.blocks.len() as u64 * self.engine.shape.block_bytes();
+                    let bytes =
+                        load.blocks.len() as u64 * self.engine.shape().block_bytes() * self.engine.ranks.len() as u64;
                     let outcome = if ok { "ok" } else { "corrupt" };
                     self.outcome_at(&request, outcome, bytes, ready_at_ns, load.scrub_check);
                     // The engine decodes and is done with the blocks.

@@ -1,0 +1,137 @@
+//! One thread per TP rank of an engine process, as an engine runs one worker per GPU: the
+//! rank's `WorkerDriver` (its worker and its transport, one NIXL agent) lives on it, steps at
+//! its own wake-ups (its deadlines, its transport's waker), and trades commands and reports
+//! with the engine's thread, which keeps the scheduler side and the pool's memory.
+
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::Arc;
+use std::thread::{JoinHandle, Thread};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use kv_core::{Clock, Time};
+use kv_sched_adapter::driver::{thread_waker, WorkerDriver, WorkerMachine};
+use kv_sched_adapter::Counters;
+
+use super::IDLE_WAIT;
+
+/// What the engine's thread asks of a rank's.
+enum ToRank<C> {
+    /// A command of the scheduler for the rank's worker.
+    Command(C),
+    /// The worker's counters, answered on the sender.
+    Counters(Sender<Counters>),
+}
+
+/// How the engine's side drives a rank's worker.
+pub(super) struct Hooks<W: WorkerMachine, C> {
+    /// Hands the worker a command of the scheduler.
+    pub handle: fn(&mut W, Time, C),
+    /// The worker's counters.
+    pub counters: fn(&W) -> Counters,
+}
+
+/// A rank's thread, seen from the engine's.
+pub(super) struct Rank<C> {
+    tx: Option<Sender<ToRank<C>>>,
+    thread: Thread,
+    join: Option<JoinHandle<()>>,
+}
+
+impl<C: Send + 'static> Rank<C> {
+    /// Starts rank `rank`'s thread with its driver; its reports go to `reports`, tagged with
+    /// the rank, and wake `engine`.
+    pub(super) fn spawn<W>(
+        rank: u32,
+        mut driver: WorkerDriver<W>,
+        hooks: Hooks<W, C>,
+        clock: Arc<dyn Clock>,
+        reports: Sender<(u32, W::Report)>,
+        engine: Thread,
+    ) -> Result<Self>
+    where
+        W: WorkerMachine + Send + 'static,
+        W::Report: Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel::<ToRank<C>>();
+        let join = std::thread::Builder::new()
+            .name(format!("kvflow-rank{rank}"))
+            .spawn(move || {
+                driver.set_waker(thread_waker());
+                let send = |batch: Vec<W::Report>| {
+                    let any = !batch.is_empty();
+                    for report in batch {
+                        let _ = reports.send((rank, report));
+                    }
+                    if any {
+                        engine.unpark();
+                    }
+                };
+                loop {
+                    match drain(&rx, &mut driver, &hooks, &*clock) {
+                        Some(batch) => send(batch),
+                        None => return,
+                    }
+                    let now = clock.now();
+                    send(driver.step(now));
+                    std::thread::park_timeout(driver.wait_time(now).map_or(IDLE_WAIT, |w| w.min(IDLE_WAIT)));
+                }
+            })
+            .with_context(|| format!("the thread of rank {rank}"))?;
+        Ok(Rank { tx: Some(tx), thread: join.thread().clone(), join: Some(join) })
+    }
+
+    /// Hands the rank's worker a command of the scheduler.
+    pub(super) fn send(&self, command: C) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(ToRank::Command(command));
+        }
+        self.thread.unpark();
+    }
+
+    /// The rank's worker's counters (zero if its thread is gone).
+    pub(super) fn counters(&self) -> Counters {
+        let (reply, answer) = mpsc::channel();
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(ToRank::Counters(reply));
+        }
+        self.thread.unpark();
+        answer.recv_timeout(Duration::from_secs(5)).unwrap_or_default()
+    }
+}
+
+impl<C> Drop for Rank<C> {
+    fn drop(&mut self) {
+        // A closed channel stops the thread at its next wake-up; wake it now.
+        self.tx = None;
+        self.thread.unpark();
+        if let Some(join) = self.join.take() {
+            let _ = join.join();
+        }
+    }
+}
+
+/// Carries out what the engine's thread sent; the reports that follow at once, or `None` when
+/// the engine is gone.
+fn drain<W: WorkerMachine, C>(
+    rx: &Receiver<ToRank<C>>,
+    driver: &mut WorkerDriver<W>,
+    hooks: &Hooks<W, C>,
+    clock: &dyn Clock,
+) -> Option<Vec<W::Report>> {
+    let mut batch = Vec::new();
+    loop {
+        match rx.try_recv() {
+            Ok(ToRank::Command(command)) => {
+                let now = clock.now();
+                (hooks.handle)(driver.machine(), now, command);
+                batch.extend(driver.flush(now));
+            }
+            Ok(ToRank::Counters(reply)) => {
+                let _ = reply.send((hooks.counters)(driver.machine_ref()));
+            }
+            Err(TryRecvError::Empty) => return Some(batch),
+            Err(TryRecvError::Disconnected) => return None,
+        }
+    }
+}

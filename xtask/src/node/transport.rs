@@ -1,0 +1,128 @@
+//! A rank's transport as the engine's configuration says (NIXL or TCP), wrapped to time each
+//! transfer it posts from post to completion for the router's report.
+
+use std::collections::HashMap;
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::task::Waker;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use kv_core::{
+    AgentName, Handshake, PeerAddress, PeerEvent, PollIntervals, PreparedId, PreparedTransfer, Region, RegionId,
+    TransferId, TransferRequest, TransferStatus, Transport, TransportError,
+};
+use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
+use kv_transport_tcp::{TcpConfig, TcpTransport};
+
+use crate::e2e::ProcessClock;
+use crate::proto::{NodeConfig, TransportKind, CLUSTER_KEY_ENV};
+
+/// A transfer that ended: bytes, post-to-end time, success.
+pub(super) type Ended = (u64, Duration, bool);
+
+/// The transport, timing each transfer it posts from post to completion.
+pub(super) struct TimedTransport {
+    inner: Box<dyn Transport>,
+    posted: HashMap<TransferId, (Instant, u64)>,
+    local_lists: HashMap<PreparedId, Vec<u64>>,
+    ended: Sender<Ended>,
+}
+
+impl TimedTransport {
+    /// `inner`, reporting each transfer that ends to `ended`.
+    pub(super) fn new(inner: Box<dyn Transport>, ended: Sender<Ended>) -> Self {
+        TimedTransport { inner, posted: HashMap::new(), local_lists: HashMap::new(), ended }
+    }
+
+    /// Starts timing a transfer from `start`, taken before the post: UCX may move the bytes
+    /// inside the post call itself.
+    fn posted(&mut self, id: TransferId, start: Instant, bytes: u64) -> TransferId {
+        self.posted.insert(id, (start, bytes));
+        id
+    }
+}
+
+impl Transport for TimedTransport {
+    fn agent(&self) -> &AgentName {
+        self.inner.agent()
+    }
+    fn register(&mut self, region: &Region) -> Result<(), TransportError> {
+        self.inner.register(region)
+    }
+    fn deregister(&mut self, region: RegionId) -> Result<(), TransportError> {
+        self.inner.deregister(region)
+    }
+    fn connect(&mut self, address: &PeerAddress) -> Result<(), TransportError> {
+        self.inner.connect(address)
+    }
+    fn post(&mut self, request: TransferRequest) -> Result<TransferId, TransportError> {
+        let bytes = request.pairs.iter().map(|p| p.len).sum();
+        let start = Instant::now();
+        let id = self.inner.post(request)?;
+        Ok(self.posted(id, start, bytes))
+    }
+    fn prepare(&mut self, peer: Option<&AgentName>, ranges: &[(u64, u64)]) -> Result<PreparedId, TransportError> {
+        let id = self.inner.prepare(peer, ranges)?;
+        if peer.is_none() {
+            self.local_lists.insert(id, ranges.iter().map(|r| r.1).collect());
+        }
+        Ok(id)
+    }
+    fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError> {
+        let lens = self.local_lists.get(&request.local);
+        let bytes = request.local_indices.iter().filter_map(|&i| lens.and_then(|l| l.get(i as usize))).sum();
+        let start = Instant::now();
+        let id = self.inner.post_prepared(request)?;
+        Ok(self.posted(id, start, bytes))
+    }
+    fn poll_transfer(&mut self, id: TransferId) -> TransferStatus {
+        let status = self.inner.poll_transfer(id);
+        if !matches!(status, TransferStatus::InProgress) {
+            if let Some((start, bytes)) = self.posted.remove(&id) {
+                let _ = self.ended.send((bytes, start.elapsed(), matches!(status, TransferStatus::Done)));
+            }
+        }
+        status
+    }
+    fn send_notification(&mut self, peer: &AgentName, payload: &[u8]) -> Result<(), TransportError> {
+        self.inner.send_notification(peer, payload)
+    }
+    fn poll_event(&mut self) -> Option<PeerEvent> {
+        self.inner.poll_event()
+    }
+    fn set_waker(&mut self, waker: Waker) {
+        self.inner.set_waker(waker)
+    }
+    fn poll_intervals(&self) -> PollIntervals {
+        self.inner.poll_intervals()
+    }
+}
+
+/// A rank's transport as the configuration says, and the port its side channel listens on.
+pub(super) fn transport(
+    config: &NodeConfig,
+    offer: &Handshake,
+    clock: Arc<ProcessClock>,
+) -> Result<(Box<dyn Transport>, u16)> {
+    // The router's key, when it gave one; without it the side channel is loopback-only anyway.
+    let key = match std::env::var_os(CLUSTER_KEY_ENV) {
+        Some(_) => KeySource::Env(CLUSTER_KEY_ENV.to_owned()),
+        None => KeySource::None,
+    };
+    let bind = "127.0.0.1:0".parse().expect("loopback");
+    Ok(match config.transport {
+        TransportKind::Nixl => {
+            let nixl = NixlConfig { bind, key, ..NixlConfig::default() };
+            let t = NixlTransport::new(offer.clone(), &nixl, clock).context("the NIXL transport")?;
+            let port = t.side_channel_addr().port();
+            (Box::new(t), port)
+        }
+        TransportKind::Tcp => {
+            let tcp = TcpConfig { bind, key, ..TcpConfig::default() };
+            let t = TcpTransport::new(offer.clone(), &tcp, clock).context("the TCP transport")?;
+            let port = t.side_channel_addr().port();
+            (Box::new(t), port)
+        }
+    })
+}
