@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
-use crate::demo::{build_node, Demo, DemoConfig, NodeBinary};
+use crate::demo::{build_node, Demo, DemoConfig, NodeBinary, TopologyArgs};
 use crate::provision;
 use crate::workspace::{self, cargo, cargo_command};
 use xtask::proto::TransportKind;
@@ -29,6 +29,9 @@ pub struct BenchArgs {
     /// UCX, or plain TCP. The two-process transport bench always measures NIXL.
     #[arg(long, value_enum, default_value_t = TransportKind::Nixl)]
     transport: TransportKind,
+    /// The engines' shapes in the end-to-end runs.
+    #[command(flatten)]
+    topology: TopologyArgs,
 }
 
 /// One comparison: a criterion group, the operations measured, and which implementation is
@@ -56,7 +59,7 @@ const COMPARISONS: &[Comparison] = &[Comparison {
 /// Runs every bench, then prints the tables (or one JSON object with `--json`). `--quick`
 /// measures less of each, to end within a minute once built.
 pub fn run(args: &BenchArgs) -> Result<()> {
-    let BenchArgs { json: json_out, quick, transport: kind } = *args;
+    let BenchArgs { json: json_out, quick, transport: kind, ref topology } = *args;
     let root = workspace::root();
     // Build the engines first, so that building is not inside any measurement.
     let node = build_node()?;
@@ -102,8 +105,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut threaded_envs = nixl.envs();
     threaded_envs.push(("KVFLOW_BENCH_UCX_PARAMS".into(), "num_threads=4".into()));
     let threaded = transport_bench(&root, &threaded_envs, json_out, quick)?;
-    let latency = latency_bench(node.clone(), kind, quick, json_out)?;
-    let idle = idle_bench(node, kind, json_out)?;
+    let latency = latency_bench(node.clone(), kind, topology, quick, json_out)?;
+    let idle = idle_bench(node, kind, topology, json_out)?;
     if json_out {
         if let Value::Object(fields) = transport {
             report.extend(fields);
@@ -112,6 +115,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             report.insert("transport_num_threads_4".into(), t.clone());
         }
         report.insert("end_to_end_transport".into(), kind.name().into());
+        report.insert("end_to_end_topology".into(), topology.describe().into());
         report.insert("pull_vs_push".into(), latency);
         report.insert("idle_cpu_percent".into(), idle["max"].clone());
         report.insert("idle_cpu_percent_by_engine".into(), idle["by_engine"].clone());
@@ -123,8 +127,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 /// How much of a core an engine with nothing pending uses: one P and one D started, left idle
 /// for 10 s. The JSON's `idle_cpu_percent` is the larger of the two, and
 /// `idle_cpu_percent_by_engine` has each.
-fn idle_bench(node: NodeBinary, transport: TransportKind, json_out: bool) -> Result<Value> {
-    let config = DemoConfig { decoders: 1, kill: false, transport, ..DemoConfig::default() };
+fn idle_bench(node: NodeBinary, transport: TransportKind, topology: &TopologyArgs, json_out: bool) -> Result<Value> {
+    let config = topology.apply(DemoConfig { decoders: 1, kill: false, transport, ..DemoConfig::default() });
+    config.validate()?;
     let used = Demo::start(config, node)?.idle_cpu_percent(Duration::from_secs(10))?;
     let most = used.values().copied().fold(0.0, f64::max);
     if !json_out {
@@ -140,9 +145,15 @@ idle engines, 10 s with nothing pending: {} of one core",
 
 /// Pull against push, end to end between processes: the time from P finishing a prompt to D
 /// holding its KV, one request at a time so that no queue is measured.
-fn latency_bench(node: NodeBinary, transport: TransportKind, quick: bool, json_out: bool) -> Result<Value> {
+fn latency_bench(
+    node: NodeBinary,
+    transport: TransportKind,
+    topology: &TopologyArgs,
+    quick: bool,
+    json_out: bool,
+) -> Result<Value> {
     let requests = if quick { 20 } else { 100 };
-    let base = DemoConfig {
+    let base = topology.apply(DemoConfig {
         decoders: 1,
         requests,
         concurrency: 1,
@@ -155,7 +166,8 @@ fn latency_bench(node: NodeBinary, transport: TransportKind, quick: bool, json_o
         sibling_rate: 0.0,
         transport,
         ..DemoConfig::default()
-    };
+    });
+    base.validate()?;
     let mut results = serde_json::Map::new();
     for push in [false, true] {
         let config = DemoConfig { push, ..base.clone() };

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use clap::{Parser, ValueEnum};
+use clap::{Args, Parser, ValueEnum};
 use xtask::proto::{Model, NodeConfig, NodeRole, TransportKind};
 
 /// The flags of `cargo xtask demo`; the defaults are [`DemoConfig::default`]'s.
@@ -37,21 +37,8 @@ pub struct DemoArgs {
     /// The model's layers (8 KV heads of 128, bf16; or, with --mla, one latent of 576).
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().model.layers)]
     layers: u32,
-    /// MLA: one latent plane per token, as DeepSeek's models cache it, instead of K and V.
-    #[arg(long)]
-    mla: bool,
-    /// P's TP size: ranks, each with its own worker, NIXL agent and part of the pool (its heads).
-    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().p_tp)]
-    p_tp: u32,
-    /// D's TP size.
-    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().d_tp)]
-    d_tp: u32,
-    /// Tokens per block on P.
-    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().model.block_tokens)]
-    p_block_tokens: u32,
-    /// Tokens per block on D (a multiple of P's; by default P's).
-    #[arg(long, value_name = "N")]
-    d_block_tokens: Option<u32>,
+    #[command(flatten)]
+    topology: TopologyArgs,
     /// Blocks in each engine's pool.
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().blocks)]
     blocks: u32,
@@ -75,6 +62,54 @@ pub struct DemoArgs {
     pub json: bool,
 }
 
+/// The flags that shape the engines, which the demo and the end-to-end bench share.
+#[derive(Args, Debug, Clone)]
+pub struct TopologyArgs {
+    /// MLA: one latent plane per token, as DeepSeek's models cache it, instead of K and V.
+    #[arg(long)]
+    mla: bool,
+    /// P's TP size: ranks, each with its own worker, NIXL agent and part of the pool (its heads).
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().p_tp)]
+    p_tp: u32,
+    /// D's TP size; a list (`2,4`) gives the D engines theirs in turn, mixing them behind one P.
+    #[arg(long, value_name = "N[,N...]", value_delimiter = ',', default_value = "1")]
+    d_tp: Vec<u32>,
+    /// Tokens per block on P.
+    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().model.block_tokens)]
+    p_block_tokens: u32,
+    /// Tokens per block on D (a multiple of P's; by default P's).
+    #[arg(long, value_name = "N")]
+    d_block_tokens: Option<u32>,
+}
+
+impl TopologyArgs {
+    /// The shapes in words, for reports: `P TP 4, D TP [2, 4], blocks 16/32 tokens, K/V`.
+    pub fn describe(&self) -> String {
+        let d_block = self.d_block_tokens.unwrap_or(self.p_block_tokens);
+        let attention = if self.mla { "MLA" } else { "K/V" };
+        format!(
+            "P TP {}, D TP {:?}, blocks {}/{d_block} tokens, {attention}",
+            self.p_tp, self.d_tp, self.p_block_tokens
+        )
+    }
+
+    /// `config` with these engines' shapes, its layer count kept.
+    pub fn apply(&self, config: DemoConfig) -> DemoConfig {
+        let layers = config.model.layers;
+        DemoConfig {
+            model: if self.mla {
+                Model::mla(layers, self.p_block_tokens)
+            } else {
+                Model { layers, block_tokens: self.p_block_tokens, ..DemoConfig::default().model }
+            },
+            d_block_tokens: self.d_block_tokens.unwrap_or(self.p_block_tokens),
+            p_tp: self.p_tp,
+            d_tp: self.d_tp.clone(),
+            ..config
+        }
+    }
+}
+
 /// Who moves the bytes: D reads (pull) or P writes (push).
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Mode {
@@ -94,14 +129,7 @@ impl DemoArgs {
             concurrency: self.concurrency,
             min_tokens: self.min_tokens,
             max_tokens: self.max_tokens,
-            model: if self.mla {
-                Model::mla(self.layers, self.p_block_tokens)
-            } else {
-                Model { layers: self.layers, block_tokens: self.p_block_tokens, ..defaults.model }
-            },
-            d_block_tokens: self.d_block_tokens.unwrap_or(self.p_block_tokens),
-            p_tp: self.p_tp,
-            d_tp: self.d_tp,
+            model: Model { layers: self.layers, ..defaults.model },
             blocks: self.blocks,
             lease_ms: self.lease_ms,
             kill: !self.no_kill,
@@ -110,6 +138,7 @@ impl DemoArgs {
             transport: self.transport,
             ..defaults
         };
+        let config = self.topology.apply(config);
         config.validate()?;
         Ok(config)
     }
@@ -138,8 +167,8 @@ pub struct DemoConfig {
     pub d_block_tokens: u32,
     /// P's TP size: its ranks, each with its own worker, transport and part of the pool.
     pub p_tp: u32,
-    /// D's TP size.
-    pub d_tp: u32,
+    /// D engine `i`'s TP size is `d_tp[i % d_tp.len()]`.
+    pub d_tp: Vec<u32>,
     /// Blocks per engine's pool.
     pub blocks: u32,
     /// `kv_lease_duration`.
@@ -178,7 +207,7 @@ impl Default for DemoConfig {
             model: Model::llama3_8b(16),
             d_block_tokens: 16,
             p_tp: 1,
-            d_tp: 1,
+            d_tp: vec![1],
             blocks: 384,
             lease_ms: 4000,
             kill: true,
@@ -209,8 +238,9 @@ impl DemoConfig {
         if self.min_tokens == 0 || self.min_tokens > self.max_tokens {
             bail!("need 0 < --min-tokens ({}) <= --max-tokens ({})", self.min_tokens, self.max_tokens);
         }
-        if self.p_tp == 0 || self.d_tp == 0 || self.p_tp > 64 || self.d_tp > 64 {
-            bail!("--p-tp ({}) and --d-tp ({}) must be between 1 and 64", self.p_tp, self.d_tp);
+        let tps = std::iter::once(&self.p_tp).chain(&self.d_tp);
+        if self.d_tp.is_empty() || tps.clone().any(|&tp| tp == 0 || tp > 64) {
+            bail!("--p-tp ({}) and --d-tp ({:?}) must be between 1 and 64", self.p_tp, self.d_tp);
         }
         if self.model.block_tokens == 0 || self.d_block_tokens == 0 {
             bail!(
@@ -270,9 +300,15 @@ impl DemoConfig {
             transport: self.transport,
             tp: match role {
                 NodeRole::Prefill => self.p_tp,
-                NodeRole::Decode => self.d_tp,
+                NodeRole::Decode => self.decode_tp(name),
             },
         }
+    }
+
+    /// The TP size of D engine `name` (`decode<i>`): the list's entries in turn.
+    fn decode_tp(&self, name: &str) -> u32 {
+        let index = name.strip_prefix("decode").and_then(|i| i.parse::<usize>().ok()).unwrap_or(0);
+        self.d_tp.get(index % self.d_tp.len().max(1)).copied().unwrap_or(1)
     }
 
     /// The model as engines of `role` run it: P's or D's block size.

@@ -28,7 +28,7 @@ mod router;
 use anyhow::{bail, Result};
 use xtask::proto::Model;
 
-pub use config::{DemoArgs, DemoConfig};
+pub use config::{DemoArgs, DemoConfig, TopologyArgs};
 pub use processes::{build_node, NodeBinary};
 pub use router::Demo;
 
