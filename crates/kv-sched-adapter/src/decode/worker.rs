@@ -169,15 +169,18 @@ impl DecodeWorker {
                 self.try_start(now, &request);
             }
             DecodeCommand::Reject { remote } => {
-                let Some((_, _, targets)) = self.map_remote(&remote) else {
-                    tracing::warn!(
-                        request = %remote.request,
-                        engine = %remote.engine,
-                        p_tp = remote.tp_size,
-                        "a rejection maps onto no P rank: P holds the export until its lease ends"
-                    );
-                    self.counters.rejections_unsent += 1;
-                    return;
+                let targets = match self.map_remote(&remote) {
+                    Ok((_, _, targets)) => targets,
+                    Err(error) => {
+                        tracing::warn!(
+                            request = %remote.request,
+                            engine = %remote.engine,
+                            %error,
+                            "a rejection maps onto no P rank: P holds the export until its lease ends"
+                        );
+                        self.counters.rejections_unsent += 1;
+                        return;
+                    }
                 };
                 for target in targets {
                     self.send_to(&target, Message::Rejection { request: remote.request.clone() });
@@ -188,13 +191,22 @@ impl DecodeWorker {
     }
 
     /// The TP mapping, this rank's plan and its P targets for `remote`, connecting to them.
-    fn map_remote(&mut self, remote: &RemoteRef) -> Option<(TpMapping, DecodeRankPlan, Vec<AgentName>)> {
+    /// How P's ranks map onto this one, and the P ranks it needs, connecting to them; the
+    /// error names both sides' values.
+    fn map_remote(&mut self, remote: &RemoteRef) -> Result<(TpMapping, DecodeRankPlan, Vec<AgentName>), String> {
         let layout = self.offer.layout;
-        let tp = TpMapping::new(remote.tp_size, self.offer.tp_size, layout.kv_heads, layout.is_mla()).ok()?;
-        let plan = tp.decode_rank(self.offer.rank).ok()?;
+        let tp = TpMapping::new(remote.tp_size, self.offer.tp_size, layout.kv_heads, layout.is_mla())
+            .map_err(|e| e.to_string())?;
+        let plan = tp.decode_rank(self.offer.rank).map_err(|e| e.to_string())?;
         let mut targets = Vec::new();
         for p in plan.completion_targets() {
-            let address = remote.addresses.get(p as usize)?.clone();
+            let address = remote.addresses.get(p as usize).cloned().ok_or_else(|| {
+                format!(
+                    "P rank {p} has no address: the parameters list {} for tp {}",
+                    remote.addresses.len(),
+                    remote.tp_size
+                )
+            })?;
             let agent = AgentName::new(remote.engine.clone(), p);
             if !self.peers.contains_key(&agent) && !self.connecting.contains_key(&agent) {
                 self.connecting.insert(agent.clone(), address.clone());
@@ -202,7 +214,7 @@ impl DecodeWorker {
             }
             targets.push(agent);
         }
-        Some((tp, plan, targets))
+        Ok((tp, plan, targets))
     }
 
     fn track(&mut self, now: Time, request: RequestId, remote: RemoteRef) {
@@ -218,10 +230,13 @@ impl DecodeWorker {
             self.out.report(DecodeReport::Finished { request, outcome: LoadOutcome::Failed });
             return;
         }
-        let Some((tp, plan, targets)) = self.map_remote(&remote) else {
-            tracing::warn!(%request, p_tp = remote.tp_size, "P's parameters do not map onto this engine");
-            self.out.report(DecodeReport::Finished { request, outcome: LoadOutcome::Failed });
-            return;
+        let (tp, plan, targets) = match self.map_remote(&remote) {
+            Ok(mapped) => mapped,
+            Err(error) => {
+                tracing::warn!(%request, %error, "P's parameters do not map onto this engine");
+                self.out.report(DecodeReport::Finished { request, outcome: LoadOutcome::Failed });
+                return;
+            }
         };
         // Claim it at once, so that P binds the export to this engine before anything else can,
         // and learns of this engine in time to release it if this engine goes.
