@@ -43,11 +43,12 @@ pub fn run() -> Result<()> {
         ["package", "--workspace", "--exclude", "xtask", "--locked", "--allow-dirty", "--target-dir", &verify];
     cargo_env(&root, &package, &envs)?;
     // Short demos, real processes: each mode over each transport, then P at TP 2 into D at TP 4
-    // and back, MLA from TP 2 into TP 1, and P's 16-token blocks into D's 32-token ones. Any
+    // and back, MLA from TP 2 into TP 1, P's 16-token blocks into D's 32-token ones, and every
+    // engine in a network namespace of its own with UCX over TCP (root only, as CI is). Any
     // corrupt read, block written after free, or block held after the drain fails them; D
     // checks every row by layer, plane, head and token.
     let short = ["--requests", "40", "--layers", "4", "--max-tokens", "256", "--lease-ms", "2000"];
-    let topologies: [&[&str]; 8] = [
+    let topologies: [&[&str]; 9] = [
         &["--transport", "nixl", "--mode", "pull"],
         &["--transport", "nixl", "--mode", "push"],
         &["--transport", "tcp", "--mode", "pull"],
@@ -56,6 +57,7 @@ pub fn run() -> Result<()> {
         &["--p-tp", "4", "--d-tp", "2", "--mode", "push"],
         &["--mla", "--p-tp", "2", "--d-tp", "1"],
         &["--p-block-tokens", "16", "--d-block-tokens", "32"],
+        &["--hosts", "netns", "--p-tp", "2", "--d-tp", "1,2"],
     ];
     for topology in topologies {
         let flags = [topology, &short[..]].concat();

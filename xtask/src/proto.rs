@@ -114,6 +114,10 @@ pub struct NodeConfig {
     /// TP ranks: one worker, transport and part of the pool each, on a thread of its own.
     #[serde(default = "one")]
     pub tp: u32,
+    /// The address its side channels (and TCP data listeners) bind to and peers reach it at:
+    /// its network namespace's, or loopback (`None`).
+    #[serde(default)]
+    pub host: Option<std::net::Ipv4Addr>,
 }
 
 fn one() -> u32 {

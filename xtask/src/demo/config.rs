@@ -57,6 +57,10 @@ pub struct DemoArgs {
     /// The transport the engines move KV with: NIXL over UCX, or plain TCP (the baseline).
     #[arg(long, value_enum, default_value_t = TransportKind::Nixl)]
     transport: TransportKind,
+    /// Where the engines run: all on loopback, or each in a network namespace of its own
+    /// (root only), joined by a bridge, with UCX limited to TCP.
+    #[arg(long, value_enum, default_value_t = Hosts::Loopback)]
+    hosts: Hosts,
     /// Prints the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -110,6 +114,15 @@ impl TopologyArgs {
     }
 }
 
+/// Where the engines run.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+pub enum Hosts {
+    /// Every engine on loopback; UCX moves host memory between processes by CMA.
+    Loopback,
+    /// Each engine in a network namespace of its own, reached over a bridge; UCX over TCP.
+    Netns,
+}
+
 /// Who moves the bytes: D reads (pull) or P writes (push).
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Mode {
@@ -136,6 +149,7 @@ impl DemoArgs {
             pause_decode: self.pause_decode,
             pause_prefill: self.pause_prefill,
             transport: self.transport,
+            hosts: self.hosts,
             ..defaults
         };
         let config = self.topology.apply(config);
@@ -191,6 +205,8 @@ pub struct DemoConfig {
     pub time_limit: Duration,
     /// The transport the engines move KV with.
     pub transport: TransportKind,
+    /// Where the engines run.
+    pub hosts: Hosts,
 }
 
 impl Default for DemoConfig {
@@ -214,6 +230,7 @@ impl Default for DemoConfig {
             pause_decode: 0,
             pause_prefill: false,
             transport: TransportKind::Nixl,
+            hosts: Hosts::Loopback,
             attack: false,
             reject_rate: 0.08,
             abort_rate: 0.08,
@@ -259,6 +276,9 @@ impl DemoConfig {
                 self.blocks
             );
         }
+        if self.attack && self.hosts != Hosts::Loopback {
+            bail!("the attack runs on loopback, not --hosts netns");
+        }
         if self.attack && self.transport != TransportKind::Nixl {
             bail!("the attack drives NIXL itself; it runs against --transport nixl, not {}", self.transport.name());
         }
@@ -302,6 +322,7 @@ impl DemoConfig {
                 NodeRole::Prefill => self.p_tp,
                 NodeRole::Decode => self.decode_tp(name),
             },
+            host: None,
         }
     }
 

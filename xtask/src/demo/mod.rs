@@ -21,6 +21,7 @@
 //! - [`report`]: what the run measured, its checks, as text or JSON.
 
 mod config;
+mod netns;
 mod processes;
 mod report;
 mod router;

@@ -151,11 +151,30 @@ impl Demo {
         command
     }
 
+    /// The address engine `name` is reached at: its namespace's, or loopback.
+    pub(super) fn host_ip(&self, name: &str) -> std::net::Ipv4Addr {
+        let host = self.network.as_ref().and_then(|n| n.host(name));
+        host.map_or(std::net::Ipv4Addr::LOCALHOST, |h| h.ip)
+    }
+
     /// Starts engine `name`, incarnation `instance`; its lines come to the router's channel.
+    /// With `--hosts netns` it runs in its namespace, its side channels on its address, and
+    /// UCX over TCP on its veth alone.
     pub(super) fn spawn(&mut self, role: NodeRole, name: &str, instance: u64) -> Result<()> {
-        let config = serde_json::to_string(&self.config.node(role, name, instance))?;
-        let mut child = self
-            .child(&self.binary.path, config)
+        let host = self.network.as_ref().and_then(|n| n.host(name)).cloned();
+        let mut node_config = self.config.node(role, name, instance);
+        node_config.host = host.as_ref().map(|h| h.ip);
+        let config = serde_json::to_string(&node_config)?;
+        let mut command = match &host {
+            None => self.child(&self.binary.path, config),
+            Some(host) => {
+                let mut command = self.child(Path::new("ip"), "netns".into());
+                command.args(["exec", &host.ns]).arg(&self.binary.path).arg(config);
+                command.env("UCX_TLS", "tcp").env("UCX_NET_DEVICES", &host.device);
+                command
+            }
+        };
+        let mut child = command
             .stdin(Stdio::piped())
             .spawn()
             .with_context(|| format!("cannot start {} for {name}", self.binary.path.display()))?;

@@ -15,7 +15,7 @@ use kv_testkit::Rng;
 use serde_json::{json, Value};
 use xtask::proto::{wall_ns, AttackResult, Command, Event, NodeRole, Remote};
 
-use super::config::{DemoConfig, Pause};
+use super::config::{DemoConfig, Hosts, Pause};
 use super::processes::{signal, FromNode, Node, NodeBinary, ATTACKER};
 use super::report::Report;
 
@@ -55,6 +55,8 @@ pub struct Demo {
     pub(super) binary: NodeBinary,
     /// The cluster key every engine of this run holds, as 64 hex digits.
     pub(super) key: String,
+    /// With `--hosts netns`, each engine's namespace; removed when the run ends.
+    pub(super) network: Option<super::netns::Network>,
     pub(super) nodes: BTreeMap<String, Node>,
     pub(super) events: Receiver<(String, u64, FromNode)>,
     pub(super) sender: Sender<(String, u64, FromNode)>,
@@ -110,10 +112,20 @@ impl Demo {
         let mut key = [0u8; 32];
         getrandom::fill(&mut key).map_err(|e| anyhow!("no randomness for the cluster key: {e}"))?;
         let pauses = config.pauses();
+        let network = match config.hosts {
+            Hosts::Loopback => None,
+            Hosts::Netns => {
+                let engines: Vec<String> = std::iter::once("prefill0".to_owned())
+                    .chain((0..config.decoders).map(|i| format!("decode{i}")))
+                    .collect();
+                Some(super::netns::Network::create(&engines).context("the engines' network namespaces")?)
+            }
+        };
         let mut demo = Demo {
             config,
             binary,
             key: key.iter().map(|b| format!("{b:02x}")).collect(),
+            network,
             nodes: BTreeMap::new(),
             events,
             sender,
@@ -155,7 +167,8 @@ impl Demo {
 
     /// P's ranks' side-channel addresses, by rank.
     fn prefill_addresses(&self) -> Vec<String> {
-        self.nodes["prefill0"].ports.iter().map(|port| format!("127.0.0.1:{port}")).collect()
+        let ip = self.host_ip("prefill0");
+        self.nodes["prefill0"].ports.iter().map(|port| format!("{ip}:{port}")).collect()
     }
 
     /// The next live D engine, round robin.

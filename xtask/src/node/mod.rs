@@ -381,7 +381,8 @@ impl<S: Side> Node<S> {
     fn start(config: &NodeConfig) -> Result<Self> {
         let (engine, starts) = Engine::start(config, S::ROLE)?;
         let ports: Vec<u16> = starts.iter().map(|r| r.port).collect();
-        let addresses = ports.iter().map(|port| PeerAddress(format!("127.0.0.1:{port}"))).collect();
+        let ip = config.host.unwrap_or(std::net::Ipv4Addr::LOCALHOST);
+        let addresses = ports.iter().map(|port| PeerAddress(format!("{ip}:{port}"))).collect();
         let side = S::new(config, addresses).context("the connector")?;
         let (tx, reports) = mpsc::channel();
         let mut ranks = Vec::new();

@@ -110,7 +110,8 @@ pub(super) fn transport(
         Some(_) => KeySource::Env(CLUSTER_KEY_ENV.to_owned()),
         None => KeySource::None,
     };
-    let bind = "127.0.0.1:0".parse().expect("loopback");
+    let ip = config.host.unwrap_or(std::net::Ipv4Addr::LOCALHOST);
+    let bind = std::net::SocketAddr::from((ip, 0));
     Ok(match config.transport {
         TransportKind::Nixl => {
             let nixl = NixlConfig { bind, key, ..NixlConfig::default() };
@@ -119,7 +120,7 @@ pub(super) fn transport(
             (Box::new(t), port)
         }
         TransportKind::Tcp => {
-            let tcp = TcpConfig { bind, key, ..TcpConfig::default() };
+            let tcp = TcpConfig { bind, data_bind: ip.into(), key, ..TcpConfig::default() };
             let t = TcpTransport::new(offer.clone(), &tcp, clock).context("the TCP transport")?;
             let port = t.side_channel_addr().port();
             (Box::new(t), port)
