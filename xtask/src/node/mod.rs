@@ -343,9 +343,10 @@ fn host_memory() -> Box<dyn Memory> {
 
 /// An engine process, P or D: the engine, its rank's worker, and what only its side keeps.
 struct Node<S: Side> {
-    engine: Engine,
-    /// Each TP rank's thread, by rank.
+    /// Each TP rank's thread, by rank. Declared before `engine`: the ranks' transports let go
+    /// of the pool before the memory behind it is freed.
     ranks: Vec<rank::Rank<S::ToWorker>>,
+    engine: Engine,
     /// What the ranks' workers report, by rank.
     reports: Receiver<(u32, <S::Worker as WorkerMachine>::Report)>,
     side: S,
