@@ -201,13 +201,12 @@ impl Engine {
         self.ranks[0].shape
     }
 
-    /// Each rank's layer-major chunks of `block` at `layer`, as (region, offset in it): the
+    /// Where rank `rank`'s part of `block` at `layer` starts, as (region, offset in it): the
     /// layer's planes of that block, adjacent.
-    fn places(&self, layer: u32, block: BlockId) -> impl Iterator<Item = (usize, RegionId, u64)> + '_ {
-        self.ranks.iter().enumerate().map(move |(r, rank)| {
-            let at = rank.shape.plane_offset(layer, block.0, 0);
-            (r, rank.region.id, u64::from(at.region) * rank.shape.region_len() + at.offset)
-        })
+    fn place(&self, rank: usize, layer: u32, block: BlockId) -> (RegionId, u64) {
+        let pool = &self.ranks[rank];
+        let at = pool.shape.plane_offset(layer, block.0, 0);
+        (pool.region.id, u64::from(at.region) * pool.shape.region_len() + at.offset)
     }
 
     /// The chunks rank `rank` holds of the block at `position` of a prompt, one per plane of
@@ -232,7 +231,8 @@ impl Engine {
         let plane_bytes = self.shape().plane_bytes() as usize;
         for (position, &block) in blocks.iter().enumerate() {
             for layer in 0..self.shape().layout.layers {
-                for (rank, region, at) in self.places(layer, block).collect::<Vec<_>>() {
+                for rank in 0..self.ranks.len() {
+                    let (region, at) = self.place(rank, layer, block);
                     for (i, chunk) in self.chunks(rank, layer, position).enumerate() {
                         pattern::fill(&mut self.chunk[i * plane_bytes..(i + 1) * plane_bytes], seed, &chunk);
                     }
@@ -250,7 +250,8 @@ impl Engine {
         let mut all = true;
         for (position, &block) in blocks.iter().enumerate() {
             for layer in 0..self.shape().layout.layers {
-                for (rank, region, at) in self.places(layer, block).collect::<Vec<_>>() {
+                for rank in 0..self.ranks.len() {
+                    let (region, at) = self.place(rank, layer, block);
                     self.memory.read(region, at, &mut self.chunk)?;
                     for (i, chunk) in self.chunks(rank, layer, position).enumerate() {
                         let got = &self.chunk[i * plane_bytes..(i + 1) * plane_bytes];
@@ -270,7 +271,8 @@ impl Engine {
                 continue;
             }
             'layers: for layer in 0..self.shape().layout.layers {
-                for (_, region, at) in self.places(layer, block).collect::<Vec<_>>() {
+                for rank in 0..self.ranks.len() {
+                    let (region, at) = self.place(rank, layer, block);
                     self.memory.read(region, at, &mut self.chunk)?;
                     if !pattern::is_scrub(&self.chunk) {
                         self.written_after_free += 1;
@@ -288,7 +290,8 @@ impl Engine {
         self.chunk.fill(pattern::SCRUB);
         for block in freed {
             for layer in 0..self.shape().layout.layers {
-                for (_, region, at) in self.places(layer, block).collect::<Vec<_>>() {
+                for rank in 0..self.ranks.len() {
+                    let (region, at) = self.place(rank, layer, block);
                     self.memory.write(region, at, &self.chunk)?;
                 }
             }
