@@ -1,18 +1,31 @@
-//! `cargo xtask setup`: provisions what nixl-sys needs to build and to run, on a fresh machine.
+//! `cargo xtask setup`: provisions what the workspace needs to build and to run, on a fresh
+//! machine.
 //!
-//! Two things are needed (see DESIGN.md, "Transport"):
+//! Four things are needed (see DESIGN.md, "Transport" and "Deployment"):
 //!
 //! - **libclang**, for the bindgen run in nixl-sys's build script, with clang's resource
 //!   headers (`stddef.h`, `stdbool.h`, ...). An existing `LIBCLANG_PATH` is honoured; else the
-//!   usual system folders are searched; else, as root with `apt-get`, Debian's `libclang-dev`
-//!   is installed (its dependencies bring `libclang-common-*-dev`, the resource headers).
+//!   usual system folders are searched; else Debian's `libclang-dev` is installed (its
+//!   dependencies bring `libclang-common-*-dev`, the resource headers).
+//! - **protoc**, for the protobuf compilation in etcd-client's build script (kv-discovery-etcd),
+//!   with protobuf's well-known types (`google/protobuf/descriptor.proto`, ...) in the include
+//!   folder next to it, where protoc looks by itself. An existing `PROTOC` (which prost-build
+//!   reads) is honoured; else `protoc` on `PATH`; else Debian's `protobuf-compiler` and
+//!   `libprotobuf-dev` are installed (the well-known types are in the latter, which
+//!   `protobuf-compiler` only recommends).
+//! - **etcd**, the server kv-discovery-etcd's tests and the demo start for themselves: `etcd` on
+//!   `PATH`, else Debian's `etcd-server` is installed. Nothing here starts it.
 //! - **the NIXL runtime**, from the `nixl-cu12` 1.5.1 wheel on PyPI: fetched with
 //!   `python3 -m pip download` (or taken from `KVFLOW_NIXL_WHEEL`), checked against its
 //!   SHA-256, and unpacked into `<workspace>/.nixl/nixl_cu12-1.5.1/`. The runtime folder, which
 //!   holds `libnixl_capi.so`, is then always [`RUNTIME_SUBDIR`] under the workspace root.
 //!
-//! [`ensure`] is idempotent: once a marker file says the unpack completed, it only checks a
-//! few paths and returns in milliseconds.
+//! The Debian packages for whatever of the first three is missing are installed together, with
+//! one `apt-get update` and one `apt-get install`, as root; without root or apt-get, [`ensure`]
+//! fails and says which packages to install.
+//!
+//! [`ensure`] is idempotent: once the tools are found and a marker file says the unpack
+//! completed, it only checks a few paths and returns in milliseconds.
 
 use std::ffi::OsStr;
 use std::fs;
@@ -47,6 +60,8 @@ const DOWNLOAD_SUBDIR: &str = ".nixl/download";
 const MARKER: &str = ".kvflow-provisioned";
 /// The environment variable nixl-sys's build (clang-sys) reads to find libclang.
 const LIBCLANG_ENV: &str = "LIBCLANG_PATH";
+/// The environment variable etcd-client's build (prost-build) reads to find protoc.
+const PROTOC_ENV: &str = "PROTOC";
 /// The environment variable the transport crate reads to find the NIXL runtime folder.
 pub const NIXL_DIR_ENV: &str = "KVFLOW_NIXL_DIR";
 
@@ -61,6 +76,10 @@ pub struct NixlEnv {
     pub plugin_dir: PathBuf,
     /// The wheel's `nixl_cu12.libs/`, which holds UCX (`libucp`, `libucs`, ...).
     pub ucx_lib_dir: PathBuf,
+    /// The protobuf compiler etcd-client's build runs (as found through `PROTOC` or on `PATH`).
+    pub protoc: PathBuf,
+    /// The etcd server the discovery tests and the demo start.
+    pub etcd: PathBuf,
 }
 
 impl NixlEnv {
@@ -73,11 +92,14 @@ impl NixlEnv {
     }
 }
 
-/// `cargo xtask setup`: provisions libclang and the NIXL runtime, then prints where they are.
+/// `cargo xtask setup`: provisions libclang, protoc, etcd and the NIXL runtime, then prints
+/// where they are.
 pub fn run() -> Result<()> {
     let start = Instant::now();
     let env = ensure()?;
     println!("libclang        {}", env.libclang_dir.display());
+    println!("protoc          {}", env.protoc.display());
+    println!("etcd            {}", env.etcd.display());
     println!("NIXL runtime    {}", env.runtime_dir.display());
     println!("NIXL plugins    {}", env.plugin_dir.display());
     println!("UCX libraries   {}", env.ucx_lib_dir.display());
@@ -89,24 +111,187 @@ pub fn run() -> Result<()> {
     Ok(())
 }
 
-/// Makes sure libclang and the NIXL runtime are there, fetching or installing what is missing.
+/// Makes sure libclang, protoc, etcd and the NIXL runtime are there, fetching or installing
+/// what is missing.
 pub fn ensure() -> Result<NixlEnv> {
     let root = workspace::root();
-    let libclang_dir = ensure_libclang()?;
+    let tools = ensure_tools()?;
     ensure_runtime(&root)?;
     Ok(NixlEnv {
-        libclang_dir,
+        libclang_dir: tools.libclang_dir,
         runtime_dir: root.join(RUNTIME_SUBDIR),
         plugin_dir: root.join(PLUGIN_SUBDIR),
         ucx_lib_dir: root.join(UCX_LIB_SUBDIR),
+        protoc: tools.protoc,
+        etcd: tools.etcd,
     })
+}
+
+// ---------------------------------------------------------------------------------------------
+// System tools: libclang, protoc, etcd
+
+/// Something the workspace needs from the system, and the Debian packages that provide it.
+struct Need {
+    /// What it is and who needs it, for messages.
+    what: &'static str,
+    /// The Debian packages to install when it is missing.
+    packages: &'static [&'static str],
+    /// How to provide it by other means than these packages.
+    otherwise: &'static str,
+}
+
+static LIBCLANG: Need = Need {
+    what: "libclang with clang's resource headers (for nixl-sys's bindgen build)",
+    packages: &["libclang-dev"],
+    otherwise: "set LIBCLANG_PATH to a folder holding libclang.so whose clang resource headers \
+                (clang/*/include/stddef.h) are installed (searched: /usr/lib/llvm-*/lib, /usr/lib/*-linux-gnu, \
+                /usr/lib64, /usr/lib)",
+};
+
+static PROTOC: Need = Need {
+    what: "protoc with protobuf's well-known types, google/protobuf/*.proto (for etcd-client's build)",
+    packages: &["protobuf-compiler", "libprotobuf-dev"],
+    otherwise: "set PROTOC to a protoc whose include folder (next to it, or ../include) holds \
+                google/protobuf/descriptor.proto",
+};
+
+static ETCD: Need = Need {
+    what: "etcd (for kv-discovery-etcd's tests and the demo's discovery)",
+    packages: &["etcd-server"],
+    otherwise: "put an etcd 3.4 or later binary on PATH",
+};
+
+/// The system tools, found.
+struct Tools {
+    libclang_dir: PathBuf,
+    protoc: PathBuf,
+    etcd: PathBuf,
+}
+
+/// Finds libclang, protoc and etcd, installing the Debian packages of those that are missing
+/// in one apt-get run.
+fn ensure_tools() -> Result<Tools> {
+    let missing = match find_tools() {
+        Ok(tools) => return Ok(tools),
+        Err(missing) => missing,
+    };
+    apt_install(&missing)?;
+    find_tools().or_else(|still| {
+        bail!(
+            "apt-get installed {}, but these are still not found: {}; {}",
+            packages(&missing).join(" "),
+            still.iter().map(|need| need.what).collect::<Vec<_>>().join("; "),
+            still.iter().map(|need| need.otherwise).collect::<Vec<_>>().join("; ")
+        )
+    })
+}
+
+/// The system tools, or what is missing.
+fn find_tools() -> Result<Tools, Vec<&'static Need>> {
+    match (find_libclang(), find_protoc(), find_in_path("etcd")) {
+        (Some(libclang_dir), Some(protoc), Some(etcd)) => Ok(Tools { libclang_dir, protoc, etcd }),
+        (libclang, protoc, etcd) => {
+            Err([(libclang.is_none(), &LIBCLANG), (protoc.is_none(), &PROTOC), (etcd.is_none(), &ETCD)]
+                .into_iter()
+                .filter_map(|(missing, need)| missing.then_some(need))
+                .collect())
+        }
+    }
+}
+
+/// The Debian packages that provide `needs`, each once, in order.
+fn packages(needs: &[&Need]) -> Vec<&'static str> {
+    let mut packages: Vec<&'static str> = Vec::new();
+    for package in needs.iter().flat_map(|need| need.packages.iter().copied()) {
+        if !packages.contains(&package) {
+            packages.push(package);
+        }
+    }
+    packages
+}
+
+/// Installs the Debian packages of `missing` with one `apt-get update` and one
+/// `apt-get install`, as root; without root or apt-get, fails saying what to install. Nothing
+/// missing, nothing run.
+fn apt_install(missing: &[&Need]) -> Result<()> {
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let list = packages(missing).join(" ");
+    let whats = missing.iter().map(|need| need.what).collect::<Vec<_>>().join("; ");
+    let how = format!(
+        "install them (Debian/Ubuntu, as root: `apt-get update && apt-get install -y --no-install-recommends \
+         {list}`), or {}",
+        missing.iter().map(|need| need.otherwise).collect::<Vec<_>>().join("; or ")
+    );
+    if find_in_path("apt-get").is_none() {
+        bail!("not found: {whats}; there is no apt-get here to install {list}; {how}");
+    }
+    if !is_root() {
+        bail!("not found: {whats}; installing {list} needs root; {how}");
+    }
+    eprintln!(
+        "xtask: not found: {whats}; installing Debian's {list} \
+         (apt-get update && apt-get install -y --no-install-recommends {list})"
+    );
+    let apt = |args: &[&str]| -> Result<()> {
+        let output = Command::new("apt-get")
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .output()
+            .context("cannot start apt-get")?;
+        if !output.status.success() {
+            bail!("`apt-get {}` failed ({}):\n{}\n{how}", args.join(" "), output.status, output_tail(&output));
+        }
+        Ok(())
+    };
+    apt(&["update", "-qq"])?;
+    let mut install = vec!["install", "-y", "-qq", "--no-install-recommends"];
+    install.extend(packages(missing));
+    apt(&install)
+}
+
+/// protoc as prost-build will run it (`PROTOC`, else `protoc` on `PATH`), if protobuf's
+/// well-known types are where it looks for them by itself.
+fn find_protoc() -> Option<PathBuf> {
+    let protoc = match std::env::var_os(PROTOC_ENV).filter(|v| !v.is_empty()) {
+        Some(value) => {
+            let path = PathBuf::from(&value);
+            if !path.is_file() {
+                eprintln!("xtask: {PROTOC_ENV}={} is not a file; looking for protoc on PATH", path.display());
+                find_in_path("protoc")?
+            } else {
+                path
+            }
+        }
+        None => find_in_path("protoc")?,
+    };
+    if has_well_known_types(&protoc) {
+        return Some(protoc);
+    }
+    eprintln!(
+        "xtask: {} has no protobuf well-known types (google/protobuf/descriptor.proto) in its include folder",
+        protoc.display()
+    );
+    None
+}
+
+/// Whether `google/protobuf/descriptor.proto` is in one of the folders protoc searches by
+/// itself: `include` next to the binary, or `../include` (Debian's `/usr/include`).
+fn has_well_known_types(protoc: &Path) -> bool {
+    let real = fs::canonicalize(protoc).unwrap_or_else(|_| protoc.to_path_buf());
+    let dirs: Vec<PathBuf> =
+        [protoc, real.as_path()].into_iter().filter_map(Path::parent).map(Path::to_path_buf).collect();
+    dirs.iter()
+        .flat_map(|dir| [dir.join("include"), dir.join("../include")])
+        .any(|include| include.join("google/protobuf/descriptor.proto").is_file())
 }
 
 // ---------------------------------------------------------------------------------------------
 // libclang
 
-/// Finds libclang (honouring `LIBCLANG_PATH`), installing Debian's `libclang-dev` if needed.
-fn ensure_libclang() -> Result<PathBuf> {
+/// Finds libclang: through `LIBCLANG_PATH` if it holds one, else in the usual system folders.
+fn find_libclang() -> Option<PathBuf> {
     if let Some(value) = std::env::var_os(LIBCLANG_ENV).filter(|v| !v.is_empty()) {
         let path = PathBuf::from(&value);
         // clang-sys accepts a folder or the library file itself.
@@ -119,22 +304,11 @@ fn ensure_libclang() -> Result<PathBuf> {
                     lib.display()
                 );
             }
-            return Ok(dir);
+            return Some(dir);
         }
         eprintln!("xtask: {LIBCLANG_ENV}={} holds no libclang.so*; looking in the usual places", dir.display());
     }
-    if let Some(dir) = find_system_libclang() {
-        return Ok(dir);
-    }
-    install_libclang()?;
-    match find_system_libclang() {
-        Some(dir) => Ok(dir),
-        None => bail!(
-            "apt-get installed libclang-dev, but no libclang.so* with clang's resource headers \
-             (clang/*/include/stddef.h) turned up under /usr/lib/llvm-*/lib or /usr/lib/*-linux-gnu; \
-             set {LIBCLANG_ENV} to the folder holding libclang.so"
-        ),
-    }
+    find_system_libclang()
 }
 
 /// The folders searched for libclang, most preferred first: the newest `/usr/lib/llvm-N/lib`,
@@ -205,39 +379,6 @@ fn resource_header_dirs(lib_dir: &Path) -> Vec<PathBuf> {
         .map(|entry| entry.path().join("include"))
         .filter(|include| include.join("stddef.h").is_file())
         .collect()
-}
-
-/// Installs Debian's `libclang-dev` with apt-get, as root; otherwise says what to do.
-fn install_libclang() -> Result<()> {
-    let how = format!(
-        "install it (Debian/Ubuntu, as root: `apt-get update && apt-get install -y --no-install-recommends \
-         libclang-dev`), or set {LIBCLANG_ENV} to a folder holding libclang.so whose clang resource headers \
-         are installed"
-    );
-    if find_in_path("apt-get").is_none() {
-        bail!("libclang (needed by nixl-sys's bindgen build) was not found and there is no apt-get here; {how}");
-    }
-    if !is_root() {
-        bail!("libclang (needed by nixl-sys's bindgen build) was not found and installing it needs root; {how}");
-    }
-    eprintln!(
-        "xtask: libclang not found; installing Debian's libclang-dev \
-         (apt-get update && apt-get install -y --no-install-recommends libclang-dev)"
-    );
-    let apt = |args: &[&str]| -> Result<()> {
-        let output = Command::new("apt-get")
-            .args(args)
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .output()
-            .context("cannot start apt-get")?;
-        if !output.status.success() {
-            bail!("`apt-get {}` failed ({}):\n{}\n{how}", args.join(" "), output.status, output_tail(&output));
-        }
-        Ok(())
-    };
-    apt(&["update", "-qq"])?;
-    apt(&["install", "-y", "-qq", "--no-install-recommends", "libclang-dev"])?;
-    Ok(())
 }
 
 /// Whether this process runs as root (effective uid 0), read from `/proc/self/status`.
@@ -550,6 +691,31 @@ mod tests {
         for no in ["libclang-cpp.so.14", "libclang-cpp.so", "libclangBasic.a", "libclang.a", "libclang-14.a"] {
             assert!(!is_libclang_name(no), "{no}");
         }
+    }
+
+    #[test]
+    fn missing_tools_name_each_debian_package_once() {
+        assert_eq!(
+            packages(&[&PROTOC, &LIBCLANG, &PROTOC, &ETCD]),
+            ["protobuf-compiler", "libprotobuf-dev", "libclang-dev", "etcd-server"]
+        );
+        assert!(packages(&[]).is_empty());
+    }
+
+    #[test]
+    fn protoc_needs_the_well_known_types_where_it_looks_for_them() {
+        let dir = std::env::temp_dir().join(format!("kvflow-protoc-test-{}", std::process::id()));
+        let protoc = dir.join("bin/protoc");
+        fs::create_dir_all(protoc.parent().unwrap()).unwrap();
+        fs::write(&protoc, b"").unwrap();
+        assert!(!has_well_known_types(&protoc), "no include folder yet");
+        // Debian's layout: /usr/bin/protoc with /usr/include/google/protobuf.
+        let types = dir.join("include/google/protobuf");
+        fs::create_dir_all(&types).unwrap();
+        assert!(!has_well_known_types(&protoc), "an include folder without descriptor.proto");
+        fs::write(types.join("descriptor.proto"), b"").unwrap();
+        assert!(has_well_known_types(&protoc));
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

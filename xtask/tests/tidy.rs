@@ -114,7 +114,7 @@ fn pure_crates_read_no_clock_and_start_no_threads() {
 
 #[test]
 fn adapters_know_no_other_adapter() {
-    let adapters = ["kv-transport-nixl", "kv-transport-tcp", "kv-cuda"];
+    let adapters = ["kv-transport-nixl", "kv-transport-tcp", "kv-cuda", "kv-discovery-etcd"];
     for krate in adapters {
         let deps = dependencies(&root().join("crates").join(krate).join("Cargo.toml"));
         for other in adapters.iter().filter(|o| **o != krate) {

@@ -5,7 +5,7 @@
 //! of a KV pool, the mapping between a prefill engine's and a decode engine's TP ranks and
 //! block sizes, the transfer plans that turn block ids into merged descriptor pairs, the wire
 //! messages with their codec, the side channel's authenticated handshake ([`side`]), and the
-//! ports ([`Clock`], [`Transport`], [`Memory`]) that adapters implement. It reads no clock, opens no socket and starts no thread: time and bytes
+//! ports ([`Clock`], [`Transport`], [`Memory`], [`discovery::Discovery`]) that adapters implement. It reads no clock, opens no socket and starts no thread: time and bytes
 //! come in as arguments, which is what lets the simulator and the engines run the same code.
 //!
 //! ```
@@ -27,6 +27,7 @@
 pub mod blocks;
 #[cfg(any(test, feature = "contract"))]
 pub mod contract;
+pub mod discovery;
 pub mod handshake;
 pub mod id;
 pub mod layout;

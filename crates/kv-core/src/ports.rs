@@ -446,6 +446,11 @@ pub trait Transport: Send {
     fn send_notification(&mut self, peer: &AgentName, payload: &[u8]) -> Result<(), TransportError>;
     /// The next peer event or notification, if any, in the order they happened (see [`PeerEvent`]).
     fn poll_event(&mut self) -> Option<PeerEvent>;
+    /// Drops a connected peer that something other than its side channel says is gone (its
+    /// discovery registration lapsed): its side channel closes, transfers to it are refused
+    /// from now on, and [`Transport::poll_event`] reports it [`PeerEvent::Lost`] once, after
+    /// the notifications it sent before. A peer not connected: nothing happens.
+    fn disconnect(&mut self, peer: &AgentName);
     /// Wakes `waker` whenever the transport's own threads queue something for
     /// [`Transport::poll_event`] (a handshake, a lost peer), so that an engine can wait instead
     /// of polling; the waker is woken at once if something is queued already. What the

@@ -110,6 +110,9 @@ pub enum Action<R> {
         /// What to post.
         request: PreparedTransfer,
     },
+    /// Drop a connected peer that discovery says is gone ([`kv_core::Transport::disconnect`]);
+    /// the transport then reports it lost.
+    Disconnect(AgentName),
     /// Tell the engine's scheduler side something.
     Report(R),
 }
@@ -427,6 +430,10 @@ impl<R> Outbox<R> {
 
     pub fn connect(&mut self, address: PeerAddress) {
         self.actions.push_back(Action::Connect(address));
+    }
+
+    pub fn disconnect(&mut self, peer: AgentName) {
+        self.actions.push_back(Action::Disconnect(peer));
     }
 
     pub fn report(&mut self, report: R) {

@@ -36,7 +36,9 @@ use std::task::{Wake, Waker};
 use std::thread::Thread;
 use std::time::Duration;
 
-use kv_core::{Notification, PeerEvent, PreparedId, Time, TransferId, TransferStatus, Transport, TransportError};
+use kv_core::{
+    EngineId, Notification, PeerEvent, PreparedId, Time, TransferId, TransferStatus, Transport, TransportError,
+};
 
 use crate::common::{Action, XferToken};
 use crate::decode::{DecodeReport, DecodeWorker};
@@ -56,6 +58,8 @@ pub trait WorkerMachine {
     fn handle_prepared(&mut self, now: Time, token: XferToken, result: Result<PreparedId, TransportError>);
     /// A wake-up.
     fn handle_timeout(&mut self, now: Time);
+    /// Discovery says incarnation `instance` of `engine`, and every older one, is gone.
+    fn handle_engine_lost(&mut self, now: Time, engine: &EngineId, instance: u64);
     /// The next action.
     fn poll_action(&mut self) -> Option<Action<Self::Report>>;
     /// The next wake-up.
@@ -83,6 +87,9 @@ macro_rules! worker_machine {
             }
             fn handle_timeout(&mut self, now: Time) {
                 <$machine>::handle_timeout(self, now)
+            }
+            fn handle_engine_lost(&mut self, now: Time, engine: &EngineId, instance: u64) {
+                <$machine>::handle_engine_lost(self, now, engine, instance)
             }
             fn poll_action(&mut self) -> Option<Action<Self::Report>> {
                 <$machine>::poll_action(self)
@@ -134,10 +141,7 @@ impl<M: WorkerMachine> WorkerDriver<M> {
         // Every event of this step carries the rank's agent (engine and TP rank).
         let span = tracing::debug_span!("step", agent = %self.transport.agent());
         let _entered = span.enter();
-        // One ordered stream: a lost peer's notifications come before its loss.
-        while let Some(event) = self.transport.poll_event() {
-            self.machine.handle_peer_event(now, event);
-        }
+        self.take_events(now);
         let ids: Vec<TransferId> = self.in_flight.keys().copied().collect();
         for id in ids {
             match self.transport.poll_transfer(id) {
@@ -154,6 +158,25 @@ impl<M: WorkerMachine> WorkerDriver<M> {
             }
         }
         self.machine.handle_timeout(now);
+        self.flush(now)
+    }
+
+    /// Feeds the machine the transport's events: one ordered stream, in which a lost peer's
+    /// notifications come before its loss.
+    fn take_events(&mut self, now: Time) {
+        while let Some(event) = self.transport.poll_event() {
+            self.machine.handle_peer_event(now, event);
+        }
+    }
+
+    /// Discovery says incarnation `instance` of `engine`, and every older one, is gone (its
+    /// registration lapsed): the machine learns what the transport already has from it, then
+    /// the loss, and the transport drops its agents. Returns the machine's reports.
+    pub fn engine_lost(&mut self, now: Time, engine: &EngineId, instance: u64) -> Vec<M::Report> {
+        let span = tracing::debug_span!("engine_lost", agent = %self.transport.agent(), lost = %engine, instance);
+        let _entered = span.enter();
+        self.take_events(now);
+        self.machine.handle_engine_lost(now, engine, instance);
         self.flush(now)
     }
 
@@ -196,6 +219,7 @@ impl<M: WorkerMachine> WorkerDriver<M> {
                         self.machine.handle_transfer(now, token, false);
                     }
                 },
+                Action::Disconnect(peer) => self.transport.disconnect(&peer),
                 Action::Report(report) => reports.push(report),
             }
         }

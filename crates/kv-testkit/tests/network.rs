@@ -512,6 +512,42 @@ fn a_detected_crash_reports_the_peer_lost_and_fails_its_transfers() {
 }
 
 #[test]
+fn a_disconnect_is_a_loss_on_both_sides_behind_what_was_sent_and_cuts_transfers_both_ways() {
+    let world = World::new(1, NetConfig::default());
+    let (mut p, mut d) = world.pair();
+    p.write(0, b"prefill");
+    d.write(8, b"decode");
+    let (d_read, p_read) = (d.read(&p, 0, 7), p.read(&d, 8, 6));
+    p.send(&d, "before");
+    // What decode sends prefill now arrives 5 ms late: the close it sends next goes behind it.
+    world.net.delay(engine(&d), engine(&p), ms(5), world.clock.now() + ms(1));
+    d.send(&p, "late, but before");
+    world.run(ms(1));
+    d.transport.disconnect(&p.name);
+    d.transport.disconnect(&p.name);
+    let events: Vec<PeerEvent> = std::iter::from_fn(|| d.transport.poll_event()).collect();
+    let before = PeerEvent::Notification(Notification { from: p.name.clone(), payload: b"before".to_vec() });
+    assert_eq!(events, [before, PeerEvent::Lost(p.name.clone())], "a second disconnect does nothing");
+    assert_eq!(d.transport.send_notification(&p.name, b"x"), Err(TransportError::PeerLost(p.name.clone())));
+    // Prefill has not heard yet, and its transfers posted now fail too.
+    let p_late = p.read(&d, 8, 6);
+    world.run(ms(4));
+    assert!(p.transport.poll_event().is_none(), "prefill hears of it only when the close arrives");
+    for (rank, id) in [(&mut d, d_read), (&mut p, p_read)] {
+        assert!(matches!(rank.transport.poll_transfer(id), TransferStatus::Failed(TransportError::TransferFailed(_))));
+    }
+    assert_eq!((d.bytes(0, 7), p.bytes(8, 6)), (vec![0; 7], vec![0; 6]), "a cut transfer copies nothing");
+    world.run(ms(1));
+    let events: Vec<PeerEvent> = std::iter::from_fn(|| p.transport.poll_event()).collect();
+    let late = PeerEvent::Notification(Notification { from: d.name.clone(), payload: b"late, but before".to_vec() });
+    assert_eq!(events, [late, PeerEvent::Lost(d.name.clone())]);
+    world.run(ms(1));
+    assert!(matches!(p.transport.poll_transfer(p_late), TransferStatus::Failed(TransportError::TransferFailed(_))));
+    assert_eq!(p.transport.send_notification(&d.name, b"x"), Err(TransportError::PeerLost(d.name.clone())));
+    assert_eq!((world.net.stats().transfers_failed, world.net.stats().transfers_done), (3, 0));
+}
+
+#[test]
 fn an_undetected_crash_is_silent_and_the_restarted_agent_is_a_new_peer() {
     let world = World::new(1, NetConfig::default());
     let (p, mut d) = world.pair();
@@ -667,7 +703,9 @@ impl kv_core::contract::TransportPair for FakePair {
 
 #[test]
 fn the_fake_transport_keeps_the_transport_contract() {
-    let world = World::new(7, NetConfig::default());
-    let (b, a) = world.pair();
-    kv_core::contract::transport(&mut FakePair { world, a, b });
+    kv_core::contract::transport(&mut || {
+        let world = World::new(7, NetConfig::default());
+        let (b, a) = world.pair();
+        Box::new(FakePair { world, a, b })
+    });
 }

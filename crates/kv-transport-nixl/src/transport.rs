@@ -482,6 +482,17 @@ impl Transport for NixlTransport {
         self.agent.send_notification(&remote.nixl, &sealed, Some(&self.backend)).map_err(|e| backend_error("notify", e))
     }
 
+    fn disconnect(&mut self, peer: &AgentName) {
+        // A loss already on its way is taken in first: then the peer is no longer here.
+        self.pump_side_channel();
+        let Some(conn) = self.peers.get(peer).map(|p| p.conn) else { return };
+        // As when its side channel closes: what it sent before comes before its loss, which the
+        // endpoint reports as any other (its metadata invalidated, the peer forgotten).
+        self.fetch_notifications();
+        self.side.peer_closed(conn);
+        self.pump_side_channel();
+    }
+
     fn set_waker(&mut self, waker: Waker) {
         if !self.events.is_empty() {
             waker.wake_by_ref();

@@ -56,18 +56,28 @@ impl TransportPair for NixlPair {
     }
 }
 
-#[test]
-fn two_nixl_agents_keep_the_transport_contract() {
-    if !nixl_or_skip("two_nixl_agents_keep_the_transport_contract") {
-        return;
-    }
+/// A fresh pair, its agents named after `n`, the pair's number, so that no NIXL agent's name
+/// comes back within the process.
+fn connected_pair(n: u32) -> NixlPair {
     let pools = [HostPool::new(1), HostPool::new(1)];
-    let mut b = transport(offer("contract-p", Role::Prefill, 1, 16, &pools[1], 1), &pools[1]);
-    let mut a = transport(offer("contract-d", Role::Decode, 1, 16, &pools[0], 1), &pools[0]);
+    let mut b = transport(offer(&format!("contract{n}-p"), Role::Prefill, 1, 16, &pools[1], 1), &pools[1]);
+    let mut a = transport(offer(&format!("contract{n}-d"), Role::Decode, 1, 16, &pools[0], 1), &pools[0]);
     a.connect(&kv_core::PeerAddress(format!("127.0.0.1:{}", b.side_channel_addr().port()))).unwrap();
     for t in [&mut a, &mut b] {
         let event = next_event(t, Duration::from_secs(10));
         assert!(matches!(event, Some(PeerEvent::Connected(_))), "{event:?}");
     }
-    kv_core::contract::transport(&mut NixlPair { a, b: Some(b), pools });
+    NixlPair { a, b: Some(b), pools }
+}
+
+#[test]
+fn two_nixl_agents_keep_the_transport_contract() {
+    if !nixl_or_skip("two_nixl_agents_keep_the_transport_contract") {
+        return;
+    }
+    let mut made = 0;
+    kv_core::contract::transport(&mut || {
+        made += 1;
+        Box::new(connected_pair(made))
+    });
 }

@@ -449,6 +449,18 @@ impl Transport for TcpTransport {
         self.events.pop_front()
     }
 
+    fn disconnect(&mut self, peer: &AgentName) {
+        // A loss already on its way is taken in first: then the peer is no longer here.
+        self.pump();
+        let Some(conn) = self.peers.get(peer).map(|p| p.conn) else { return };
+        // No grace for its data connections, as a closed side channel gets: it is gone now. The
+        // endpoint reports the loss as any other, which takes in what the peer sent before,
+        // stops serving its data connections and closes ours to it.
+        self.closing.retain(|(closing, ..)| *closing != conn);
+        self.shared.side.peer_closed(conn);
+        self.pump();
+    }
+
     fn set_waker(&mut self, waker: Waker) {
         self.shared.set_waker(waker.clone());
         if !self.events.is_empty() || !self.closing.is_empty() || self.shared.has_ready() {

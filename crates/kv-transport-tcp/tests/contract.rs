@@ -62,9 +62,10 @@ impl TransportPair for TcpPair {
 
 #[test]
 fn tcp_transports_keep_the_transport_contract() {
-    let len = CONTRACT_REGION_BYTES as usize;
-    let (b_pool, a_pool) = (Pool::new(1, len), Pool::new(2, len));
-    let duo = duo(&b_pool, &a_pool);
-    let mut pair = TcpPair { a: duo.d, b: Some(duo.p), a_pool, b_pool };
-    kv_core::contract::transport(&mut pair);
+    kv_core::contract::transport(&mut || {
+        let len = CONTRACT_REGION_BYTES as usize;
+        let (b_pool, a_pool) = (Pool::new(1, len), Pool::new(2, len));
+        let duo = duo(&b_pool, &a_pool);
+        Box::new(TcpPair { a: duo.d, b: Some(duo.p), a_pool, b_pool })
+    });
 }

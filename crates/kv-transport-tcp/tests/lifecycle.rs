@@ -1,6 +1,6 @@
 //! Peers come and go: a dropped transport is seen lost within a second and its transfers
-//! fail, memory is never touched once deregistered, and transports are made, used and
-//! dropped on plain threads.
+//! fail, a disconnected peer is lost at once and its data connections end, memory is never
+//! touched once deregistered, and transports are made, used and dropped on plain threads.
 
 mod common;
 
@@ -54,6 +54,38 @@ fn dropping_a_transport_makes_its_peer_report_lost_at_once_and_fail_its_transfer
         other => panic!("the read to a dropped peer ended {other:?}"),
     }
     assert_eq!(d.post(read(d_pool.addr(0), 0, 8)), Err(TransportError::UnknownPeer(agent("prefill"))));
+}
+
+#[test]
+fn a_disconnected_peer_is_lost_at_once_and_its_data_connections_end_both_ways() {
+    let len = 256 << 20;
+    let p_pool = Pool::new(1, len);
+    let d_pool = Pool::new(2, len);
+    let Duo { mut p, mut d, .. } = duo(&p_pool, &d_pool);
+    // A read each way first: then both data connections are authenticated and serving.
+    let mut events = Vec::new();
+    let id = d.post(read(d_pool.addr(0), p_pool.addr(0), 8)).unwrap();
+    assert_eq!(settle(&mut d, id, &mut p, &mut events), TransferStatus::Done);
+    let id = p.post(TransferRequest { peer: agent("decode"), ..read(p_pool.addr(0), d_pool.addr(0), 8) }).unwrap();
+    assert_eq!(settle(&mut p, id, &mut d, &mut events), TransferStatus::Done);
+    let status = |t: &TcpTransport| t.data_status();
+    assert_eq!((status(&d).incoming, status(&d).outgoing), (1, 1), "a data connection each way");
+    let id = d.post(read(d_pool.addr(0), p_pool.addr(0), len)).unwrap();
+    d.disconnect(&agent("prefill"));
+    assert_eq!(d.poll_event(), Some(PeerEvent::Lost(agent("prefill"))), "no grace: it is gone now");
+    let ended = d.poll_transfer(id);
+    assert_eq!(ended, TransferStatus::Failed(TransportError::PeerLost(agent("prefill"))), "the read in flight");
+    until(Duration::from_secs(1), "D's data connections to end", || {
+        (status(&d).incoming, status(&d).outgoing) == (0, 0)
+    });
+    until(Duration::from_secs(2), "P to see D lost", || {
+        drain(&mut p, &mut events);
+        events.contains(&PeerEvent::Lost(agent("decode")))
+    });
+    // P's side gets the grace of a closed side channel: a read it was serving may take that long.
+    until(Duration::from_secs(2), "P's data connections to end", || {
+        (status(&p).incoming, status(&p).outgoing) == (0, 0)
+    });
 }
 
 #[test]

@@ -91,6 +91,9 @@ impl Transport for TimedTransport {
     fn poll_event(&mut self) -> Option<PeerEvent> {
         self.inner.poll_event()
     }
+    fn disconnect(&mut self, peer: &AgentName) {
+        self.inner.disconnect(peer)
+    }
     fn set_waker(&mut self, waker: Waker) {
         self.inner.set_waker(waker)
     }

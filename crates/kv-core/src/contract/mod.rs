@@ -12,9 +12,11 @@
 //! ```
 //!
 //! A transport adapter implements [`TransportPair`] for two of its agents, connected to each
-//! other, and calls [`transport`]: notifications only after the bytes are in place, outcomes
-//! reported once, unregistered ranges refused, prepared transfers equal to address pairs, and
-//! a killed peer reported lost.
+//! other, and calls [`transport`] with a function that makes such a pair (a check that ends
+//! its pair gets a fresh one): notifications only after the bytes are in place, outcomes
+//! reported once, unregistered ranges refused, prepared transfers equal to address pairs, a
+//! killed peer reported lost, and a peer disconnected by the other side reported lost after
+//! what it said before, on both sides.
 
 use std::collections::HashMap;
 

@@ -1,10 +1,10 @@
 //! What every [`Transport`] must do, checked on two connected agents of one adapter.
 
-use crate::id::AgentName;
+use crate::id::{AgentName, EngineId};
 use crate::plan::DescriptorPair;
 use crate::ports::{
-    PeerEvent, PreparedTransfer, Region, TransferId, TransferOp, TransferRequest, TransferStatus, Transport,
-    TransportError,
+    Notification, PeerEvent, PreparedTransfer, Region, TransferId, TransferOp, TransferRequest, TransferStatus,
+    Transport, TransportError,
 };
 
 /// Bytes of the region each side of a [`TransportPair`] registers, at least.
@@ -13,6 +13,10 @@ pub const CONTRACT_REGION_BYTES: u64 = 64 * 1024;
 /// How many times a check calls [`TransportPair::wait`] for an outcome before it fails: about
 /// five seconds where a wait lets a millisecond pass.
 pub const CONTRACT_WAITS: usize = 5000;
+
+/// How many times a check calls [`TransportPair::wait`] to let what is in flight land, or to
+/// see that something does not happen: about 200 ms where a wait lets a millisecond pass.
+pub const CONTRACT_QUIET_WAITS: usize = 200;
 
 /// One of the two agents of a [`TransportPair`].
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -24,7 +28,9 @@ pub enum Side {
 }
 
 /// Two agents of one adapter, connected to each other, for [`transport`]: an adapter's test
-/// builds them its own way (sockets, a fake network) and the checks only call the port.
+/// builds them its own way (sockets, a fake network) and the checks only call the port. The
+/// last check on a pair ends it (B killed, or disconnected), so [`transport`] asks for a
+/// fresh pair for each check that does.
 pub trait TransportPair {
     /// The transport of `side`. Both have completed their handshake with each other; events
     /// from before the checks (their `Connected`) may still be queued and are skipped.
@@ -44,14 +50,19 @@ pub trait TransportPair {
     fn kill_b(&mut self);
 }
 
-/// Runs every [`Transport`] rule on `pair`, the lost peer last.
-pub fn transport(pair: &mut dyn TransportPair) {
-    transport_write_notification_after_bytes(pair);
-    transport_read_notification_after_bytes(pair);
-    transport_outcome_reported_once(pair);
-    transport_unregistered_ranges_refused(pair);
-    transport_prepared_equals_address_pairs(pair);
-    transport_lost_peer_reported(pair);
+/// Runs every [`Transport`] rule on pairs that `new_pair` makes, one pair at a time (each is
+/// dropped before the next is made): the rules that keep a pair connected, then a killed peer,
+/// on the first; a peer disconnected by A on the second.
+pub fn transport(new_pair: &mut dyn FnMut() -> Box<dyn TransportPair>) {
+    let mut pair = new_pair();
+    transport_write_notification_after_bytes(&mut *pair);
+    transport_read_notification_after_bytes(&mut *pair);
+    transport_outcome_reported_once(&mut *pair);
+    transport_unregistered_ranges_refused(&mut *pair);
+    transport_prepared_equals_address_pairs(&mut *pair);
+    transport_lost_peer_reported(&mut *pair);
+    drop(pair);
+    transport_disconnected_peer_reported(&mut *new_pair());
 }
 
 fn agent(pair: &mut dyn TransportPair, side: Side) -> AgentName {
@@ -275,31 +286,98 @@ pub fn transport_prepared_equals_address_pairs(pair: &mut dyn TransportPair) {
 pub fn transport_lost_peer_reported(pair: &mut dyn TransportPair) {
     let peer = agent(pair, Side::B);
     pair.kill_b();
-    let mut lost = 0;
-    for _ in 0..CONTRACT_WAITS {
-        while let Some(event) = pair.transport(Side::A).poll_event() {
-            if event == PeerEvent::Lost(peer.clone()) {
-                lost += 1;
+    lost_once(pair, Side::A, &peer, "a killed peer");
+    refused_to_lost(pair, Side::A, &peer, "a killed peer");
+}
+
+/// A peer that A disconnects (something other than its side channel says it is gone): what
+/// it sent before comes first, then its loss, once; nothing goes to it any more, its prepared
+/// lists included; disconnecting it again, or an agent never connected, does nothing; and B
+/// sees A lost in turn, as when a side channel closes.
+pub fn transport_disconnected_peer_reported(pair: &mut dyn TransportPair) {
+    let what = "a disconnected peer";
+    let (a_name, b_name) = (agent(pair, Side::A), agent(pair, Side::B));
+    let (a, b) = (pair.region(Side::A), pair.region(Side::B));
+    let local = pair.transport(Side::A).prepare(None, &[(a.addr, 4096)]).expect("preparing a local block");
+    let remote = pair.transport(Side::A).prepare(Some(&b_name), &[(b.addr, 4096)]).expect("preparing B's");
+    pair.transport(Side::B).send_notification(&a_name, b"said before").expect("a notification to a connected peer");
+    // It reaches A, which does not poll: the transport itself must order it before the loss.
+    for _ in 0..CONTRACT_QUIET_WAITS {
+        pair.wait();
+    }
+    pair.transport(Side::A).disconnect(&b_name);
+    let told: Vec<PeerEvent> = lost_once(pair, Side::A, &b_name, what)
+        .into_iter()
+        .filter(|event| matches!(event, PeerEvent::Notification(_) | PeerEvent::Lost(_)))
+        .collect();
+    let said = PeerEvent::Notification(Notification { from: b_name.clone(), payload: b"said before".to_vec() });
+    assert_eq!(told, [said, PeerEvent::Lost(b_name.clone())], "{what}: what it said before comes before its loss");
+    refused_to_lost(pair, Side::A, &b_name, what);
+    let prepared = PreparedTransfer {
+        op: TransferOp::Read,
+        peer: b_name.clone(),
+        local,
+        local_indices: vec![0],
+        remote,
+        remote_indices: vec![0],
+        notification: None,
+    };
+    let after = pair.transport(Side::A).post_prepared(prepared);
+    assert!(refused_as_lost(&after), "{what}: a prepared transfer to a disconnected peer is refused: {after:?}");
+    // Neither is connected now: nothing happens, and no second loss is reported.
+    pair.transport(Side::A).disconnect(&b_name);
+    pair.transport(Side::A).disconnect(&AgentName::new(EngineId::new("never-connected"), 0));
+    quiet(pair, Side::A, &b_name, what);
+    lost_once(pair, Side::B, &a_name, "the peer that A disconnected");
+    refused_to_lost(pair, Side::B, &a_name, "the peer that A disconnected");
+}
+
+/// Polls `side` until it reports `peer` lost, then a while longer to see no second loss;
+/// returns the events up to the loss, in order.
+fn lost_once(pair: &mut dyn TransportPair, side: Side, peer: &AgentName, what: &str) -> Vec<PeerEvent> {
+    let lost = PeerEvent::Lost(peer.clone());
+    let mut events = Vec::new();
+    'waiting: for _ in 0..CONTRACT_WAITS {
+        while let Some(event) = pair.transport(side).poll_event() {
+            events.push(event);
+            if events.last() == Some(&lost) {
+                break 'waiting;
             }
         }
-        if lost > 0 {
-            break;
-        }
         pair.wait();
     }
-    for _ in 0..10 {
+    assert_eq!(events.last(), Some(&lost), "{what}: {side:?} reports {peer} lost");
+    quiet(pair, side, peer, what);
+    events
+}
+
+/// Waits a while, polling `side`, which must not report `peer` lost (again).
+fn quiet(pair: &mut dyn TransportPair, side: Side, peer: &AgentName, what: &str) {
+    for _ in 0..CONTRACT_QUIET_WAITS {
         pair.wait();
-        while let Some(event) = pair.transport(Side::A).poll_event() {
-            assert_ne!(event, PeerEvent::Lost(peer.clone()), "a peer is lost once");
+        while let Some(event) = pair.transport(side).poll_event() {
+            assert_ne!(event, PeerEvent::Lost(peer.clone()), "{what}: {side:?} reports a peer lost once");
         }
     }
-    assert_eq!(lost, 1, "A reports its killed peer {peer} lost");
+}
+
+/// Neither a transfer nor a notification from `side` to its lost `peer` is taken.
+fn refused_to_lost(pair: &mut dyn TransportPair, side: Side, peer: &AgentName, what: &str) {
     let (a, b) = (pair.region(Side::A), pair.region(Side::B));
-    let request =
-        TransferRequest { op: TransferOp::Read, peer, pairs: pairs(&a, &b, &[(0, 0, 4096)]), notification: None };
-    let after = pair.transport(Side::A).post(request);
-    assert!(
-        matches!(after, Err(TransportError::UnknownPeer(_) | TransportError::PeerLost(_))),
-        "a transfer to a lost peer is refused: {after:?}"
-    );
+    let (local, remote) = if side == Side::A { (a, b) } else { (b, a) };
+    let request = TransferRequest {
+        op: TransferOp::Read,
+        peer: peer.clone(),
+        pairs: pairs(&local, &remote, &[(0, 0, 4096)]),
+        notification: None,
+    };
+    let after = pair.transport(side).post(request);
+    assert!(refused_as_lost(&after), "{what}: {side:?}'s transfer to a lost peer is refused: {after:?}");
+    let after = pair.transport(side).send_notification(peer, b"too late");
+    assert!(refused_as_lost(&after), "{what}: {side:?}'s notification to a lost peer is refused: {after:?}");
+}
+
+/// Whether `result` is the refusal of a call naming a peer that is not connected.
+fn refused_as_lost<T>(result: &Result<T, TransportError>) -> bool {
+    matches!(result, Err(TransportError::UnknownPeer(_) | TransportError::PeerLost(_)))
 }

@@ -560,6 +560,34 @@ impl DecodeWorker {
         }
     }
 
+    /// Discovery says incarnation `instance` of P engine `engine`, and every older one, is
+    /// gone (its registration lapsed). Its agents still connected are dropped, and their loss,
+    /// reported by the transport, fails the loads that need them; loads from it whose P ranks
+    /// are not connected fail now.
+    pub fn handle_engine_lost(&mut self, now: Time, engine: &EngineId, instance: u64) {
+        tracing::info!(lost = %engine, instance, "engine lost by discovery");
+        let connected: Vec<AgentName> = self
+            .peers
+            .iter()
+            .filter(|(agent, peer)| agent.engine == *engine && peer.handshake.instance <= instance)
+            .map(|(agent, _)| agent.clone())
+            .collect();
+        for agent in &connected {
+            self.out.disconnect(agent.clone());
+        }
+        let unconnected: BTreeSet<AgentName> = self
+            .loads
+            .values()
+            .filter(|l| l.remote.engine == *engine && l.remote.instance.is_none_or(|i| i <= instance))
+            .flat_map(|l| l.targets.iter())
+            .filter(|agent| !self.peers.contains_key(*agent))
+            .cloned()
+            .collect();
+        for agent in unconnected {
+            self.peer_gone(now, &agent);
+        }
+    }
+
     /// A P rank is gone or unreachable: loads that need it fail once nothing can touch D's blocks.
     fn peer_gone(&mut self, now: Time, agent: &AgentName) {
         self.peers.remove(agent);

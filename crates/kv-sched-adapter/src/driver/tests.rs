@@ -25,6 +25,7 @@ mockall::mock! {
         fn poll_transfer(&mut self, id: TransferId) -> TransferStatus;
         fn send_notification(&mut self, peer: &AgentName, payload: &[u8]) -> Result<(), TransportError>;
         fn poll_event(&mut self) -> Option<PeerEvent>;
+        fn disconnect(&mut self, peer: &AgentName);
         fn set_waker(&mut self, waker: Waker);
         fn poll_intervals(&self) -> PollIntervals;
     }
@@ -58,6 +59,11 @@ impl WorkerMachine for Script {
         self.told.push(format!("prepared {} {result:?}", token.0));
     }
     fn handle_timeout(&mut self, _: Time) {}
+    fn handle_engine_lost(&mut self, _: Time, engine: &EngineId, instance: u64) {
+        self.told.push(format!("engine {engine}#{instance} lost"));
+        // As P's and D's workers do: drop the lost engine's agents still connected.
+        self.actions.push_back(Action::Disconnect(AgentName::new(engine.clone(), 0)));
+    }
     fn poll_action(&mut self) -> Option<Action<&'static str>> {
         self.actions.pop_front()
     }
@@ -110,6 +116,23 @@ fn a_step_polls_events_then_in_flight_transfers_and_reports_each_ending_once() {
     driver.step(Time::ZERO);
     assert_eq!(driver.in_flight(), 0);
     assert_eq!(driver.machine_ref().told, ["lost prefill0/tp0", "transfer 1 ok=true"]);
+}
+
+#[test]
+fn an_engine_lost_by_discovery_comes_after_what_the_transport_queued_and_its_agents_are_disconnected() {
+    let mut port = port();
+    let mut order = Sequence::new();
+    let note = PeerEvent::Notification(Notification { from: p0(), payload: vec![7] });
+    port.expect_poll_event().times(1).in_sequence(&mut order).return_once(move || Some(note));
+    port.expect_poll_event().times(1).in_sequence(&mut order).returning(|| None);
+    port.expect_disconnect().with(eq(p0())).times(1).in_sequence(&mut order).return_const(());
+    let mut driver = WorkerDriver::new(Script::default(), Box::new(port));
+    let reports = driver.engine_lost(Time::ZERO, &EngineId::new("prefill0"), 3);
+    assert!(reports.is_empty());
+    let told = &driver.machine_ref().told;
+    assert_eq!(told.len(), 2, "{told:?}");
+    assert!(told[0].contains("Notification"), "what was queued comes first: {told:?}");
+    assert_eq!(told[1], "engine prefill0#3 lost");
 }
 
 #[test]

@@ -23,9 +23,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kv_core::{
-    check_compatible, AgentName, BlockId, Granularity, Handshake, Initiator, LeaseState, Message, Notification,
-    PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer, PushRegistration, Renewal, RequestId, Role, Time,
-    TransferOp, TransferPlan, TransferRequest, TransportError,
+    check_compatible, AgentName, BlockId, EngineId, Granularity, Handshake, Initiator, LeaseState, Message,
+    Notification, PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer, PushRegistration, Renewal, RequestId,
+    Role, Time, TransferOp, TransferPlan, TransferRequest, TransportError,
 };
 use kv_lease::LeaseTable;
 
@@ -315,6 +315,23 @@ impl PrefillWorker {
         self.lists.forget(agent);
         let gone = peer.consumer();
         self.gone.mark_below(&gone.engine, gone.instance.saturating_add(1));
+        self.release_gone_owners(now);
+    }
+
+    /// Discovery says incarnation `instance` of `engine`, and every older one, is gone (its
+    /// registration lapsed: its host may be gone without closing its sockets). Its exports
+    /// are released at once, as `peer_lost`, connected or not, and so is any export named for
+    /// it later; its agents still connected are dropped (their loss is reported then, and
+    /// changes nothing more).
+    pub fn handle_engine_lost(&mut self, now: Time, engine: &EngineId, instance: u64) {
+        self.reap_expired(now);
+        tracing::info!(lost = %engine, instance, "engine lost by discovery");
+        self.gone.mark_below(engine, instance.saturating_add(1));
+        for (agent, peer) in &self.peers {
+            if agent.engine == *engine && peer.handshake.instance <= instance {
+                self.out.disconnect(agent.clone());
+            }
+        }
         self.release_gone_owners(now);
     }
 

@@ -1,14 +1,16 @@
 //! What goes wrong in the cluster, on a scenario's or a workload's say: an engine paused and
-//! resumed, crashed and restarted; an intruder without the key, a forged message, garbage;
-//! partitions, delays and failed transfers on the network.
+//! resumed, crashed and restarted, its discovery registration lapsed; an intruder without the
+//! key, a forged message, garbage; partitions, delays and failed transfers on the network.
 //!
 //! It also holds the timing invariant of peer loss, checked after every step.
 
 use std::time::Duration;
 
 use kv_core::{AgentName, EngineId, Message, RequestId, Role, Time, TransferOp};
+use kv_sched_adapter::driver::WorkerDriver;
 
 use super::observe::worker_counters;
+use super::router::Call;
 use super::{err, Cluster, ClusterError};
 use crate::Scope;
 
@@ -151,6 +153,69 @@ impl Cluster {
             return err(format!("{node} is not down"));
         }
         self.record(format!("{node} restarted"));
+        Ok(())
+    }
+
+    /// Discovery's registration of engine `node` lapsed, as an etcd lease does when its host
+    /// dies without closing its sockets: every other engine that is up learns, through
+    /// [`WorkerDriver::engine_lost`] on each of its TP ranks, that `node`'s current incarnation
+    /// (and every older one) is gone, and its scheduler side gets the reports. A paused engine
+    /// learns it when it resumes. Nothing is crashed or cut off: a scenario pairs this with a
+    /// silent crash or a partition.
+    pub fn lapse(&mut self, node: &str) -> Result<(), ClusterError> {
+        let lost = EngineId::new(node);
+        if !self.prefill.contains_key(&lost) && !self.decode.contains_key(&lost) {
+            return err(format!("no engine {node} whose registration could lapse"));
+        }
+        let instance = self.instance(&lost);
+        self.record(format!("{node} registration lapsed: incarnation {instance} is gone"));
+        let up: Vec<EngineId> = self
+            .prefill
+            .iter()
+            .filter_map(|(id, e)| e.as_ref().map(|_| id))
+            .chain(self.decode.iter().filter_map(|(id, e)| e.as_ref().map(|_| id)))
+            .filter(|id| **id != lost)
+            .cloned()
+            .collect();
+        for id in up {
+            let call = Call::EngineLost { engine: lost.clone(), instance };
+            if let Some((_, waiting)) = self.paused.get_mut(&id) {
+                waiting.push(call);
+                self.record(format!("{id} is paused; it hears of the lapse when it resumes"));
+            } else {
+                self.call_now(id.as_str(), call)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Engine `node`, up and running, hears from discovery that incarnation `instance` of
+    /// `lost`, and every older one, is gone.
+    pub(super) fn engine_lost_now(&mut self, node: &str, lost: &EngineId, instance: u64) -> Result<(), ClusterError> {
+        let id = EngineId::new(node);
+        let now = self.now();
+        if let Some(slot) = self.prefill.get_mut(&id) {
+            let Some(mut engine) = slot.take() else { return err(format!("{node} is down")) };
+            let input = |w: &mut WorkerDriver<_>| w.engine_lost(now, lost, instance);
+            self.drive_ranks(&id, now, &mut engine.workers, input, |rank, report| {
+                engine.scheduler.handle_report(rank, report)
+            });
+            self.drain_prefill(&mut engine, now);
+            self.prefill.insert(id, Some(engine));
+        } else if let Some(slot) = self.decode.get_mut(&id) {
+            let Some(mut engine) = slot.take() else { return err(format!("{node} is down")) };
+            let input = |w: &mut WorkerDriver<_>| w.engine_lost(now, lost, instance);
+            self.drive_ranks(&id, now, &mut engine.workers, input, |rank, report| {
+                engine.scheduler.handle_report(rank, report)
+            });
+            self.drain_decode(&mut engine, now);
+            self.decode.insert(id, Some(engine));
+        } else {
+            return err(format!("no engine {node}"));
+        }
+        self.record(format!("{node} heard that {lost} incarnation {instance} is gone"));
+        // The transport reports the agents it dropped as lost at the engine's next step.
+        self.dirty_since.get_or_insert(now);
         Ok(())
     }
 

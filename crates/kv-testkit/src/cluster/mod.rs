@@ -16,8 +16,8 @@
 //!
 //! This file wires the engines and steps them through time; `router.rs` holds the router's
 //! calls (prefill, arrive, schedule, reject, abort), `oracle.rs` the bytes and their checks,
-//! `faults.rs` what goes wrong (pauses, crashes, partitions, forgeries), and `observe.rs` what
-//! a scenario or a test reads back.
+//! `faults.rs` what goes wrong (pauses, crashes, discovery lapses, partitions, forgeries), and
+//! `observe.rs` what a scenario or a test reads back.
 
 mod faults;
 mod observe;
@@ -43,7 +43,7 @@ use crate::{BlockPool, FakeHeap, FakeNetwork, InMemoryMemory, ManualClock, NetCo
 
 pub use faults::ForgedMessage;
 use oracle::{Computed, RankMemory};
-use router::DecodeCall;
+use router::Call;
 
 /// The cluster's shape and the connectors' settings.
 #[derive(Clone, Debug)]
@@ -157,7 +157,7 @@ pub struct Cluster {
     written_after_free: u64,
     loads_verified: u64,
     /// Engines paused until a time, and the router calls they will handle when they resume.
-    paused: BTreeMap<EngineId, (Time, Vec<DecodeCall>)>,
+    paused: BTreeMap<EngineId, (Time, Vec<Call>)>,
     /// When each engine last resumed from a pause: it could not hear of anything before.
     resumed: BTreeMap<EngineId, Time>,
     violations: Vec<String>,
@@ -434,31 +434,39 @@ impl Cluster {
             let (_, rank, command) = engine.handoff.pop_front().expect("due");
             engine.workers[rank as usize].machine().handle_command(now, command);
         }
-        self.step_ranks(id, now, &mut engine.workers, |rank, report| engine.scheduler.handle_report(rank, report));
+        let step = |w: &mut WorkerDriver<_>| w.step(now);
+        self.drive_ranks(id, now, &mut engine.workers, step, |rank, report| {
+            engine.scheduler.handle_report(rank, report)
+        });
         self.drain_prefill(&mut engine, now);
         self.prefill.insert(id.clone(), Some(engine));
     }
 
     fn step_decode(&mut self, id: &EngineId, now: Time) {
         let Some(mut engine) = self.decode.get_mut(id).and_then(Option::take) else { return };
-        self.step_ranks(id, now, &mut engine.workers, |rank, report| engine.scheduler.handle_report(rank, report));
+        let step = |w: &mut WorkerDriver<_>| w.step(now);
+        self.drive_ranks(id, now, &mut engine.workers, step, |rank, report| {
+            engine.scheduler.handle_report(rank, report)
+        });
         self.drain_decode(&mut engine, now);
         self.decode.insert(id.clone(), Some(engine));
     }
 
-    /// Steps every TP rank's worker of engine `id` and hands its reports to the engine's
-    /// scheduler through `to_scheduler`; a report the scheduler refuses is a violation.
-    fn step_ranks<M: WorkerMachine, E: fmt::Display>(
+    /// Gives every TP rank's worker of engine `id` an input through `input` (a step, or news
+    /// from discovery) and hands the reports it returns to the engine's scheduler through
+    /// `to_scheduler`; a report the scheduler refuses is a violation.
+    fn drive_ranks<M: WorkerMachine, E: fmt::Display>(
         &mut self,
         id: &EngineId,
         now: Time,
         workers: &mut [WorkerDriver<M>],
+        mut input: impl FnMut(&mut WorkerDriver<M>) -> Vec<M::Report>,
         mut to_scheduler: impl FnMut(u32, M::Report) -> Result<(), E>,
     ) where
         M::Report: fmt::Debug,
     {
         for (rank, worker) in workers.iter_mut().enumerate() {
-            for report in worker.step(now) {
+            for report in input(worker) {
                 self.fold_rank_event(&format!("{now} {id}/tp{rank} {report:?}"));
                 if let Err(e) = to_scheduler(rank as u32, report) {
                     self.violation(format!("{id}: {e}"));

@@ -9,13 +9,17 @@ use kv_sched_adapter::{Consumer, Mode, RemoteRef};
 use super::oracle::{self, Computed};
 use super::{err, fnv, Cluster, ClusterError, DecodeEngine, DecodeLoad, PrefillEngine};
 
-/// A router call on a D engine; one that reaches a paused engine waits for its resume.
+/// A call on an engine from outside it: the router's on a D engine (`Arrive`, `Schedule`,
+/// `Reject`, `Abort`), or discovery's word on any engine that incarnation `instance` of
+/// `engine`, and every older one, is gone (`EngineLost`). One that reaches a paused engine
+/// waits for its resume.
 #[derive(Clone, Debug)]
-pub(super) enum DecodeCall {
+pub(super) enum Call {
     Arrive { request: RequestId, remote: RemoteRef },
     Schedule { request: RequestId, prefix_hit: bool },
     Reject { request: RequestId, remote: RemoteRef },
     Abort { request: RequestId },
+    EngineLost { engine: EngineId, instance: u64 },
 }
 
 impl Cluster {
@@ -151,7 +155,7 @@ impl Cluster {
     }
 
     /// Makes a router call on D engine `node`: now, or when it resumes if it is paused.
-    fn call(&mut self, node: &str, call: DecodeCall) -> Result<(), ClusterError> {
+    fn call(&mut self, node: &str, call: Call) -> Result<(), ClusterError> {
         self.decode_engine(node)?;
         if let Some((_, waiting)) = self.paused.get_mut(&EngineId::new(node)) {
             waiting.push(call);
@@ -161,13 +165,14 @@ impl Cluster {
         self.call_now(node, call)
     }
 
-    /// Carries out a router call on D engine `node`, which is running.
-    pub(super) fn call_now(&mut self, node: &str, call: DecodeCall) -> Result<(), ClusterError> {
+    /// Carries out a call on engine `node`, which is running (a router call: on a D engine).
+    pub(super) fn call_now(&mut self, node: &str, call: Call) -> Result<(), ClusterError> {
         match call {
-            DecodeCall::Arrive { request, remote } => self.arrive_now(node, &request, remote),
-            DecodeCall::Schedule { request, prefix_hit } => self.schedule_now(node, &request, prefix_hit),
-            DecodeCall::Reject { request, remote } => self.reject_now(node, &request, remote),
-            DecodeCall::Abort { request } => self.abort_now(node, &request),
+            Call::Arrive { request, remote } => self.arrive_now(node, &request, remote),
+            Call::Schedule { request, prefix_hit } => self.schedule_now(node, &request, prefix_hit),
+            Call::Reject { request, remote } => self.reject_now(node, &request, remote),
+            Call::Abort { request } => self.abort_now(node, &request),
+            Call::EngineLost { engine, instance } => self.engine_lost_now(node, &engine, instance),
         }
     }
 
@@ -181,7 +186,7 @@ impl Cluster {
         prompt_tokens: Option<u64>,
     ) -> Result<(), ClusterError> {
         let remote = self.remote_for(from, remote_request, prompt_tokens)?;
-        self.call(node, DecodeCall::Arrive { request: request.clone(), remote })
+        self.call(node, Call::Arrive { request: request.clone(), remote })
     }
 
     fn arrive_now(&mut self, node: &str, request: &RequestId, remote: RemoteRef) -> Result<(), ClusterError> {
@@ -194,7 +199,7 @@ impl Cluster {
 
     /// D allocates blocks for a waiting request and starts its load.
     pub fn schedule(&mut self, node: &str, request: &RequestId, prefix_hit: bool) -> Result<(), ClusterError> {
-        self.call(node, DecodeCall::Schedule { request: request.clone(), prefix_hit })
+        self.call(node, Call::Schedule { request: request.clone(), prefix_hit })
     }
 
     fn schedule_now(&mut self, node: &str, request: &RequestId, prefix_hit: bool) -> Result<(), ClusterError> {
@@ -229,7 +234,7 @@ impl Cluster {
         remote_request: &RequestId,
     ) -> Result<(), ClusterError> {
         let remote = self.remote_for(from, remote_request, None)?;
-        self.call(node, DecodeCall::Reject { request: request.clone(), remote })
+        self.call(node, Call::Reject { request: request.clone(), remote })
     }
 
     fn reject_now(&mut self, node: &str, request: &RequestId, remote: RemoteRef) -> Result<(), ClusterError> {
@@ -247,7 +252,7 @@ impl Cluster {
             self.record(format!("{node} abort {request} (no effect on an export)"));
             return Ok(());
         }
-        self.call(node, DecodeCall::Abort { request: request.clone() })
+        self.call(node, Call::Abort { request: request.clone() })
     }
 
     fn abort_now(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {

@@ -53,6 +53,11 @@
 //!   behind everything the agent sent before. Creating a transport under the same name again
 //!   restarts the agent as a new registration: old connections are not revived, and messages
 //!   addressed to the old one are dropped.
+//! - [`kv_core::Transport::disconnect`]: an agent drops a peer as if its discovery
+//!   registration lapsed. The agent reports it `Lost` at once, behind what arrived from it
+//!   before; the close travels to the peer behind everything the agent sent it, and the peer
+//!   sees the agent `Lost` when it arrives. Transfers between the two that complete from then
+//!   on fail: the data path between them is cut, both ways.
 //! - [`FakeNetwork::pause`]: the agents stop, as under SIGSTOP: their transfers complete when
 //!   they resume, side-channel bytes to them wait, and their side channels stay open.
 //! - [`FakeNetwork::intrude`]: a peer without the cluster key opens an agent's side channel
@@ -660,6 +665,7 @@ impl Net {
         }
         let Some(agent) = self.agent_mut(poster) else { return };
         let Some(Transfer::InFlight { request, peer, doom }) = agent.transfers.remove(&id) else { return };
+        let doom = doom.or_else(|| self.severed(poster, &peer));
         let status = match doom.map_or_else(|| self.copy(poster, &peer, &request), Err) {
             Ok(()) => {
                 self.stats.transfers_done += 1;
@@ -731,16 +737,7 @@ impl Net {
             return;
         }
         for conn in conns.into_values() {
-            // The close travels behind everything the victim sent before it, as on one TCP stream.
-            let behind = self
-                .queue
-                .iter()
-                .filter(|(_, event)| matches!(event, Event::Arrive(m) if m.from == *victim && m.to == conn.peer))
-                .map(|((at, _), _)| *at)
-                .max();
-            let at = behind.map_or(now + self.config.latency, |t| t.max(now + self.config.latency));
-            let body = Body::Close { conn: conn.peer_conn };
-            self.schedule(at, Event::Arrive(Message { from: victim.clone(), to: conn.peer, sent_at: now, body }));
+            self.close_behind(victim, conn, now);
         }
     }
 }

@@ -99,6 +99,49 @@ impl Net {
         self.pump_side(to, at);
     }
 
+    /// `who` drops its established peer `peer`: its side endpoint reports the peer lost, behind
+    /// the events already queued, and the close travels behind everything `who` sent the peer.
+    /// A peer not established: nothing happens.
+    pub(super) fn disconnect(&mut self, who: &Endpoint, peer: &AgentName) {
+        let now = self.clock.now();
+        let Some(agent) = self.agent_mut(who) else { return };
+        let Some(established) = agent.side.peer(peer) else { return };
+        // Taken out first, so that the close goes behind what was sent, not with the endpoint's.
+        let conn = agent.conns.remove(&established.conn);
+        agent.side.handle_closed(now, established.conn);
+        self.pump_side(who, now);
+        if let Some(conn) = conn.filter(|c| !c.peer_closed) {
+            self.close_behind(who, conn, now);
+        }
+    }
+
+    /// Sends the close of `conn` from `from`, behind everything `from` sent its peer before,
+    /// as on one TCP stream.
+    pub(super) fn close_behind(&mut self, from: &Endpoint, conn: Conn, now: Time) {
+        let behind = self
+            .queue
+            .iter()
+            .filter(|(_, event)| matches!(event, Event::Arrive(m) if m.from == *from && m.to == conn.peer))
+            .map(|((at, _), _)| *at)
+            .max();
+        let at = behind.map_or(now + self.config.latency, |t| t.max(now + self.config.latency));
+        let body = Body::Close { conn: conn.peer_conn };
+        self.schedule(at, Event::Arrive(Message { from: from.clone(), to: conn.peer, sent_at: now, body }));
+    }
+
+    /// Why a transfer between `poster` and `peer`, both up, cannot complete: one of them saw
+    /// the other lost while it was up (it disconnected the other, or heard it did).
+    pub(super) fn severed(&self, poster: &Endpoint, peer: &Endpoint) -> Option<String> {
+        let dropped = |by: &Endpoint, whom: &Endpoint| {
+            self.agent(by)
+                .and_then(|agent| agent.peers.get(&whom.name))
+                .is_some_and(|link| link.lost && link.generation == whom.generation)
+        };
+        let (poster_up, peer_up) = (self.agent(poster).is_some(), self.agent(peer).is_some());
+        (poster_up && peer_up && (dropped(poster, peer) || dropped(peer, poster)))
+            .then(|| format!("the connection between {} and {} was dropped", poster.name, peer.name))
+    }
+
     pub(super) fn side_timer(&mut self, at: Time, to: &Endpoint) {
         let Some(agent) = self.agent_mut(to) else { return };
         agent.side_timer = None;

@@ -165,6 +165,10 @@ impl Transport for FakeTransport {
     fn poll_event(&mut self) -> Option<PeerEvent> {
         self.settled(|net, me| net.agent_mut(me)?.events.pop_front())
     }
+
+    fn disconnect(&mut self, peer: &AgentName) {
+        self.settled(|net, me| net.disconnect(me, peer));
+    }
 }
 
 impl Net {

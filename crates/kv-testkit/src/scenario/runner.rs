@@ -1,8 +1,9 @@
 //! Runs a [`Scenario`] on a [`Cluster`]: moves time to each step, carries out its event,
 //! checks its expectations, then drains and checks that nothing is left held.
 //!
-//! The runner knows nothing of any scenario's name; it implements `scenarios/FORMAT.md` and
-//! drives kvflow's real connectors through the cluster.
+//! The runner knows nothing of any scenario's name; it implements `scenarios/FORMAT.md`, with
+//! the project's additions in `crates/kv-testkit/scenarios/FORMAT-EXTENSIONS.md`, and drives
+//! kvflow's real connectors through the cluster.
 
 use std::fmt::Write as _;
 
@@ -131,6 +132,7 @@ pub fn apply(cluster: &mut Cluster, event: &Event) -> Result<(), String> {
             cluster.forge(&name(from), &name(to), *message, request, *consumers)
         }
         Event::Intrude { to, claimed } => cluster.intrude(&name(to), &name(claimed)),
+        Event::Lapse { node } => cluster.lapse(&name(node)),
         Event::Arrive { request, node, from, remote_request, prompt_tokens } => {
             cluster.arrive(&name(node), request, &name(from), remote_request, *prompt_tokens)
         }
@@ -320,5 +322,54 @@ mod tests {
             failure.as_deref(),
             Some("cannot build the cluster: clock_skew_ms is not supported by this runner yet")
         );
+    }
+
+    #[test]
+    fn a_lapse_reaches_every_other_engine_and_a_paused_one_when_it_resumes() {
+        // decode1 owns r1 and dies silently; prefill0 is paused when decode1's registration
+        // lapses, so it hears of it only at its resume, and releases r1 then.
+        let s = scenario(
+            r#"
+            step = [
+                { at_s = 0, do = "prefill", request = "r1", prompt_tokens = 64 },
+                { at_s = 0.1, do = "arrive", request = "r1", node = "decode1" },
+                { at_s = 1, do = "crash", node = "decode1" },
+                { at_s = 1, do = "pause", node = "prefill0", for_s = 2 },
+                { at_s = 1.5, do = "lapse", node = "decode1", expect = { p_pending = 1, p_held_blocks = 4 } },
+                { at_s = 2.99, expect = { p_pending = 1, p_held_blocks = 4 } },
+                { at_s = 3, expect = { p_pending = 0, p_held_blocks = 0, p_released = { r1 = "peer_lost" } } },
+            ]
+            "#,
+        );
+        let mut cluster = Cluster::new(cluster_config(&s, 0)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(run_steps(&s, &mut cluster), Ok(()));
+        let lines = [
+            "1.500000000s decode1 registration lapsed: incarnation 1 is gone",
+            "1.500000000s prefill0 is paused; it hears of the lapse when it resumes",
+            "1.500000000s decode0 heard that decode1 incarnation 1 is gone",
+            "3.000000000s prefill0 resumed",
+            "3.000000000s prefill0 released r1 peer_lost",
+            "3.000000000s prefill0 heard that decode1 incarnation 1 is gone",
+        ];
+        let trace: Vec<&str> = cluster.trace().iter().map(String::as_str).filter(|l| lines.contains(l)).collect();
+        assert_eq!(trace, lines);
+    }
+
+    #[test]
+    fn a_lapse_of_an_engine_the_cluster_lacks_names_it() {
+        let s = scenario("");
+        let mut cluster = Cluster::new(cluster_config(&s, 0)).unwrap_or_else(|e| panic!("{e}"));
+        let lapse = |node| Event::Lapse { node };
+        assert_eq!(
+            apply(&mut cluster, &lapse(Node::decode(7))),
+            Err("no engine decode7 whose registration could lapse".to_owned())
+        );
+        assert_eq!(
+            apply(&mut cluster, &lapse(Node::prefill(3))),
+            Err("no engine prefill3 whose registration could lapse".to_owned())
+        );
+        // An engine that is down may still lapse: its registration outlives it until its lease.
+        assert_eq!(apply(&mut cluster, &Event::Crash { node: Node::decode(1), detect: false }), Ok(()));
+        assert_eq!(apply(&mut cluster, &lapse(Node::decode(1))), Ok(()));
     }
 }

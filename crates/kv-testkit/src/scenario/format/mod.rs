@@ -1,4 +1,5 @@
-//! The typed, validated in-memory form of a scenario file, as `scenarios/FORMAT.md` specifies it.
+//! The typed, validated in-memory form of a scenario file, as `scenarios/FORMAT.md` specifies it,
+//! with the project's own additions (`crates/kv-testkit/scenarios/FORMAT-EXTENSIONS.md`).
 //!
 //! [`Scenario::from_toml_str`] and [`Scenario::load`] read the file with serde, unknown keys
 //! refused and defaults applied: a step's [`Event`] and [`Expect`] deserialize from its keys,
@@ -533,6 +534,13 @@ pub enum Event {
         #[serde(rename = "as")]
         claimed: Node,
     },
+    /// `lapse` (the project's own event, `FORMAT-EXTENSIONS.md`): the engine's discovery
+    /// registration lapses, and every other running engine learns that its current
+    /// incarnation is gone. It crashes and cuts off nothing by itself.
+    Lapse {
+        /// `node` (required): any engine.
+        node: Node,
+    },
 }
 
 impl Event {
@@ -554,6 +562,7 @@ impl Event {
             Event::Pause { .. } => "pause",
             Event::Forge { .. } => "forge",
             Event::Intrude { .. } => "intrude",
+            Event::Lapse { .. } => "lapse",
         }
     }
 }

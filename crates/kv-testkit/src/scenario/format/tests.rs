@@ -317,6 +317,21 @@ fn the_new_event_keys_parse() {
 }
 
 #[test]
+fn the_project_s_own_events_parse() {
+    // `lapse`, beyond the shared format (`scenarios/FORMAT-EXTENSIONS.md`): any engine.
+    let events = events(
+        r#"
+        step = [
+            { at_s = 0, do = "lapse", node = "decode1" },
+            { at_s = 0, do = "lapse", node = "prefill0" },
+        ]
+        "#,
+    );
+    assert_eq!(events, vec![Some(Event::Lapse { node: Node::decode(1) }), Some(Event::Lapse { node: Node::PREFILL0 })]);
+    assert_eq!(events.iter().flatten().map(Event::name).collect::<Vec<_>>(), ["lapse", "lapse"]);
+}
+
+#[test]
 fn every_expectation_parses() {
     let s = parse(&steps(
         r#"

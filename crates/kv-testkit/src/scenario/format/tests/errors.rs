@@ -257,6 +257,16 @@ fn bad_new_keys_say_where_and_what() {
             "do = \"forge\"\nfrom = \"decode1\"\nto = \"prefill0\"\nmessage = \"completion\"\nrequest = \"r1\"\nconsumers = -1",
             "step 1: consumers: invalid value: integer `-1`, expected u32",
         ),
+        ("do = \"lapse\"", "step 1: do = \"lapse\": missing field `node`"),
+        ("do = \"lapse\"\nnode = \"decode7\"", "step 1: node \"decode7\" does not exist (decoders = 2)"),
+        (
+            "do = \"lapse\"\nnode = \"etcd\"",
+            "step 1: node \"etcd\" is not an engine name (this cluster has prefill0..prefill1 and decode0..decode1)",
+        ),
+        (
+            "do = \"lapse\"\nnode = \"decode0\"\nuntil_s = 3",
+            "step 1: do = \"lapse\": unexpected keys in table: until_s, available keys: node",
+        ),
         ("do = \"intrude\"\nto = \"prefill0\"", "step 1: do = \"intrude\": missing field `as`"),
         (
             "do = \"intrude\"\nto = \"prefill0\"\nas = \"prefill0\"",
