@@ -46,8 +46,11 @@ pub fn run() -> Result<()> {
     // and back, MLA from TP 2 into TP 1, P's 16-token blocks into D's 32-token ones, and every
     // engine in a network namespace of its own with UCX over TCP (root only, as CI is). Any
     // corrupt read, block written after free, or block held after the drain fails them; D
-    // checks every row by layer, plane, head and token.
-    let short = ["--requests", "40", "--layers", "4", "--max-tokens", "256", "--lease-ms", "2000"];
+    // checks every row by layer, plane, head and token. The namespaces' run finds engines
+    // through a real etcd, and one D dies silently there (its veth deleted, then SIGKILLed):
+    // P must release its exports within the etcd lease TTL plus 1 s, by the lapse alone (the
+    // KV lease is longer).
+    let short = ["--requests", "40", "--layers", "4", "--max-tokens", "256"];
     let topologies: [&[&str]; 9] = [
         &["--transport", "nixl", "--mode", "pull"],
         &["--transport", "nixl", "--mode", "push"],
@@ -57,10 +60,23 @@ pub fn run() -> Result<()> {
         &["--p-tp", "4", "--d-tp", "2", "--mode", "push"],
         &["--mla", "--p-tp", "2", "--d-tp", "1"],
         &["--p-block-tokens", "16", "--d-block-tokens", "32"],
-        &["--hosts", "netns", "--p-tp", "2", "--d-tp", "1,2"],
+        &[
+            "--hosts",
+            "netns",
+            "--p-tp",
+            "2",
+            "--d-tp",
+            "1,2",
+            "--discovery",
+            "etcd",
+            "--kill-silently",
+            "--lease-ms",
+            "5000",
+        ],
     ];
     for topology in topologies {
-        let flags = [topology, &short[..]].concat();
+        let lease: &[&str] = if topology.contains(&"--lease-ms") { &[] } else { &["--lease-ms", "2000"] };
+        let flags = [topology, &short[..], lease].concat();
         eprintln!("xtask: cargo xtask demo {}", flags.join(" "));
         // Through the demo's own parser, so that these are the flags a user would type.
         let args = DemoArgs::try_parse_from(std::iter::once("demo").chain(flags.iter().copied()))?;
@@ -73,7 +89,8 @@ pub fn run() -> Result<()> {
 }
 
 /// The library crates `cargo package` verifies.
-const PACKAGES: [&str; 8] = [
+const PACKAGES: [&str; 9] = [
+    "kv-discovery-etcd",
     "kv-core",
     "kv-lease",
     "kv-sched-adapter",

@@ -10,6 +10,8 @@
 //!   `NixlTransport` with host-memory KV pools from kv-cuda.
 //! - `attacker` (feature `nixl`): the `kvflow-attack` process of `cargo xtask attack`, which
 //!   attacks a running P engine and reports what held.
+//! - `watch` (feature `nixl`): the `kvflow-watch` process, which reports the engines of a
+//!   run's etcd registry to the router as they come and go.
 //! - `e2e` (feature `nixl`): what `tests/pools.rs` and `benches/vram.rs` share, where the two
 //!   adapters meet: kv-cuda's pools (VRAM included) moved by `NixlTransport` between processes.
 
@@ -25,3 +27,5 @@ pub mod attacker;
 pub mod e2e;
 #[cfg(feature = "nixl")]
 pub mod node;
+#[cfg(feature = "nixl")]
+pub mod watch;

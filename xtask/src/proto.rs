@@ -118,6 +118,54 @@ pub struct NodeConfig {
     /// its network namespace's, or loopback (`None`).
     #[serde(default)]
     pub host: Option<std::net::Ipv4Addr>,
+    /// The etcd registry it publishes itself in and watches, if the run has one (`None`: the
+    /// static default, in which the router hands out addresses and engines are lost only by
+    /// their side channels).
+    #[serde(default)]
+    pub discovery: Option<EtcdSettings>,
+}
+
+/// Where the run's etcd is and how long an engine's registration outlives its last renewal.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EtcdSettings {
+    /// Client URLs (`http://10.77.3.1:2379`).
+    pub endpoints: Vec<String>,
+    /// The key prefix of this run's records.
+    pub prefix: String,
+    /// The registration lease's TTL, in whole seconds.
+    pub ttl_s: u64,
+}
+
+/// What `kvflow-watch` reports of the registry: one JSON object per line.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Sighting {
+    /// Its watch began.
+    Watching,
+    /// An engine published itself (or again, as a new incarnation).
+    Up {
+        /// The engine.
+        engine: String,
+        /// Its incarnation.
+        instance: u64,
+        /// Each rank's side-channel address.
+        addresses: Vec<String>,
+        /// When the watcher saw it (realtime clock, ns).
+        at_ns: u64,
+    },
+    /// An engine's registration is gone (withdrawn, or its lease lapsed).
+    Down {
+        /// The engine.
+        engine: String,
+        /// The incarnation that is gone.
+        instance: u64,
+        /// When the watcher saw it (realtime clock, ns).
+        at_ns: u64,
+    },
+    /// The watch failed; it goes on if it can.
+    Error {
+        /// What.
+        message: String,
+    },
 }
 
 fn one() -> u32 {

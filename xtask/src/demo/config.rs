@@ -61,9 +61,31 @@ pub struct DemoArgs {
     /// (root only), joined by a bridge, with UCX limited to TCP.
     #[arg(long, value_enum, default_value_t = Hosts::Loopback)]
     hosts: Hosts,
+    /// How engines find each other: the router hands out addresses and a peer is lost when
+    /// its side channel closes (static), or each engine publishes itself in a real etcd server
+    /// that the run starts, under a lease, and one whose lease lapses is lost (etcd).
+    #[arg(long, value_enum, default_value_t = DiscoveryKind::Static)]
+    discovery: DiscoveryKind,
+    /// The etcd lease TTL of an engine's registration, in whole seconds.
+    #[arg(long, value_name = "S", default_value_t = DemoConfig::default().etcd_ttl_s)]
+    etcd_ttl_s: u64,
+    /// The killed D dies as a host does: its veth is deleted (no FIN reaches P), then it is
+    /// SIGKILLed, and it stays dead; P must release its exports when its etcd lease lapses.
+    /// Needs --hosts netns and --discovery etcd.
+    #[arg(long)]
+    kill_silently: bool,
     /// Prints the report as one JSON object.
     #[arg(long)]
     pub json: bool,
+}
+
+/// How the engines of a run find each other.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+pub enum DiscoveryKind {
+    /// The router hands P's addresses to D with each request.
+    Static,
+    /// A real etcd server, started and stopped by the run.
+    Etcd,
 }
 
 /// The flags that shape the engines, which the demo and the end-to-end bench share.
@@ -150,6 +172,9 @@ impl DemoArgs {
             pause_prefill: self.pause_prefill,
             transport: self.transport,
             hosts: self.hosts,
+            discovery: self.discovery,
+            etcd_ttl_s: self.etcd_ttl_s,
+            kill_silently: self.kill_silently,
             ..defaults
         };
         let config = self.topology.apply(config);
@@ -207,6 +232,12 @@ pub struct DemoConfig {
     pub transport: TransportKind,
     /// Where the engines run.
     pub hosts: Hosts,
+    /// How the engines find each other.
+    pub discovery: DiscoveryKind,
+    /// The etcd lease TTL of an engine's registration, in seconds.
+    pub etcd_ttl_s: u64,
+    /// The killed D's network is cut before it is killed, and it is not restarted.
+    pub kill_silently: bool,
 }
 
 impl Default for DemoConfig {
@@ -231,6 +262,9 @@ impl Default for DemoConfig {
             pause_prefill: false,
             transport: TransportKind::Nixl,
             hosts: Hosts::Loopback,
+            discovery: DiscoveryKind::Static,
+            etcd_ttl_s: 2,
+            kill_silently: false,
             attack: false,
             reject_rate: 0.08,
             abort_rate: 0.08,
@@ -282,6 +316,31 @@ impl DemoConfig {
         if self.attack && self.transport != TransportKind::Nixl {
             bail!("the attack drives NIXL itself; it runs against --transport nixl, not {}", self.transport.name());
         }
+        if self.discovery == DiscoveryKind::Etcd && !(2..=60).contains(&self.etcd_ttl_s) {
+            bail!("--etcd-ttl-s {} is out of range: etcd's leases last 2 to 60 s here", self.etcd_ttl_s);
+        }
+        if self.kill_silently {
+            if !self.kill || self.hosts != Hosts::Netns || self.discovery != DiscoveryKind::Etcd {
+                bail!(
+                    "--kill-silently cuts a D engine's veth and needs etcd to see it go: it needs --hosts netns \
+                     (not {:?}), --discovery etcd (not {:?}), and no --no-kill",
+                    self.hosts,
+                    self.discovery
+                );
+            }
+            if self.decoders < 2 {
+                bail!("--kill-silently leaves the killed D dead: it needs --decoders 2 or more, not {}", self.decoders);
+            }
+            // P must release the dead D's exports by its lapse, not by their lease.
+            if self.lease_ms < (self.etcd_ttl_s + 2) * 1000 {
+                bail!(
+                    "--kill-silently needs --lease-ms ({}) of at least --etcd-ttl-s ({}) + 2 s, so that only \
+                     the lapse can release the dead D's exports in time",
+                    self.lease_ms,
+                    self.etcd_ttl_s
+                );
+            }
+        }
         if self.lease_ms < 600 {
             bail!("--lease-ms {} is too short: heartbeats go every lease / 6 and reads need a margin", self.lease_ms);
         }
@@ -323,6 +382,7 @@ impl DemoConfig {
                 NodeRole::Decode => self.decode_tp(name),
             },
             host: None,
+            discovery: None,
         }
     }
 
@@ -404,5 +464,10 @@ mod tests {
         check(&["--max-tokens", "8192"], &["--max-tokens 8192", "--blocks 384"]);
         check(&["--lease-ms", "100"], &["--lease-ms 100"]);
         check(&["--bogus"], &["--bogus"]);
+        check(&["--kill-silently"], &["--kill-silently", "--hosts netns", "Loopback", "--discovery etcd"]);
+        let silent = ["--kill-silently", "--hosts", "netns", "--discovery", "etcd"];
+        check(&[&silent[..], &["--etcd-ttl-s", "3"]].concat(), &["--lease-ms (4000)", "--etcd-ttl-s (3)"]);
+        check(&[&silent[..], &["--lease-ms", "5000", "--decoders", "1"]].concat(), &["--decoders 2", "not 1"]);
+        check(&["--discovery", "etcd", "--etcd-ttl-s", "1"], &["--etcd-ttl-s 1"]);
     }
 }

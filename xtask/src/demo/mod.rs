@@ -10,6 +10,14 @@
 //! in flight; `--pause-prefill` stops P once, past D's push watchdog but within D's
 //! quarantine, with its writes in flight: the fence and the quarantine must hold.
 //!
+//! `--discovery etcd` starts a real etcd server for the run; every engine publishes itself
+//! there under a lease it keeps alive, watches the others, and treats one whose registration
+//! goes (its lease lapsed) as lost; the router watches too (`kvflow-watch`), waits for every
+//! engine to be published with the addresses it listens at, and stops routing to one that
+//! is gone. `--kill-silently` (with `--hosts netns`) makes the killed D die as a host does:
+//! its veth is deleted, then it is killed and stays dead, and P must release its exports
+//! within the etcd lease's TTL plus 1 s of the cut.
+//!
 //! P fills every block it computes with bytes derived from the request and block; D checks
 //! every byte it receives. After the workload the router waits for P's pool to empty (the
 //! killed engine's exports end by peer loss or by their lease), then asks every engine for
@@ -17,10 +25,12 @@
 //!
 //! - [`config`]: the run's settings and the flags of `cargo xtask demo` that change them.
 //! - [`router`]: the run itself, what the router does and hears.
+//! - [`etcd`]: the run's etcd server, with `--discovery etcd`.
 //! - [`processes`]: building, starting and stopping the engine processes and the attacker.
 //! - [`report`]: what the run measured, its checks, as text or JSON.
 
 mod config;
+mod etcd;
 mod netns;
 mod processes;
 mod report;

@@ -22,11 +22,14 @@ pub(super) struct Host {
     pub ip: Ipv4Addr,
     /// The namespace's end of the veth pair, for UCX_NET_DEVICES.
     pub device: String,
+    /// The bridge's end of the veth pair.
+    outside: String,
 }
 
 /// The bridge and the namespaces of one run; removed on drop.
 pub(super) struct Network {
     bridge: String,
+    gateway: Ipv4Addr,
     hosts: BTreeMap<String, Host>,
 }
 
@@ -44,20 +47,21 @@ impl Network {
     pub(super) fn create(engines: &[String]) -> Result<Network> {
         let id = std::process::id() % 200 + 20;
         let bridge = format!("kvbr{id}");
-        let mut network = Network { bridge: bridge.clone(), hosts: BTreeMap::new() };
+        let gateway = Ipv4Addr::new(10, 77, id as u8, 1);
+        let mut network = Network { bridge: bridge.clone(), gateway, hosts: BTreeMap::new() };
         // Left over from a router of the same id that was killed.
         network.remove();
         for engine in engines {
             let _ = Command::new("ip").args(["netns", "delete", &format!("kvflow{id}-{engine}")]).output();
         }
         ip(&["link", "add", &bridge, "type", "bridge"])?;
-        ip(&["addr", "add", &format!("10.77.{id}.1/24"), "dev", &bridge])?;
+        ip(&["addr", "add", &format!("{gateway}/24"), "dev", &bridge])?;
         ip(&["link", "set", &bridge, "up"])?;
         for (i, engine) in engines.iter().enumerate() {
             let ns = format!("kvflow{id}-{engine}");
             let (outside, inside) = (format!("kv{id}h{i}"), format!("kv{id}n{i}"));
-            let host =
-                Host { ns: ns.clone(), ip: Ipv4Addr::new(10, 77, id as u8, 10 + i as u8), device: inside.clone() };
+            let ip_addr = Ipv4Addr::new(10, 77, id as u8, 10 + i as u8);
+            let host = Host { ns: ns.clone(), ip: ip_addr, device: inside.clone(), outside: outside.clone() };
             network.hosts.insert(engine.clone(), host.clone());
             ip(&["netns", "add", &ns])?;
             ip(&["link", "add", &outside, "type", "veth", "peer", "name", &inside])?;
@@ -73,6 +77,19 @@ impl Network {
     /// Engine `name`'s namespace.
     pub(super) fn host(&self, name: &str) -> Option<&Host> {
         self.hosts.get(name)
+    }
+
+    /// The bridge's address in the root namespace, which every engine reaches (the run's etcd
+    /// listens there).
+    pub(super) fn gateway(&self) -> Ipv4Addr {
+        self.gateway
+    }
+
+    /// Cuts engine `name` off the network, as a host whose cable is pulled: its veth pair is
+    /// deleted, so nothing it sends arrives and no FIN of its sockets reaches anyone.
+    pub(super) fn cut(&self, name: &str) -> Result<()> {
+        let Some(host) = self.hosts.get(name) else { bail!("no namespace for {name}") };
+        ip(&["link", "delete", &host.outside])
     }
 
     fn remove(&mut self) {

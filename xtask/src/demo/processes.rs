@@ -9,13 +9,14 @@ use std::process::{Child, ChildStdin, Command as Process, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use xtask::proto::{write_line, AttackConfig, AttackResult, Command, Event, NodeRole, CLUSTER_KEY_ENV};
+use xtask::proto::{write_line, AttackConfig, AttackResult, Command, Event, NodeRole, Sighting, CLUSTER_KEY_ENV};
 
 use super::Demo;
 use crate::provision;
 use crate::workspace;
 
-/// Provisions NIXL and builds `kvflow-node`; returns its path and the environment it needs.
+/// Provisions NIXL and builds `kvflow-node` (and `kvflow-watch`, the router's watch on etcd);
+/// returns its path and the environment it needs.
 /// `KVFLOW_NODE_BIN` names a `kvflow-node` built elsewhere instead (for a machine without a
 /// toolchain, with `KVFLOW_NIXL_DIR` pointing at its runtime).
 pub fn build_node() -> Result<NodeBinary> {
@@ -24,7 +25,7 @@ pub fn build_node() -> Result<NodeBinary> {
     }
     let nixl = provision::ensure().context("the demo's engines need NIXL (see `cargo xtask setup`)")?;
     let envs = nixl.envs();
-    build("kvflow-node", &envs)?;
+    build(&["kvflow-node", "kvflow-watch"], &envs)?;
     let target = workspace::target_dir(&workspace::root());
     Ok(NodeBinary { path: target.join("debug").join("kvflow-node"), envs })
 }
@@ -33,14 +34,17 @@ pub fn build_node() -> Result<NodeBinary> {
 pub fn build_node_and_attacker() -> Result<NodeBinary> {
     let node = build_node()?;
     if std::env::var_os("KVFLOW_NODE_BIN").is_none() {
-        build("kvflow-attack", &node.envs)?;
+        build(&["kvflow-attack"], &node.envs)?;
     }
     Ok(node)
 }
 
-/// Builds xtask's binary `bin`, which needs the `nixl` feature, with the provisioned `envs`.
-fn build(bin: &str, envs: &[(String, String)]) -> Result<()> {
-    let args = ["build", "--locked", "-q", "-p", "xtask", "--features", "nixl", "--bin", bin];
+/// Builds xtask's binaries `bins`, which need the `nixl` feature, with the provisioned `envs`.
+fn build(bins: &[&str], envs: &[(String, String)]) -> Result<()> {
+    let mut args = vec!["build", "--locked", "-q", "-p", "xtask", "--features", "nixl"];
+    for bin in bins {
+        args.extend(["--bin", bin]);
+    }
     workspace::cargo_env(&workspace::root(), &args, envs)
 }
 
@@ -65,9 +69,28 @@ pub(super) struct Node {
     pub(super) ports: Vec<u16>,
 }
 
+/// The router's watch on etcd (`kvflow-watch`); it stops when its stdin closes.
+pub(super) struct Watcher {
+    child: Child,
+    stdin: Option<ChildStdin>,
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.stdin = None;
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The router's name for its watch in its event channel.
+const WATCHER: &str = "kvflow-watch";
+
 /// An event from an engine process, or its end.
 pub(super) enum FromNode {
     Event(Event),
+    /// From the router's watch on etcd.
+    Sighting(Sighting),
     Exited,
     /// From the attacker: one attack's result, or its end.
     Attack(AttackResult),
@@ -138,6 +161,38 @@ impl Demo {
         Ok(())
     }
 
+    /// Starts `kvflow-watch` on the run's etcd and waits until it watches.
+    pub(super) fn start_watcher(&mut self) -> Result<()> {
+        let settings = self.etcd_settings.clone().context("no etcd")?;
+        let path = self.binary.path.with_file_name("kvflow-watch");
+        let mut child = self
+            .child(&path, serde_json::to_string(&settings)?)
+            .stdin(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot start {}", path.display()))?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().expect("piped");
+        let (sender, watching) = (self.sender.clone(), std::sync::mpsc::channel());
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let sighting = serde_json::from_str(&line)
+                    .unwrap_or_else(|e| Sighting::Error { message: format!("unreadable line {line:?}: {e}") });
+                if matches!(sighting, Sighting::Watching) {
+                    let _ = watching.0.send(());
+                }
+                if sender.send((WATCHER.to_owned(), 0, FromNode::Sighting(sighting))).is_err() {
+                    return;
+                }
+            }
+        });
+        self.watcher = Some(Watcher { child, stdin });
+        watching
+            .1
+            .recv_timeout(Duration::from_secs(15))
+            .map_err(|_| anyhow::anyhow!("{WATCHER} did not start watching etcd at {:?}", settings.endpoints))
+    }
+
     /// A process of the run: its one argument, the provisioned environment and the cluster
     /// key, its stdout piped to the router.
     fn child(&self, path: &Path, arg: String) -> Process {
@@ -164,6 +219,7 @@ impl Demo {
         let host = self.network.as_ref().and_then(|n| n.host(name)).cloned();
         let mut node_config = self.config.node(role, name, instance);
         node_config.host = host.as_ref().map(|h| h.ip);
+        node_config.discovery = self.etcd_settings.clone();
         let config = serde_json::to_string(&node_config)?;
         let mut command = match &host {
             None => self.child(&self.binary.path, config),
@@ -241,6 +297,8 @@ impl Demo {
     /// Stops the attacker, resumes a stopped engine, and ends every engine: a shutdown command,
     /// then a kill after 5 s.
     pub(super) fn shutdown(&mut self) {
+        // Engines withdraw their registrations as they stop: that is no loss to report.
+        self.watcher = None;
         if let Some(mut child) = self.attacker.take() {
             let _ = child.kill();
             let _ = child.wait();

@@ -16,6 +16,8 @@ const ATTACKS: usize = 9;
 
 /// The longest a dead D engine's export may stay held on P after the death: P hears of the
 /// death when the engine's side channel closes, and releases what was bound to it at once.
+/// After a silent death (`--kill-silently`) P hears of it when the engine's etcd lease lapses:
+/// the bound is then the lease's TTL plus this.
 const DEATH_RELEASE_BOUND_MS: u64 = 1000;
 
 /// The `p`th percentile of `values`; zero for none.
@@ -48,6 +50,14 @@ pub struct Report {
     /// Exports released as `peer_lost` while the D engine they went to was alive.
     released_for_live_engines: usize,
     held_after_death_ms: Option<u64>,
+    /// The bound on `held_after_death_ms`: [`DEATH_RELEASE_BOUND_MS`], plus the etcd TTL
+    /// after a silent death.
+    death_bound_ms: u64,
+    /// The killed engine died silently (its network cut, then killed).
+    silent_death: bool,
+    /// After a silent death: how long after the cut the router's own watch saw its
+    /// registration go.
+    lapse_seen_after_ms: Option<u64>,
     longest_held_after_death: Option<String>,
     /// The killed engine's exports still held at its death, by how P released them.
     dead_engine_releases: BTreeMap<String, u64>,
@@ -158,6 +168,15 @@ impl Report {
                 })
                 .count(),
             held_after_death_ms,
+            death_bound_ms: match &demo.kill {
+                Some(k) if k.silent => demo.config.etcd_ttl_s * 1000 + DEATH_RELEASE_BOUND_MS,
+                _ => DEATH_RELEASE_BOUND_MS,
+            },
+            silent_death: demo.kill.as_ref().is_some_and(|k| k.silent),
+            lapse_seen_after_ms: demo.kill.as_ref().and_then(|k| {
+                let seen = demo.lapses.iter().find(|(e, i, _)| *e == k.engine && *i == k.instance)?;
+                Some(seen.2.saturating_sub(k.at_ns) / 1_000_000)
+            }),
             longest_held_after_death,
             dead_engine_releases,
             lease_ms: demo.config.lease_ms,
@@ -191,12 +210,26 @@ impl Report {
         if self.unreleased_exports > 0 {
             f.push(format!("{} exports P never released", self.unreleased_exports));
         }
-        if let Some(ms) = self.held_after_death_ms.filter(|&ms| ms > DEATH_RELEASE_BOUND_MS) {
+        if let Some(ms) = self.held_after_death_ms.filter(|&ms| ms > self.death_bound_ms) {
             f.push(format!(
-                "a block stayed held {ms} ms after its D engine died, longer than {DEATH_RELEASE_BOUND_MS} ms (lease {} ms): {}",
+                "a block stayed held {ms} ms after its D engine died, longer than {} ms (lease {} ms): {}",
+                self.death_bound_ms,
                 self.lease_ms,
                 self.longest_held_after_death.as_deref().unwrap_or("?")
             ));
+        }
+        if self.silent_death {
+            // Only the lapse can have told P: anything else released them by their lease.
+            let other: u64 = self.dead_engine_releases.iter().filter(|(r, _)| *r != "peer_lost").map(|(_, n)| n).sum();
+            if other > 0 {
+                f.push(format!(
+                    "{other} of the silently dead D's exports were not released as peer_lost: {:?}",
+                    self.dead_engine_releases
+                ));
+            }
+            if self.lapse_seen_after_ms.is_none() {
+                f.push("the router never saw the silently dead D's registration lapse".into());
+            }
         }
         if let Some(n) = self.outcomes.get("unfinished") {
             f.push(format!("{n} exports never finished"));
@@ -245,6 +278,9 @@ impl Report {
             "released_for_live_engines": self.released_for_live_engines,
             "pauses_ms": self.pauses.iter().map(|(e, ms)| json!({ "engine": e, "ms": ms })).collect::<Vec<_>>(),
             "longest_held_after_death_ms": self.held_after_death_ms,
+            "death_release_bound_ms": self.death_bound_ms,
+            "silent_death": self.silent_death,
+            "lapse_seen_after_ms": self.lapse_seen_after_ms,
             "dead_engine_releases": self.dead_engine_releases,
             "lease_ms": self.lease_ms,
             "corrupt_reads": self.corrupt_reads,
@@ -301,9 +337,15 @@ impl Report {
         match (&self.killed, self.held_after_death_ms) {
             (Some(engine), Some(ms)) => {
                 let list = self.dead_engine_releases.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>();
+                let how = match (self.silent_death, self.lapse_seen_after_ms) {
+                    (false, _) => "killed        ".to_owned(),
+                    (true, Some(lapse)) => format!("died silently (veth cut, then killed; its etcd lease lapsed {lapse} ms after the cut):\n                      "),
+                    (true, None) => "died silently (its lapse never seen):\n                      ".to_owned(),
+                };
                 println!(
-                    "  {engine} killed         its exports on P were all released within {ms} ms of its death \
-                     (bound {DEATH_RELEASE_BOUND_MS} ms, lease {} ms); those held at its death: {}",
+                    "  {engine} {how} its exports on P were all released within {ms} ms of its death \
+                     (bound {} ms, lease {} ms); those held at its death: {}",
+                    self.death_bound_ms,
                     self.lease_ms,
                     if list.is_empty() { "none were held".to_owned() } else { list.join(", ") }
                 )

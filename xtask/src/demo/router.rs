@@ -13,11 +13,15 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use kv_testkit::Rng;
 use serde_json::{json, Value};
-use xtask::proto::{wall_ns, AttackResult, Command, Event, NodeRole, Remote};
+use xtask::proto::{wall_ns, AttackResult, Command, EtcdSettings, Event, NodeRole, Remote, Sighting};
 
-use super::config::{DemoConfig, Hosts, Pause};
+use super::config::{DemoConfig, DiscoveryKind, Hosts, Pause};
 use super::processes::{signal, FromNode, Node, NodeBinary, ATTACKER};
 use super::report::Report;
+
+/// How long a silently dying D engine lives on, cut off, before it is killed: long enough
+/// that whatever it sends goes nowhere, short of its own lease noticing.
+const SILENT_KILL_AFTER: Duration = Duration::from_millis(300);
 
 /// One export (P's request id, which D's request shares): where it went and how it ended.
 #[derive(Default, Debug)]
@@ -57,6 +61,16 @@ pub struct Demo {
     pub(super) key: String,
     /// With `--hosts netns`, each engine's namespace; removed when the run ends.
     pub(super) network: Option<super::netns::Network>,
+    /// With `--discovery etcd`: the run's etcd server (held for its drop, which stops it once
+    /// the run is over), the settings the engines get, and the router's own watch
+    /// (`kvflow-watch`).
+    _etcd: Option<super::etcd::EtcdServer>,
+    pub(super) etcd_settings: Option<EtcdSettings>,
+    pub(super) watcher: Option<super::processes::Watcher>,
+    /// What the watch saw published: engine, by name, to its incarnation and addresses.
+    registry: BTreeMap<String, (u64, Vec<String>)>,
+    /// Registrations the watch saw go: engine, incarnation, when (ns).
+    pub(super) lapses: Vec<(String, u64, u64)>,
     pub(super) nodes: BTreeMap<String, Node>,
     pub(super) events: Receiver<(String, u64, FromNode)>,
     pub(super) sender: Sender<(String, u64, FromNode)>,
@@ -95,6 +109,8 @@ pub(super) struct Kill {
     pub(super) instance: u64,
     pub(super) at_ns: u64,
     restart_at: Option<Instant>,
+    /// Died silently: its network was cut (at `at_ns`) before it was killed; not restarted.
+    pub(super) silent: bool,
 }
 
 impl Demo {
@@ -121,11 +137,28 @@ impl Demo {
                 Some(super::netns::Network::create(&engines).context("the engines' network namespaces")?)
             }
         };
+        let etcd = match config.discovery {
+            DiscoveryKind::Static => None,
+            DiscoveryKind::Etcd => {
+                let ip = network.as_ref().map_or(std::net::Ipv4Addr::LOCALHOST, |n| n.gateway());
+                Some(super::etcd::EtcdServer::start(ip).context("the run's etcd")?)
+            }
+        };
+        let etcd_settings = etcd.as_ref().map(|server| EtcdSettings {
+            endpoints: vec![server.endpoint.clone()],
+            prefix: format!("/kvflow-demo-{}", std::process::id()),
+            ttl_s: config.etcd_ttl_s,
+        });
         let mut demo = Demo {
             config,
             binary,
             key: key.iter().map(|b| format!("{b:02x}")).collect(),
             network,
+            _etcd: etcd,
+            etcd_settings,
+            watcher: None,
+            registry: BTreeMap::new(),
+            lapses: Vec::new(),
             nodes: BTreeMap::new(),
             events,
             sender,
@@ -150,19 +183,53 @@ impl Demo {
             started: Instant::now(),
             progress,
         };
+        if demo.etcd_settings.is_some() {
+            demo.start_watcher()?;
+        }
         demo.spawn(NodeRole::Prefill, "prefill0", 1)?;
         for i in 0..demo.config.decoders {
             demo.spawn(NodeRole::Decode, &format!("decode{i}"), 1)?;
         }
         let deadline = Instant::now() + Duration::from_secs(60);
-        while demo.nodes.values().any(|n| n.port.is_none()) {
+        while demo.nodes.values().any(|n| n.port.is_none()) || !demo.all_published() {
             demo.pump(Duration::from_millis(50))?;
             if Instant::now() > deadline {
-                bail!("the engines did not start within 60 s: {}", demo.errors.join("; "));
+                bail!(
+                    "the engines did not start (and publish themselves) within 60 s: {}; published: {:?}",
+                    demo.errors.join("; "),
+                    demo.registry
+                );
+            }
+            if !demo.errors.is_empty() {
+                bail!("the engines did not start: {}", demo.errors.join("; "));
             }
         }
+        demo.check_published()?;
         demo.started = Instant::now();
         Ok(demo)
+    }
+
+    /// Whether the router's watch has seen every engine published as the incarnation it runs
+    /// (always, without etcd).
+    fn all_published(&self) -> bool {
+        self.etcd_settings.is_none()
+            || self.nodes.iter().all(|(name, n)| self.registry.get(name).is_some_and(|(i, _)| *i == n.instance))
+    }
+
+    /// Every engine published the addresses its ranks listen at.
+    fn check_published(&self) -> Result<()> {
+        if self.etcd_settings.is_none() {
+            return Ok(());
+        }
+        for (name, node) in &self.nodes {
+            let ip = self.host_ip(name);
+            let listening: Vec<String> = node.ports.iter().map(|port| format!("{ip}:{port}")).collect();
+            let published = self.registry.get(name).map(|(_, a)| a);
+            if published != Some(&listening) {
+                bail!("{name} published {published:?} in etcd, but its ranks listen at {listening:?}");
+            }
+        }
+        Ok(())
     }
 
     /// P's ranks' side-channel addresses, by rank.
@@ -307,8 +374,9 @@ impl Demo {
     /// arrival, or rejection before admission.
     fn dispatch(&mut self, export: &str, parent: &str, remote: Remote, fate: Fate) {
         let named = self.tracks.get(export).and_then(|t| t.decode.clone());
+        let up = |n: &super::processes::Node, instance| n.instance == instance && n.port.is_some();
         let decode = match named {
-            Some((decode, instance)) if self.nodes.get(&decode).is_some_and(|n| n.instance == instance) => decode,
+            Some((decode, instance)) if self.nodes.get(&decode).is_some_and(|n| up(n, instance)) => decode,
             // The engine P bound it to is gone: P releases it; the request is lost with it.
             Some(_) => return self.finish_export(export, "lost", None),
             None => match self.pick_decode() {
@@ -351,10 +419,22 @@ impl Demo {
 
     fn kill_decode(&mut self) -> Result<()> {
         let engine = format!("decode{}", self.config.decoders - 1);
+        let silent = self.config.kill_silently;
+        let mut at_ns = wall_ns();
+        if silent {
+            // As a host whose cable is pulled: its sockets close without a FIN reaching
+            // anyone, then it dies.
+            let network = self.network.as_ref().context("--kill-silently without namespaces")?;
+            network.cut(&engine)?;
+            at_ns = wall_ns();
+            std::thread::sleep(SILENT_KILL_AFTER);
+        }
         let node = self.nodes.get_mut(&engine).expect("started");
         node.child.kill().with_context(|| format!("cannot kill {engine}"))?;
         let _ = node.child.wait();
-        let at_ns = wall_ns();
+        if !silent {
+            at_ns = wall_ns();
+        }
         let instance = node.instance;
         node.port = None;
         self.progress.set_message(format!("killed {engine}"));
@@ -368,8 +448,8 @@ impl Demo {
         for id in lost {
             self.finish_export(&id, "lost", None);
         }
-        self.kill =
-            Some(Kill { engine, instance, at_ns, restart_at: Some(Instant::now() + Duration::from_millis(500)) });
+        let restart_at = (!silent).then(|| Instant::now() + Duration::from_millis(500));
+        self.kill = Some(Kill { engine, instance, at_ns, restart_at, silent });
         Ok(())
     }
 
@@ -399,9 +479,16 @@ impl Demo {
         Ok(())
     }
 
-    /// Whether the killed engine is not yet back up.
+    /// Whether the killed engine is not yet back up (a silently dead one stays dead), or its
+    /// lapse not yet seen.
     fn restarting(&self) -> bool {
-        self.kill.as_ref().is_some_and(|k| self.nodes.get(&k.engine).is_none_or(|n| n.port.is_none()))
+        self.kill.as_ref().is_some_and(|k| {
+            if k.silent {
+                !self.lapses.iter().any(|(e, i, _)| *e == k.engine && *i == k.instance)
+            } else {
+                self.nodes.get(&k.engine).is_none_or(|n| n.port.is_none())
+            }
+        })
     }
 
     fn restart_if_due(&mut self) -> Result<()> {
@@ -433,6 +520,7 @@ impl Demo {
 
     fn on_event(&mut self, name: &str, instance: u64, from: FromNode) {
         let from = match from {
+            FromNode::Sighting(sighting) => return self.on_sighting(sighting),
             FromNode::Attack(result) => {
                 self.progress.set_message(format!("attack {}", result.attack));
                 return self.attacks.push(result);
@@ -462,7 +550,7 @@ impl Demo {
                 return;
             }
             FromNode::Event(event) => event,
-            FromNode::Attack(_) | FromNode::AttackerExited => return,
+            FromNode::Attack(_) | FromNode::AttackerExited | FromNode::Sighting(_) => return,
         };
         if !current {
             // A killed incarnation's last words.
@@ -503,6 +591,32 @@ impl Demo {
             Event::Transfer { bytes, took_ns, ok } => self.transfers.push((bytes, took_ns, ok)),
             Event::Stats { .. } => {}
             Event::Error { message } => self.errors.push(format!("{name}: {message}")),
+        }
+    }
+
+    /// What the router's watch on etcd saw. An engine whose registration goes while it runs
+    /// is lost: the router stops routing to it (its lapse after a silent death is expected;
+    /// any other is an error of the run).
+    fn on_sighting(&mut self, sighting: Sighting) {
+        match sighting {
+            Sighting::Watching => {}
+            Sighting::Up { engine, instance, addresses, .. } => {
+                self.registry.insert(engine, (instance, addresses));
+            }
+            Sighting::Down { engine, instance, at_ns } => {
+                if self.registry.get(&engine).is_some_and(|(i, _)| *i == instance) {
+                    self.registry.remove(&engine);
+                }
+                self.lapses.push((engine.clone(), instance, at_ns));
+                let expected = self.kill.as_ref().is_some_and(|k| k.engine == engine && k.instance == instance);
+                let Some(node) = self.nodes.get_mut(&engine).filter(|n| n.instance == instance) else { return };
+                if node.port.take().is_some() && !expected {
+                    self.errors
+                        .push(format!("{engine} (instance {instance}) lost its etcd registration while running"));
+                }
+                self.progress.set_message(format!("{engine}'s registration is gone"));
+            }
+            Sighting::Error { message } => self.errors.push(format!("kvflow-watch: {message}")),
         }
     }
 

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 use clap::Parser;
+use kv_core::discovery::EngineRecord;
 use kv_core::{
     AgentName, BlockId, Clock, EngineId, Handshake, Memory, MemoryKind, PeerAddress, PoolShape, Region, RegionBase,
     RegionId, RequestId, Role, Time,
@@ -38,6 +39,7 @@ use kv_sched_adapter::{
 };
 use kv_testkit::BlockPool;
 
+mod discovery;
 mod rank;
 mod transport;
 
@@ -353,6 +355,8 @@ struct Node<S: Side> {
     /// What the ranks' workers report, by rank.
     reports: Receiver<(u32, <S::Worker as WorkerMachine>::Report)>,
     side: S,
+    /// The engine's registration in etcd, and the engines it finds lost; `None` without etcd.
+    registration: Option<(discovery::Registration, Receiver<discovery::Found>)>,
 }
 
 /// What differs between P and D: the worker and its scheduler, and how the side handles the
@@ -397,7 +401,21 @@ impl<S: Side> Node<S> {
             let clock: Arc<dyn Clock> = engine.clock.clone();
             ranks.push(rank::Rank::spawn(rank, driver, hooks, clock, tx.clone(), std::thread::current())?);
         }
-        let mut node = Node { engine, ranks, reports, side };
+        let registration = match &config.discovery {
+            None => None,
+            Some(settings) => {
+                let record = EngineRecord {
+                    engine: EngineId::new(config.name.clone()),
+                    instance: config.instance,
+                    role: S::ROLE,
+                    addresses: ports.iter().map(|port| format!("{ip}:{port}")).collect(),
+                    layout: config.model.layout(),
+                    tp_size: config.tp.max(1),
+                };
+                Some(discovery::Registration::start(settings, record, std::thread::current())?)
+            }
+        };
+        let mut node = Node { engine, ranks, reports, side, registration };
         node.engine.emit(&Event::Ready { ports });
         Ok(node)
     }
@@ -420,10 +438,28 @@ impl<S: Side> Node<S> {
                     Err(TryRecvError::Disconnected) => return Ok(()),
                 }
             }
+            self.take_losses()?;
             self.step()?;
             self.engine.report_transfers();
             std::thread::park_timeout(IDLE_WAIT);
         }
+    }
+
+    /// Tells every rank of the engines discovery found lost; a registration that cannot go
+    /// on ends the engine.
+    fn take_losses(&mut self) -> Result<()> {
+        let Some((_, found)) = &self.registration else { return Ok(()) };
+        while let Ok(found) = found.try_recv() {
+            match found {
+                discovery::Found::Lost { engine, instance } => {
+                    for rank in &self.ranks {
+                        rank.engine_lost(&engine, instance);
+                    }
+                }
+                discovery::Found::Fatal(message) => return Err(anyhow!("discovery: {message}")),
+            }
+        }
+        Ok(())
     }
 
     /// Hands the scheduler what the ranks reported, and carries out what follows.

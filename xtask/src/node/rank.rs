@@ -9,7 +9,7 @@ use std::thread::{JoinHandle, Thread};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use kv_core::{Clock, Time};
+use kv_core::{Clock, EngineId, Time};
 use kv_sched_adapter::driver::{thread_waker, WorkerDriver, WorkerMachine};
 use kv_sched_adapter::Counters;
 
@@ -21,6 +21,8 @@ enum ToRank<C> {
     Command(C),
     /// The worker's counters, answered on the sender.
     Counters(Sender<Counters>),
+    /// Discovery says this incarnation of this engine, and every older one, is gone.
+    EngineLost(EngineId, u64),
 }
 
 /// How the engine's side drives a rank's worker.
@@ -89,6 +91,14 @@ impl<C: Send + 'static> Rank<C> {
         self.thread.unpark();
     }
 
+    /// Tells the rank's worker that discovery lost incarnation `instance` of `engine`.
+    pub(super) fn engine_lost(&self, engine: &EngineId, instance: u64) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(ToRank::EngineLost(engine.clone(), instance));
+        }
+        self.thread.unpark();
+    }
+
     /// The rank's worker's counters (zero if its thread is gone).
     pub(super) fn counters(&self) -> Counters {
         let (reply, answer) = mpsc::channel();
@@ -126,6 +136,9 @@ fn drain<W: WorkerMachine, C>(
                 let now = clock.now();
                 (hooks.handle)(driver.machine(), now, command);
                 batch.extend(driver.flush(now));
+            }
+            Ok(ToRank::EngineLost(engine, instance)) => {
+                batch.extend(driver.engine_lost(clock.now(), &engine, instance));
             }
             Ok(ToRank::Counters(reply)) => {
                 let _ = reply.send((hooks.counters)(driver.machine_ref()));
