@@ -6,8 +6,9 @@
 //! duplicates, reordering) and a workload: prompts of assorted lengths, parallel-sampling
 //! siblings, arrivals in push mode before P's prefill, prefix hits, rejections, aborts while
 //! waiting and while loading, late schedules that the read fence must refuse, failed
-//! transfers, garbage, partitions, delays, and crashes with and without detection followed by
-//! restarts. Events that no longer apply (a schedule on an engine that crashed) are skipped,
+//! transfers, garbage, partitions, delays, crashes with and without detection followed by
+//! restarts, and discovery lapses of engines that are down (never of a running engine: an
+//! engine stops before its own registration can lapse, as kvflow-node does). Events that no longer apply (a schedule on an engine that crashed) are skipped,
 //! as a router would. After every step the cluster's invariants are checked: no block freed
 //! twice, no write into a freed block, no corrupt read; after the drain, nothing is held on a
 //! live engine. A panic is a failure too. The same seed gives the same run and digest.
@@ -210,8 +211,15 @@ pub fn generate(seed: u64) -> Scenario {
         match rng.below(9) {
             0 => {
                 let victim = if rng.chance(0.5) { d } else { p };
-                push(t, Event::Crash { node: victim, detect: rng.chance(0.5) });
-                push(t + 100 + rng.below(5000), Event::Restart { node: victim });
+                let detect = rng.chance(0.5);
+                let down_for = 100 + rng.below(5000);
+                push(t, Event::Crash { node: victim, detect });
+                if rng.chance(0.5) {
+                    // Its discovery registration lapses while it is down: a host that died
+                    // silently, or an engine that stopped at its own registration's fence.
+                    push(t + 1 + rng.below(down_for - 1), Event::Lapse { node: victim });
+                }
+                push(t + down_for, Event::Restart { node: victim });
             }
             1 => push(t, Event::Partition { a: p, b: d, until: Time::from_millis(t + rng.below(lease_s * 1500)) }),
             2 => push(
@@ -303,7 +311,12 @@ fn run_checked(
     for step in &scenario.steps {
         cluster.advance_to(step.at);
         if let Some(event) = &step.event {
-            if let Err(e) = apply(&mut cluster, event) {
+            // A lapse is generated while its engine is down; one that comes after a restart
+            // (an earlier crash's) would be a running engine's, which never happens.
+            let running = matches!(event, Event::Lapse { node } if cluster.is_up(node.engine_id().as_str()));
+            let applied =
+                if running { Err("the engine is running again".to_owned()) } else { apply(&mut cluster, event) };
+            if let Err(e) = applied {
                 cluster.note(format!("skipped {}: {e}", event.name()));
                 outcome.skipped += 1;
             }

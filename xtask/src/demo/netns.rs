@@ -55,6 +55,10 @@ impl Network {
             let _ = Command::new("ip").args(["netns", "delete", &format!("kvflow{id}-{engine}")]).output();
         }
         ip(&["link", "add", &bridge, "type", "bridge"])?;
+        // A bridge takes the lowest MAC address of its ports unless it is given one: deleting
+        // the port that had it (a cut) would change the gateway's address under every
+        // namespace's ARP cache, and cut them all off the root namespace (etcd) for seconds.
+        ip(&["link", "set", &bridge, "address", &format!("02:6b:76:00:00:{id:02x}")])?;
         ip(&["addr", "add", &format!("{gateway}/24"), "dev", &bridge])?;
         ip(&["link", "set", &bridge, "up"])?;
         for (i, engine) in engines.iter().enumerate() {

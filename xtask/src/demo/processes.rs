@@ -260,6 +260,10 @@ impl Demo {
     /// Sends `command` to engine `name`; an engine that cannot be reached is an error of the run.
     pub(super) fn send(&mut self, name: &str, command: &Command) {
         let Some(node) = self.nodes.get_mut(name) else { return };
+        // What the router sends a host that died silently is lost, as on a network.
+        if self.kill.as_ref().is_some_and(|k| k.silent && k.engine == name && k.instance == node.instance) {
+            return;
+        }
         if let Err(err) = write_line(&mut node.stdin, command) {
             self.errors.push(format!("cannot reach {name}: {err}"));
         }

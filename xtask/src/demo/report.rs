@@ -219,11 +219,18 @@ impl Report {
             ));
         }
         if self.silent_death {
-            // Only the lapse can have told P: anything else released them by their lease.
-            let other: u64 = self.dead_engine_releases.iter().filter(|(r, _)| *r != "peer_lost").map(|(_, n)| n).sum();
-            if other > 0 {
+            // Only the lapse can have told P that D is gone (what D said before the cut may
+            // still release some, as transferred or rejected): none may wait for its lease.
+            if let Some(expired) = self.dead_engine_releases.get("expired") {
                 f.push(format!(
-                    "{other} of the silently dead D's exports were not released as peer_lost: {:?}",
+                    "{expired} of the silently dead D's exports waited for their lease, not its lapse: {:?}",
+                    self.dead_engine_releases
+                ));
+            }
+            if !self.dead_engine_releases.contains_key("peer_lost") {
+                f.push(format!(
+                    "P released none of the silently dead D's exports as peer_lost (those held at its death: {:?}): \
+                     the run proved nothing",
                     self.dead_engine_releases
                 ));
             }

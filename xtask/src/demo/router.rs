@@ -417,8 +417,13 @@ impl Demo {
         }
     }
 
+    /// The D engine killed part-way.
+    fn victim(&self) -> String {
+        format!("decode{}", self.config.decoders - 1)
+    }
+
     fn kill_decode(&mut self) -> Result<()> {
-        let engine = format!("decode{}", self.config.decoders - 1);
+        let engine = self.victim();
         let silent = self.config.kill_silently;
         let mut at_ns = wall_ns();
         if silent {
@@ -432,25 +437,37 @@ impl Demo {
         let node = self.nodes.get_mut(&engine).expect("started");
         node.child.kill().with_context(|| format!("cannot kill {engine}"))?;
         let _ = node.child.wait();
-        if !silent {
-            at_ns = wall_ns();
-        }
         let instance = node.instance;
+        if silent {
+            // Nobody can tell yet: the router goes on routing to it until its registration
+            // lapses, and P goes on exporting for it.
+            self.kill = Some(Kill { engine: engine.clone(), instance, at_ns, restart_at: None, silent });
+            self.progress.set_message(format!("{engine} died silently"));
+            return Ok(());
+        }
+        at_ns = wall_ns();
         node.port = None;
         self.progress.set_message(format!("killed {engine}"));
-        // Its requests are lost with it; the router does not retry them.
+        self.lose_requests_of(&engine, instance);
+        let restart_at = Some(Instant::now() + Duration::from_millis(500));
+        self.kill = Some(Kill { engine, instance, at_ns, restart_at, silent });
+        Ok(())
+    }
+
+    /// The requests that went to an engine incarnation now gone are lost with it; the router
+    /// does not retry them.
+    fn lose_requests_of(&mut self, engine: &str, instance: u64) {
         let lost: Vec<String> = self
             .tracks
             .iter()
-            .filter(|(_, t)| t.outcome.is_none() && t.decode.as_ref() == Some(&(engine.clone(), instance)))
+            .filter(|(_, t)| {
+                t.outcome.is_none() && t.decode.as_ref().is_some_and(|(e, i)| e == engine && *i == instance)
+            })
             .map(|(id, _)| id.clone())
             .collect();
         for id in lost {
             self.finish_export(&id, "lost", None);
         }
-        let restart_at = (!silent).then(|| Instant::now() + Duration::from_millis(500));
-        self.kill = Some(Kill { engine, instance, at_ns, restart_at, silent });
-        Ok(())
     }
 
     /// Stops the next engine due, or resumes the stopped one when its time is up.
@@ -540,7 +557,7 @@ impl Demo {
         let current = self.nodes.get(name).is_some_and(|n| n.instance == instance);
         let event = match from {
             FromNode::Exited => {
-                let killed = self.kill.as_ref().is_some_and(|k| k.engine == name) && !current;
+                let killed = self.kill.as_ref().is_some_and(|k| k.engine == name && k.instance == instance);
                 if current && self.nodes.get(name).is_some_and(|n| n.port.is_some()) && !killed {
                     self.errors.push(format!("{name} (instance {instance}) exited unexpectedly"));
                     if let Some(node) = self.nodes.get_mut(name) {
@@ -615,6 +632,7 @@ impl Demo {
                         .push(format!("{engine} (instance {instance}) lost its etcd registration while running"));
                 }
                 self.progress.set_message(format!("{engine}'s registration is gone"));
+                self.lose_requests_of(&engine, instance);
             }
             Sighting::Error { message } => self.errors.push(format!("kvflow-watch: {message}")),
         }
