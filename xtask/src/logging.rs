@@ -8,6 +8,7 @@ use tracing_subscriber::EnvFilter;
 /// Installs the subscriber, once; a second call, or one after another subscriber, does nothing.
 pub fn init() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    // Colour only on a terminal, and never where NO_COLOR is set (no-color.org).
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none();
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
 }

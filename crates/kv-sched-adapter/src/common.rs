@@ -117,6 +117,18 @@ pub enum Action<R> {
     Report(R),
 }
 
+/// The span of one request's step on one engine: every event inside it carries the request
+/// id (`request_id=`), the engine (`engine=`) and, on a worker, the TP rank, so that one
+/// request's life can be followed across P's and D's logs by its id
+/// (`RUST_LOG=kv_sched_adapter=debug`).
+pub(crate) fn request_span(engine: &EngineId, rank: Option<u32>, request: &RequestId) -> tracing::Span {
+    let span = tracing::debug_span!("request", engine = %engine, rank = tracing::field::Empty, request_id = %request);
+    if let Some(rank) = rank {
+        span.record("rank", rank);
+    }
+    span
+}
+
 /// What a machine counted and dropped, and other events worth a metric.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct Counters {

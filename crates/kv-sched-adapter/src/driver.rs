@@ -138,8 +138,9 @@ impl<M: WorkerMachine> WorkerDriver<M> {
     /// Feeds the machine everything the transport has, wakes it, and carries out its actions;
     /// returns its reports for the scheduler.
     pub fn step(&mut self, now: Time) -> Vec<M::Report> {
-        // Every event of this step carries the rank's agent (engine and TP rank).
-        let span = tracing::debug_span!("step", agent = %self.transport.agent());
+        // Every event of this step carries the rank's engine and TP rank.
+        let agent = self.transport.agent();
+        let span = tracing::debug_span!("step", engine = %agent.engine, rank = agent.rank);
         let _entered = span.enter();
         self.take_events(now);
         let ids: Vec<TransferId> = self.in_flight.keys().copied().collect();
@@ -173,7 +174,9 @@ impl<M: WorkerMachine> WorkerDriver<M> {
     /// registration lapsed): the machine learns what the transport already has from it, then
     /// the loss, and the transport drops its agents. Returns the machine's reports.
     pub fn engine_lost(&mut self, now: Time, engine: &EngineId, instance: u64) -> Vec<M::Report> {
-        let span = tracing::debug_span!("engine_lost", agent = %self.transport.agent(), lost = %engine, instance);
+        let agent = self.transport.agent();
+        let span =
+            tracing::debug_span!("engine_lost", engine = %agent.engine, rank = agent.rank, lost = %engine, instance);
         let _entered = span.enter();
         self.take_events(now);
         self.machine.handle_engine_lost(now, engine, instance);
@@ -182,7 +185,8 @@ impl<M: WorkerMachine> WorkerDriver<M> {
 
     /// Carries out the machine's pending actions; returns its reports.
     pub fn flush(&mut self, now: Time) -> Vec<M::Report> {
-        let span = tracing::debug_span!("flush", agent = %self.transport.agent());
+        let agent = self.transport.agent();
+        let span = tracing::debug_span!("flush", engine = %agent.engine, rank = agent.rank);
         let _entered = span.enter();
         let mut reports = Vec::new();
         while let Some(action) = self.machine.poll_action() {

@@ -85,7 +85,7 @@ pub fn main() -> ExitCode {
 
 fn run(config: &NodeConfig) -> Result<()> {
     // Every event of this process carries its engine and incarnation.
-    let span = tracing::info_span!("engine", name = %config.name, instance = config.instance);
+    let span = tracing::info_span!("node", engine = %config.name, instance = config.instance);
     let _entered = span.enter();
     // Before any thread: it sets the environment NIXL reads.
     if config.transport == TransportKind::Nixl {

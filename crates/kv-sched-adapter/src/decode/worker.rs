@@ -30,7 +30,8 @@ use kv_lease::HeartbeatPlanner;
 
 use super::scheduler::{DecodeCommand, DecodeReport, LoadOutcome};
 use crate::common::{
-    block_indices, Action, Consumer, Counters, LocalPool, Outbox, Peer, PreparedLists, RemoteRef, XferToken,
+    block_indices, request_span, Action, Consumer, Counters, LocalPool, Outbox, Peer, PreparedLists, RemoteRef,
+    XferToken,
 };
 use crate::config::{Config, ConfigError, Mode};
 
@@ -218,6 +219,8 @@ impl DecodeWorker {
     }
 
     fn track(&mut self, now: Time, request: RequestId, remote: RemoteRef) {
+        let _span = request_span(&self.offer.engine, Some(self.offer.rank), &request).entered();
+        tracing::debug!(prefill = %remote.engine, prefill_request = %remote.request, "load tracked: P's lease is renewed until it starts");
         if self.loads.contains_key(&request) {
             self.counters.duplicate_messages += 1;
             return;
@@ -322,6 +325,7 @@ impl DecodeWorker {
     }
 
     fn start_reads(&mut self, now: Time, request: &RequestId, completion: Message) {
+        let _span = request_span(&self.offer.engine, Some(self.offer.rank), request).entered();
         let load = &self.loads[request];
         let Some(export) = load.remote.export.clone() else {
             self.fail(now, request);
@@ -406,6 +410,7 @@ impl DecodeWorker {
         }
         let load = self.loads.get_mut(request).expect("exists");
         load.phase = Phase::Reading;
+        tracing::debug!(reads = posts.len(), blocks = load.blocks.len(), "reads posted");
         for post in posts {
             let token = match post {
                 ReadPost::Pairs(request) => self.out.post(request),
@@ -500,6 +505,8 @@ impl DecodeWorker {
             }
         }
         let outcome = load.outcome(ok);
+        let _span = request_span(&self.offer.engine, Some(self.offer.rank), request).entered();
+        tracing::debug!(?outcome, "load finished");
         if outcome == LoadOutcome::Loaded {
             // MLA: P ranks this rank did not read free when told.
             let completion = Message::Completion {

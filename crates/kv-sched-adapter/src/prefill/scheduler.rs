@@ -178,7 +178,8 @@ impl PrefillScheduler {
         let reason = *export.reason.get_or_insert(reason);
         if export.released.len() as u32 == self.tp {
             let export = self.exports.remove(&request).expect("present");
-            tracing::debug!(%request, %reason, "export freed");
+            let _span = crate::common::request_span(&self.engine, None, &request).entered();
+            tracing::debug!(%reason, blocks = export.blocks.len(), "export freed on every rank");
             self.events.push_back(PrefillEvent::Free { request, blocks: export.blocks, reason });
         }
         Ok(())

@@ -31,7 +31,9 @@ use kv_lease::LeaseTable;
 
 use super::book::{EarlyStage, GoneIncarnations, Recent};
 use super::scheduler::{PrefillCommand, PrefillReport};
-use crate::common::{block_indices, Action, Consumer, Counters, LocalPool, Outbox, Peer, PreparedLists, XferToken};
+use crate::common::{
+    block_indices, request_span, Action, Consumer, Counters, LocalPool, Outbox, Peer, PreparedLists, XferToken,
+};
 use crate::config::{Config, ConfigError, Mode, ReleaseReason};
 
 /// At most this many parents whose sibling was transferred are remembered (seed 002's bound),
@@ -225,6 +227,8 @@ impl PrefillWorker {
     pub fn handle_command(&mut self, now: Time, command: PrefillCommand) {
         self.reap_expired(now);
         let PrefillCommand::Export { request, blocks, deadline, consumer } = command;
+        let _span = request_span(&self.offer.engine, Some(self.offer.rank), &request).entered();
+        tracing::debug!(blocks = blocks.len(), deadline_ns = deadline.as_nanos(), consumer = ?consumer, "export registered");
         if self.exports.contains_key(&request) || self.recent.contains(&request) {
             self.counters.duplicate_messages += 1;
             return;
@@ -501,6 +505,8 @@ impl PrefillWorker {
     }
 
     fn on_completion(&mut self, now: Time, from: Claimant, request: RequestId) {
+        let _span = request_span(&self.offer.engine, Some(self.offer.rank), &request).entered();
+        tracing::debug!(from = %from.consumer, "completion received");
         let Some(id) = self.resolve(&request) else {
             if self.recent.contains(&request) {
                 self.counters.notifications_after_expiry += 1;
@@ -778,7 +784,8 @@ impl PrefillWorker {
                 self.out.send(agent, &Message::Abort { request: request.clone() });
             }
         }
-        tracing::debug!(request = %id, %reason, rank = self.offer.rank, "export released");
+        let _span = request_span(&self.offer.engine, Some(self.offer.rank), id).entered();
+        tracing::debug!(%reason, "export released");
         self.out.report(PrefillReport::Released { request: id.clone(), reason });
         let family = self.families.get_mut(&export.family).expect("an export's family exists");
         family.members.remove(id);
