@@ -12,7 +12,10 @@
 //! aborts, rejections and registrations from any other engine are counted as foreign and
 //! change nothing. When the owner is seen gone (its side channel closed, or a newer incarnation
 //! handshook), its exports are released at once, as `peer_lost`; an export named for an
-//! incarnation already gone is released as soon as it registers.
+//! incarnation already gone is released as soon as it registers. A gone incarnation never
+//! comes back: its handshake is dropped (the connection closed), so that one that goes on
+//! anyway (its discovery registration lapsed while it ran) fails its loads rather than read
+//! what was released for it.
 //!
 //! Messages about an export the worker does not know yet (a completion, a renewal, a push
 //! registration) are staged, bounded, and settled when it registers, in arrival order: a staged
@@ -288,8 +291,11 @@ impl PrefillWorker {
                 }
                 let incarnation = Consumer::of(&info.handshake);
                 if self.gone.is_gone(&incarnation) {
-                    tracing::warn!(peer = %info.agent, %incarnation, "a stale incarnation handshook; ignored");
+                    tracing::warn!(peer = %info.agent, %incarnation, "a stale incarnation handshook; dropped");
                     self.counters.ignored_messages += 1;
+                    // Its side channel closes, so that it learns it is gone (if it still runs)
+                    // and ends what it would load from this rank.
+                    self.out.disconnect(info.agent.clone());
                     return;
                 }
                 match check_compatible(&self.offer, &info.handshake) {

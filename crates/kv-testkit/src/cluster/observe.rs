@@ -51,12 +51,6 @@ impl Cluster {
         0
     }
 
-    /// Whether engine `node` is running (not crashed, or restarted since).
-    pub fn is_up(&self, node: &str) -> bool {
-        let id = EngineId::new(node);
-        matches!(self.prefill.get(&id), Some(Some(_))) || matches!(self.decode.get(&id), Some(Some(_)))
-    }
-
     /// Exports a P engine has not freed.
     pub fn pending_exports(&self, node: &str) -> u64 {
         match self.prefill.get(&EngineId::new(node)) {
