@@ -136,6 +136,18 @@ pub struct EtcdSettings {
     pub ttl_s: u64,
 }
 
+#[cfg(feature = "nixl")]
+impl EtcdSettings {
+    /// The etcd adapter's configuration for this registry.
+    pub fn config(&self) -> kv_discovery_etcd::EtcdConfig {
+        kv_discovery_etcd::EtcdConfig {
+            endpoints: self.endpoints.clone(),
+            prefix: self.prefix.clone(),
+            ttl: std::time::Duration::from_secs(self.ttl_s),
+        }
+    }
+}
+
 /// What `kvflow-watch` reports of the registry: one JSON object per line.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Sighting {

@@ -7,12 +7,11 @@
 
 use std::io::BufRead;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
 use kv_core::discovery::{Change, Discovery};
-use kv_discovery_etcd::{EtcdConfig, EtcdDiscovery};
+use kv_discovery_etcd::EtcdDiscovery;
 
 use crate::proto::{from_json, wall_ns, write_line, EtcdSettings, Sighting};
 
@@ -52,12 +51,7 @@ pub fn main() -> ExitCode {
 fn run(settings: EtcdSettings) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("a tokio runtime")?;
     runtime.block_on(async {
-        let config = EtcdConfig {
-            endpoints: settings.endpoints.clone(),
-            prefix: settings.prefix.clone(),
-            ttl: Duration::from_secs(settings.ttl_s),
-        };
-        let discovery = EtcdDiscovery::connect(config).await.context("connecting to etcd")?;
+        let discovery = EtcdDiscovery::connect(settings.config()).await.context("connecting to etcd")?;
         let mut watch = discovery.watch().await.context("watching etcd")?;
         let mut out = std::io::stdout();
         write_line(&mut out, &Sighting::Watching)?;

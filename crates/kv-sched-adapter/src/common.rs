@@ -381,6 +381,12 @@ impl Peer {
         Consumer::of(&self.handshake)
     }
 
+    /// Whether the peer is an agent of `engine` at incarnation `instance` or an older one:
+    /// one that discovery's loss of that incarnation takes with it.
+    pub fn is_at_most(&self, engine: &EngineId, instance: u64) -> bool {
+        self.handshake.engine == *engine && self.handshake.instance <= instance
+    }
+
     /// The peer's pool shape, from its handshake.
     pub fn shape(&self, heads: u32) -> Option<PoolShape> {
         PoolShape::new(self.handshake.layout, heads, self.handshake.num_blocks).ok()

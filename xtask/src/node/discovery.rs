@@ -50,11 +50,7 @@ impl Registration {
         record: EngineRecord,
         engine: Thread,
     ) -> Result<(Registration, Receiver<Found>)> {
-        let config = EtcdConfig {
-            endpoints: settings.endpoints.clone(),
-            prefix: settings.prefix.clone(),
-            ttl: Duration::from_secs(settings.ttl_s),
-        };
+        let config = settings.config();
         let (found, rx) = mpsc::channel();
         let (started, up) = mpsc::channel::<Result<(), String>>();
         let (stop, stopped) = tokio::sync::oneshot::channel();

@@ -573,14 +573,10 @@ impl DecodeWorker {
     /// are not connected fail now.
     pub fn handle_engine_lost(&mut self, now: Time, engine: &EngineId, instance: u64) {
         tracing::info!(lost = %engine, instance, "engine lost by discovery");
-        let connected: Vec<AgentName> = self
-            .peers
-            .iter()
-            .filter(|(agent, peer)| agent.engine == *engine && peer.handshake.instance <= instance)
-            .map(|(agent, _)| agent.clone())
-            .collect();
-        for agent in &connected {
-            self.out.disconnect(agent.clone());
+        for (agent, peer) in &self.peers {
+            if peer.is_at_most(engine, instance) {
+                self.out.disconnect(agent.clone());
+            }
         }
         let unconnected: BTreeSet<AgentName> = self
             .loads

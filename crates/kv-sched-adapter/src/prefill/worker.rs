@@ -338,7 +338,7 @@ impl PrefillWorker {
         tracing::info!(lost = %engine, instance, "engine lost by discovery");
         self.gone.mark_below(engine, instance.saturating_add(1));
         for (agent, peer) in &self.peers {
-            if agent.engine == *engine && peer.handshake.instance <= instance {
+            if peer.is_at_most(engine, instance) {
                 self.out.disconnect(agent.clone());
             }
         }
