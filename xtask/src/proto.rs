@@ -210,8 +210,9 @@ pub struct Remote {
     pub instance: Option<u64>,
     /// Prompt tokens.
     pub prompt_tokens: u64,
-    /// P's blocks and the lease's deadline (ns on P's clock), once P has exported.
-    pub export: Option<(Vec<u32>, u64)>,
+    /// P's blocks, the lease's deadline and when P finished the prompt (ns on P's clock), once
+    /// P has exported.
+    pub export: Option<(Vec<u32>, u64, u64)>,
     /// The D engine and incarnation the router named at prefill, to which P bound the export.
     #[serde(default)]
     pub consumer: Option<(String, u64)>,
@@ -225,7 +226,10 @@ impl From<&RemoteRef> for Remote {
             addresses: r.addresses.iter().map(|a| a.0.clone()).collect(),
             instance: r.instance,
             prompt_tokens: r.prompt_tokens,
-            export: r.export.as_ref().map(|e| (e.blocks.iter().map(|b| b.0).collect(), e.deadline.as_nanos())),
+            export: r
+                .export
+                .as_ref()
+                .map(|e| (e.blocks.iter().map(|b| b.0).collect(), e.deadline.as_nanos(), e.finished.as_nanos())),
             consumer: r.consumer.as_ref().map(|c| (c.engine.to_string(), c.instance)),
         }
     }
@@ -241,9 +245,10 @@ impl Remote {
             tp_size: self.addresses.len() as u32,
             instance: self.instance,
             prompt_tokens: self.prompt_tokens,
-            export: self.export.as_ref().map(|(blocks, deadline)| ExportInfo {
+            export: self.export.as_ref().map(|(blocks, deadline, finished)| ExportInfo {
                 blocks: blocks.iter().map(|&b| BlockId(b)).collect(),
                 deadline: Time::from_nanos(*deadline),
+                finished: Time::from_nanos(*finished),
             }),
             consumer: self
                 .consumer
@@ -399,7 +404,11 @@ mod tests {
             tp_size: 1,
             instance: Some(2),
             prompt_tokens: 300,
-            export: Some(ExportInfo { blocks: vec![BlockId(4), BlockId(9)], deadline: Time::from_nanos(77) }),
+            export: Some(ExportInfo {
+                blocks: vec![BlockId(4), BlockId(9)],
+                deadline: Time::from_nanos(77),
+                finished: Time::from_nanos(7),
+            }),
             consumer: Some(Consumer { engine: EngineId::new("decode1"), instance: 3 }),
         };
         let line = serde_json::to_string(&Remote::from(&r)).unwrap();

@@ -67,6 +67,9 @@ pub struct ExportInfo {
     pub blocks: Vec<BlockId>,
     /// The lease's deadline on P's clock.
     pub deadline: Time,
+    /// When P finished the prompt, on P's clock: D measures from it how long the KV took to
+    /// reach it (`kvflow_kv_ready_latency_seconds`).
+    pub finished: Time,
 }
 
 /// A handle the machine gives a transfer it asks to post; the driver maps it to the
@@ -168,25 +171,81 @@ pub struct Counters {
     pub prepared_reads: u64,
     /// Push writes posted by prepared-list indices rather than address pairs.
     pub prepared_writes: u64,
+    /// Of the ignored messages, input that did not decode (or that the transport refused as
+    /// malformed).
+    pub malformed: u64,
+    /// Of the ignored messages, well-formed ones this side never takes from that peer: from an
+    /// engine of the wrong role or an unmapped rank, of a kind this side does not receive, a
+    /// push registration in pull mode or naming another agent.
+    pub unknown: u64,
+    /// Input the transport (or the worker, for stale and incompatible handshakes) refused, by
+    /// cause, indexed by [`RefusalCause::index`].
+    pub refused_by_cause: [u64; RefusalCause::ALL.len()],
+    /// Lease renewals P granted (one per export a heartbeat renewed).
+    pub leases_renewed: u64,
+    /// Peers whose connection this rank saw lost (side channel closed, a newer incarnation
+    /// handshook, or discovery said its engine is gone).
+    pub peers_lost: u64,
+    /// P: block-milliseconds of exports held for an owner that is silent (nothing from it for
+    /// two heartbeat intervals; an export no engine has claimed counts from its registration),
+    /// each block of this rank's pool counted once however many siblings share it.
+    pub stranded_block_ms: u64,
 }
 
 impl Counters {
     /// Counts input the transport refused as an ignored message, by cause; a notification seen
     /// twice counts as a duplicate.
     pub(crate) fn refused(&mut self, peer: Option<&AgentName>, cause: RefusalCause, reason: &str) {
-        if cause == RefusalCause::Replayed {
-            self.duplicate_messages += 1;
-            return;
-        }
         let peer = peer.map_or_else(|| "an unnamed peer".to_owned(), AgentName::to_string);
         // Debug, not warn: anyone who can reach the side channel can cause these, and a log
         // line per refusal would let them fill the engine's disk. The counters say how many.
         tracing::debug!(%peer, ?cause, %reason, "the transport refused input");
+        self.refusal(cause);
+    }
+
+    /// Counts a refusal of `cause` as an ignored message (a replayed notification as a duplicate).
+    pub(crate) fn refusal(&mut self, cause: RefusalCause) {
+        if cause == RefusalCause::Replayed {
+            self.duplicate_messages += 1;
+            return;
+        }
         self.ignored_messages += 1;
         self.refused += 1;
-        if cause == RefusalCause::Unauthenticated {
-            self.unauthenticated += 1;
+        self.refused_by_cause[cause.index()] += 1;
+        match cause {
+            RefusalCause::Unauthenticated => self.unauthenticated += 1,
+            RefusalCause::Malformed => self.malformed += 1,
+            _ => {}
         }
+    }
+
+    /// Counts an ignored message of `cause`.
+    pub(crate) fn ignored(&mut self, cause: Ignored) {
+        self.ignored_messages += 1;
+        match cause {
+            Ignored::Malformed => self.malformed += 1,
+            Ignored::Unknown => self.unknown += 1,
+            Ignored::Unauthenticated => self.unauthenticated += 1,
+        }
+    }
+
+    /// The input this side counted and dropped, by cause, as the metric
+    /// `kvflow_ignored_messages_total` labels it. The first five causes add up to
+    /// `ignored_messages`; `late` and `duplicate` are messages about requests this side no
+    /// longer has (notifications after expiry included) and messages seen twice.
+    pub fn ignored_by_cause(&self) -> [(&'static str, u64); 7] {
+        let refused_other = self.refused
+            - self.refused_by_cause[RefusalCause::Malformed.index()]
+            - self.refused_by_cause[RefusalCause::Unauthenticated.index()];
+        [
+            ("malformed", self.malformed),
+            ("unknown", self.unknown),
+            ("foreign", self.foreign_messages),
+            ("unauthenticated", self.unauthenticated),
+            ("refused", refused_other),
+            ("late", self.late_messages + self.notifications_after_expiry),
+            ("duplicate", self.duplicate_messages),
+        ]
     }
 
     /// Adds another machine's counts to these.
@@ -207,7 +266,26 @@ impl Counters {
         self.quarantined += other.quarantined;
         self.prepared_reads += other.prepared_reads;
         self.prepared_writes += other.prepared_writes;
+        self.malformed += other.malformed;
+        self.unknown += other.unknown;
+        for (mine, theirs) in self.refused_by_cause.iter_mut().zip(other.refused_by_cause) {
+            *mine += theirs;
+        }
+        self.leases_renewed += other.leases_renewed;
+        self.peers_lost += other.peers_lost;
+        self.stranded_block_ms += other.stranded_block_ms;
     }
+}
+
+/// Why a message was counted and dropped (besides foreign ones and transport refusals).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Ignored {
+    /// It did not decode.
+    Malformed,
+    /// This side never takes it from that peer.
+    Unknown,
+    /// Its sender never completed the handshake.
+    Unauthenticated,
 }
 
 /// This rank's own pool: what plans are built from.

@@ -42,6 +42,16 @@ pub enum ReleaseReason {
 }
 
 impl ReleaseReason {
+    /// Every reason, in declaration order.
+    pub const ALL: [ReleaseReason; 6] = [
+        ReleaseReason::Transferred,
+        ReleaseReason::Expired,
+        ReleaseReason::Rejected,
+        ReleaseReason::Aborted,
+        ReleaseReason::Sibling,
+        ReleaseReason::PeerLost,
+    ];
+
     /// The reason's name, as scenario files and reports write it.
     pub fn as_str(&self) -> &'static str {
         match self {

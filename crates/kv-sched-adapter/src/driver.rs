@@ -40,8 +40,9 @@ use kv_core::{
     EngineId, Notification, PeerEvent, PreparedId, Time, TransferId, TransferStatus, Transport, TransportError,
 };
 
-use crate::common::{Action, XferToken};
+use crate::common::{Action, Counters, XferToken};
 use crate::decode::{DecodeReport, DecodeWorker};
+use crate::metrics::{InFlight, WorkerMetrics};
 use crate::prefill::{PrefillReport, PrefillWorker};
 
 /// A worker machine the driver can run: P's or D's.
@@ -67,6 +68,10 @@ pub trait WorkerMachine {
     /// Whether the machine waits for something a peer sends (a completion, an acknowledgement,
     /// a push write's notification), which the transport may not be able to signal.
     fn awaits_peers(&self) -> bool;
+    /// What the machine counted.
+    fn counters(&self) -> Counters;
+    /// Peer ranks connected to it.
+    fn connected_peers(&self) -> usize;
 }
 
 macro_rules! worker_machine {
@@ -100,6 +105,12 @@ macro_rules! worker_machine {
             fn awaits_peers(&self) -> bool {
                 <$machine>::awaits_peers(self)
             }
+            fn counters(&self) -> Counters {
+                <$machine>::counters(self)
+            }
+            fn connected_peers(&self) -> usize {
+                <$machine>::connected_peers(self)
+            }
         }
     };
 }
@@ -111,13 +122,20 @@ worker_machine!(DecodeWorker, DecodeReport);
 pub struct WorkerDriver<M> {
     machine: M,
     transport: Box<dyn Transport>,
-    in_flight: BTreeMap<TransferId, XferToken>,
+    in_flight: BTreeMap<TransferId, (XferToken, InFlight)>,
+    /// The entry lengths of each local descriptor list prepared, for the bytes of a transfer
+    /// that names its entries.
+    local_lists: BTreeMap<PreparedId, Vec<u64>>,
+    metrics: WorkerMetrics,
 }
 
 impl<M: WorkerMachine> WorkerDriver<M> {
-    /// Runs `machine` over `transport`.
+    /// Runs `machine` over `transport`. With the `metrics` feature, the rank's metrics are
+    /// registered here (see [`crate::metrics`]).
     pub fn new(machine: M, transport: Box<dyn Transport>) -> Self {
-        WorkerDriver { machine, transport, in_flight: BTreeMap::new() }
+        let agent = transport.agent();
+        let metrics = WorkerMetrics::new(&agent.engine, agent.rank);
+        WorkerDriver { machine, transport, in_flight: BTreeMap::new(), local_lists: BTreeMap::new(), metrics }
     }
 
     /// The machine, for commands from its scheduler (call [`WorkerDriver::flush`] after).
@@ -148,12 +166,14 @@ impl<M: WorkerMachine> WorkerDriver<M> {
             match self.transport.poll_transfer(id) {
                 TransferStatus::InProgress => {}
                 TransferStatus::Done => {
-                    let token = self.in_flight.remove(&id).expect("in flight");
+                    let (token, transfer) = self.in_flight.remove(&id).expect("in flight");
+                    self.metrics.ended(&transfer, now, true);
                     self.machine.handle_transfer(now, token, true);
                 }
                 TransferStatus::Failed(err) => {
                     tracing::debug!(?id, %err, "transfer failed");
-                    let token = self.in_flight.remove(&id).expect("in flight");
+                    let (token, transfer) = self.in_flight.remove(&id).expect("in flight");
+                    self.metrics.ended(&transfer, now, false);
                     self.machine.handle_transfer(now, token, false);
                 }
             }
@@ -201,33 +221,48 @@ impl<M: WorkerMachine> WorkerDriver<M> {
                         tracing::debug!(peer = %to, %err, "notification not sent");
                     }
                 }
-                Action::Post { token, request } => match self.transport.post(request) {
-                    Ok(id) => {
-                        self.in_flight.insert(id, token);
-                    }
-                    Err(err) => {
-                        tracing::debug!(%err, "transfer refused");
-                        self.machine.handle_transfer(now, token, false);
-                    }
-                },
+                Action::Post { token, request } => {
+                    let bytes = request.pairs.iter().map(|p| p.len).sum();
+                    let transfer = InFlight { posted: now, bytes, descriptors: request.pairs.len() };
+                    let result = self.transport.post(request);
+                    self.posted(now, token, transfer, result);
+                }
                 Action::Prepare { token, peer, ranges } => {
                     let result = self.transport.prepare(peer.as_ref(), &ranges);
+                    if let (None, Ok(id)) = (&peer, &result) {
+                        self.local_lists.insert(*id, ranges.iter().map(|r| r.1).collect());
+                    }
                     self.machine.handle_prepared(now, token, result);
                 }
-                Action::PostPrepared { token, request } => match self.transport.post_prepared(request) {
-                    Ok(id) => {
-                        self.in_flight.insert(id, token);
-                    }
-                    Err(err) => {
-                        tracing::debug!(%err, "prepared transfer refused");
-                        self.machine.handle_transfer(now, token, false);
-                    }
-                },
+                Action::PostPrepared { token, request } => {
+                    let lengths = self.local_lists.get(&request.local);
+                    let entry = |i: &u32| lengths.and_then(|l| l.get(*i as usize)).copied().unwrap_or(0);
+                    let bytes = request.local_indices.iter().map(entry).sum();
+                    let transfer = InFlight { posted: now, bytes, descriptors: request.local_indices.len() };
+                    let result = self.transport.post_prepared(request);
+                    self.posted(now, token, transfer, result);
+                }
                 Action::Disconnect(peer) => self.transport.disconnect(&peer),
                 Action::Report(report) => reports.push(report),
             }
         }
+        self.metrics.update(&self.machine.counters(), self.machine.connected_peers());
         reports
+    }
+
+    /// Records a transfer the transport took, or tells the machine it refused it.
+    fn posted(&mut self, now: Time, token: XferToken, transfer: InFlight, result: Result<TransferId, TransportError>) {
+        self.metrics.posted();
+        match result {
+            Ok(id) => {
+                self.in_flight.insert(id, (token, transfer));
+            }
+            Err(err) => {
+                tracing::debug!(%err, "transfer refused");
+                self.metrics.ended(&transfer, now, false);
+                self.machine.handle_transfer(now, token, false);
+            }
+        }
     }
 
     /// When the machine next wants a [`WorkerDriver::step`]; transport activity may come sooner.

@@ -16,7 +16,7 @@
 //! let config = Config::default(); // or `Config::from_extra` with vLLM's kv_connector_extra_config
 //! let address = PeerAddress("10.0.0.1:5600".into());
 //! let mut p = PrefillScheduler::new(EngineId::new("prefill0"), 1, vec![address], config)?;
-//! let mut d = DecodeScheduler::new(1, config)?;
+//! let mut d = DecodeScheduler::new(EngineId::new("decode0"), 1, config)?;
 //!
 //! // P finished a 40-token prompt in its blocks 7, 8 and 9: the router hands D what P returns.
 //! let request = RequestId::new("req-1");
@@ -89,7 +89,7 @@
 //!
 //! | engine moment | call |
 //! |---|---|
-//! | start-up | `DecodeScheduler::new(tp, config)?`, and per rank `DecodeWorker::new(pool.offer(..), config, pool)?` in a `WorkerDriver` |
+//! | start-up | `DecodeScheduler::new(engine, tp, config)?`, and per rank `DecodeWorker::new(pool.offer(..), config, pool)?` in a `WorkerDriver` |
 //! | a request with P's [`RemoteRef`] enters the waiting queue | `DecodeScheduler::handle_arrive(id, remote)` |
 //! | blocks are allocated for it | `DecodeScheduler::handle_schedule(id, blocks, prefix_hit)` |
 //! | it is rejected before admission | `DecodeScheduler::handle_reject(id, remote)` |
@@ -99,6 +99,13 @@
 //! kv-testkit's `cluster` module is a complete engine of both kinds over the in-memory
 //! transport, and reads as a worked example; xtask's `pull_pair` examples are the smallest
 //! pair, one engine code over the fake transport, NIXL and TCP.
+//!
+//! # Metrics
+//!
+//! With the `metrics` feature the schedulers and [`driver::WorkerDriver`] record what they count
+//! through the `metrics` facade: releases by reason, exports and blocks held, ignored messages
+//! by cause, transfers, bytes and times, the KV-ready latency, stranded block-seconds
+//! ([`metrics::METRICS`] lists them). Install the engine's recorder before building them.
 //!
 //! # Decisions beyond vLLM
 //!
@@ -123,6 +130,7 @@ mod common;
 mod config;
 mod decode;
 pub mod driver;
+pub mod metrics;
 mod prefill;
 
 pub use common::{Action, Consumer, Counters, ExportInfo, LocalPool, RemoteRef, XferToken};

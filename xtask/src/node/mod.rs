@@ -620,7 +620,8 @@ impl Side for DecodeSide {
     const ROLE: Role = Role::Decode;
 
     fn new(config: &NodeConfig, addresses: Vec<PeerAddress>) -> Result<Self> {
-        let scheduler = DecodeScheduler::new(addresses.len() as u32, config.connector())?;
+        let scheduler =
+            DecodeScheduler::new(EngineId::new(config.name.clone()), addresses.len() as u32, config.connector())?;
         Ok(DecodeSide { scheduler, loads: HashMap::new(), waiting: VecDeque::new() })
     }
 

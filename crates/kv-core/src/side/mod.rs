@@ -212,6 +212,41 @@ pub enum RefusalCause {
     Replayed,
 }
 
+impl RefusalCause {
+    /// Every cause, in declaration order.
+    pub const ALL: [RefusalCause; 9] = [
+        RefusalCause::Malformed,
+        RefusalCause::Unauthenticated,
+        RefusalCause::Version,
+        RefusalCause::Incompatible,
+        RefusalCause::Impersonation,
+        RefusalCause::Stale,
+        RefusalCause::Overloaded,
+        RefusalCause::Timeout,
+        RefusalCause::Replayed,
+    ];
+
+    /// The cause's name, in lower case (a metric's label value).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusalCause::Malformed => "malformed",
+            RefusalCause::Unauthenticated => "unauthenticated",
+            RefusalCause::Version => "version",
+            RefusalCause::Incompatible => "incompatible",
+            RefusalCause::Impersonation => "impersonation",
+            RefusalCause::Stale => "stale",
+            RefusalCause::Overloaded => "overloaded",
+            RefusalCause::Timeout => "timeout",
+            RefusalCause::Replayed => "replayed",
+        }
+    }
+
+    /// Its place in [`RefusalCause::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// What happened on the side channel.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum SideEvent {

@@ -3,10 +3,11 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kv_core::{BlockId, RequestId};
+use kv_core::{BlockId, EngineId, RequestId};
 
 use crate::common::RemoteRef;
 use crate::config::{Config, ConfigError, LoadFailurePolicy, Mode};
+use crate::metrics::DecodeMetrics;
 
 /// What D's scheduler tells a worker rank.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -59,6 +60,9 @@ pub enum DecodeReport {
         request: RequestId,
         /// How.
         outcome: LoadOutcome,
+        /// Loaded: how long after P finished the prompt this rank came to hold its KV, when
+        /// known (P's finish is known once it has exported; see [`crate::ExportInfo::finished`]).
+        kv_latency: Option<std::time::Duration>,
     },
     /// Push: the rank gave the load up, but P may still be writing into its blocks; they stay
     /// in quarantine until the rank reports `Finished`.
@@ -162,27 +166,38 @@ struct SchedulerRequest {
     blocks: Vec<BlockId>,
     finished: BTreeMap<u32, LoadOutcome>,
     aborting: bool,
+    /// The slowest rank's time from P's finish to holding its KV, as the ranks report it;
+    /// `None` once a rank could not tell.
+    kv_latency: Option<std::time::Duration>,
 }
 
 /// D's scheduler side. It keeps a request only while it is waiting, loading, or its blocks are
 /// in quarantine; an ended request is forgotten once its blocks are back.
 #[derive(Debug)]
 pub struct DecodeScheduler {
+    engine: EngineId,
     tp: u32,
     config: Config,
     requests: BTreeMap<RequestId, SchedulerRequest>,
     events: VecDeque<DecodeEvent>,
+    metrics: DecodeMetrics,
 }
 
 impl DecodeScheduler {
-    /// A scheduler for an engine of `tp` ranks; fails on settings that cannot work
+    /// A scheduler for `engine`, of `tp` ranks; fails on settings that cannot work
     /// ([`Config::validate`]) or no ranks.
-    pub fn new(tp: u32, config: Config) -> Result<Self, ConfigError> {
+    pub fn new(engine: EngineId, tp: u32, config: Config) -> Result<Self, ConfigError> {
         config.validate()?;
         if tp == 0 {
             return Err(ConfigError::NoRanks { tp });
         }
-        Ok(DecodeScheduler { tp, config, requests: BTreeMap::new(), events: VecDeque::new() })
+        let metrics = DecodeMetrics::new(&engine);
+        Ok(DecodeScheduler { engine, tp, config, requests: BTreeMap::new(), events: VecDeque::new(), metrics })
+    }
+
+    /// The engine's id.
+    pub fn engine(&self) -> &EngineId {
+        &self.engine
     }
 
     fn broadcast(&mut self, command: impl Fn() -> DecodeCommand) {
@@ -211,6 +226,7 @@ impl DecodeScheduler {
             blocks: Vec::new(),
             finished: BTreeMap::new(),
             aborting: false,
+            kv_latency: Some(std::time::Duration::ZERO),
         };
         self.requests.insert(request.clone(), entry);
         self.broadcast(|| DecodeCommand::Track { request: request.clone(), remote: remote.clone() });
@@ -275,9 +291,10 @@ impl DecodeScheduler {
                     self.events.push_back(DecodeEvent::Ended { request, state });
                 }
             }
-            DecodeReport::Finished { request, outcome } => {
+            DecodeReport::Finished { request, outcome, kv_latency } => {
                 let Some(entry) = self.requests.get_mut(&request) else { return Ok(()) };
                 entry.finished.insert(rank, outcome);
+                entry.kv_latency = entry.kv_latency.zip(kv_latency).map(|(a, b)| a.max(b));
                 match entry.state {
                     DecodeState::Waiting if outcome != LoadOutcome::Loaded => {
                         // P's export is gone before the load began: nothing is held, tell every rank.
@@ -299,6 +316,9 @@ impl DecodeScheduler {
                             };
                             self.events.push_back(DecodeEvent::Ended { request: request.clone(), state });
                             if state == DecodeState::Ready {
+                                if let Some(latency) = entry.kv_latency {
+                                    self.metrics.kv_ready(latency);
+                                }
                                 return Ok(());
                             }
                         }
@@ -313,7 +333,14 @@ impl DecodeScheduler {
 
     /// The next thing the engine must do.
     pub fn poll_event(&mut self) -> Option<DecodeEvent> {
-        self.events.pop_front()
+        let event = self.events.pop_front();
+        match &event {
+            Some(DecodeEvent::Ended { state, .. }) => self.metrics.ended(*state),
+            Some(_) => {}
+            // Drained: the held blocks as they stand now.
+            None => self.metrics.held(self.requests.values().map(|e| e.blocks.len()).sum()),
+        }
+        event
     }
 
     /// Where a request stands, while this engine keeps it (ended requests are forgotten once

@@ -30,8 +30,8 @@ use kv_lease::HeartbeatPlanner;
 
 use super::scheduler::{DecodeCommand, DecodeReport, LoadOutcome};
 use crate::common::{
-    block_indices, request_span, Action, Consumer, Counters, LocalPool, Outbox, Peer, PreparedLists, RemoteRef,
-    XferToken,
+    block_indices, request_span, Action, Consumer, Counters, Ignored, LocalPool, Outbox, Peer, PreparedLists,
+    RemoteRef, XferToken,
 };
 use crate::config::{Config, ConfigError, Mode};
 
@@ -144,6 +144,11 @@ impl DecodeWorker {
         self.counters
     }
 
+    /// P ranks connected to this rank (handshake completed).
+    pub fn connected_peers(&self) -> usize {
+        self.peers.len()
+    }
+
     /// Requests this rank is tracking or loading.
     pub fn active(&self) -> usize {
         self.loads.len()
@@ -230,14 +235,14 @@ impl DecodeWorker {
             // gets the requests the router named for its old self): it may free the blocks
             // at any time for that one, so they are never safe to read here.
             tracing::warn!(%request, %consumer, "the export is bound to another engine incarnation");
-            self.out.report(DecodeReport::Finished { request, outcome: LoadOutcome::Failed });
+            self.out.report(DecodeReport::Finished { request, outcome: LoadOutcome::Failed, kv_latency: None });
             return;
         }
         let (tp, plan, targets) = match self.map_remote(&remote) {
             Ok(mapped) => mapped,
             Err(error) => {
                 tracing::warn!(%request, %error, "P's parameters do not map onto this engine");
-                self.out.report(DecodeReport::Finished { request, outcome: LoadOutcome::Failed });
+                self.out.report(DecodeReport::Finished { request, outcome: LoadOutcome::Failed, kv_latency: None });
                 return;
             }
         };
@@ -301,7 +306,7 @@ impl DecodeWorker {
             for target in load.targets.clone() {
                 self.send_to(&target, completion.clone());
             }
-            self.finish(request, true);
+            self.finish(now, request, true);
             return;
         }
         match self.config.mode {
@@ -478,7 +483,7 @@ impl DecodeWorker {
             self.send_to(target, abort.clone());
         }
         if !quarantine {
-            self.finish(request, false);
+            self.finish(now, request, false);
         }
     }
 
@@ -492,7 +497,7 @@ impl DecodeWorker {
     }
 
     /// Ends the load on this rank and reports it.
-    fn finish(&mut self, request: &RequestId, ok: bool) {
+    fn finish(&mut self, now: Time, request: &RequestId, ok: bool) {
         let Some(load) = self.loads.remove(request) else { return };
         for target in &load.targets {
             self.heartbeats.untrack(target, &load.remote.request);
@@ -519,7 +524,20 @@ impl DecodeWorker {
                 }
             }
         }
-        self.out.report(DecodeReport::Finished { request: request.clone(), outcome });
+        let kv_latency = match outcome {
+            LoadOutcome::Loaded => self.kv_latency(now, &load),
+            _ => None,
+        };
+        self.out.report(DecodeReport::Finished { request: request.clone(), outcome, kv_latency });
+    }
+
+    /// How long after P finished the prompt this rank came to hold its KV (`now`), across the
+    /// clock offset measured at the handshake; unknown when P had not finished when the load
+    /// began (push, D first) or no P rank of it is connected.
+    fn kv_latency(&self, now: Time, load: &Load) -> Option<std::time::Duration> {
+        let finished = load.remote.export.as_ref()?.finished;
+        let peer = load.targets.iter().find_map(|t| self.peers.get(t))?;
+        Some(now.saturating_since(peer.offset.to_local(finished)))
     }
 
     /// A peer event from the transport.
@@ -593,7 +611,9 @@ impl DecodeWorker {
 
     /// A P rank is gone or unreachable: loads that need it fail once nothing can touch D's blocks.
     fn peer_gone(&mut self, now: Time, agent: &AgentName) {
-        self.peers.remove(agent);
+        if self.peers.remove(agent).is_some() {
+            self.counters.peers_lost += 1;
+        }
         self.lists.forget(agent);
         self.queued.remove(agent);
         self.heartbeats.forget(agent);
@@ -606,7 +626,7 @@ impl DecodeWorker {
                 // Its reads fail through the transport; their bytes are not trusted either way.
                 Phase::Reading => load.failed = true,
                 // A P rank seen gone writes nothing more.
-                Phase::Cancelling => self.settle_cancel(&request),
+                Phase::Cancelling => self.settle_cancel(now, &request),
                 Phase::Waiting | Phase::Starting | Phase::Registered => self.fail(now, &request),
             }
         }
@@ -619,13 +639,14 @@ impl DecodeWorker {
             Ok(message) => message,
             Err(err) => {
                 tracing::debug!(%from, %err, "malformed notification");
-                self.counters.ignored_messages += 1;
+                self.counters.ignored(Ignored::Malformed);
                 return;
             }
         };
-        if self.peers.get(&from).is_none_or(|p| p.handshake.role != Role::Prefill) {
-            self.counters.ignored_messages += 1;
-            return;
+        match self.peers.get(&from) {
+            None => return self.counters.ignored(Ignored::Unauthenticated),
+            Some(peer) if peer.handshake.role != Role::Prefill => return self.counters.ignored(Ignored::Unknown),
+            Some(_) => {}
         }
         match message {
             Message::HeartbeatAck { renewals } => {
@@ -639,7 +660,7 @@ impl DecodeWorker {
             Message::Completion { request, .. } => self.on_push_answer(now, &from, &request, true),
             Message::Abort { request } => self.on_push_answer(now, &from, &request, false),
             Message::Heartbeat { .. } | Message::Rejection { .. } | Message::PushRegistration(_) => {
-                self.counters.ignored_messages += 1
+                self.counters.ignored(Ignored::Unknown)
             }
         }
     }
@@ -698,7 +719,7 @@ impl DecodeWorker {
         if load.phase == Phase::Cancelling {
             // Given up already: a write that landed, or P's word that none will, both say
             // that no write can come from that rank any more.
-            return self.settle_cancel(&request);
+            return self.settle_cancel(now, &request);
         }
         if !written && !load.failed && !load.aborted {
             // One P rank will not write: the load cannot complete; stop the others too.
@@ -709,15 +730,15 @@ impl DecodeWorker {
         let answered = load.targets.iter().all(|t| load.written.contains(&t.rank) || load.declined.contains(&t.rank));
         if answered {
             let all_written = load.targets.iter().all(|t| load.written.contains(&t.rank));
-            self.finish(&request, all_written);
+            self.finish(now, &request, all_written);
         }
     }
 
     /// Push, given up: the blocks leave quarantine once every P rank has answered.
-    fn settle_cancel(&mut self, request: &RequestId) {
+    fn settle_cancel(&mut self, now: Time, request: &RequestId) {
         let Some(load) = self.loads.get(request) else { return };
         if load.targets.iter().all(|t| load.written.contains(&t.rank) || load.declined.contains(&t.rank)) {
-            self.finish(request, false);
+            self.finish(now, request, false);
         }
     }
 
@@ -746,7 +767,7 @@ impl DecodeWorker {
                     self.send_to(&target, abort.clone());
                 }
             }
-            self.finish(&request, true);
+            self.finish(now, &request, true);
         }
     }
 
@@ -776,7 +797,7 @@ impl DecodeWorker {
             .collect();
         for request in released {
             tracing::warn!(%request, "P never said that no write can come; the quarantine ends and the blocks go back");
-            self.finish(&request, false);
+            self.finish(now, &request, false);
         }
         let stale: Vec<RequestId> = self
             .loads

@@ -73,6 +73,12 @@ impl WorkerMachine for Script {
     fn awaits_peers(&self) -> bool {
         self.awaits_peers
     }
+    fn counters(&self) -> Counters {
+        Counters::default()
+    }
+    fn connected_peers(&self) -> usize {
+        0
+    }
 }
 
 fn p0() -> AgentName {
@@ -176,6 +182,7 @@ fn the_wait_time_is_the_deadline_bounded_by_what_the_transport_cannot_signal() {
 fn the_waker_goes_to_the_transport() {
     let mut port = MockPort::new();
     port.expect_set_waker().times(1).return_const(());
+    port.expect_agent().return_const(p0());
     let mut driver = WorkerDriver::new(Script::default(), Box::new(port));
     driver.set_waker(thread_waker());
 }

@@ -7,6 +7,7 @@ use kv_core::{BlockId, EngineId, PeerAddress, RequestId, Time};
 
 use crate::common::{Consumer, ExportInfo, RemoteRef};
 use crate::config::{Config, ConfigError, ReleaseReason};
+use crate::metrics::PrefillMetrics;
 
 /// What P's scheduler tells a worker rank.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -93,6 +94,7 @@ pub struct PrefillScheduler {
     config: Config,
     exports: BTreeMap<RequestId, SchedulerExport>,
     events: VecDeque<PrefillEvent>,
+    metrics: PrefillMetrics,
 }
 
 impl PrefillScheduler {
@@ -111,6 +113,7 @@ impl PrefillScheduler {
             return Err(ConfigError::NoRanks { tp });
         }
         Ok(PrefillScheduler {
+            metrics: PrefillMetrics::new(&engine),
             engine,
             instance,
             tp,
@@ -148,6 +151,7 @@ impl PrefillScheduler {
             };
             self.events.push_back(PrefillEvent::ToWorker { rank, command });
         }
+        self.metrics.exported(&blocks);
         self.exports.insert(
             request.clone(),
             SchedulerExport { blocks: blocks.clone(), released: BTreeSet::new(), reason: None },
@@ -159,7 +163,7 @@ impl PrefillScheduler {
             tp_size: self.tp,
             instance: Some(self.instance),
             prompt_tokens,
-            export: Some(ExportInfo { blocks, deadline }),
+            export: Some(ExportInfo { blocks, deadline, finished: now }),
             consumer,
         })
     }
@@ -180,6 +184,7 @@ impl PrefillScheduler {
             let export = self.exports.remove(&request).expect("present");
             let _span = crate::common::request_span(&self.engine, None, &request).entered();
             tracing::debug!(%reason, blocks = export.blocks.len(), "export freed on every rank");
+            self.metrics.freed(&export.blocks, reason);
             self.events.push_back(PrefillEvent::Free { request, blocks: export.blocks, reason });
         }
         Ok(())

@@ -27,15 +27,15 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kv_core::{
     check_compatible, AgentName, BlockId, EngineId, Granularity, Handshake, Initiator, LeaseState, Message,
-    Notification, PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer, PushRegistration, Renewal, RequestId,
-    Role, Time, TransferOp, TransferPlan, TransferRequest, TransportError,
+    Notification, PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer, PushRegistration, RefusalCause,
+    Renewal, RequestId, Role, Time, TransferOp, TransferPlan, TransferRequest, TransportError,
 };
 use kv_lease::LeaseTable;
 
 use super::book::{EarlyStage, GoneIncarnations, Recent};
 use super::scheduler::{PrefillCommand, PrefillReport};
 use crate::common::{
-    block_indices, request_span, Action, Consumer, Counters, LocalPool, Outbox, Peer, PreparedLists, XferToken,
+    block_indices, request_span, Action, Consumer, Counters, Ignored, LocalPool, Outbox, Peer, PreparedLists, XferToken,
 };
 use crate::config::{Config, ConfigError, Mode, ReleaseReason};
 
@@ -78,10 +78,20 @@ struct Early {
 }
 
 /// The exports of one prompt (one, or its parallel-sampling siblings) and their one owner.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Family {
     owner: Option<Consumer>,
     members: BTreeSet<RequestId>,
+    /// When its first export registered on this rank.
+    since: Time,
+    /// Its stranded block-time is counted up to here.
+    accounted: Time,
+}
+
+impl Family {
+    fn new(now: Time) -> Self {
+        Family { owner: None, members: BTreeSet::new(), since: now, accounted: now }
+    }
 }
 
 #[derive(Debug)]
@@ -149,6 +159,13 @@ pub struct PrefillWorker {
     lists: PreparedLists,
     out: Outbox<PrefillReport>,
     counters: Counters,
+    /// When each D engine incarnation connected to this rank was last heard from (for the
+    /// stranded block-time; an entry goes with the incarnation's agents).
+    heard: BTreeMap<Consumer, Time>,
+    /// Stranded block-time, in block-nanoseconds.
+    stranded_block_ns: u128,
+    /// When every family's stranded block-time is next brought up to date.
+    next_accrual: Time,
 }
 
 impl PrefillWorker {
@@ -176,6 +193,9 @@ impl PrefillWorker {
             lists: PreparedLists::default(),
             out: Outbox::default(),
             counters: Counters::default(),
+            heard: BTreeMap::new(),
+            stranded_block_ns: 0,
+            next_accrual: Time::ZERO,
         })
     }
 
@@ -191,6 +211,11 @@ impl PrefillWorker {
     /// What this rank counted.
     pub fn counters(&self) -> Counters {
         self.counters
+    }
+
+    /// D ranks connected to this rank (handshake completed).
+    pub fn connected_peers(&self) -> usize {
+        self.peers.len()
     }
 
     /// Exports this rank holds.
@@ -252,7 +277,7 @@ impl PrefillWorker {
         self.exports.insert(request.clone(), export);
         self.leases.grant(request.clone(), deadline).expect("a new export has no lease");
         self.by_base.entry(request.base()).or_default().insert(request.clone());
-        let family = self.families.entry(family_id).or_default();
+        let family = self.families.entry(family_id).or_insert_with(|| Family::new(now));
         family.members.insert(request.clone());
         if let Some(consumer) = consumer {
             // The router's choice binds the family; siblings were exported with the same one.
@@ -292,7 +317,7 @@ impl PrefillWorker {
                 let incarnation = Consumer::of(&info.handshake);
                 if self.gone.is_gone(&incarnation) {
                     tracing::warn!(peer = %info.agent, %incarnation, "a stale incarnation handshook; dropped");
-                    self.counters.ignored_messages += 1;
+                    self.counters.refusal(RefusalCause::Stale);
                     // Its side channel closes, so that it learns it is gone (if it still runs)
                     // and ends what it would load from this rank.
                     self.out.disconnect(info.agent.clone());
@@ -301,10 +326,11 @@ impl PrefillWorker {
                 match check_compatible(&self.offer, &info.handshake) {
                     Ok(compat) => {
                         self.peers.insert(info.agent.clone(), Peer::new(&info, compat));
+                        self.hear(now, &incarnation);
                     }
                     Err(err) => {
                         tracing::warn!(peer = %info.agent, %err, "incompatible peer ignored");
-                        self.counters.ignored_messages += 1;
+                        self.counters.refusal(RefusalCause::Incompatible);
                     }
                 }
                 // A newer incarnation handshaking says every older one of its engine is gone.
@@ -322,10 +348,12 @@ impl PrefillWorker {
     /// What it staged stays staged: settled when its export registers, then released.
     fn peer_gone(&mut self, now: Time, agent: &AgentName) {
         let Some(peer) = self.peers.remove(agent) else { return };
+        self.counters.peers_lost += 1;
         self.lists.forget(agent);
         let gone = peer.consumer();
         self.gone.mark_below(&gone.engine, gone.instance.saturating_add(1));
         self.release_gone_owners(now);
+        self.heard.retain(|consumer, _| !self.gone.is_gone(consumer));
     }
 
     /// Discovery says incarnation `instance` of `engine`, and every older one, is gone (its
@@ -343,6 +371,7 @@ impl PrefillWorker {
             }
         }
         self.release_gone_owners(now);
+        self.heard.retain(|consumer, _| !self.gone.is_gone(consumer));
     }
 
     /// Releases every export whose owner is known to be gone.
@@ -377,7 +406,7 @@ impl PrefillWorker {
             Ok(message) => self.on_message(now, notification.from, message),
             Err(err) => {
                 tracing::debug!(from = %notification.from, %err, "malformed notification");
-                self.counters.ignored_messages += 1;
+                self.counters.ignored(Ignored::Malformed);
             }
         }
     }
@@ -416,6 +445,15 @@ impl PrefillWorker {
     /// The clock reached a wake-up (spurious wake-ups are harmless).
     pub fn handle_timeout(&mut self, now: Time) {
         self.reap_expired(now);
+        if now >= self.next_accrual {
+            // Brought up to date at most once a heartbeat interval (and at every release), so
+            // that the count moves while an export stays stranded.
+            self.next_accrual = now + self.config.heartbeat_interval;
+            let families: Vec<RequestId> = self.families.keys().cloned().collect();
+            for family in families {
+                self.accrue_stranded(now, &family);
+            }
+        }
         self.counters.early_evicted += self.early.expire(now.saturating_sub(self.stage_lifetime()));
         self.recent.expire(now.saturating_sub(self.config.kv_lease_duration * 2));
         self.pulled.expire(now.saturating_sub(self.config.kv_lease_duration));
@@ -436,18 +474,56 @@ impl PrefillWorker {
     fn on_message(&mut self, now: Time, from: AgentName, message: Message) {
         let Some(peer) = self.peers.get(&from) else {
             tracing::debug!(%from, "message from a peer without a handshake");
-            self.counters.ignored_messages += 1;
+            self.counters.ignored(Ignored::Unauthenticated);
             return;
         };
         let rank = self.offer.rank;
         if peer.handshake.role != Role::Decode
             || !peer.compat.tp.consumers_of_prefill_rank(rank).is_ok_and(|c| c.contains(&from.rank))
         {
-            self.counters.ignored_messages += 1;
+            self.counters.ignored(Ignored::Unknown);
             return;
         }
         let claimant = Claimant::of(&from, peer, rank);
+        self.hear(now, &claimant.consumer);
         self.on_claim(now, claimant, message);
+    }
+
+    /// Something came from `consumer`: if it was silent, the families it owns (and those no
+    /// one owns yet, which its message may claim) were stranded until now.
+    fn hear(&mut self, now: Time, consumer: &Consumer) {
+        let silent_after = self.config.heartbeat_interval * 2;
+        let was_silent = self.heard.get(consumer).is_none_or(|&last| now > last + silent_after);
+        if was_silent {
+            let families: Vec<RequestId> = self
+                .families
+                .iter()
+                .filter(|(_, f)| f.owner.as_ref().is_none_or(|o| o == consumer))
+                .map(|(id, _)| id.clone())
+                .collect();
+            for family in families {
+                self.accrue_stranded(now, &family);
+            }
+        }
+        self.heard.insert(consumer.clone(), now);
+    }
+
+    /// Counts the block-time family `id` held, from its last accounting to `now`, while its
+    /// owner was silent: nothing from it for two heartbeat intervals (from the family's first
+    /// registration, when no one owns it or its owner was never heard from).
+    fn accrue_stranded(&mut self, now: Time, id: &RequestId) {
+        let Some(family) = self.families.get(id) else { return };
+        let heard = family.owner.as_ref().and_then(|o| self.heard.get(o)).copied();
+        let last = heard.map_or(family.since, |h| h.max(family.since));
+        let from = family.accounted.max(last + self.config.heartbeat_interval * 2);
+        if now > from {
+            // Siblings share their prompt's blocks: a family holds them once.
+            let blocks = family.members.iter().filter_map(|m| self.exports.get(m)).map(|e| e.blocks.len()).max();
+            self.stranded_block_ns += blocks.unwrap_or(0) as u128 * now.saturating_since(from).as_nanos();
+            self.counters.stranded_block_ms = u64::try_from(self.stranded_block_ns / 1_000_000).unwrap_or(u64::MAX);
+        }
+        let family = self.families.get_mut(id).expect("present");
+        family.accounted = family.accounted.max(now);
     }
 
     /// A message from a D rank, now or as staged.
@@ -458,7 +534,7 @@ impl PrefillWorker {
             Message::Rejection { request } => self.on_ended(now, from, request, ReleaseReason::Rejected),
             Message::Abort { request } => self.on_ended(now, from, request, ReleaseReason::Aborted),
             Message::PushRegistration(reg) => self.on_registration(now, from, reg),
-            Message::HeartbeatAck { .. } => self.counters.ignored_messages += 1,
+            Message::HeartbeatAck { .. } => self.counters.ignored(Ignored::Unknown),
         }
     }
 
@@ -595,7 +671,10 @@ impl PrefillWorker {
         for request in requests {
             let lease = match self.resolve(&request) {
                 Some(id) if self.bind(&id, &from) => match self.leases.renew(&id, now, extension) {
-                    Some(deadline) => LeaseState::Held(deadline),
+                    Some(deadline) => {
+                        self.counters.leases_renewed += 1;
+                        LeaseState::Held(deadline)
+                    }
                     // Push: a write into that rank's blocks is in flight; "released" would tell
                     // D that none is, and D would free the blocks under it. The write's own
                     // completion answers.
@@ -629,7 +708,7 @@ impl PrefillWorker {
     fn on_registration(&mut self, now: Time, from: Claimant, reg: PushRegistration) {
         let agent = from.agent.clone();
         if self.config.mode != Mode::Push || reg.decode_engine != agent.engine || reg.decode_rank != agent.rank {
-            self.counters.ignored_messages += 1;
+            self.counters.ignored(Ignored::Unknown);
             return;
         }
         if self.cancelled.contains(&(agent.clone(), reg.request.base())) {
@@ -741,7 +820,7 @@ impl PrefillWorker {
             (Err(err), _) => {
                 tracing::warn!(request = %id, peer = %to, %err, "cannot write into the registered blocks");
                 export.registrations.remove(to);
-                self.counters.ignored_messages += 1;
+                self.counters.ignored(Ignored::Malformed);
                 self.out.send(to, &Message::Abort { request: reg.request });
             }
             (_, Err(err)) => tracing::warn!(request = %id, %err, "completion does not encode"),
@@ -770,6 +849,8 @@ impl PrefillWorker {
             self.exports.get_mut(id).expect("exists").deferred.get_or_insert(reason);
             return;
         }
+        let family = self.exports[id].family.clone();
+        self.accrue_stranded(now, &family);
         let export = self.exports.remove(id).expect("exists");
         self.leases.release(id);
         if let Some(set) = self.by_base.get_mut(&id.base()) {

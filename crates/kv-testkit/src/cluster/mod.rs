@@ -316,7 +316,7 @@ impl Cluster {
         let spec = &self.config.spec;
         Ok(DecodeEngine {
             id: id.clone(),
-            scheduler: DecodeScheduler::new(spec.decode_tp, connector)
+            scheduler: DecodeScheduler::new(id.clone(), spec.decode_tp, connector)
                 .map_err(|e| ClusterError(format!("{id}: {e}")))?,
             workers,
             ranks,

@@ -6,30 +6,12 @@ use std::collections::BTreeSet;
 
 use kv_core::{BlockId, EngineId, RequestId};
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
-use kv_sched_adapter::{Counters, DecodeState, DecodeWorker, PrefillWorker, ReleaseReason};
+use kv_sched_adapter::{Counters, DecodeState, ReleaseReason};
 
 use super::Cluster;
 
-/// A worker that counts what it saw and dropped: P's or D's.
-pub(super) trait Counted: WorkerMachine {
-    /// Its counters so far.
-    fn counters(&self) -> Counters;
-}
-
-impl Counted for PrefillWorker {
-    fn counters(&self) -> Counters {
-        PrefillWorker::counters(self)
-    }
-}
-
-impl Counted for DecodeWorker {
-    fn counters(&self) -> Counters {
-        DecodeWorker::counters(self)
-    }
-}
-
 /// The counters of an engine's workers, summed over its TP ranks.
-pub(super) fn worker_counters<M: Counted>(workers: &[WorkerDriver<M>]) -> Counters {
+pub(super) fn worker_counters<M: WorkerMachine>(workers: &[WorkerDriver<M>]) -> Counters {
     let mut total = Counters::default();
     for w in workers {
         total.add(&w.machine_ref().counters());

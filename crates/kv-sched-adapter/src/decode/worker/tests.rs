@@ -46,7 +46,8 @@ fn a_worker_is_refused_when_its_offer_or_settings_disagree_naming_the_values() {
         "the handshake offer's regions is [], but the pool's is [RegionBase { addr: 1048576, len: 16384 }]",
     );
     check(1, &|_, c| c.kv_lease_duration = std::time::Duration::ZERO, "kv_lease_duration must be positive, not 0");
-    assert!(DecodeScheduler::new(0, Config::default()).is_err_and(|e| e.to_string().contains("got 0")));
+    assert!(DecodeScheduler::new(EngineId::new("decode0"), 0, Config::default())
+        .is_err_and(|e| e.to_string().contains("got 0")));
 }
 
 fn remote(tp_size: u32, addresses: usize) -> RemoteRef {
