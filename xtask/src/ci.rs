@@ -9,15 +9,15 @@ use crate::demo::DemoArgs;
 use crate::provision;
 use crate::workspace::{self, cargo, cargo_env};
 
-/// Runs the fmt check, provisions libclang, protoc, etcd and the NIXL runtime (see [`provision::ensure`]),
-/// then clippy with `-D warnings` and every test of the workspace, with the provisioned paths in
-/// their environment, the examples, `cargo package` of every library crate, then a short demo
-/// in each mode over each transport, and the attack suite.
+/// Runs the fmt check, provisions libclang, protoc, etcd, promtool and the NIXL runtime (see
+/// [`provision::ensure`]), then clippy with `-D warnings` and every test of the workspace, with
+/// the provisioned paths in their environment, the examples, `cargo package` of every library
+/// crate, then a short demo in each mode over each transport, and the attack suite.
 pub fn run() -> Result<()> {
     let root = workspace::root();
     cargo(&root, &["fmt", "--all", "--", "--check"])?;
-    let nixl =
-        provision::ensure().context("cannot provision what nixl-sys and etcd-client need (see `cargo xtask setup`)")?;
+    let nixl = provision::ensure()
+        .context("cannot provision what nixl-sys, etcd-client and the demo need (see `cargo xtask setup`)")?;
     let envs = nixl.envs();
     for (key, value) in &envs {
         eprintln!("xtask: {key}={value}");

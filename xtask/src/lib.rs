@@ -6,6 +6,8 @@
 //! - [`logging`]: the `tracing` subscriber the binaries install (`RUST_LOG`, to stderr).
 //! - [`stats`]: the quantile every report uses; [`procfs`]: a process's `/proc/PID/stat`.
 //! - [`pattern`]: the bytes P computes for a prompt block, which D checks on arrival.
+//! - [`prometheus`]: the engines' metrics endpoint (Prometheus's text format over plain
+//!   HTTP), the router's scrape of it, and a parser of what it scrapes.
 //! - `node` (feature `nixl`): an engine process, P or D, running kvflow's connectors over
 //!   `NixlTransport` with host-memory KV pools from kv-cuda.
 //! - `attacker` (feature `nixl`): the `kvflow-attack` process of `cargo xtask attack`, which
@@ -18,6 +20,7 @@
 pub mod logging;
 pub mod pattern;
 pub mod procfs;
+pub mod prometheus;
 pub mod proto;
 pub mod stats;
 

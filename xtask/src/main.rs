@@ -35,7 +35,8 @@ enum Task {
     /// The fmt check, setup, clippy with -D warnings, every test of the workspace, packaging,
     /// a short demo in each mode and the attack suite.
     Ci,
-    /// Fetch what nixl-sys needs: libclang (apt-get as root) and the NIXL runtime (.nixl/).
+    /// Fetch what the builds and the demo need: libclang, protoc, etcd and promtool (apt-get as
+    /// root) and the NIXL runtime (.nixl/).
     Setup,
     /// Scenario files, or seeded random workloads, on the simulated cluster.
     Sim(sim::SimArgs),

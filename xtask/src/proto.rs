@@ -5,7 +5,6 @@
 //! the router can compare them across processes on the one host; durations are measured on
 //! each engine's monotonic clock.
 
-use std::collections::BTreeMap;
 use std::io::Write;
 
 use kv_core::{Attention, BlockId, EngineId, KvLayout, PeerAddress, Placement, RequestId, Time};
@@ -123,6 +122,11 @@ pub struct NodeConfig {
     /// their side channels).
     #[serde(default)]
     pub discovery: Option<EtcdSettings>,
+    /// Where it serves its metrics in Prometheus's text format (`GET /metrics`); port 0 takes
+    /// any free port, which `Ready` reports. `None`: no metrics (`kvflow-node --metrics-addr`
+    /// sets it too).
+    #[serde(default)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// Where the run's etcd is and how long an engine's registration outlives its last renewal.
@@ -306,6 +310,9 @@ pub enum Event {
     Ready {
         /// Each rank's side-channel port.
         ports: Vec<u16>,
+        /// The port its metrics endpoint listens on, if it serves one.
+        #[serde(default)]
+        metrics_port: Option<u16>,
     },
     /// P exported a request (one event per sibling).
     Exported {
@@ -356,14 +363,13 @@ pub enum Event {
         /// Whether it succeeded.
         ok: bool,
     },
-    /// Counts, on [`Command::Stats`].
+    /// The demo's own checks of the pool, on [`Command::Stats`] (the connector's counts are
+    /// on the engine's metrics endpoint).
     Stats {
         /// Blocks of the pool still allocated.
         held_blocks: u64,
         /// Blocks found written after they were freed, when allocated again.
         written_after_free: u64,
-        /// The connector's counters, by name.
-        counters: BTreeMap<String, u64>,
     },
     /// Something went wrong that the report must show.
     Error {

@@ -1,7 +1,7 @@
 //! `cargo xtask setup`: provisions what the workspace needs to build and to run, on a fresh
 //! machine.
 //!
-//! Four things are needed (see DESIGN.md, "Transport" and "Deployment"):
+//! Five things are needed (see DESIGN.md, "Transport", "Deployment" and "Observability"):
 //!
 //! - **libclang**, for the bindgen run in nixl-sys's build script, with clang's resource
 //!   headers (`stddef.h`, `stdbool.h`, ...). An existing `LIBCLANG_PATH` is honoured; else the
@@ -15,12 +15,15 @@
 //!   `protobuf-compiler` only recommends).
 //! - **etcd**, the server kv-discovery-etcd's tests and the demo start for themselves: `etcd` on
 //!   `PATH`, else Debian's `etcd-server` is installed. Nothing here starts it.
+//! - **promtool**, with which the demo checks every engine's metrics exposition
+//!   (`promtool check metrics`): `promtool` on `PATH`, else Debian's `prometheus` is installed
+//!   (about 19 MB; nothing here starts its server).
 //! - **the NIXL runtime**, from the `nixl-cu12` 1.5.1 wheel on PyPI: fetched with
 //!   `python3 -m pip download` (or taken from `KVFLOW_NIXL_WHEEL`), checked against its
 //!   SHA-256, and unpacked into `<workspace>/.nixl/nixl_cu12-1.5.1/`. The runtime folder, which
 //!   holds `libnixl_capi.so`, is then always [`RUNTIME_SUBDIR`] under the workspace root.
 //!
-//! The Debian packages for whatever of the first three is missing are installed together, with
+//! The Debian packages for whatever of the first four is missing are installed together, with
 //! one `apt-get update` and one `apt-get install`, as root; without root or apt-get, [`ensure`]
 //! fails and says which packages to install.
 //!
@@ -80,6 +83,8 @@ pub struct NixlEnv {
     pub protoc: PathBuf,
     /// The etcd server the discovery tests and the demo start.
     pub etcd: PathBuf,
+    /// The promtool the demo checks the engines' metrics with.
+    pub promtool: PathBuf,
 }
 
 impl NixlEnv {
@@ -92,14 +97,15 @@ impl NixlEnv {
     }
 }
 
-/// `cargo xtask setup`: provisions libclang, protoc, etcd and the NIXL runtime, then prints
-/// where they are.
+/// `cargo xtask setup`: provisions libclang, protoc, etcd, promtool and the NIXL runtime, then
+/// prints where they are.
 pub fn run() -> Result<()> {
     let start = Instant::now();
     let env = ensure()?;
     println!("libclang        {}", env.libclang_dir.display());
     println!("protoc          {}", env.protoc.display());
     println!("etcd            {}", env.etcd.display());
+    println!("promtool        {}", env.promtool.display());
     println!("NIXL runtime    {}", env.runtime_dir.display());
     println!("NIXL plugins    {}", env.plugin_dir.display());
     println!("UCX libraries   {}", env.ucx_lib_dir.display());
@@ -111,8 +117,8 @@ pub fn run() -> Result<()> {
     Ok(())
 }
 
-/// Makes sure libclang, protoc, etcd and the NIXL runtime are there, fetching or installing
-/// what is missing.
+/// Makes sure libclang, protoc, etcd, promtool and the NIXL runtime are there, fetching or
+/// installing what is missing.
 pub fn ensure() -> Result<NixlEnv> {
     let root = workspace::root();
     let tools = ensure_tools()?;
@@ -124,11 +130,12 @@ pub fn ensure() -> Result<NixlEnv> {
         ucx_lib_dir: root.join(UCX_LIB_SUBDIR),
         protoc: tools.protoc,
         etcd: tools.etcd,
+        promtool: tools.promtool,
     })
 }
 
 // ---------------------------------------------------------------------------------------------
-// System tools: libclang, protoc, etcd
+// System tools: libclang, protoc, etcd, promtool
 
 /// Something the workspace needs from the system, and the Debian packages that provide it.
 struct Need {
@@ -161,15 +168,22 @@ static ETCD: Need = Need {
     otherwise: "put an etcd 3.4 or later binary on PATH",
 };
 
+static PROMTOOL: Need = Need {
+    what: "promtool (for the demo's check of the engines' metrics, `promtool check metrics`)",
+    packages: &["prometheus"],
+    otherwise: "put Prometheus's promtool binary on PATH",
+};
+
 /// The system tools, found.
 struct Tools {
     libclang_dir: PathBuf,
     protoc: PathBuf,
     etcd: PathBuf,
+    promtool: PathBuf,
 }
 
-/// Finds libclang, protoc and etcd, installing the Debian packages of those that are missing
-/// in one apt-get run.
+/// Finds libclang, protoc, etcd and promtool, installing the Debian packages of those that are
+/// missing in one apt-get run.
 fn ensure_tools() -> Result<Tools> {
     let missing = match find_tools() {
         Ok(tools) => return Ok(tools),
@@ -188,14 +202,19 @@ fn ensure_tools() -> Result<Tools> {
 
 /// The system tools, or what is missing.
 fn find_tools() -> Result<Tools, Vec<&'static Need>> {
-    match (find_libclang(), find_protoc(), find_in_path("etcd")) {
-        (Some(libclang_dir), Some(protoc), Some(etcd)) => Ok(Tools { libclang_dir, protoc, etcd }),
-        (libclang, protoc, etcd) => {
-            Err([(libclang.is_none(), &LIBCLANG), (protoc.is_none(), &PROTOC), (etcd.is_none(), &ETCD)]
-                .into_iter()
-                .filter_map(|(missing, need)| missing.then_some(need))
-                .collect())
+    match (find_libclang(), find_protoc(), find_in_path("etcd"), find_in_path("promtool")) {
+        (Some(libclang_dir), Some(protoc), Some(etcd), Some(promtool)) => {
+            Ok(Tools { libclang_dir, protoc, etcd, promtool })
         }
+        (libclang, protoc, etcd, promtool) => Err([
+            (libclang.is_none(), &LIBCLANG),
+            (protoc.is_none(), &PROTOC),
+            (etcd.is_none(), &ETCD),
+            (promtool.is_none(), &PROMTOOL),
+        ]
+        .into_iter()
+        .filter_map(|(missing, need)| missing.then_some(need))
+        .collect()),
     }
 }
 
@@ -392,7 +411,7 @@ fn is_root() -> bool {
 }
 
 /// `name` as found on `PATH`.
-fn find_in_path(name: &str) -> Option<PathBuf> {
+pub(crate) fn find_in_path(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path).map(|dir| dir.join(name)).find(|candidate| candidate.is_file())
 }
@@ -696,8 +715,8 @@ mod tests {
     #[test]
     fn missing_tools_name_each_debian_package_once() {
         assert_eq!(
-            packages(&[&PROTOC, &LIBCLANG, &PROTOC, &ETCD]),
-            ["protobuf-compiler", "libprotobuf-dev", "libclang-dev", "etcd-server"]
+            packages(&[&PROTOC, &LIBCLANG, &PROTOC, &ETCD, &PROMTOOL]),
+            ["protobuf-compiler", "libprotobuf-dev", "libclang-dev", "etcd-server", "prometheus"]
         );
         assert!(packages(&[]).is_empty());
     }

@@ -153,3 +153,16 @@ fn no_ignored_or_should_panic_tests() {
         }
     }
 }
+
+#[test]
+fn the_readme_lists_every_metric() {
+    let readme = fs::read_to_string(root().join("README.md")).unwrap();
+    let section = readme.split("## Operating kvflow").nth(1).expect("README has an Operating kvflow section");
+    for metric in kv_sched_adapter::metrics::METRICS {
+        assert!(
+            section.contains(&format!("`{}", metric.name)),
+            "README's Operating kvflow does not list {}",
+            metric.name
+        );
+    }
+}

@@ -74,6 +74,10 @@ pub struct DemoArgs {
     /// Needs --hosts netns and --discovery etcd.
     #[arg(long)]
     kill_silently: bool,
+    /// Prints each engine's metrics endpoint (http://ADDR/metrics, Prometheus's text format)
+    /// to stderr as the engine comes up, to scrape or curl during the run.
+    #[arg(long)]
+    metrics: bool,
     /// Prints the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -175,6 +179,7 @@ impl DemoArgs {
             discovery: self.discovery,
             etcd_ttl_s: self.etcd_ttl_s,
             kill_silently: self.kill_silently,
+            print_metrics: self.metrics,
             ..defaults
         };
         let config = self.topology.apply(config);
@@ -238,6 +243,8 @@ pub struct DemoConfig {
     pub etcd_ttl_s: u64,
     /// The killed D's network is cut before it is killed, and it is not restarted.
     pub kill_silently: bool,
+    /// Print each engine's metrics endpoint as it comes up.
+    pub print_metrics: bool,
 }
 
 impl Default for DemoConfig {
@@ -265,6 +272,7 @@ impl Default for DemoConfig {
             discovery: DiscoveryKind::Static,
             etcd_ttl_s: 2,
             kill_silently: false,
+            print_metrics: false,
             attack: false,
             reject_rate: 0.08,
             abort_rate: 0.08,
@@ -383,6 +391,7 @@ impl DemoConfig {
             },
             host: None,
             discovery: None,
+            metrics_addr: None,
         }
     }
 
@@ -443,8 +452,8 @@ mod tests {
         let flags = ["--decoders", "3", "--seed", "9", "--concurrency", "2", "--min-tokens", "32", "--blocks", "64"];
         let c = parse(&flags).unwrap();
         assert_eq!((c.decoders, c.seed, c.concurrency, c.min_tokens, c.blocks), (3, 9, 2, 32, 64));
-        let c = parse(&["--no-kill", "--pause-decode", "2", "--pause-prefill"]).unwrap();
-        assert_eq!((c.kill, c.pause_decode, c.pause_prefill), (false, 2, true));
+        let c = parse(&["--no-kill", "--pause-decode", "2", "--pause-prefill", "--metrics"]).unwrap();
+        assert_eq!((c.kill, c.pause_decode, c.pause_prefill, c.print_metrics), (false, 2, true, true));
     }
 
     #[test]

@@ -20,17 +20,21 @@
 //!
 //! P fills every block it computes with bytes derived from the request and block; D checks
 //! every byte it receives. After the workload the router waits for P's pool to empty (the
-//! killed engine's exports end by peer loss or by their lease), then asks every engine for
-//! its counts and prints the report; the exit status is non-zero if any check failed.
+//! killed engine's exports end by peer loss or by their lease), then scrapes every engine's
+//! metrics (each serves them in Prometheus's text format; the killed incarnation was scraped
+//! just before its death), checks them with `promtool check metrics`, and prints the report;
+//! the exit status is non-zero if any check failed.
 //!
 //! - [`config`]: the run's settings and the flags of `cargo xtask demo` that change them.
 //! - [`router`]: the run itself, what the router does and hears.
 //! - [`etcd`]: the run's etcd server, with `--discovery etcd`.
 //! - [`processes`]: building, starting and stopping the engine processes and the attacker.
+//! - [`metrics`]: scraping the engines' metrics endpoints, and promtool's check of them.
 //! - [`report`]: what the run measured, its checks, as text or JSON.
 
 mod config;
 mod etcd;
+mod metrics;
 mod netns;
 mod processes;
 mod report;

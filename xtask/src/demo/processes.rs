@@ -67,6 +67,8 @@ pub(super) struct Node {
     pub(super) port: Option<u16>,
     /// Every rank's side-channel port, by rank, once it said it is ready.
     pub(super) ports: Vec<u16>,
+    /// Where the router scrapes its metrics, once it said it is ready.
+    pub(super) metrics: Option<std::net::SocketAddr>,
 }
 
 /// The router's watch on etcd (`kvflow-watch`); it stops when its stdin closes.
@@ -220,6 +222,8 @@ impl Demo {
         let mut node_config = self.config.node(role, name, instance);
         node_config.host = host.as_ref().map(|h| h.ip);
         node_config.discovery = self.etcd_settings.clone();
+        // Its metrics on its own address, on any free port: it says which in `Ready`.
+        node_config.metrics_addr = Some((self.host_ip(name), 0).into());
         let config = serde_json::to_string(&node_config)?;
         let mut command = match &host {
             None => self.child(&self.binary.path, config),
@@ -253,7 +257,8 @@ impl Demo {
             }
             let _ = sender.send((who, instance, FromNode::Exited));
         });
-        self.nodes.insert(name.to_owned(), Node { role, instance, child, stdin, port: None, ports: Vec::new() });
+        let node = Node { role, instance, child, stdin, port: None, ports: Vec::new(), metrics: None };
+        self.nodes.insert(name.to_owned(), node);
         Ok(())
     }
 

@@ -1,14 +1,17 @@
 //! What a demo run measured ([`Report`]): requests by outcome, releases on P by reason, bytes,
 //! throughput and latencies, how long the killed engine's exports stayed held, the attacks,
-//! and the checks; [`Report::failures`] names every check that failed, and the report prints
-//! as text or as one JSON object.
+//! each engine incarnation's scraped metrics and promtool's word on them, and the checks;
+//! [`Report::failures`] names every check that failed, and the report prints as text or as one
+//! JSON object.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use xtask::proto::AttackResult;
+use xtask::prometheus::Exposition;
+use xtask::proto::{AttackResult, NodeRole};
 
+use super::metrics::Promtool;
 use super::Demo;
 
 /// How many attacks `kvflow-attack` makes (see `xtask::attacker`).
@@ -66,13 +69,26 @@ pub struct Report {
     written_after_free: u64,
     held_after_drain: BTreeMap<String, u64>,
     unreleased_exports: usize,
-    counters: BTreeMap<String, u64>,
+    /// Each incarnation's scraped metrics (`decode1#2`), by sample (`name{labels}`): counters,
+    /// gauges, and histograms' `_sum` and `_count`.
+    metrics: BTreeMap<String, BTreeMap<String, f64>>,
+    /// Each incarnation's non-zero counts in short, for the text report.
+    metrics_summary: BTreeMap<String, String>,
+    /// Incarnations that could not be scraped when they were due, and why.
+    unscraped: Vec<String>,
+    /// P's `kvflow_releases_total` by reason (non-zero ones), if P was scraped.
+    scraped_releases: Option<BTreeMap<String, u64>>,
+    /// P's `kvflow_ignored_messages_total` by cause, over its ranks, if P was scraped.
+    p_ignored: Option<BTreeMap<String, u64>>,
+    /// `promtool check metrics` on every scrape.
+    promtool: Promtool,
     errors: Vec<String>,
 }
 
 impl Report {
-    /// What `demo` saw in `elapsed`, with every engine's counts after the drain (`stats`).
-    pub(super) fn new(demo: &Demo, elapsed: Duration, stats: BTreeMap<String, Value>) -> Report {
+    /// What `demo` saw in `elapsed`, with every engine's pool checks after the drain (`stats`),
+    /// its scrapes, and promtool's word on them.
+    pub(super) fn new(demo: &Demo, elapsed: Duration, stats: BTreeMap<String, Value>, promtool: Promtool) -> Report {
         let mut outcomes = BTreeMap::new();
         let mut releases = BTreeMap::new();
         for track in demo.tracks.values() {
@@ -125,18 +141,21 @@ impl Report {
                 *dead_engine_releases.entry(reason.clone()).or_insert(0) += 1;
             }
         }
-        let mut counters = BTreeMap::new();
         let mut held_after_drain = BTreeMap::new();
         let (mut written_after_free, mut corrupt_reads) = (0, 0);
         for (name, s) in &stats {
             held_after_drain.insert(name.clone(), s["held_blocks"].as_u64().unwrap_or(0));
             written_after_free += s["written_after_free"].as_u64().unwrap_or(0);
-            if let Some(map) = s["counters"].as_object() {
-                for (k, v) in map {
-                    *counters.entry(k.clone()).or_insert(0) += v.as_u64().unwrap_or(0);
-                }
-            }
         }
+        let metrics = demo.scrapes.iter().map(|s| (s.incarnation.clone(), s.exposition.flat())).collect();
+        let metrics_summary = demo.scrapes.iter().map(|s| (s.incarnation.clone(), summary(&s.exposition))).collect();
+        // The one P runs as one incarnation all along.
+        let p = demo.scrapes.iter().find(|s| s.role == NodeRole::Prefill).map(|s| &s.exposition);
+        let counts = |sums: BTreeMap<String, f64>| -> BTreeMap<String, u64> {
+            sums.into_iter().filter(|(_, v)| *v != 0.0).map(|(k, v)| (k, v as u64)).collect()
+        };
+        let scraped_releases = p.map(|p| counts(p.sum_by("kvflow_releases_total", "reason", &[])));
+        let p_ignored = p.map(|p| counts(p.sum_by("kvflow_ignored_messages_total", "cause", &[])));
         corrupt_reads += outcomes.get("corrupt").copied().unwrap_or(0);
         Report {
             mode: if demo.config.push { "push" } else { "pull" },
@@ -188,7 +207,12 @@ impl Report {
                 .filter(|t| t.finished_at_ns.is_some() && t.freed.is_none())
                 .count(),
             held_after_drain,
-            counters,
+            metrics,
+            metrics_summary,
+            unscraped: demo.unscraped.clone(),
+            scraped_releases,
+            p_ignored,
+            promtool,
             outcomes,
             errors: demo.errors.clone(),
         }
@@ -252,12 +276,25 @@ impl Report {
                 f.push(format!("the attacker reported {} of {ATTACKS} attacks", attacks.len()));
             }
             f.extend(attacks.iter().flat_map(AttackResult::failures));
-            // The attacks that P must have noticed, by its own counts.
-            for counter in ["foreign_messages", "unauthenticated"] {
-                if self.counters.get(counter).copied().unwrap_or(0) == 0 {
-                    f.push(format!("P counted no {counter} under attack"));
+            // The attacks that P must have noticed, by its own counts (summed over its ranks).
+            for cause in ["foreign", "unauthenticated"] {
+                let counted = self.p_ignored.as_ref().and_then(|m| m.get(cause)).copied().unwrap_or(0);
+                if counted == 0 {
+                    f.push(format!("P counted no kvflow_ignored_messages_total{{cause=\"{cause}\"}} under attack"));
                 }
             }
+        }
+        // What the router saw P free, by reason, is what P's metrics say it released.
+        match &self.scraped_releases {
+            Some(scraped) if *scraped == self.releases => {}
+            Some(scraped) => f.push(format!(
+                "releases on P by reason (from its Freed events) {:?} differ from its scraped kvflow_releases_total {:?}",
+                self.releases, scraped
+            )),
+            None => f.push("P's metrics were never scraped".into()),
+        }
+        if let Promtool::Failed(what) = &self.promtool {
+            f.push(what.clone());
         }
         f.extend(self.errors.iter().cloned());
         f
@@ -265,6 +302,14 @@ impl Report {
 
     /// The report as one JSON object.
     pub fn json(&self) -> Value {
+        let metrics: serde_json::Map<String, Value> = self
+            .metrics
+            .iter()
+            .map(|(which, samples)| {
+                let samples = samples.iter().map(|(k, v)| (k.clone(), number(*v))).collect();
+                (which.clone(), Value::Object(samples))
+            })
+            .collect();
         json!({
             "mode": self.mode,
             "transport": self.transport,
@@ -294,7 +339,10 @@ impl Report {
             "written_after_free": self.written_after_free,
             "held_after_drain": self.held_after_drain,
             "unreleased_exports": self.unreleased_exports,
-            "counters": self.counters,
+            "metrics": metrics,
+            "releases_on_p_scraped": self.scraped_releases,
+            "unscraped": self.unscraped,
+            "promtool": self.promtool.describe(),
             "errors": self.errors,
             "passed": self.failures().is_empty(),
         })
@@ -321,7 +369,12 @@ impl Report {
             self.elapsed.as_secs_f64()
         );
         println!("  outcomes on D        {}", list(&self.outcomes));
-        println!("  releases on P        {}", list(&self.releases));
+        let scraped = match &self.scraped_releases {
+            Some(scraped) if *scraped == self.releases => "= scraped kvflow_releases_total".to_owned(),
+            Some(scraped) => format!("!= scraped kvflow_releases_total: {}", list(scraped)),
+            None => "(P not scraped)".to_owned(),
+        };
+        println!("  releases on P        {} {scraped}", list(&self.releases));
         println!(
             "  bytes moved          {:.2} GiB in {} transfers ({} failed): {:.2} GB/s per transfer (bytes over time in flight), {:.2} GB/s over the run",
             self.bytes as f64 / f64::from(1u32 << 30),
@@ -379,10 +432,53 @@ impl Report {
         println!("  corrupt reads        {}", self.corrupt_reads);
         println!("  written after free   {}", self.written_after_free);
         println!("  held after drain     {}", list(&self.held_after_drain));
-        println!("  connector counters   {}", list(&self.counters));
+        for (which, summary) in &self.metrics_summary {
+            println!("  metrics {which:<12} {summary}");
+        }
+        for which in &self.unscraped {
+            println!("  not scraped          {which}");
+        }
+        println!("  promtool check       {}", self.promtool.describe());
         for e in &self.errors {
             println!("  error: {e}");
         }
         println!("  {}", if self.failures().is_empty() { "PASSED" } else { "FAILED" });
+    }
+}
+
+/// A sample's value in JSON: an integer when it is one (counters, gauges of counts).
+fn number(value: f64) -> Value {
+    if value.fract() == 0.0 && value.abs() < 9.0e15 {
+        json!(value as i64)
+    } else {
+        json!(value)
+    }
+}
+
+/// An incarnation's non-zero counts in short: each metric without its `kvflow_` prefix and
+/// with its `engine` and `rank` labels summed away (`releases_total{reason=transferred} 40`),
+/// histograms by their `_count`.
+fn summary(exposition: &Exposition) -> String {
+    let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+    for s in &exposition.samples {
+        let histogram = exposition.kind(&s.name) == Some("histogram");
+        if histogram && !s.name.ends_with("_count") {
+            continue;
+        }
+        let labels: Vec<String> =
+            s.labels.iter().filter(|(k, _)| k != "engine" && k != "rank").map(|(k, v)| format!("{k}={v}")).collect();
+        let name = s.name.strip_prefix("kvflow_").unwrap_or(&s.name);
+        let key = if labels.is_empty() { name.to_owned() } else { format!("{name}{{{}}}", labels.join(",")) };
+        *sums.entry(key).or_insert(0.0) += s.value;
+    }
+    let parts: Vec<String> = sums
+        .into_iter()
+        .filter(|(_, v)| *v != 0.0)
+        .map(|(k, v)| if v.fract() == 0.0 { format!("{k} {v}") } else { format!("{k} {v:.3}") })
+        .collect();
+    if parts.is_empty() {
+        "all zero".to_owned()
+    } else {
+        parts.join(", ")
     }
 }

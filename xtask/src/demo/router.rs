@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 use xtask::proto::{wall_ns, AttackResult, Command, EtcdSettings, Event, NodeRole, Remote, Sighting};
 
 use super::config::{DemoConfig, DiscoveryKind, Hosts, Pause};
+use super::metrics::{promtool_check, Scrape};
 use super::processes::{signal, FromNode, Node, NodeBinary, ATTACKER};
 use super::report::Report;
 
@@ -98,6 +99,10 @@ pub struct Demo {
     pub(super) attacker_started: bool,
     pub(super) attacks: Vec<AttackResult>,
     pub(super) transfers: Vec<(u64, u64, bool)>,
+    /// Each engine incarnation's metrics, scraped at the end or just before its kill.
+    pub(super) scrapes: Vec<Scrape>,
+    /// Incarnations that could not be scraped when they were due, and why.
+    pub(super) unscraped: Vec<String>,
     pub(super) errors: Vec<String>,
     started: Instant,
     pub(super) progress: indicatif::ProgressBar,
@@ -179,6 +184,8 @@ impl Demo {
             attacker_started: false,
             attacks: Vec::new(),
             transfers: Vec::new(),
+            scrapes: Vec::new(),
+            unscraped: Vec::new(),
             errors: Vec::new(),
             started: Instant::now(),
             progress,
@@ -294,8 +301,10 @@ impl Demo {
         self.progress.finish_and_clear();
         let elapsed = self.started.elapsed();
         let drain = self.drain()?;
+        self.scrape_live();
         self.shutdown();
-        Ok(Report::new(&self, elapsed, drain))
+        let promtool = promtool_check(&self.scrapes);
+        Ok(Report::new(&self, elapsed, drain, promtool))
     }
 
     /// Sends prompts P sent back, then new requests while fewer than `concurrency` are open.
@@ -425,6 +434,8 @@ impl Demo {
     fn kill_decode(&mut self) -> Result<()> {
         let engine = self.victim();
         let silent = self.config.kill_silently;
+        // Its counters die with it: read them first (before a silent death's cut, too).
+        self.scrape(&engine);
         let mut at_ns = wall_ns();
         if silent {
             // As a host whose cable is pulled: its sockets close without a FIN reaching
@@ -574,10 +585,15 @@ impl Demo {
             return;
         }
         match event {
-            Event::Ready { ports } => {
+            Event::Ready { ports, metrics_port } => {
+                let metrics = metrics_port.map(|port| std::net::SocketAddr::from((self.host_ip(name), port)));
                 if let Some(node) = self.nodes.get_mut(name) {
                     node.port = ports.first().copied();
                     node.ports = ports;
+                    node.metrics = metrics;
+                }
+                if let Some(addr) = metrics {
+                    self.announce_metrics(name, instance, addr);
                 }
             }
             Event::Exported { id, remote, finished_at_ns } => {
@@ -652,7 +668,7 @@ impl Demo {
     }
 
     /// Waits until P's pool is empty or the lease has run out twice over, then collects every
-    /// engine's counts.
+    /// engine's pool checks (held blocks, blocks written after free).
     fn drain(&mut self) -> Result<BTreeMap<String, Value>> {
         let deadline = Instant::now() + Duration::from_millis(self.config.lease_ms * 2 + 2000);
         loop {
@@ -680,13 +696,10 @@ impl Demo {
                 anyhow!("engines did not report their counts: {:?}", live.iter().map(|l| &l.0).collect::<Vec<_>>())
             })?;
             match from {
-                FromNode::Event(Event::Stats { held_blocks, written_after_free, counters })
+                FromNode::Event(Event::Stats { held_blocks, written_after_free })
                     if live.contains(&(name.clone(), instance)) =>
                 {
-                    stats.insert(
-                        name,
-                        json!({ "held_blocks": held_blocks, "written_after_free": written_after_free, "counters": counters }),
-                    );
+                    stats.insert(name, json!({ "held_blocks": held_blocks, "written_after_free": written_after_free }));
                 }
                 other => self.on_event(&name, instance, other),
             }

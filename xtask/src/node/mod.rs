@@ -17,7 +17,7 @@
 //! bytes and fails D's check. D also checks that a block it allocates again still holds its
 //! scrub, so a write into a freed block (a late push) is counted too.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::io::BufRead;
 use std::process::ExitCode;
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
@@ -34,12 +34,13 @@ use kv_core::{
 };
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{
-    Consumer, Counters, DecodeCommand, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker,
-    LocalPool, PrefillCommand, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker,
+    Consumer, DecodeCommand, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LocalPool,
+    PrefillCommand, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker,
 };
 use kv_testkit::BlockPool;
 
 mod discovery;
+mod metrics;
 mod rank;
 mod transport;
 
@@ -66,11 +67,17 @@ struct Args {
     /// The engine's configuration, `xtask::proto::NodeConfig` as JSON.
     #[arg(value_name = "CONFIG", value_parser = from_json::<NodeConfig>)]
     config: NodeConfig,
+    /// Serve the connectors' metrics in Prometheus's text format at http://ADDR/metrics
+    /// (port 0: any free port, reported in `Ready`); overrides the configuration's
+    /// `metrics_addr`.
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// Runs the engine its argument describes; the exit code says whether it stopped cleanly.
 pub fn main() -> ExitCode {
-    let Args { config } = Args::parse();
+    let Args { mut config, metrics_addr } = Args::parse();
+    config.metrics_addr = metrics_addr.or(config.metrics_addr);
     crate::logging::init();
     match run(&config) {
         Ok(()) => ExitCode::SUCCESS,
@@ -91,12 +98,14 @@ fn run(config: &NodeConfig) -> Result<()> {
     if config.transport == TransportKind::Nixl {
         kv_transport_nixl::runtime::prepare(None).context("the NIXL runtime")?;
     }
+    // Before the connectors are built: they take their metric handles from the recorder.
+    let metrics_port = config.metrics_addr.map(metrics::serve).transpose().context("the metrics endpoint")?;
     let (tx, rx) = mpsc::channel();
     let engine = std::thread::current();
     std::thread::spawn(move || read_commands(tx, engine));
     match config.role {
-        NodeRole::Prefill => Node::<PrefillSide>::start(config)?.run(rx),
-        NodeRole::Decode => Node::<DecodeSide>::start(config)?.run(rx),
+        NodeRole::Prefill => Node::<PrefillSide>::start(config, metrics_port)?.run(rx),
+        NodeRole::Decode => Node::<DecodeSide>::start(config, metrics_port)?.run(rx),
     }
 }
 
@@ -309,33 +318,10 @@ impl Engine {
         }
     }
 
-    fn stats(&mut self, counters: Counters) {
-        let counters = [
-            ("ignored_messages", counters.ignored_messages),
-            ("foreign_messages", counters.foreign_messages),
-            ("refused", counters.refused),
-            ("unauthenticated", counters.unauthenticated),
-            ("late_reads", counters.late_reads),
-            ("quarantined", counters.quarantined),
-            ("duplicate_messages", counters.duplicate_messages),
-            ("rejections_unsent", counters.rejections_unsent),
-            ("notifications_after_expiry", counters.notifications_after_expiry),
-            ("late_messages", counters.late_messages),
-            ("early_staged", counters.early_staged),
-            ("early_evicted", counters.early_evicted),
-            ("transfers_failed", counters.transfers_failed),
-            ("reads_fenced", counters.reads_fenced),
-            ("prepared_reads", counters.prepared_reads),
-            ("prepared_writes", counters.prepared_writes),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect::<BTreeMap<_, _>>();
-        let event = Event::Stats {
-            held_blocks: self.blocks.held() as u64,
-            written_after_free: self.written_after_free,
-            counters,
-        };
+    /// Reports the demo's own checks of the pool.
+    fn stats(&mut self) {
+        let event =
+            Event::Stats { held_blocks: self.blocks.held() as u64, written_after_free: self.written_after_free };
         self.emit(&event);
     }
 }
@@ -376,8 +362,6 @@ trait Side: Sized {
     fn handle_command(worker: &mut Self::Worker, now: Time, command: Self::ToWorker);
     /// Hands the scheduler a report of rank `rank`'s worker.
     fn handle_report(&mut self, rank: u32, report: <Self::Worker as WorkerMachine>::Report) -> Result<()>;
-    /// The worker's counters, for the router's report.
-    fn counters(worker: &Self::Worker) -> Counters;
     /// Carries out what the scheduler asks until nothing is left.
     fn settle(node: &mut Node<Self>) -> Result<()>;
     /// Handles a command of the router other than `Stats` and `Shutdown`.
@@ -385,8 +369,9 @@ trait Side: Sized {
 }
 
 impl<S: Side> Node<S> {
-    /// Starts the engine, its side and a thread per rank, and tells the router it is ready.
-    fn start(config: &NodeConfig) -> Result<Self> {
+    /// Starts the engine, its side and a thread per rank, and tells the router it is ready
+    /// (and where its metrics are, if it serves them: `metrics_port`).
+    fn start(config: &NodeConfig, metrics_port: Option<u16>) -> Result<Self> {
         let (engine, starts) = Engine::start(config, S::ROLE)?;
         let ports: Vec<u16> = starts.iter().map(|r| r.port).collect();
         let ip = config.host.unwrap_or(std::net::Ipv4Addr::LOCALHOST);
@@ -397,7 +382,7 @@ impl<S: Side> Node<S> {
         for (rank, start) in (0u32..).zip(starts) {
             let worker = S::worker(config, &start.offer, start.pool).context("the connector")?;
             let driver = WorkerDriver::new(worker, Box::new(start.transport));
-            let hooks = rank::Hooks { handle: S::handle_command, counters: S::counters };
+            let hooks = rank::Hooks { handle: S::handle_command };
             let clock: Arc<dyn Clock> = engine.clock.clone();
             ranks.push(rank::Rank::spawn(rank, driver, hooks, clock, tx.clone(), std::thread::current())?);
         }
@@ -416,7 +401,7 @@ impl<S: Side> Node<S> {
             }
         };
         let mut node = Node { engine, ranks, reports, side, registration };
-        node.engine.emit(&Event::Ready { ports });
+        node.engine.emit(&Event::Ready { ports, metrics_port });
         Ok(node)
     }
 
@@ -473,13 +458,7 @@ impl<S: Side> Node<S> {
     /// Handles one command; `false` to stop.
     fn handle(&mut self, command: Command) -> Result<bool> {
         match command {
-            Command::Stats => {
-                let mut counters = Counters::default();
-                for rank in &self.ranks {
-                    counters.add(&rank.counters());
-                }
-                self.engine.stats(counters);
-            }
+            Command::Stats => self.engine.stats(),
             Command::Shutdown => return Ok(false),
             other => S::handle(self, other)?,
         }
@@ -521,10 +500,6 @@ impl Side for PrefillSide {
 
     fn handle_report(&mut self, rank: u32, report: PrefillReport) -> Result<()> {
         Ok(self.scheduler.handle_report(rank, report)?)
-    }
-
-    fn counters(worker: &PrefillWorker) -> Counters {
-        worker.counters()
     }
 
     fn settle(node: &mut Node<Self>) -> Result<()> {
@@ -635,10 +610,6 @@ impl Side for DecodeSide {
 
     fn handle_report(&mut self, rank: u32, report: DecodeReport) -> Result<()> {
         Ok(self.scheduler.handle_report(rank, report)?)
-    }
-
-    fn counters(worker: &DecodeWorker) -> Counters {
-        worker.counters()
     }
 
     fn settle(node: &mut Node<Self>) -> Result<()> {

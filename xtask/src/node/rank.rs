@@ -6,12 +6,10 @@
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::thread::{JoinHandle, Thread};
-use std::time::Duration;
 
 use anyhow::{Context, Result};
 use kv_core::{Clock, EngineId, Time};
 use kv_sched_adapter::driver::{thread_waker, WorkerDriver, WorkerMachine};
-use kv_sched_adapter::Counters;
 
 use super::IDLE_WAIT;
 
@@ -19,8 +17,6 @@ use super::IDLE_WAIT;
 enum ToRank<C> {
     /// A command of the scheduler for the rank's worker.
     Command(C),
-    /// The worker's counters, answered on the sender.
-    Counters(Sender<Counters>),
     /// Discovery says this incarnation of this engine, and every older one, is gone.
     EngineLost(EngineId, u64),
 }
@@ -29,8 +25,6 @@ enum ToRank<C> {
 pub(super) struct Hooks<W: WorkerMachine, C> {
     /// Hands the worker a command of the scheduler.
     pub handle: fn(&mut W, Time, C),
-    /// The worker's counters.
-    pub counters: fn(&W) -> Counters,
 }
 
 /// A rank's thread, seen from the engine's.
@@ -98,16 +92,6 @@ impl<C: Send + 'static> Rank<C> {
         }
         self.thread.unpark();
     }
-
-    /// The rank's worker's counters (zero if its thread is gone).
-    pub(super) fn counters(&self) -> Counters {
-        let (reply, answer) = mpsc::channel();
-        if let Some(tx) = &self.tx {
-            let _ = tx.send(ToRank::Counters(reply));
-        }
-        self.thread.unpark();
-        answer.recv_timeout(Duration::from_secs(5)).unwrap_or_default()
-    }
 }
 
 impl<C> Drop for Rank<C> {
@@ -139,9 +123,6 @@ fn drain<W: WorkerMachine, C>(
             }
             Ok(ToRank::EngineLost(engine, instance)) => {
                 batch.extend(driver.engine_lost(clock.now(), &engine, instance));
-            }
-            Ok(ToRank::Counters(reply)) => {
-                let _ = reply.send((hooks.counters)(driver.machine_ref()));
             }
             Err(TryRecvError::Empty) => return Some(batch),
             Err(TryRecvError::Disconnected) => return None,
