@@ -91,10 +91,10 @@
 //! |---|---|
 //! | start-up | `DecodeScheduler::new(engine, tp, config)?`, and per rank `DecodeWorker::new(pool.offer(..), config, pool)?` in a `WorkerDriver` |
 //! | a request with P's [`RemoteRef`] enters the waiting queue | `DecodeScheduler::handle_arrive(id, remote)` |
-//! | blocks are allocated for it | `DecodeScheduler::handle_schedule(id, blocks, prefix_hit)` |
+//! | blocks are allocated for it | `DecodeScheduler::handle_schedule(id, blocks, prefix_hit)`, or `handle_schedule_cached(id, blocks, cached_blocks)` when its own prefix cache holds the first blocks (vLLM's locally computed tokens): only the rest are read |
 //! | it is rejected before admission | `DecodeScheduler::handle_reject(id, remote)` |
 //! | the router aborts it | `DecodeScheduler::handle_abort(&id)` |
-//! | every step | `WorkerDriver::step(now)` per rank, reports to `handle_report(rank, report)`; drain `DecodeScheduler::poll_event` (`ToWorker` to the rank's `handle_command` then `WorkerDriver::flush`; `Ready`: the KV is in place; `Free`: the load failed or was aborted, free the blocks, the request is [`DecodeState::Failed`], [`DecodeState::Recompute`] or [`DecodeState::Gone`]) |
+//! | every step | `WorkerDriver::step(now)` per rank, reports to `handle_report(rank, report)`; drain `DecodeScheduler::poll_event` (`ToWorker` to the rank's `handle_command` then `WorkerDriver::flush`; `Ready`: the KV is in place; `Free`: the load failed or was aborted, no transfer touches the blocks any more, the request is [`DecodeState::Failed`], [`DecodeState::Recompute`] (its first `kept_blocks` hold valid KV: compute from there) or [`DecodeState::Gone`]) |
 //!
 //! kv-testkit's `cluster` module is a complete engine of both kinds over the in-memory
 //! transport, and reads as a worked example; xtask's `pull_pair` examples are the smallest

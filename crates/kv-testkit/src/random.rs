@@ -175,9 +175,17 @@ pub fn generate(seed: u64) -> Scenario {
             let failing = if mode == Mode::Push { p } else { d };
             push(t_schedule, Event::FailTransfer { request: remote_request.clone(), node: failing, from_block: None });
         }
+        // Sometimes D's own prefix cache holds the first blocks (pull only: push loads whole
+        // prompts), and it reads the rest.
+        let d_blocks = prompt_tokens.div_ceil(u64::from(p_block * ratio));
+        let cached_tokens = if mode == Mode::Pull && rng.chance(0.1) {
+            rng.below(d_blocks + 1) * u64::from(p_block * ratio)
+        } else {
+            0
+        };
         push(
             t_schedule,
-            Event::Schedule { request: d_request.clone(), node: d, prefix_hit: rng.chance(0.05), cached_tokens: 0 },
+            Event::Schedule { request: d_request.clone(), node: d, prefix_hit: rng.chance(0.05), cached_tokens },
         );
         if rng.chance(0.06) {
             // A stall with the transfer in flight: D's read, or P's push write, may outlast the lease.

@@ -710,7 +710,7 @@ impl Node<DecodeSide> {
         while let Some(event) = self.side.scheduler.poll_event() {
             match event {
                 DecodeEvent::ToWorker { rank, command } => self.pass_to_worker(rank, command)?,
-                DecodeEvent::Ended { request, state: DecodeState::Ready } => {
+                DecodeEvent::Ended { request, state: DecodeState::Ready, .. } => {
                     // The KV is in place now; checking it is the demo's work, not the load's.
                     let ready_at_ns = wall_ns();
                     let Some(load) = self.side.loads.remove(&request) else { continue };
@@ -725,7 +725,7 @@ impl Node<DecodeSide> {
                     // The engine decodes and is done with the blocks.
                     self.engine.release(&load.blocks)?;
                 }
-                DecodeEvent::Ended { request, state } => {
+                DecodeEvent::Ended { request, state, .. } => {
                     // A rejection was reported when it was made; it has no load.
                     let Some(load) = self.side.loads.get(&request) else { continue };
                     let aborted = load.aborted || state == DecodeState::Gone;

@@ -25,8 +25,9 @@ pub enum DecodeCommand {
         request: RequestId,
         /// D's blocks, in prompt order.
         blocks: Vec<BlockId>,
-        /// D already has the prompt cached.
-        prefix_hit: bool,
+        /// How many of them, from the first, D's own prefix cache already holds: only the
+        /// rest are loaded (all of them: a prefix hit, nothing is read).
+        cached_blocks: usize,
     },
     /// D rejected the request before admission: tell P.
     Reject {
@@ -128,6 +129,10 @@ pub enum DecodeEvent {
         request: RequestId,
         /// The final state.
         state: DecodeState,
+        /// How many of its blocks, from the first, hold valid KV: all of them when `Ready`; the
+        /// ones D's own prefix cache held when it is `Recompute` (compute from there on); none
+        /// otherwise.
+        kept_blocks: usize,
     },
     /// The request's blocks may return to the pool: no transfer can touch them any more.
     Free {
@@ -150,6 +155,26 @@ pub enum DecodeError {
     /// Pull mode needs P's export to read from.
     #[error("request {0} carries no export from P to read in pull mode")]
     NoExport(RequestId),
+    /// More blocks cached than allocated.
+    #[error("request {request}: {cached} blocks cached, but only {blocks} allocated")]
+    CachedBeyondBlocks {
+        /// D's request id.
+        request: RequestId,
+        /// Blocks said to be cached.
+        cached: usize,
+        /// Blocks allocated.
+        blocks: usize,
+    },
+    /// Push mode writes whole prompts: part of one cannot be loaded.
+    #[error("request {request}: push mode cannot load part of a prompt ({cached} of {blocks} blocks cached); schedule it whole, or recompute")]
+    PartialPush {
+        /// D's request id.
+        request: RequestId,
+        /// Blocks cached.
+        cached: usize,
+        /// Blocks allocated.
+        blocks: usize,
+    },
     /// A report named a rank outside the engine.
     #[error("rank {rank} is outside tp {tp}")]
     NoSuchRank {
@@ -164,11 +189,24 @@ pub enum DecodeError {
 struct SchedulerRequest {
     state: DecodeState,
     blocks: Vec<BlockId>,
+    /// The first `cached` of `blocks` D's prefix cache held.
+    cached: usize,
     finished: BTreeMap<u32, LoadOutcome>,
     aborting: bool,
     /// The slowest rank's time from P's finish to holding its KV, as the ranks report it;
     /// `None` once a rank could not tell.
     kv_latency: Option<std::time::Duration>,
+}
+
+impl SchedulerRequest {
+    /// The blocks that hold valid KV once the request ends in `state`.
+    fn kept(&self, state: DecodeState) -> usize {
+        match state {
+            DecodeState::Ready => self.blocks.len(),
+            DecodeState::Recompute => self.cached,
+            _ => 0,
+        }
+    }
 }
 
 /// D's scheduler side. It keeps a request only while it is waiting, loading, or its blocks are
@@ -224,6 +262,7 @@ impl DecodeScheduler {
         let entry = SchedulerRequest {
             state: DecodeState::Waiting,
             blocks: Vec::new(),
+            cached: 0,
             finished: BTreeMap::new(),
             aborting: false,
             kv_latency: Some(std::time::Duration::ZERO),
@@ -233,21 +272,44 @@ impl DecodeScheduler {
         Ok(())
     }
 
-    /// Blocks are allocated for a waiting request: start its load.
+    /// Blocks are allocated for a waiting request: start its load; with `prefix_hit`, D's own
+    /// prefix cache already holds the whole prompt and nothing is read.
     pub fn handle_schedule(
         &mut self,
         request: RequestId,
         blocks: Vec<BlockId>,
         prefix_hit: bool,
     ) -> Result<(), DecodeError> {
+        let cached = if prefix_hit { blocks.len() } else { 0 };
+        self.handle_schedule_cached(request, blocks, cached)
+    }
+
+    /// Blocks are allocated for a waiting request whose first `cached_blocks` blocks D's own
+    /// prefix cache already holds (vLLM's locally computed tokens, in whole D blocks): load only
+    /// the rest, and tell P it is done when they are in place, as for a full load. All of them
+    /// cached is a prefix hit. Push mode loads whole prompts only: a partial hit there is
+    /// refused ([`DecodeError::PartialPush`]), and the engine schedules it whole or recomputes.
+    pub fn handle_schedule_cached(
+        &mut self,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        cached_blocks: usize,
+    ) -> Result<(), DecodeError> {
+        if cached_blocks > blocks.len() {
+            return Err(DecodeError::CachedBeyondBlocks { request, cached: cached_blocks, blocks: blocks.len() });
+        }
+        if self.config.mode == Mode::Push && cached_blocks > 0 && cached_blocks < blocks.len() {
+            return Err(DecodeError::PartialPush { request, cached: cached_blocks, blocks: blocks.len() });
+        }
         match self.requests.get_mut(&request) {
             Some(e) if e.state == DecodeState::Waiting => {
                 e.state = DecodeState::Loading;
                 e.blocks = blocks.clone();
+                e.cached = cached_blocks;
             }
             other => return Err(DecodeError::NotWaiting(request, other.map(|e| e.state))),
         }
-        self.broadcast(|| DecodeCommand::Load { request: request.clone(), blocks: blocks.clone(), prefix_hit });
+        self.broadcast(|| DecodeCommand::Load { request: request.clone(), blocks: blocks.clone(), cached_blocks });
         Ok(())
     }
 
@@ -257,7 +319,7 @@ impl DecodeScheduler {
             return Err(DecodeError::AlreadyKnown(request));
         }
         self.broadcast(|| DecodeCommand::Reject { remote: remote.clone() });
-        self.events.push_back(DecodeEvent::Ended { request, state: DecodeState::Gone });
+        self.events.push_back(DecodeEvent::Ended { request, state: DecodeState::Gone, kept_blocks: 0 });
         Ok(())
     }
 
@@ -267,7 +329,8 @@ impl DecodeScheduler {
         match entry.state {
             DecodeState::Waiting => {
                 self.requests.remove(request);
-                self.events.push_back(DecodeEvent::Ended { request: request.clone(), state: DecodeState::Gone });
+                let ended = DecodeEvent::Ended { request: request.clone(), state: DecodeState::Gone, kept_blocks: 0 };
+                self.events.push_back(ended);
             }
             DecodeState::Loading => entry.aborting = true,
             _ => return,
@@ -288,7 +351,8 @@ impl DecodeScheduler {
                     // The request moves on (recompute, fail, gone); its blocks wait for P.
                     entry.state = if entry.aborting { DecodeState::Gone } else { failed_state };
                     let state = entry.state;
-                    self.events.push_back(DecodeEvent::Ended { request, state });
+                    let kept_blocks = entry.kept(state);
+                    self.events.push_back(DecodeEvent::Ended { request, state, kept_blocks });
                 }
             }
             DecodeReport::Finished { request, outcome, kv_latency } => {
@@ -299,7 +363,9 @@ impl DecodeScheduler {
                     DecodeState::Waiting if outcome != LoadOutcome::Loaded => {
                         // P's export is gone before the load began: nothing is held, tell every rank.
                         self.requests.remove(&request);
-                        self.events.push_back(DecodeEvent::Ended { request: request.clone(), state: failed_state });
+                        let ended =
+                            DecodeEvent::Ended { request: request.clone(), state: failed_state, kept_blocks: 0 };
+                        self.events.push_back(ended);
                         self.broadcast(|| DecodeCommand::Abort { request: request.clone() });
                     }
                     DecodeState::Waiting => {}
@@ -314,7 +380,8 @@ impl DecodeScheduler {
                             } else {
                                 failed_state
                             };
-                            self.events.push_back(DecodeEvent::Ended { request: request.clone(), state });
+                            let kept_blocks = entry.kept(state);
+                            self.events.push_back(DecodeEvent::Ended { request: request.clone(), state, kept_blocks });
                             if state == DecodeState::Ready {
                                 if let Some(latency) = entry.kv_latency {
                                     self.metrics.kv_ready(latency);

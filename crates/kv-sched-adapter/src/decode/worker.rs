@@ -57,7 +57,8 @@ struct Load {
     targets: Vec<AgentName>,
     phase: Phase,
     blocks: Vec<BlockId>,
-    prefix_hit: bool,
+    /// The first `cached` of `blocks` D's own prefix cache holds: they are not loaded.
+    cached: usize,
     /// The newest acknowledged deadline of each P rank, on P's clock.
     deadlines: BTreeMap<u32, Time>,
     reads: BTreeSet<XferToken>,
@@ -75,6 +76,11 @@ struct Load {
 }
 
 impl Load {
+    /// D already holds the whole prompt: nothing is read, P is only told.
+    fn prefix_hit(&self) -> bool {
+        self.cached >= self.blocks.len()
+    }
+
     fn outcome(&self, ok: bool) -> LoadOutcome {
         if self.aborted {
             LoadOutcome::Aborted
@@ -164,13 +170,13 @@ impl DecodeWorker {
     pub fn handle_command(&mut self, now: Time, command: DecodeCommand) {
         match command {
             DecodeCommand::Track { request, remote } => self.track(now, request, remote),
-            DecodeCommand::Load { request, blocks, prefix_hit } => {
+            DecodeCommand::Load { request, blocks, cached_blocks } => {
                 let Some(load) = self.loads.get_mut(&request).filter(|l| l.phase == Phase::Waiting) else {
                     self.counters.late_messages += 1;
                     return;
                 };
+                load.cached = cached_blocks.min(blocks.len());
                 load.blocks = blocks;
-                load.prefix_hit = prefix_hit;
                 load.phase = Phase::Starting;
                 self.try_start(now, &request);
             }
@@ -261,7 +267,7 @@ impl DecodeWorker {
             targets,
             phase: Phase::Waiting,
             blocks: Vec::new(),
-            prefix_hit: false,
+            cached: 0,
             deadlines: BTreeMap::new(),
             reads: BTreeSet::new(),
             failed: false,
@@ -302,7 +308,7 @@ impl DecodeWorker {
             request: load.remote.request.clone(),
             expected_consumers: load.tp.consumers_per_prefill_rank(),
         };
-        if load.prefix_hit {
+        if load.prefix_hit() {
             for target in load.targets.clone() {
                 self.send_to(&target, completion.clone());
             }
@@ -366,9 +372,14 @@ impl DecodeWorker {
                 self.fail(now, request);
                 return;
             };
+            // A partial prefix hit reads only the blocks after the cached ones: D block `b` takes
+            // P's sub-blocks from `b * ratio` on (the plan clips the last to the prompt).
+            let ratio = (self.pool.shape.layout.block_tokens / p_shape.layout.block_tokens.max(1)).max(1) as usize;
+            let d_blocks = &load.blocks[load.cached..];
+            let p_blocks = export.blocks.get(load.cached * ratio..).unwrap_or(&[]);
             let input = PlanInput {
-                prefill: PoolSide { shape: p_shape, regions: &peer.handshake.regions, blocks: &export.blocks },
-                decode: PoolSide { shape: self.pool.shape, regions: &self.pool.regions, blocks: &load.blocks },
+                prefill: PoolSide { shape: p_shape, regions: &peer.handshake.regions, blocks: p_blocks },
+                decode: PoolSide { shape: self.pool.shape, regions: &self.pool.regions, blocks: d_blocks },
                 slice: *slice,
                 initiator: Initiator::Decode,
             };
@@ -386,8 +397,7 @@ impl DecodeWorker {
             let same_blocks = p_shape.layout.block_tokens == self.pool.shape.layout.block_tokens;
             if whole && same_blocks {
                 if let Some((local, remote)) = self.lists.ready(&agent) {
-                    let (local_indices, remote_indices) =
-                        block_indices(&self.pool.shape, &load.blocks, &p_shape, &export.blocks);
+                    let (local_indices, remote_indices) = block_indices(&self.pool.shape, d_blocks, &p_shape, p_blocks);
                     posts.push(ReadPost::Prepared(PreparedTransfer {
                         op: TransferOp::Read,
                         peer: agent,
@@ -518,7 +528,7 @@ impl DecodeWorker {
                 request: load.remote.request.clone(),
                 expected_consumers: load.tp.consumers_per_prefill_rank(),
             };
-            if self.config.mode == Mode::Pull && !load.prefix_hit {
+            if self.config.mode == Mode::Pull && !load.prefix_hit() {
                 for p in &load.plan.notify_only {
                     self.send_to(&AgentName::new(load.remote.engine.clone(), *p), completion.clone());
                 }

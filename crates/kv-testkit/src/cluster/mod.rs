@@ -123,13 +123,24 @@ struct DecodeEngine {
     commands: VecDeque<(u32, kv_sched_adapter::DecodeCommand)>,
     /// The final state of every request that ended here (the scheduler forgets them).
     ended: BTreeMap<RequestId, DecodeState>,
+    /// Of every request that ended here: the D blocks it loaded from P, and the tokens of
+    /// valid KV it kept.
+    loaded: BTreeMap<RequestId, (u64, u64)>,
 }
 
 #[derive(Clone, Debug)]
 struct DecodeLoad {
     remote: RemoteRef,
     blocks: Vec<BlockId>,
-    prefix_hit: bool,
+    /// The first `cached` of `blocks` the engine's own prefix cache held.
+    cached: usize,
+}
+
+impl DecodeLoad {
+    /// The whole prompt was in D's prefix cache: nothing was read.
+    fn prefix_hit(&self) -> bool {
+        self.cached >= self.blocks.len()
+    }
 }
 
 /// Per engine name, what outlives its crashes: counters, releases, states.
@@ -324,6 +335,7 @@ impl Cluster {
             loads: BTreeMap::new(),
             commands: VecDeque::new(),
             ended: BTreeMap::new(),
+            loaded: BTreeMap::new(),
         })
     }
 
@@ -502,9 +514,15 @@ impl Cluster {
                 progressed = true;
                 match event {
                     DecodeEvent::ToWorker { rank, command } => engine.commands.push_back((rank, command)),
-                    DecodeEvent::Ended { request, state } => {
-                        self.record(format!("{} {} {request}", engine.id, state.as_str()));
+                    DecodeEvent::Ended { request, state, kept_blocks } => {
+                        self.record(format!("{} {} {request} keeping {kept_blocks} blocks", engine.id, state.as_str()));
                         engine.ended.insert(request.clone(), state);
+                        if let Some(load) = engine.loads.get(&request) {
+                            let d_tokens = u64::from(self.config.spec.decode_block_size);
+                            let read = self.blocks_read(engine, &request, load);
+                            let kept = (kept_blocks as u64 * d_tokens).min(load.remote.prompt_tokens);
+                            engine.loaded.insert(request.clone(), (read, kept));
+                        }
                         if state == DecodeState::Ready {
                             self.verify(engine, &request);
                             if let Some(load) = engine.loads.remove(&request) {

@@ -4,11 +4,11 @@
 
 use std::collections::BTreeSet;
 
-use kv_core::{BlockId, EngineId, RequestId};
+use kv_core::{BlockId, EngineId, Message, RequestId};
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{Counters, DecodeState, ReleaseReason};
 
-use super::Cluster;
+use super::{Cluster, DecodeEngine, DecodeLoad};
 
 /// The counters of an engine's workers, summed over its TP ranks.
 pub(super) fn worker_counters<M: WorkerMachine>(workers: &[WorkerDriver<M>]) -> Counters {
@@ -57,6 +57,27 @@ impl Cluster {
             Some(Some(e)) => e.scheduler.state(request).or_else(|| e.ended.get(request).copied()),
             _ => None,
         }
+    }
+
+    /// Of a request whose load ended on a D engine: the D blocks it loaded from P (those its
+    /// prefix cache held not counted), and the tokens of valid KV it kept.
+    pub fn loaded(&self, node: &str, request: &RequestId) -> Option<(u64, u64)> {
+        match self.decode.get(&EngineId::new(node)) {
+            Some(Some(e)) => e.loaded.get(request).copied(),
+            _ => None,
+        }
+    }
+
+    /// The logical D blocks a load really read: the bytes its completed reads moved (counted by
+    /// the network, whatever the connector believes), over the bytes of one block on all of
+    /// D's ranks; a block clipped to the prompt counts whole.
+    pub(super) fn blocks_read(&self, engine: &DecodeEngine, request: &RequestId, load: &DecodeLoad) -> u64 {
+        let names = |payload: &[u8], id: &RequestId| matches!(Message::decode(payload), Ok(Message::Completion { request, .. }) if request == *id);
+        // Pull: D's reads, whose completions name P's request; push: P's writes, which name D's.
+        let bytes = self.net.moved(&engine.id, |payload| names(payload, &load.remote.request))
+            + self.net.moved(&load.remote.engine, |payload| names(payload, request));
+        let block: u64 = engine.ranks.iter().map(|r| r.block_bytes()).sum();
+        bytes.div_ceil(block.max(1))
     }
 
     /// Every engine's counters, crashed incarnations included.

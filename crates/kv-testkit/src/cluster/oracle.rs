@@ -25,6 +25,11 @@ pub(super) struct RankMemory {
 }
 
 impl RankMemory {
+    /// Bytes of one block of this rank's pool.
+    pub(super) fn block_bytes(&self) -> u64 {
+        self.shape.block_bytes()
+    }
+
     /// TP rank `rank`'s pool of `shape` in `region` of `memory`, every block scrubbed: free.
     pub(super) fn new(memory: InMemoryMemory, region: Region, shape: PoolShape, rank: u32) -> Self {
         let mut mem = RankMemory { memory, region, shape, rank };
@@ -143,7 +148,7 @@ impl Cluster {
     /// Compares a ready request's blocks on every D rank with what P computed.
     pub(super) fn verify(&mut self, engine: &DecodeEngine, request: &RequestId) {
         let Some(load) = engine.loads.get(request) else { return };
-        if load.prefix_hit {
+        if load.prefix_hit() {
             return;
         }
         let key = (load.remote.engine.clone(), load.remote.request.clone());

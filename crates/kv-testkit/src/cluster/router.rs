@@ -16,7 +16,7 @@ use super::{err, fnv, Cluster, ClusterError, DecodeEngine, DecodeLoad, PrefillEn
 #[derive(Clone, Debug)]
 pub(super) enum Call {
     Arrive { request: RequestId, remote: RemoteRef },
-    Schedule { request: RequestId, prefix_hit: bool },
+    Schedule { request: RequestId, prefix_hit: bool, cached_tokens: u64 },
     Reject { request: RequestId, remote: RemoteRef },
     Abort { request: RequestId },
     EngineLost { engine: EngineId, instance: u64 },
@@ -169,7 +169,9 @@ impl Cluster {
     pub(super) fn call_now(&mut self, node: &str, call: Call) -> Result<(), ClusterError> {
         match call {
             Call::Arrive { request, remote } => self.arrive_now(node, &request, remote),
-            Call::Schedule { request, prefix_hit } => self.schedule_now(node, &request, prefix_hit),
+            Call::Schedule { request, prefix_hit, cached_tokens } => {
+                self.schedule_now(node, &request, prefix_hit, cached_tokens)
+            }
             Call::Reject { request, remote } => self.reject_now(node, &request, remote),
             Call::Abort { request } => self.abort_now(node, &request),
             Call::EngineLost { engine, instance } => self.engine_lost_now(node, &engine, instance),
@@ -192,34 +194,59 @@ impl Cluster {
     fn arrive_now(&mut self, node: &str, request: &RequestId, remote: RemoteRef) -> Result<(), ClusterError> {
         let engine = self.decode_engine(node)?;
         engine.scheduler.handle_arrive(request.clone(), remote.clone()).map_err(|e| ClusterError(e.to_string()))?;
-        engine.loads.insert(request.clone(), DecodeLoad { remote, blocks: Vec::new(), prefix_hit: false });
+        engine.loads.insert(request.clone(), DecodeLoad { remote, blocks: Vec::new(), cached: 0 });
         self.record(format!("{node} arrived {request}"));
         self.flush_decode(node)
     }
 
     /// D allocates blocks for a waiting request and starts its load.
     pub fn schedule(&mut self, node: &str, request: &RequestId, prefix_hit: bool) -> Result<(), ClusterError> {
-        self.call(node, Call::Schedule { request: request.clone(), prefix_hit })
+        self.call(node, Call::Schedule { request: request.clone(), prefix_hit, cached_tokens: 0 })
     }
 
-    fn schedule_now(&mut self, node: &str, request: &RequestId, prefix_hit: bool) -> Result<(), ClusterError> {
+    /// D allocates blocks for a waiting request whose first `cached_tokens` tokens (whole D
+    /// blocks) its own prefix cache holds, and loads the rest.
+    pub fn schedule_cached(&mut self, node: &str, request: &RequestId, cached_tokens: u64) -> Result<(), ClusterError> {
+        self.call(node, Call::Schedule { request: request.clone(), prefix_hit: false, cached_tokens })
+    }
+
+    fn schedule_now(
+        &mut self,
+        node: &str,
+        request: &RequestId,
+        prefix_hit: bool,
+        cached_tokens: u64,
+    ) -> Result<(), ClusterError> {
         let d_tokens = self.config.spec.decode_block_size;
+        let tp = self.config.spec.decode_tp;
+        let key =
+            self.decode_engine(node)?.loads.get(request).map(|l| (l.remote.engine.clone(), l.remote.request.clone()));
+        let computed = key.and_then(|key| self.computed.get(&key).copied());
         let engine = self.decode_engine(node)?;
         let Some(load) = engine.loads.get(request) else {
             return err(format!("{request} is not waiting on {node}"));
         };
         let count = kv_core::blocks_for_tokens(load.remote.prompt_tokens, d_tokens) as usize;
+        let cached = if prefix_hit { count.max(1) } else { (cached_tokens / u64::from(d_tokens)) as usize };
+        let cached = cached.min(count.max(1));
         let Some(blocks) = engine.pool.allocate(count.max(1)) else {
             return err(format!("{node} has no {count} free blocks for {request}"));
         };
         let dirty = oracle::dirty(&engine.ranks, &blocks);
-        if let Err(e) = engine.scheduler.handle_schedule(request.clone(), blocks.clone(), prefix_hit) {
+        if let Err(e) = engine.scheduler.handle_schedule_cached(request.clone(), blocks.clone(), cached) {
             let _ = engine.pool.release(&blocks);
             return Err(ClusterError(e.to_string()));
         }
+        if cached < blocks.len() {
+            // D's own prefix cache computed the same KV for the cached blocks: they hold what P
+            // computed for them, and the load must leave them so.
+            if let Some(computed) = computed {
+                oracle::fill(&mut engine.ranks, tp, &blocks[..cached], computed.seed, d_tokens);
+            }
+        }
         let load = engine.loads.get_mut(request).expect("present");
         load.blocks = blocks;
-        load.prefix_hit = prefix_hit;
+        load.cached = cached;
         self.count_written_after_free(node, &dirty);
         self.record(format!("{node} scheduled {request}"));
         self.flush_decode(node)

@@ -208,6 +208,7 @@ impl FakeNetwork {
             delays: Vec::new(),
             transfer_faults: Vec::new(),
             stats: NetStats::default(),
+            moved: BTreeMap::new(),
         };
         FakeNetwork { net: Arc::new(Mutex::new(net)) }
     }
@@ -280,6 +281,13 @@ impl FakeNetwork {
         let net = self.settled();
         let agent = net.agents.get(agent).filter(|a| a.up)?;
         agent.heard_gone.iter().find(|(_, e, mark)| e == engine && instance <= *mark).map(|(t, _, _)| *t)
+    }
+
+    /// Bytes that completed transfers posted by `engine`'s agents moved, all of its ranks
+    /// together, for those whose notification (as posted, before sealing) `which` picks.
+    pub fn moved(&self, engine: &EngineId, mut which: impl FnMut(&[u8]) -> bool) -> u64 {
+        let net = self.settled();
+        net.moved.iter().filter(|((e, payload), _)| e == engine && which(payload)).map(|(_, bytes)| bytes).sum()
     }
 
     /// The counters so far.
@@ -415,6 +423,8 @@ enum Transfer {
         request: TransferRequest,
         peer: Endpoint,
         doom: Option<String>,
+        /// The notification as the poster gave it, before it was sealed.
+        plain: Option<Vec<u8>>,
     },
     Finished(TransferStatus),
 }
@@ -499,6 +509,9 @@ struct Net {
     delays: Vec<Window>,
     transfer_faults: Vec<TransferFault>,
     stats: NetStats,
+    /// Bytes moved by completed transfers, by the posting engine and the transfer's
+    /// notification: what a load really read.
+    moved: BTreeMap<(EngineId, Vec<u8>), u64>,
 }
 
 impl Agent {
@@ -664,11 +677,15 @@ impl Net {
             return self.schedule(resume, Event::Complete { poster: poster.clone(), id });
         }
         let Some(agent) = self.agent_mut(poster) else { return };
-        let Some(Transfer::InFlight { request, peer, doom }) = agent.transfers.remove(&id) else { return };
+        let Some(Transfer::InFlight { request, peer, doom, plain }) = agent.transfers.remove(&id) else { return };
         let doom = doom.or_else(|| self.severed(poster, &peer));
         let status = match doom.map_or_else(|| self.copy(poster, &peer, &request), Err) {
             Ok(()) => {
                 self.stats.transfers_done += 1;
+                if let Some(plain) = plain {
+                    let bytes: u64 = request.pairs.iter().map(|p| p.len).sum();
+                    *self.moved.entry((poster.name.engine.clone(), plain)).or_insert(0) += bytes;
+                }
                 if let Some(payload) = request.notification {
                     let body = Body::Notification(payload);
                     self.send(Message { from: poster.clone(), to: peer, sent_at: at, body });

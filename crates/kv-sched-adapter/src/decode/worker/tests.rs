@@ -74,3 +74,24 @@ fn a_rejection_that_maps_onto_no_p_rank_is_counted_not_dropped_silently() {
     // A rejection that maps goes out: D connects to P's rank to send it.
     assert!(std::iter::from_fn(|| w.poll_action()).any(|a| matches!(a, Action::Connect(_))));
 }
+
+#[test]
+fn a_partial_prefix_hit_is_refused_where_it_cannot_be_loaded() {
+    let blocks = || vec![BlockId(0), BlockId(1), BlockId(2)];
+    let scheduled = |mode: Mode, cached: usize| {
+        let mut d = DecodeScheduler::new(EngineId::new("decode0"), 1, Config { mode, ..Config::default() }).unwrap();
+        let export = crate::ExportInfo { blocks: blocks(), deadline: Time::from_millis(30_000), finished: Time::ZERO };
+        d.handle_arrive(RequestId::new("r1"), RemoteRef { export: Some(export), ..remote(1, 1) }).unwrap();
+        d.handle_schedule_cached(RequestId::new("r1"), blocks(), cached).map_err(|e| e.to_string())
+    };
+    assert_eq!(scheduled(Mode::Pull, 2), Ok(()));
+    assert_eq!(scheduled(Mode::Pull, 4), Err("request r1: 4 blocks cached, but only 3 allocated".to_owned()));
+    assert_eq!(
+        scheduled(Mode::Push, 1),
+        Err("request r1: push mode cannot load part of a prompt (1 of 3 blocks cached); schedule it whole, or recompute"
+            .to_owned())
+    );
+    // Push: all or nothing cached is a whole load or a prefix hit.
+    assert_eq!(scheduled(Mode::Push, 3), Ok(()));
+    assert_eq!(scheduled(Mode::Push, 0), Ok(()));
+}
