@@ -259,6 +259,23 @@ impl PoolShape {
         }
     }
 
+    /// Where block `block` lies in the pool: one `(address, length)` range in a block-major
+    /// pool, one per layer in a layer-major one. `bases` are the regions' addresses.
+    pub fn block_ranges(&self, bases: &[u64], block: u32) -> Vec<(u64, u64)> {
+        let b = u64::from(block);
+        match self.layout.placement {
+            Placement::BlockMajor => {
+                let base = bases.first().copied().unwrap_or(0);
+                vec![(base + b * self.block_bytes(), self.block_bytes())]
+            }
+            Placement::LayerMajor => bases
+                .iter()
+                .take(self.layout.layers as usize)
+                .map(|&base| (base + b * self.layer_block_bytes(), self.layer_block_bytes()))
+                .collect(),
+        }
+    }
+
     /// The entry of [`PoolShape::block_descriptors`] that holds `(layer, block)`.
     pub fn descriptor_index(&self, layer: u32, block: u32) -> u32 {
         match self.layout.placement {
@@ -353,6 +370,22 @@ pub(crate) mod tests {
                         "{placement:?} {layer} {block}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn a_blocks_ranges_are_its_descriptors() {
+        for placement in [Placement::BlockMajor, Placement::LayerMajor] {
+            let shape = PoolShape::new(llama_like(placement), 8, 10).unwrap();
+            let bases: Vec<u64> =
+                (0..u64::from(shape.region_count())).map(|i| (1 << 40) + i * shape.region_len()).collect();
+            let descs = shape.block_descriptors(&bases);
+            for block in 0..10 {
+                let layers = if placement == Placement::BlockMajor { 1 } else { 32 };
+                let want: Vec<(u64, u64)> =
+                    (0..layers).map(|layer| descs[shape.descriptor_index(layer, block) as usize]).collect();
+                assert_eq!(shape.block_ranges(&bases, block), want, "{placement:?} {block}");
             }
         }
     }

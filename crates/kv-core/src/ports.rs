@@ -362,6 +362,17 @@ pub enum TransportError {
     /// The transfer failed in flight.
     #[error("transfer failed: {0}")]
     TransferFailed(String),
+    /// A read failed part-way, and the transport knows where: only the local byte ranges in
+    /// `spoiled` (address, length) may hold bad bytes, and every other byte the read was to
+    /// move arrived whole. A transport that cannot tell (NIXL) reports
+    /// [`TransportError::TransferFailed`], and then none of the read's bytes may be trusted.
+    #[error("read failed part-way ({} local ranges spoiled): {reason}", spoiled.len())]
+    PartlyFailed {
+        /// Why.
+        reason: String,
+        /// The local `(address, length)` ranges that may hold bad bytes.
+        spoiled: Vec<(u64, u64)>,
+    },
     /// A notification is larger than the transport carries.
     #[error("notification of {len} bytes exceeds the {max}-byte limit")]
     NotificationTooLarge {

@@ -55,6 +55,12 @@ pub trait WorkerMachine {
     fn handle_notification(&mut self, now: Time, notification: Notification);
     /// A transfer the machine asked for ended.
     fn handle_transfer(&mut self, now: Time, token: XferToken, ok: bool);
+    /// A read the machine asked for failed part-way, and only the local ranges in `spoiled`
+    /// may hold bad bytes ([`TransportError::PartlyFailed`]); by default, a failure like any other.
+    fn handle_transfer_spoiled(&mut self, now: Time, token: XferToken, spoiled: Vec<(u64, u64)>) {
+        let _ = spoiled;
+        self.handle_transfer(now, token, false);
+    }
     /// A descriptor list the machine asked to prepare is ready, or could not be made.
     fn handle_prepared(&mut self, now: Time, token: XferToken, result: Result<PreparedId, TransportError>);
     /// A wake-up.
@@ -86,6 +92,9 @@ macro_rules! worker_machine {
             }
             fn handle_transfer(&mut self, now: Time, token: XferToken, ok: bool) {
                 <$machine>::handle_transfer(self, now, token, ok)
+            }
+            fn handle_transfer_spoiled(&mut self, now: Time, token: XferToken, spoiled: Vec<(u64, u64)>) {
+                <$machine>::handle_transfer_spoiled(self, now, token, spoiled)
             }
             fn handle_prepared(&mut self, now: Time, token: XferToken, result: Result<PreparedId, TransportError>) {
                 <$machine>::handle_prepared(self, now, token, result)
@@ -174,7 +183,12 @@ impl<M: WorkerMachine> WorkerDriver<M> {
                     tracing::debug!(?id, %err, "transfer failed");
                     let (token, transfer) = self.in_flight.remove(&id).expect("in flight");
                     self.metrics.ended(&transfer, now, false);
-                    self.machine.handle_transfer(now, token, false);
+                    match err {
+                        TransportError::PartlyFailed { spoiled, .. } => {
+                            self.machine.handle_transfer_spoiled(now, token, spoiled)
+                        }
+                        _ => self.machine.handle_transfer(now, token, false),
+                    }
                 }
             }
         }

@@ -64,6 +64,11 @@ pub enum DecodeReport {
         /// Loaded: how long after P finished the prompt this rank came to hold its KV, when
         /// known (P's finish is known once it has exported; see [`crate::ExportInfo::finished`]).
         kv_latency: Option<std::time::Duration>,
+        /// How many of the request's blocks, from the first, hold valid KV on this rank: all
+        /// when loaded; when the load failed, those D's prefix cache held and, where the
+        /// transport said which bytes a failed read spoiled, the blocks read whole before the
+        /// first spoiled one.
+        kept_blocks: usize,
     },
     /// Push: the rank gave the load up, but P may still be writing into its blocks; they stay
     /// in quarantine until the rank reports `Finished`.
@@ -129,9 +134,10 @@ pub enum DecodeEvent {
         request: RequestId,
         /// The final state.
         state: DecodeState,
-        /// How many of its blocks, from the first, hold valid KV: all of them when `Ready`; the
-        /// ones D's own prefix cache held when it is `Recompute` (compute from there on); none
-        /// otherwise.
+        /// How many of its blocks, from the first, hold valid KV: all of them when `Ready`; when
+        /// it is `Recompute`, those D's own prefix cache held and the blocks every rank read whole
+        /// before a failed read's first spoiled one (where the transport can tell; compute from
+        /// there on); none otherwise.
         kept_blocks: usize,
     },
     /// The request's blocks may return to the pool: no transfer can touch them any more.
@@ -191,6 +197,8 @@ struct SchedulerRequest {
     blocks: Vec<BlockId>,
     /// The first `cached` of `blocks` D's prefix cache held.
     cached: usize,
+    /// The fewest blocks of valid KV a rank reported keeping.
+    kept: Option<usize>,
     finished: BTreeMap<u32, LoadOutcome>,
     aborting: bool,
     /// The slowest rank's time from P's finish to holding its KV, as the ranks report it;
@@ -203,7 +211,7 @@ impl SchedulerRequest {
     fn kept(&self, state: DecodeState) -> usize {
         match state {
             DecodeState::Ready => self.blocks.len(),
-            DecodeState::Recompute => self.cached,
+            DecodeState::Recompute => self.kept.unwrap_or(self.cached).min(self.blocks.len()),
             _ => 0,
         }
     }
@@ -263,6 +271,7 @@ impl DecodeScheduler {
             state: DecodeState::Waiting,
             blocks: Vec::new(),
             cached: 0,
+            kept: None,
             finished: BTreeMap::new(),
             aborting: false,
             kv_latency: Some(std::time::Duration::ZERO),
@@ -347,6 +356,9 @@ impl DecodeScheduler {
         match report {
             DecodeReport::Quarantined { request } => {
                 let Some(entry) = self.requests.get_mut(&request) else { return Ok(()) };
+                // That rank's writes may still land: none of its blocks past the cached ones hold
+                // valid KV, whatever the other ranks loaded.
+                entry.kept = Some(entry.kept.map_or(entry.cached, |k| k.min(entry.cached)));
                 if entry.state == DecodeState::Loading {
                     // The request moves on (recompute, fail, gone); its blocks wait for P.
                     entry.state = if entry.aborting { DecodeState::Gone } else { failed_state };
@@ -355,9 +367,10 @@ impl DecodeScheduler {
                     self.events.push_back(DecodeEvent::Ended { request, state, kept_blocks });
                 }
             }
-            DecodeReport::Finished { request, outcome, kv_latency } => {
+            DecodeReport::Finished { request, outcome, kv_latency, kept_blocks } => {
                 let Some(entry) = self.requests.get_mut(&request) else { return Ok(()) };
                 entry.finished.insert(rank, outcome);
+                entry.kept = Some(entry.kept.map_or(kept_blocks, |k| k.min(kept_blocks)));
                 entry.kv_latency = entry.kv_latency.zip(kv_latency).map(|(a, b)| a.max(b));
                 match entry.state {
                     DecodeState::Waiting if outcome != LoadOutcome::Loaded => {

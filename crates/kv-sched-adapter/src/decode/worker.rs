@@ -63,6 +63,12 @@ struct Load {
     deadlines: BTreeMap<u32, Time>,
     reads: BTreeSet<XferToken>,
     failed: bool,
+    /// Reads that failed part-way left bad bytes only in these local ranges; every other byte
+    /// of the load's reads that ended arrived whole.
+    spoiled: Vec<(u64, u64)>,
+    /// None of the reads' bytes can be trusted: a read failed and the transport could not say
+    /// where, ended late, or raced the loss or release of P's blocks.
+    blind: bool,
     aborted: bool,
     /// Push: P ranks whose write landed, and those that said none will come.
     written: BTreeSet<u32>,
@@ -76,6 +82,12 @@ struct Load {
 }
 
 impl Load {
+    /// The load failed, and none of its reads' bytes may be trusted.
+    fn distrust(&mut self) {
+        self.failed = true;
+        self.blind = true;
+    }
+
     /// D already holds the whole prompt: nothing is read, P is only told.
     fn prefix_hit(&self) -> bool {
         self.cached >= self.blocks.len()
@@ -241,14 +253,24 @@ impl DecodeWorker {
             // gets the requests the router named for its old self): it may free the blocks
             // at any time for that one, so they are never safe to read here.
             tracing::warn!(%request, %consumer, "the export is bound to another engine incarnation");
-            self.out.report(DecodeReport::Finished { request, outcome: LoadOutcome::Failed, kv_latency: None });
+            self.out.report(DecodeReport::Finished {
+                request,
+                outcome: LoadOutcome::Failed,
+                kv_latency: None,
+                kept_blocks: 0,
+            });
             return;
         }
         let (tp, plan, targets) = match self.map_remote(&remote) {
             Ok(mapped) => mapped,
             Err(error) => {
                 tracing::warn!(%request, %error, "P's parameters do not map onto this engine");
-                self.out.report(DecodeReport::Finished { request, outcome: LoadOutcome::Failed, kv_latency: None });
+                self.out.report(DecodeReport::Finished {
+                    request,
+                    outcome: LoadOutcome::Failed,
+                    kv_latency: None,
+                    kept_blocks: 0,
+                });
                 return;
             }
         };
@@ -271,6 +293,8 @@ impl DecodeWorker {
             deadlines: BTreeMap::new(),
             reads: BTreeSet::new(),
             failed: false,
+            spoiled: Vec::new(),
+            blind: false,
             aborted: false,
             written: BTreeSet::new(),
             declined: BTreeSet::new(),
@@ -538,7 +562,27 @@ impl DecodeWorker {
             LoadOutcome::Loaded => self.kv_latency(now, &load),
             _ => None,
         };
-        self.out.report(DecodeReport::Finished { request: request.clone(), outcome, kv_latency });
+        let kept_blocks = match outcome {
+            LoadOutcome::Loaded => load.blocks.len(),
+            LoadOutcome::Failed => load.cached + self.intact_reads(&load),
+            LoadOutcome::Aborted => 0,
+        };
+        self.out.report(DecodeReport::Finished { request: request.clone(), outcome, kv_latency, kept_blocks });
+    }
+
+    /// Of a failed pull, the blocks after the cached ones that its reads filled whole, up to the
+    /// first that may hold bad bytes: none unless every read ended and the transport said where
+    /// the failed ones went wrong.
+    fn intact_reads(&self, load: &Load) -> usize {
+        if load.phase != Phase::Reading || load.blind || !load.reads.is_empty() {
+            return 0;
+        }
+        let bases: Vec<u64> = self.pool.regions.iter().map(|r| r.addr).collect();
+        let overlaps = |(a, alen): (u64, u64)| load.spoiled.iter().any(|&(s, slen)| a < s + slen && s < a + alen);
+        load.blocks[load.cached..]
+            .iter()
+            .take_while(|b| !self.pool.shape.block_ranges(&bases, b.0).into_iter().any(overlaps))
+            .count()
     }
 
     /// How long after P finished the prompt this rank came to hold its KV (`now`), across the
@@ -634,7 +678,7 @@ impl DecodeWorker {
             load.declined.insert(agent.rank);
             match load.phase {
                 // Its reads fail through the transport; their bytes are not trusted either way.
-                Phase::Reading => load.failed = true,
+                Phase::Reading => load.distrust(),
                 // A P rank seen gone writes nothing more.
                 Phase::Cancelling => self.settle_cancel(now, &request),
                 Phase::Waiting | Phase::Starting | Phase::Registered => self.fail(now, &request),
@@ -694,7 +738,7 @@ impl DecodeWorker {
                     self.fail(now, request);
                 }
                 // A read raced the export's end: its bytes cannot be trusted.
-                Phase::Reading => load.failed = true,
+                Phase::Reading => load.distrust(),
                 // Push: P released it, so no write will come from that rank.
                 Phase::Registered | Phase::Cancelling => self.on_push_answer(now, from, request, false),
             },
@@ -754,20 +798,40 @@ impl DecodeWorker {
 
     /// A transfer this worker posted ended.
     pub fn handle_transfer(&mut self, now: Time, token: XferToken, ok: bool) {
+        self.transfer_ended(now, token, if ok { None } else { Some(None) });
+    }
+
+    /// A read failed part-way, and only the local ranges in `spoiled` may hold bad bytes
+    /// ([`kv_core::TransportError::PartlyFailed`]): the load fails, and with the `recompute`
+    /// policy D keeps the blocks before the first spoiled one.
+    pub fn handle_transfer_spoiled(&mut self, now: Time, token: XferToken, spoiled: Vec<(u64, u64)>) {
+        self.transfer_ended(now, token, Some(Some(spoiled)));
+    }
+
+    /// A read ended: done (`None`), failed (`Some(None)`), or failed with only `spoiled` bad.
+    fn transfer_ended(&mut self, now: Time, token: XferToken, failure: Option<Option<Vec<(u64, u64)>>>) {
         let Some(request) = self.xfers.remove(&token) else { return };
         let Some(load) = self.loads.get(&request) else { return };
         // The late-read fence: bytes that arrived after P's lease could have ended (less the
         // margin, across the clock offset) may be another request's; they are never accepted.
-        let late = ok && self.last_safe_start(load).is_none_or(|last| now > last);
+        let late = self.last_safe_start(load).is_none_or(|last| now > last);
         let load = self.loads.get_mut(&request).expect("exists");
         load.reads.remove(&token);
-        if !ok {
-            self.counters.transfers_failed += 1;
-            load.failed = true;
-        } else if late {
-            tracing::warn!(%request, "a read completed after P's lease could have ended; its bytes are discarded");
-            self.counters.late_reads += 1;
-            load.failed = true;
+        match failure {
+            Some(spoiled) => {
+                self.counters.transfers_failed += 1;
+                load.failed = true;
+                match spoiled {
+                    Some(spoiled) if !late => load.spoiled.extend(spoiled),
+                    _ => load.blind = true,
+                }
+            }
+            None if late => {
+                tracing::warn!(%request, "a read completed after P's lease could have ended; its bytes are discarded");
+                self.counters.late_reads += 1;
+                load.distrust();
+            }
+            None => {}
         }
         if load.reads.is_empty() {
             if load.failed {

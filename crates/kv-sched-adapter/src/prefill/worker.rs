@@ -390,8 +390,10 @@ impl PrefillWorker {
     /// Releases the family of export `id` when its owner is known to be gone (a staged claim
     /// of a gone engine may have just bound siblings registered before it).
     fn release_if_owner_gone(&mut self, now: Time, id: &RequestId) {
-        let Some(export) = self.exports.get(id) else { return };
-        let Some(family) = self.families.get(&export.family) else { return };
+        // By its family's id: a staged message may have released `id` itself already (an
+        // abort), after binding its siblings to the gone engine.
+        let family_id = id.parent().unwrap_or_else(|| id.clone());
+        let Some(family) = self.families.get(&family_id) else { return };
         if family.owner.as_ref().is_some_and(|o| self.gone.is_gone(o)) {
             for member in family.members.clone() {
                 self.release(now, &member, ReleaseReason::PeerLost);
@@ -426,6 +428,13 @@ impl PrefillWorker {
             }
         }
         self.settle_push(now, &request);
+    }
+
+    /// A transfer failed part-way ([`TransportError::PartlyFailed`]): P's are push writes, whose
+    /// landed part D cannot tell from the rest, so it is a failed write like any other.
+    pub fn handle_transfer_spoiled(&mut self, now: Time, token: XferToken, spoiled: Vec<(u64, u64)>) {
+        let _ = spoiled;
+        self.handle_transfer(now, token, false);
     }
 
     /// A descriptor list asked for in a write is ready (or not: then writes keep using pairs).

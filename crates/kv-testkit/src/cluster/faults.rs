@@ -273,6 +273,38 @@ impl Cluster {
         });
     }
 
+    /// The next read `node` (a D engine) posts for `request` fails part-way: the blocks before
+    /// D block `from_block` of the prompt arrive intact, those from it on get garbage, and the
+    /// transport says which ([`kv_core::TransportError::PartlyFailed`]). D's blocks are known
+    /// once it schedules the request, so the fault is armed then if it has not been yet. On a
+    /// P engine (a push write), the write fails whole: D cannot tell which of P's one-sided
+    /// writes landed.
+    pub fn fail_transfer_from(&mut self, node: &str, request: &RequestId, from_block: u32) {
+        let engine = EngineId::new(node);
+        if !self.decode.contains_key(&engine) {
+            return self.fail_transfer(node, request);
+        }
+        self.record(format!("fail next read of {node} for {request} from block {from_block}"));
+        self.spoils.insert((engine, request.clone()), from_block);
+        self.arm_spoil(node, request);
+    }
+
+    /// Arms a part-way failure of `node`'s next read for `request` once its blocks are known.
+    pub(super) fn arm_spoil(&mut self, node: &str, request: &RequestId) {
+        let engine = EngineId::new(node);
+        let Some(Some(d)) = self.decode.get(&engine) else { return };
+        let Some(load) = d.loads.get(request).filter(|l| !l.blocks.is_empty()) else { return };
+        let Some(from) = self.spoils.remove(&(engine.clone(), request.clone())) else { return };
+        let spoiled = load.blocks.get(from as usize..).unwrap_or(&[]);
+        let ranges: Vec<Vec<(u64, u64)>> = d.ranks.iter().map(|r| r.block_ranges(spoiled)).collect();
+        let p_request = load.remote.request.clone();
+        self.net.spoil_transfer_when(move |poster, transfer| {
+            let named = transfer.notification.as_deref().and_then(|n| Message::decode(n).ok());
+            let ours = matches!(named, Some(Message::Completion { request, .. }) if request == p_request);
+            (poster.engine == engine && ours).then(|| ranges.get(poster.rank as usize).cloned()).flatten()
+        });
+    }
+
     /// `from` sends `to` a notification with this payload.
     pub fn garbage(&mut self, from: &str, to: &str, bytes: &[u8]) {
         let from = AgentName::new(EngineId::new(from), 0);

@@ -177,6 +177,8 @@ pub struct Cluster {
     /// but part of the digest, so that runs differing only in rank-level events (another TP
     /// size, say) differ in digest.
     rank_digest: u64,
+    /// Part-way read failures asked for, by D engine and request, waiting for D's blocks.
+    spoils: BTreeMap<(EngineId, RequestId), u32>,
     last_step: Option<Time>,
     dirty_since: Option<Time>,
     prefills: u64,
@@ -221,6 +223,7 @@ impl Cluster {
             violations: Vec::new(),
             trace: Vec::new(),
             rank_digest: FNV_OFFSET,
+            spoils: BTreeMap::new(),
             last_step: None,
             dirty_since: None,
             prefills: 0,
@@ -519,12 +522,16 @@ impl Cluster {
                         engine.ended.insert(request.clone(), state);
                         if let Some(load) = engine.loads.get(&request) {
                             let d_tokens = u64::from(self.config.spec.decode_block_size);
-                            let read = self.blocks_read(engine, &request, load);
+                            let read = self.blocks_read(engine, &request, load, state == DecodeState::Ready);
                             let kept = (kept_blocks as u64 * d_tokens).min(load.remote.prompt_tokens);
                             engine.loaded.insert(request.clone(), (read, kept));
                         }
+                        if state == DecodeState::Recompute {
+                            // The KV D keeps must be what P computed, as a ready load's must.
+                            self.verify(engine, &request, kept_blocks);
+                        }
                         if state == DecodeState::Ready {
-                            self.verify(engine, &request);
+                            self.verify(engine, &request, kept_blocks);
                             if let Some(load) = engine.loads.remove(&request) {
                                 // The engine decodes and is done with the blocks.
                                 self.free_blocks(&engine.id, &mut engine.pool, &mut engine.ranks, &load.blocks);

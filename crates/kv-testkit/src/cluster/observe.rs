@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 
-use kv_core::{BlockId, EngineId, Message, RequestId};
+use kv_core::{AgentName, BlockId, EngineId, Message, RequestId};
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{Counters, DecodeState, ReleaseReason};
 
@@ -68,16 +68,31 @@ impl Cluster {
         }
     }
 
-    /// The logical D blocks a load really read: the bytes its completed reads moved (counted by
-    /// the network, whatever the connector believes), over the bytes of one block on all of
-    /// D's ranks; a block clipped to the prompt counts whole.
-    pub(super) fn blocks_read(&self, engine: &DecodeEngine, request: &RequestId, load: &DecodeLoad) -> u64 {
+    /// The logical D blocks a load really read: the bytes its reads landed whole (counted by the
+    /// network, whatever the connector believes), over the bytes of one block; a logical block
+    /// counts once every D rank has its part. For a load that ended `whole`, a block clipped
+    /// to the prompt counts; otherwise only blocks landed whole do.
+    pub(super) fn blocks_read(
+        &self,
+        engine: &DecodeEngine,
+        request: &RequestId,
+        load: &DecodeLoad,
+        whole: bool,
+    ) -> u64 {
         let names = |payload: &[u8], id: &RequestId| matches!(Message::decode(payload), Ok(Message::Completion { request, .. }) if request == *id);
-        // Pull: D's reads, whose completions name P's request; push: P's writes, which name D's.
-        let bytes = self.net.moved(&engine.id, |payload| names(payload, &load.remote.request))
-            + self.net.moved(&load.remote.engine, |payload| names(payload, request));
+        let round = |bytes: u64, block: u64| if whole { bytes.div_ceil(block.max(1)) } else { bytes / block.max(1) };
+        // Pull: each D rank's reads, whose completions name P's request.
+        let pulled = (0..engine.ranks.len() as u32).map(|r| {
+            let bytes = self.net.moved(&AgentName::new(engine.id.clone(), r), |p| names(p, &load.remote.request));
+            round(bytes, engine.ranks[r as usize].block_bytes())
+        });
+        let pulled = pulled.min().unwrap_or(0);
+        // Push: P's writes, every P rank's into every D rank's blocks, which name D's request.
+        let pushed: u64 = (0..load.remote.tp_size)
+            .map(|r| self.net.moved(&AgentName::new(load.remote.engine.clone(), r), |p| names(p, request)))
+            .sum();
         let block: u64 = engine.ranks.iter().map(|r| r.block_bytes()).sum();
-        bytes.div_ceil(block.max(1))
+        pulled.max(round(pushed, block))
     }
 
     /// Every engine's counters, crashed incarnations included.

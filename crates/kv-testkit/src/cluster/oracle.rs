@@ -25,6 +25,11 @@ pub(super) struct RankMemory {
 }
 
 impl RankMemory {
+    /// Where `blocks` lie in this rank's memory, as `(address, length)` ranges.
+    pub(super) fn block_ranges(&self, blocks: &[BlockId]) -> Vec<(u64, u64)> {
+        blocks.iter().flat_map(|b| self.shape.block_ranges(&[self.region.addr], b.0)).collect()
+    }
+
     /// Bytes of one block of this rank's pool.
     pub(super) fn block_bytes(&self) -> u64 {
         self.shape.block_bytes()
@@ -145,10 +150,12 @@ impl Cluster {
         }
     }
 
-    /// Compares a ready request's blocks on every D rank with what P computed.
-    pub(super) fn verify(&mut self, engine: &DecodeEngine, request: &RequestId) {
+    /// Compares the first `kept` blocks of a request that ended (all of them when it is ready,
+    /// the intact prefix D keeps when it recomputes the rest) on every D rank with what P
+    /// computed.
+    pub(super) fn verify(&mut self, engine: &DecodeEngine, request: &RequestId, kept: usize) {
         let Some(load) = engine.loads.get(request) else { return };
-        if load.prefix_hit() {
+        if load.prefix_hit() || kept == 0 {
             return;
         }
         let key = (load.remote.engine.clone(), load.remote.request.clone());
@@ -169,7 +176,7 @@ impl Cluster {
         let mut corrupt = false;
         for rank in &engine.ranks {
             let first = rank.shape.layout.first_head(rank.rank, self.config.spec.decode_tp);
-            for (i, &block) in load.blocks.iter().enumerate() {
+            for (i, &block) in load.blocks.iter().take(kept).enumerate() {
                 let expected = block_bytes(&rank.shape, first, computed.seed, i as u64 * d_tokens, computed.tokens);
                 let mut got = vec![0; expected.len()];
                 if rank.memory.read(rank.region.id, rank.block_offset(block), &mut got).is_err() {

@@ -247,6 +247,7 @@ impl Cluster {
         let load = engine.loads.get_mut(request).expect("present");
         load.blocks = blocks;
         load.cached = cached;
+        self.arm_spoil(node, request);
         self.count_written_after_free(node, &dirty);
         self.record(format!("{node} scheduled {request}"));
         self.flush_decode(node)

@@ -173,6 +173,9 @@ pub struct NetStats {
 /// A predicate over `(poster, request)` that fails the first transfer it matches.
 type TransferFault = Box<dyn FnMut(&AgentName, &TransferRequest) -> bool + Send>;
 
+/// A function of `(poster, request)` that picks the local ranges a read it matches spoils.
+type SpoilFault = Box<dyn FnMut(&AgentName, &TransferRequest) -> Option<Vec<(u64, u64)>> + Send>;
+
 /// The shared, seeded network; clones are handles to the same one.
 #[derive(Clone)]
 pub struct FakeNetwork {
@@ -208,6 +211,7 @@ impl FakeNetwork {
             delays: Vec::new(),
             transfer_faults: Vec::new(),
             stats: NetStats::default(),
+            spoil_faults: Vec::new(),
             moved: BTreeMap::new(),
         };
         FakeNetwork { net: Arc::new(Mutex::new(net)) }
@@ -283,11 +287,12 @@ impl FakeNetwork {
         agent.heard_gone.iter().find(|(_, e, mark)| e == engine && instance <= *mark).map(|(t, _, _)| *t)
     }
 
-    /// Bytes that completed transfers posted by `engine`'s agents moved, all of its ranks
-    /// together, for those whose notification (as posted, before sealing) `which` picks.
-    pub fn moved(&self, engine: &EngineId, mut which: impl FnMut(&[u8]) -> bool) -> u64 {
+    /// Bytes that transfers posted by `agent` landed whole (those that completed, and the
+    /// unspoiled part of those that failed part-way), for those whose notification (as posted,
+    /// before sealing) `which` picks.
+    pub fn moved(&self, agent: &AgentName, mut which: impl FnMut(&[u8]) -> bool) -> u64 {
         let net = self.settled();
-        net.moved.iter().filter(|((e, payload), _)| e == engine && which(payload)).map(|(_, bytes)| bytes).sum()
+        net.moved.iter().filter(|((a, payload), _)| a == agent && which(payload)).map(|(_, bytes)| bytes).sum()
     }
 
     /// The counters so far.
@@ -373,6 +378,19 @@ impl FakeNetwork {
         self.settled().transfer_faults.push(Box::new(predicate));
     }
 
+    /// The first read posted from now on for which `spoil(poster, request)` names local ranges
+    /// fails part-way: it copies every byte except those in the ranges, which get garbage, and
+    /// reports them ([`TransportError::PartlyFailed`]); a read that touches none of them is not
+    /// affected, and the fault waits for the next.
+    ///
+    /// The function runs inside the network's lock, so it must not call the network.
+    pub fn spoil_transfer_when(
+        &self,
+        spoil: impl FnMut(&AgentName, &TransferRequest) -> Option<Vec<(u64, u64)>> + Send + 'static,
+    ) {
+        self.settled().spoil_faults.push(Box::new(spoil));
+    }
+
     fn lock(&self) -> MutexGuard<'_, Net> {
         // A test that panicked mid-call leaves a usable world; keep it readable for the report.
         self.net.lock().unwrap_or_else(PoisonError::into_inner)
@@ -423,6 +441,8 @@ enum Transfer {
         request: TransferRequest,
         peer: Endpoint,
         doom: Option<String>,
+        /// Local ranges whose bytes it spoils, failing part-way.
+        spoil: Vec<(u64, u64)>,
         /// The notification as the poster gave it, before it was sealed.
         plain: Option<Vec<u8>>,
     },
@@ -508,10 +528,11 @@ struct Net {
     pauses: Vec<(Scope, Time)>,
     delays: Vec<Window>,
     transfer_faults: Vec<TransferFault>,
+    spoil_faults: Vec<SpoilFault>,
     stats: NetStats,
     /// Bytes moved by completed transfers, by the posting engine and the transfer's
     /// notification: what a load really read.
-    moved: BTreeMap<(EngineId, Vec<u8>), u64>,
+    moved: BTreeMap<(AgentName, Vec<u8>), u64>,
 }
 
 impl Agent {
@@ -677,14 +698,32 @@ impl Net {
             return self.schedule(resume, Event::Complete { poster: poster.clone(), id });
         }
         let Some(agent) = self.agent_mut(poster) else { return };
-        let Some(Transfer::InFlight { request, peer, doom, plain }) = agent.transfers.remove(&id) else { return };
+        let Some(Transfer::InFlight { request, peer, doom, spoil, plain }) = agent.transfers.remove(&id) else {
+            return;
+        };
         let doom = doom.or_else(|| self.severed(poster, &peer));
         let status = match doom.map_or_else(|| self.copy(poster, &peer, &request), Err) {
+            Ok(()) if !spoil.is_empty() => {
+                // The bytes landed but those of the spoiled ranges, which hold garbage.
+                self.stats.transfers_failed += 1;
+                if let Some(local) = self.agent(poster) {
+                    for &(addr, len) in &spoil {
+                        local.heap.write_at(addr, &vec![0xEE; len as usize]);
+                    }
+                }
+                if let Some(plain) = plain {
+                    let bytes: u64 = request.pairs.iter().map(|p| p.len).sum();
+                    let spoiled: u64 = spoil.iter().map(|s| s.1).sum();
+                    *self.moved.entry((poster.name.clone(), plain)).or_insert(0) += bytes.saturating_sub(spoiled);
+                }
+                let reason = "injected failure part-way".to_owned();
+                TransferStatus::Failed(TransportError::PartlyFailed { reason, spoiled: spoil })
+            }
             Ok(()) => {
                 self.stats.transfers_done += 1;
                 if let Some(plain) = plain {
                     let bytes: u64 = request.pairs.iter().map(|p| p.len).sum();
-                    *self.moved.entry((poster.name.engine.clone(), plain)).or_insert(0) += bytes;
+                    *self.moved.entry((poster.name.clone(), plain)).or_insert(0) += bytes;
                 }
                 if let Some(payload) = request.notification {
                     let body = Body::Notification(payload);

@@ -2,7 +2,7 @@
 
 use kv_core::{
     AgentName, DescriptorPair, PeerAddress, PeerEvent, PreparedId, PreparedLists, PreparedTransfer, Region, RegionId,
-    TransferId, TransferRequest, TransferStatus, Transport, TransportError,
+    TransferId, TransferOp, TransferRequest, TransferStatus, Transport, TransportError,
 };
 
 use super::{validate, Agent, Body, Endpoint, Event, FakeNetwork, Message, Net, Transfer};
@@ -110,6 +110,19 @@ impl Transport for FakeTransport {
                 // An injected failure fires once.
                 drop(net.transfer_faults.remove(index));
             }
+            // A part-way failure, for a read only, and only if it touches the ranges picked.
+            let mut spoil = Vec::new();
+            if injected.is_none() && request.op == TransferOp::Read {
+                let picked = net.spoil_faults.iter_mut().enumerate().find_map(|(i, fault)| {
+                    let touched = overlaps(&request.pairs, &fault(&me.name, &request).unwrap_or_default());
+                    (!touched.is_empty()).then_some((i, touched))
+                });
+                if let Some((index, touched)) = picked {
+                    // It fires once.
+                    drop(net.spoil_faults.remove(index));
+                    spoil = touched;
+                }
+            }
             let doom = if injected.is_some() {
                 Some("injected transfer failure".to_owned())
             } else if !peer_up {
@@ -128,7 +141,7 @@ impl Transport for FakeTransport {
             let agent = net.caller_mut(me)?;
             let id = TransferId(agent.next_transfer);
             agent.next_transfer += 1;
-            agent.transfers.insert(id, Transfer::InFlight { request, peer, doom, plain });
+            agent.transfers.insert(id, Transfer::InFlight { request, peer, doom, spoil, plain });
             net.schedule(now + net.config.transfer_latency, Event::Complete { poster: me.clone(), id });
             Ok(id)
         })
@@ -193,4 +206,19 @@ fn check_size(notification: Option<&[u8]>) -> Result<(), TransportError> {
         Some(payload) if payload.len() > max => Err(TransportError::NotificationTooLarge { len: payload.len(), max }),
         _ => Ok(()),
     }
+}
+
+/// The parts of `ranges` that the local side of `pairs` covers.
+fn overlaps(pairs: &[DescriptorPair], ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for pair in pairs {
+        for &(addr, len) in ranges {
+            let start = addr.max(pair.local_addr);
+            let end = (addr + len).min(pair.local_addr + pair.len);
+            if start < end {
+                out.push((start, end - start));
+            }
+        }
+    }
+    out
 }

@@ -115,13 +115,10 @@ fn run_checked_steps(scenario: &Scenario, cluster: &mut Cluster, skipped: &mut V
     Ok(())
 }
 
-/// Carries out one event on the cluster; one that this runner cannot carry out yet (a key such
-/// as `cached_tokens` that changes an older event) is an error that says so.
+/// Carries out one event on the cluster; one the cluster refuses is an error that says why.
 pub fn apply(cluster: &mut Cluster, event: &Event) -> Result<(), String> {
     let name = |n: &Node| n.engine_id().as_str().to_owned();
-    let unsupported = |what: &str| Err(format!("{what} is not supported by this runner yet"));
     let result = match event {
-        Event::FailTransfer { from_block: Some(_), .. } => return unsupported("fail_transfer with from_block"),
         Event::Prefill { request, prompt_tokens, n, node, consumer } => {
             let consumer = consumer.as_ref().map(name);
             cluster.prefill(&name(node), request, *prompt_tokens, *n, consumer.as_deref())
@@ -155,6 +152,10 @@ pub fn apply(cluster: &mut Cluster, event: &Event) -> Result<(), String> {
         }
         Event::FailTransfer { request, node, from_block: None } => {
             cluster.fail_transfer(&name(node), request);
+            Ok(())
+        }
+        Event::FailTransfer { request, node, from_block: Some(from) } => {
+            cluster.fail_transfer_from(&name(node), request, *from);
             Ok(())
         }
         Event::Garbage { from, to, bytes } => {
@@ -260,7 +261,7 @@ mod tests {
     }
 
     #[test]
-    fn events_this_runner_cannot_carry_out_say_so() {
+    fn events_the_cluster_refuses_say_why() {
         let s = scenario(
             r#"
             step = [
@@ -279,14 +280,13 @@ mod tests {
         let mut cluster = Cluster::new(cluster_config(&s, 0)).unwrap_or_else(|e| panic!("{e}"));
         let results: Vec<Result<(), String>> =
             s.steps.iter().filter_map(|s| s.event.as_ref()).map(|e| apply(&mut cluster, e)).collect();
-        let unsupported = |what: &str| Err(format!("{what} is not supported by this runner yet"));
         assert_eq!(
             results,
             vec![
                 Ok(()),
                 Ok(()),
                 Ok(()),
-                unsupported("fail_transfer with from_block"),
+                Ok(()),
                 // r2's first 16 tokens are in decode0's prefix cache: it reads the other 3 blocks.
                 Ok(()),
                 Ok(()),
@@ -299,16 +299,9 @@ mod tests {
         );
 
         // The run records them as events that did not apply, and says so when it fails.
-        let s = scenario(
-            "[[step]]\nat_s = 0\ndo = \"fail_transfer\"\nrequest = \"r1\"\nnode = \"decode0\"\nfrom_block = 1\nexpect = { p_pending = 1 }",
-        );
+        let s = scenario("[[step]]\nat_s = 0\ndo = \"schedule\"\nrequest = \"r1\"\nexpect = { p_pending = 1 }");
         let failure = run(&s, 0).failure.unwrap_or_default();
-        assert!(
-            failure.ends_with(
-                "fail_transfer did not apply: fail_transfer with from_block is not supported by this runner yet)"
-            ),
-            "{failure}"
-        );
+        assert!(failure.ends_with("schedule did not apply: r1 is not waiting on decode0)"), "{failure}");
     }
 
     #[test]
