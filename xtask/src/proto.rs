@@ -284,6 +284,10 @@ pub enum Command {
         id: String,
         /// P's parameters.
         remote: Remote,
+        /// Prompt tokens D's own prefix cache already holds (a whole number of D's blocks,
+        /// from the start): D loads only the rest from P. Pull mode only.
+        #[serde(default)]
+        cached_tokens: u64,
     },
     /// D: reject a request before admission.
     Reject {
@@ -350,7 +354,9 @@ pub enum Event {
         ready_at_ns: u64,
         /// How long, before that, D's engine spent checking that the blocks it allocated for
         /// the load still held their scrub bytes: the demo's own check for writes after free,
-        /// which a real engine does not make, so the KV latency leaves it out.
+        /// which a real engine does not make, so the KV latency leaves it out. It includes
+        /// filling the blocks D's prefix cache holds of a partial prefix hit, which a real
+        /// engine's cache already holds.
         #[serde(default)]
         scrub_check_ns: u64,
     },
@@ -362,6 +368,10 @@ pub enum Event {
         took_ns: u64,
         /// Whether it succeeded.
         ok: bool,
+        /// The request its notification names (P's request id for D's reads), if it carries
+        /// a completion.
+        #[serde(default)]
+        request: Option<String>,
     },
     /// The demo's own checks of the pool, on [`Command::Stats`] (the connector's counts are
     /// on the engine's metrics endpoint).
@@ -420,6 +430,18 @@ mod tests {
         let line = serde_json::to_string(&Remote::from(&r)).unwrap();
         let back: Remote = serde_json::from_str(&line).unwrap();
         assert_eq!(back.to_ref(), r);
+    }
+
+    #[test]
+    fn the_fields_added_later_default_when_absent() {
+        let line = r#"{"Transfer":{"bytes":4,"took_ns":5,"ok":true}}"#;
+        let Ok(Event::Transfer { request, .. }) = serde_json::from_str(line) else { panic!("{line}") };
+        assert_eq!(request, None);
+        let remote =
+            r#"{"engine":"prefill0","request":"req-1","addresses":[],"instance":null,"prompt_tokens":3,"export":null}"#;
+        let line = format!(r#"{{"Arrive":{{"id":"req-1","remote":{remote}}}}}"#);
+        let Ok(Command::Arrive { cached_tokens, .. }) = serde_json::from_str(&line) else { panic!("{line}") };
+        assert_eq!(cached_tokens, 0);
     }
 }
 

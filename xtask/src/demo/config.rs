@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use clap::{Args, Parser, ValueEnum};
+use kv_core::PoolShape;
 use xtask::proto::{Model, NodeConfig, NodeRole, TransportKind};
 
 /// The flags of `cargo xtask demo`; the defaults are [`DemoConfig::default`]'s.
@@ -34,6 +35,12 @@ pub struct DemoArgs {
     /// The longest prompt, in tokens.
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().max_tokens)]
     max_tokens: u64,
+    /// The fraction of single-sample requests (n = 1) of two D blocks or more that arrive on D
+    /// as partial prefix hits: D's own prefix cache holds a random whole number of their
+    /// blocks (at least one, not all), and D reads only the rest from P. Pull mode only: push
+    /// loads whole prompts, and sends none. 0 sends none.
+    #[arg(long, value_name = "F", default_value_t = DemoConfig::default().partial_rate)]
+    partial_rate: f64,
     /// The model's layers (8 KV heads of 128, bf16; or, with --mla, one latent of 576).
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().model.layers)]
     layers: u32,
@@ -168,6 +175,7 @@ impl DemoArgs {
             concurrency: self.concurrency,
             min_tokens: self.min_tokens,
             max_tokens: self.max_tokens,
+            partial_rate: self.partial_rate,
             model: Model { layers: self.layers, ..defaults.model },
             blocks: self.blocks,
             lease_ms: self.lease_ms,
@@ -231,6 +239,9 @@ pub struct DemoConfig {
     pub abort_rate: f64,
     /// See `reject_rate`.
     pub sibling_rate: f64,
+    /// The fraction of requests of n = 1 and two D blocks or more that D's own prefix cache
+    /// partly holds (pull mode only).
+    pub partial_rate: f64,
     /// Stop sending new requests after this long.
     pub time_limit: Duration,
     /// The transport the engines move KV with.
@@ -277,6 +288,7 @@ impl Default for DemoConfig {
             reject_rate: 0.08,
             abort_rate: 0.08,
             sibling_rate: 0.10,
+            partial_rate: 0.15,
             time_limit: Duration::from_secs(40),
         }
     }
@@ -293,6 +305,9 @@ impl DemoConfig {
                 self.concurrency,
                 self.model.layers
             );
+        }
+        if !(0.0..=1.0).contains(&self.partial_rate) {
+            bail!("--partial-rate {} is out of range: it is a fraction, 0 to 1", self.partial_rate);
         }
         if self.min_tokens == 0 || self.min_tokens > self.max_tokens {
             bail!("need 0 < --min-tokens ({}) <= --max-tokens ({})", self.min_tokens, self.max_tokens);
@@ -395,6 +410,15 @@ impl DemoConfig {
         }
     }
 
+    /// D engine `name`'s blocks: tokens per block, and the bytes of one block over all its
+    /// ranks (each rank's part times its TP size: with MLA every rank holds the whole latent).
+    pub(super) fn decode_block(&self, name: &str) -> (u32, u64) {
+        let model = self.model_of(NodeRole::Decode);
+        let (layout, tp) = (model.layout(), self.decode_tp(name).max(1));
+        let rank_bytes = PoolShape::new(layout, layout.heads_per_rank(tp), 1).map_or(0, |shape| shape.block_bytes());
+        (model.block_tokens, rank_bytes * u64::from(tp))
+    }
+
     /// The TP size of D engine `name` (`decode<i>`): the list's entries in turn.
     fn decode_tp(&self, name: &str) -> u32 {
         let index = name.strip_prefix("decode").and_then(|i| i.parse::<usize>().ok()).unwrap_or(0);
@@ -402,7 +426,7 @@ impl DemoConfig {
     }
 
     /// The model as engines of `role` run it: P's or D's block size.
-    fn model_of(&self, role: NodeRole) -> Model {
+    pub(super) fn model_of(&self, role: NodeRole) -> Model {
         match role {
             NodeRole::Prefill => self.model,
             NodeRole::Decode => Model { block_tokens: self.d_block_tokens, ..self.model },
@@ -452,8 +476,21 @@ mod tests {
         let flags = ["--decoders", "3", "--seed", "9", "--concurrency", "2", "--min-tokens", "32", "--blocks", "64"];
         let c = parse(&flags).unwrap();
         assert_eq!((c.decoders, c.seed, c.concurrency, c.min_tokens, c.blocks), (3, 9, 2, 32, 64));
+        assert_eq!(parse(&["--partial-rate", "0"]).unwrap().partial_rate, 0.0);
         let c = parse(&["--no-kill", "--pause-decode", "2", "--pause-prefill", "--metrics"]).unwrap();
         assert_eq!((c.kill, c.pause_decode, c.pause_prefill, c.print_metrics), (false, 2, true, true));
+    }
+
+    #[test]
+    fn a_d_block_is_counted_over_all_of_its_engines_ranks() {
+        // 32 layers, K and V, 8 heads of 128, bf16, 16 tokens: 2 MiB however the heads are split.
+        let c = parse(&["--d-tp", "1,2"]).unwrap();
+        assert_eq!(c.decode_block("decode0"), (16, 2 << 20));
+        assert_eq!(c.decode_block("decode1"), (16, 2 << 20));
+        // MLA: every rank holds the whole latent (576 bf16 a token), so two ranks hold it twice.
+        let c = parse(&["--mla", "--d-tp", "1,2", "--d-block-tokens", "32"]).unwrap();
+        assert_eq!(c.decode_block("decode0"), (32, 32 * 576 * 2 * 32));
+        assert_eq!(c.decode_block("decode1"), (32, 2 * 32 * 576 * 2 * 32));
     }
 
     #[test]
@@ -472,6 +509,8 @@ mod tests {
         check(&["--min-tokens", "600"], &["--min-tokens (600)", "--max-tokens (512)"]);
         check(&["--max-tokens", "8192"], &["--max-tokens 8192", "--blocks 384"]);
         check(&["--lease-ms", "100"], &["--lease-ms 100"]);
+        check(&["--partial-rate", "1.5"], &["--partial-rate 1.5"]);
+        check(&["--partial-rate", "NaN"], &["--partial-rate NaN"]);
         check(&["--bogus"], &["--bogus"]);
         check(&["--kill-silently"], &["--kill-silently", "--hosts netns", "Loopback", "--discovery etcd"]);
         let silent = ["--kill-silently", "--hosts", "netns", "--discovery", "etcd"];

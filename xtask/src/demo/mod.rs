@@ -4,7 +4,11 @@
 //!
 //! The router sends prompts to P (lengths from a spread, some with n > 1 siblings), hands P's
 //! transfer parameters to a D engine (round robin), rejects some requests on D before
-//! admission and aborts others while they wait or load. Part-way it kills one D engine with
+//! admission and aborts others while they wait or load. In pull mode some (`--partial-rate`)
+//! arrive on D as partial prefix hits: D's own prefix cache holds their first few D blocks
+//! (D fills them with the bytes P computed), D reads only the rest, and the report counts the
+//! blocks each read, from the bytes of the transfers that name it, against those it needed.
+//! Part-way it kills one D engine with
 //! SIGKILL and restarts it. In push mode D hears of each request first and P writes.
 //! `--pause-decode N` stops decode0 with SIGSTOP N times, each for 1.5 leases, with its reads
 //! in flight; `--pause-prefill` stops P once, past D's push watchdog but within D's

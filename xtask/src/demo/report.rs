@@ -1,8 +1,8 @@
 //! What a demo run measured ([`Report`]): requests by outcome, releases on P by reason, bytes,
-//! throughput and latencies, how long the killed engine's exports stayed held, the attacks,
-//! each engine incarnation's scraped metrics and promtool's word on them, and the checks;
-//! [`Report::failures`] names every check that failed, and the report prints as text or as one
-//! JSON object.
+//! throughput and latencies, the D blocks partial prefix hits read against those they needed,
+//! how long the killed engine's exports stayed held, the attacks, each engine incarnation's
+//! scraped metrics and promtool's word on them, and the checks; [`Report::failures`] names
+//! every check that failed, and the report prints as text or as one JSON object.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -26,6 +26,39 @@ const DEATH_RELEASE_BOUND_MS: u64 = 1000;
 /// The `p`th percentile of `values`; zero for none.
 fn percentile(values: &[u64], p: f64) -> u64 {
     xtask::stats::quantile(values, p / 100.0).unwrap_or(0)
+}
+
+/// The partial prefix hits of a run (see [`Report`]'s `partial`).
+#[derive(Default)]
+struct PartialHits {
+    sent: usize,
+    ready: usize,
+    needed: u64,
+    read: u64,
+    cached: u64,
+    first_wrong: Option<(String, u64, u64)>,
+}
+
+impl PartialHits {
+    fn new(demo: &Demo) -> PartialHits {
+        let mut hits = PartialHits::default();
+        for (id, track) in &demo.tracks {
+            let Some(partial) = track.partial else { continue };
+            hits.sent += 1;
+            if track.outcome.as_deref() != Some("ok") {
+                continue;
+            }
+            let (needed, read) = (partial.needed() as u64, partial.read(track.bytes_read));
+            hits.ready += 1;
+            hits.needed += needed;
+            hits.read += read;
+            hits.cached += partial.cached as u64;
+            if read != needed && hits.first_wrong.is_none() {
+                hits.first_wrong = Some((id.clone(), read, needed));
+            }
+        }
+        hits
+    }
 }
 
 /// What a run measured.
@@ -65,6 +98,10 @@ pub struct Report {
     /// The killed engine's exports still held at its death, by how P released them.
     dead_engine_releases: BTreeMap<String, u64>,
     lease_ms: u64,
+    /// Partial prefix hits: sent to D, and those that ended `ok`, with the D blocks they
+    /// needed (not cached), read (measured from the bytes of their completed transfers) and
+    /// found cached, summed; and the first that read other than it needed (id, read, needed).
+    partial: PartialHits,
     corrupt_reads: u64,
     written_after_free: u64,
     held_after_drain: BTreeMap<String, u64>,
@@ -199,6 +236,7 @@ impl Report {
             longest_held_after_death,
             dead_engine_releases,
             lease_ms: demo.config.lease_ms,
+            partial: PartialHits::new(demo),
             corrupt_reads,
             written_after_free,
             unreleased_exports: demo
@@ -226,6 +264,11 @@ impl Report {
         }
         if self.written_after_free > 0 {
             f.push(format!("{} blocks written after they were freed", self.written_after_free));
+        }
+        if let Some((id, read, needed)) = &self.partial.first_wrong {
+            f.push(format!(
+                "partial prefix hit {id} read {read} D blocks from P, but needed {needed} (the rest were cached)"
+            ));
         }
         let held: u64 = self.held_after_drain.values().sum();
         if held > 0 {
@@ -335,6 +378,16 @@ impl Report {
             "lapse_seen_after_ms": self.lapse_seen_after_ms,
             "dead_engine_releases": self.dead_engine_releases,
             "lease_ms": self.lease_ms,
+            "partial_prefix_hits": {
+                "sent": self.partial.sent,
+                "ready": self.partial.ready,
+                "blocks_needed": self.partial.needed,
+                "blocks_read": self.partial.read,
+                "blocks_cached": self.partial.cached,
+                "first_wrong": self.partial.first_wrong.as_ref().map(|(id, read, needed)| {
+                    json!({ "request": id, "blocks_read": read, "blocks_needed": needed })
+                }),
+            },
             "corrupt_reads": self.corrupt_reads,
             "written_after_free": self.written_after_free,
             "held_after_drain": self.held_after_drain,
@@ -389,7 +442,7 @@ impl Report {
             self.transfer_p99_us as f64 / 1e3
         );
         println!(
-            "  P done -> D holds KV p50 {:.2} ms, p99 {:.2} ms ({} requests; D's scrub checks left out)",
+            "  P done -> D holds KV p50 {:.2} ms, p99 {:.2} ms ({} requests; D's scrub checks and prefix-cache fills left out)",
             self.kv_p50_us as f64 / 1e3,
             self.kv_p99_us as f64 / 1e3,
             self.kv_samples
@@ -426,6 +479,15 @@ impl Report {
                 a.rss_growth_mib,
                 if a.p_alive { "alive" } else { "DEAD" },
                 a.detail
+            );
+        }
+        if self.mode == "push" {
+            println!("  partial prefix hits  none sent (push mode loads whole prompts)");
+        } else {
+            let p = &self.partial;
+            println!(
+                "  partial prefix hits  {} ready of {} sent: {} blocks read of {} needed ({} cached)",
+                p.ready, p.sent, p.read, p.needed, p.cached
             );
         }
         println!("  released, D alive    {}", self.released_for_live_engines);

@@ -35,6 +35,35 @@ pub(super) struct Track {
     /// Of the time to `ready_at_ns`, what D spent on the demo's own scrub checks.
     pub(super) scrub_check_ns: u64,
     pub(super) freed: Option<(String, u64)>,
+    /// A partial prefix hit: what D's own cache held of it, and what it had to read.
+    pub(super) partial: Option<Partial>,
+    /// Bytes of the completed transfers whose notification named this request.
+    pub(super) bytes_read: u64,
+}
+
+/// A request D's own prefix cache partly held when it arrived.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Partial {
+    /// D blocks the prompt spans.
+    pub(super) blocks: usize,
+    /// Of those, the first ones D's cache held.
+    pub(super) cached: usize,
+    /// Tokens per D block.
+    pub(super) block_tokens: u32,
+    /// Bytes of one D block over all of that engine's ranks.
+    pub(super) block_bytes: u64,
+}
+
+impl Partial {
+    /// D blocks it had to read: those its cache did not hold.
+    pub(super) fn needed(&self) -> usize {
+        self.blocks - self.cached
+    }
+
+    /// D blocks the bytes read cover (the last one may be clipped to the prompt).
+    pub(super) fn read(&self, bytes: u64) -> u64 {
+        bytes.div_ceil(self.block_bytes.max(1))
+    }
 }
 
 /// What the router decided for a request.
@@ -52,6 +81,9 @@ struct Request {
     prompt_tokens: u64,
     n: u32,
     fate: Fate,
+    /// A partial prefix hit (pull mode): the draw that picks how many of its D blocks D's own
+    /// cache holds, once the D engine (and so its block size) is known.
+    partial: Option<u64>,
 }
 
 /// A run: the engines and the router's view of the requests.
@@ -398,17 +430,33 @@ impl Demo {
             },
         };
         let instance = self.nodes[&decode].instance;
+        let partial = self.partial_hit(parent, &decode, remote.prompt_tokens);
         let track = self.tracks.entry(export.to_owned()).or_default();
         track.parent = parent.to_owned();
         track.decode = Some((decode.clone(), instance));
+        track.partial = partial;
         let command = match fate {
             Fate::Reject => Command::Reject { id: export.to_owned(), remote },
-            _ => Command::Arrive { id: export.to_owned(), remote },
+            _ => {
+                let cached_tokens = partial.map_or(0, |p| p.cached as u64 * u64::from(p.block_tokens));
+                Command::Arrive { id: export.to_owned(), remote, cached_tokens }
+            }
         };
         self.send(&decode, &command);
         if let Fate::Abort(after) = fate {
             self.aborts.push((Instant::now() + after, export.to_owned()));
         }
+    }
+
+    /// How much of request `parent`'s prompt of `prompt_tokens` D engine `decode`'s own prefix
+    /// cache holds, if the workload made it a partial prefix hit: at least one of its D blocks,
+    /// not all. `None` for a prompt of one D block.
+    fn partial_hit(&self, parent: &str, decode: &str, prompt_tokens: u64) -> Option<Partial> {
+        let draw = self.open.get(parent).and_then(|(r, _)| r.partial)?;
+        let (block_tokens, block_bytes) = self.config.decode_block(decode);
+        let blocks = kv_core::blocks_for_tokens(prompt_tokens, block_tokens) as usize;
+        let cached = 1 + (draw % blocks.checked_sub(1).filter(|&n| n > 0)? as u64) as usize;
+        Some(Partial { blocks, cached, block_tokens, block_bytes })
     }
 
     fn fire_aborts(&mut self, now: Instant) {
@@ -621,7 +669,12 @@ impl Demo {
                     self.finish_export(&id, &outcome, ready);
                 }
             }
-            Event::Transfer { bytes, took_ns, ok } => self.transfers.push((bytes, took_ns, ok)),
+            Event::Transfer { bytes, took_ns, ok, request } => {
+                self.transfers.push((bytes, took_ns, ok));
+                if let Some(track) = request.filter(|_| ok).and_then(|r| self.tracks.get_mut(&r)) {
+                    track.bytes_read += bytes;
+                }
+            }
             Event::Stats { .. } => {}
             Event::Error { message } => self.errors.push(format!("{name}: {message}")),
         }
@@ -722,5 +775,10 @@ fn workload(config: &DemoConfig, rng: &mut Rng, i: u32) -> Request {
     } else {
         Fate::Normal
     };
-    Request { id: format!("req-{i}"), prompt_tokens, n, fate }
+    // Push loads whole prompts: no partial hits there (and no draws, so its workload stays
+    // the same).
+    let d_blocks = kv_core::blocks_for_tokens(prompt_tokens, config.d_block_tokens);
+    let eligible = !config.push && n == 1 && fate != Fate::Reject && d_blocks >= 2;
+    let partial = (eligible && rng.chance(config.partial_rate)).then(|| rng.below(1 << 30));
+    Request { id: format!("req-{i}"), prompt_tokens, n, fate, partial }
 }

@@ -313,8 +313,8 @@ impl Engine {
 
     /// Reports the transfers that ended.
     fn report_transfers(&mut self) {
-        while let Ok((bytes, took, ok)) = self.ended.try_recv() {
-            self.emit(&Event::Transfer { bytes, took_ns: took.as_nanos() as u64, ok });
+        while let Ok((bytes, took, ok, request)) = self.ended.try_recv() {
+            self.emit(&Event::Transfer { bytes, took_ns: took.as_nanos() as u64, ok, request });
         }
     }
 
@@ -575,9 +575,12 @@ impl Node<PrefillSide> {
 /// A request D knows of.
 struct Load {
     remote: Remote,
+    /// Prompt tokens D's own prefix cache holds already (the router says so): D loads the rest.
+    cached_tokens: u64,
     blocks: Vec<BlockId>,
     aborted: bool,
-    /// Time spent checking the scrub bytes of `blocks` when they were allocated.
+    /// Time spent checking the scrub bytes of `blocks` when they were allocated, and filling
+    /// those D's prefix cache holds: the demo's own work, which the KV latency leaves out.
     scrub_check: Duration,
 }
 
@@ -619,14 +622,18 @@ impl Side for DecodeSide {
 
     fn handle(node: &mut Node<Self>, command: Command) -> Result<()> {
         match command {
-            Command::Arrive { id, remote } => {
+            Command::Arrive { id, remote, cached_tokens } => {
                 let id = RequestId::new(id);
                 match node.side.scheduler.handle_arrive(id.clone(), remote.to_ref()) {
                     Ok(()) => {
-                        node.side.loads.insert(
-                            id.clone(),
-                            Load { remote, blocks: Vec::new(), aborted: false, scrub_check: Duration::ZERO },
-                        );
+                        let load = Load {
+                            remote,
+                            cached_tokens,
+                            blocks: Vec::new(),
+                            aborted: false,
+                            scrub_check: Duration::ZERO,
+                        };
+                        node.side.loads.insert(id.clone(), load);
                         node.side.waiting.push_back(id);
                     }
                     Err(err) => {
@@ -676,6 +683,12 @@ impl Node<DecodeSide> {
         self.engine.emit(&event);
     }
 
+    /// The request P computed the prompt of: the parent of P's sibling exports.
+    fn parent(remote: &Remote) -> RequestId {
+        let id = RequestId::new(remote.request.clone());
+        id.parent().unwrap_or(id)
+    }
+
     /// Gives blocks to waiting requests, first come first served, while the pool has them.
     fn schedule(&mut self) -> Result<()> {
         while let Some(id) = self.side.waiting.front().cloned() {
@@ -689,11 +702,22 @@ impl Node<DecodeSide> {
             };
             let tokens = self.engine.shape().layout.block_tokens;
             let count = kv_core::blocks_for_tokens(load.remote.prompt_tokens, tokens).max(1) as usize;
+            // Whole blocks of D's own prefix cache, from the prompt's start.
+            let cached = usize::try_from(load.cached_tokens / u64::from(tokens)).unwrap_or(usize::MAX).min(count);
+            let seed = pattern::seed(&load.remote.engine, Self::parent(&load.remote).as_str());
             let checking = Instant::now();
             let Some(blocks) = self.engine.allocate(count)? else { break };
             let scrub_check = checking.elapsed();
             self.side.waiting.pop_front();
-            if let Err(err) = self.side.scheduler.handle_schedule(id.clone(), blocks.clone(), false) {
+            let filling = Instant::now();
+            if cached > 0 {
+                // D's prefix cache holds the KV P computed for these tokens: the same bytes. The
+                // check at `Ready` then finds them intact and the read's in the blocks after.
+                self.engine.fill(seed, &blocks[..cached])?;
+            }
+            // Standing in for the prefix cache is the demo's work too, not the load's.
+            let scrub_check = scrub_check + filling.elapsed();
+            if let Err(err) = self.side.scheduler.handle_schedule_cached(id.clone(), blocks.clone(), cached) {
                 self.engine.release(&blocks)?;
                 self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });
                 continue;
@@ -714,9 +738,7 @@ impl Node<DecodeSide> {
                     // The KV is in place now; checking it is the demo's work, not the load's.
                     let ready_at_ns = wall_ns();
                     let Some(load) = self.side.loads.remove(&request) else { continue };
-                    let remote_id = RequestId::new(load.remote.request.clone());
-                    let parent = remote_id.parent().unwrap_or(remote_id);
-                    let seed = pattern::seed(&load.remote.engine, parent.as_str());
+                    let seed = pattern::seed(&load.remote.engine, Self::parent(&load.remote).as_str());
                     let ok = self.engine.check(seed, &load.blocks, load.remote.prompt_tokens)?;
                     let bytes =
                         load.blocks.len() as u64 * self.engine.shape().block_bytes() * self.engine.ranks.len() as u64;

@@ -1,5 +1,6 @@
 //! A rank's transport as the engine's configuration says (NIXL or TCP), wrapped to time each
-//! transfer it posts from post to completion for the router's report.
+//! transfer it posts from post to completion, and to name the request its notification
+//! completes, for the router's report.
 
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;
@@ -9,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use kv_core::{
-    AgentName, Handshake, PeerAddress, PeerEvent, PollIntervals, PreparedId, PreparedTransfer, Region, RegionId,
-    TransferId, TransferRequest, TransferStatus, Transport, TransportError,
+    AgentName, Handshake, Message, PeerAddress, PeerEvent, PollIntervals, PreparedId, PreparedTransfer, Region,
+    RegionId, TransferId, TransferRequest, TransferStatus, Transport, TransportError,
 };
 use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
 use kv_transport_tcp::{TcpConfig, TcpTransport};
@@ -18,13 +19,21 @@ use kv_transport_tcp::{TcpConfig, TcpTransport};
 use crate::e2e::ProcessClock;
 use crate::proto::{NodeConfig, TransportKind, CLUSTER_KEY_ENV};
 
-/// A transfer that ended: bytes, post-to-end time, success.
-pub(super) type Ended = (u64, Duration, bool);
+/// A transfer that ended: bytes, post-to-end time, success, and the request its notification
+/// completes (P's request id for D's reads), if it carries a completion.
+pub(super) type Ended = (u64, Duration, bool, Option<String>);
+
+/// A transfer in flight: when it was posted, its bytes, and the request it completes.
+struct Posted {
+    start: Instant,
+    bytes: u64,
+    request: Option<String>,
+}
 
 /// The transport, timing each transfer it posts from post to completion.
 pub(super) struct TimedTransport {
     inner: Box<dyn Transport>,
-    posted: HashMap<TransferId, (Instant, u64)>,
+    posted: HashMap<TransferId, Posted>,
     local_lists: HashMap<PreparedId, Vec<u64>>,
     ended: Sender<Ended>,
 }
@@ -37,9 +46,17 @@ impl TimedTransport {
 
     /// Starts timing a transfer from `start`, taken before the post: UCX may move the bytes
     /// inside the post call itself.
-    fn posted(&mut self, id: TransferId, start: Instant, bytes: u64) -> TransferId {
-        self.posted.insert(id, (start, bytes));
+    fn posted(&mut self, id: TransferId, start: Instant, bytes: u64, request: Option<String>) -> TransferId {
+        self.posted.insert(id, Posted { start, bytes, request });
         id
+    }
+}
+
+/// The request a transfer's notification completes: `Message::Completion`'s, if it is one.
+fn completed_request(notification: Option<&[u8]>) -> Option<String> {
+    match Message::decode(notification?) {
+        Ok(Message::Completion { request, .. }) => Some(request.as_str().to_owned()),
+        _ => None,
     }
 }
 
@@ -58,9 +75,10 @@ impl Transport for TimedTransport {
     }
     fn post(&mut self, request: TransferRequest) -> Result<TransferId, TransportError> {
         let bytes = request.pairs.iter().map(|p| p.len).sum();
+        let completes = completed_request(request.notification.as_deref());
         let start = Instant::now();
         let id = self.inner.post(request)?;
-        Ok(self.posted(id, start, bytes))
+        Ok(self.posted(id, start, bytes, completes))
     }
     fn prepare(&mut self, peer: Option<&AgentName>, ranges: &[(u64, u64)]) -> Result<PreparedId, TransportError> {
         let id = self.inner.prepare(peer, ranges)?;
@@ -72,15 +90,16 @@ impl Transport for TimedTransport {
     fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError> {
         let lens = self.local_lists.get(&request.local);
         let bytes = request.local_indices.iter().filter_map(|&i| lens.and_then(|l| l.get(i as usize))).sum();
+        let completes = completed_request(request.notification.as_deref());
         let start = Instant::now();
         let id = self.inner.post_prepared(request)?;
-        Ok(self.posted(id, start, bytes))
+        Ok(self.posted(id, start, bytes, completes))
     }
     fn poll_transfer(&mut self, id: TransferId) -> TransferStatus {
         let status = self.inner.poll_transfer(id);
         if !matches!(status, TransferStatus::InProgress) {
-            if let Some((start, bytes)) = self.posted.remove(&id) {
-                let _ = self.ended.send((bytes, start.elapsed(), matches!(status, TransferStatus::Done)));
+            if let Some(Posted { start, bytes, request }) = self.posted.remove(&id) {
+                let _ = self.ended.send((bytes, start.elapsed(), matches!(status, TransferStatus::Done), request));
             }
         }
         status
