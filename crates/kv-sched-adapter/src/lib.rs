@@ -121,8 +121,18 @@
 //!   lost, releasing what was bound to it and dropping what it had staged.
 //! - Handshakes and [`RemoteRef`]s name P's incarnation: D never loads an export from a P
 //!   incarnation other than the one that made it (a restarted P's pool holds other blocks).
-//! - D stops renewing a request that has waited longer than `decoder_kv_blocks_ttl`, so a
-//!   request that is never scheduled cannot hold P's blocks for ever.
+//! - `decoder_kv_blocks_ttl` bounds everything D holds for a peer: a request that waits
+//!   longer than it unscheduled is given up (the load-failure policy) and P told, so it
+//!   cannot hold P's blocks for ever; and it is the default `push_registration_timeout`, after
+//!   which D gives up the blocks it registered for a push that never came (vLLM's bidirectional
+//!   meaning). Scenarios `decoder-ttl-bounds-renewals-of-a-waiting-request` and
+//!   `push-decoder-ttl-is-the-watchdog` check both.
+//! - A parent whose sibling was transferred is remembered for one lease and at most 8192 of
+//!   them, the oldest forgotten first (seed 002's bound is the count alone): a sibling that
+//!   registers while it is remembered is released at once, a later one waits for its own
+//!   lease (scenario `pulled-parent-remembered-one-lease`). Time-bounded memories are pruned
+//!   before every registration as well as at wake-ups, so a worker that slept through the
+//!   horizon does not act on them.
 //! - Push registrations that come before P's prefill stay staged until
 //!   `push_registration_timeout`, when D's watchdog gives up on them anyway.
 

@@ -251,9 +251,21 @@ impl PrefillWorker {
         self.families.get(&export.family)?.owner.as_ref()
     }
 
+    /// Forgets what is remembered for a time only: staged messages past their lifetime, ids
+    /// released more than two leases ago, parents pulled more than a lease ago, cancels past
+    /// the stage's lifetime. Run on every wake-up and before a registration, so a worker that
+    /// slept through the horizon (nothing else to wake it) does not act on stale memory.
+    fn forget_old(&mut self, now: Time) {
+        self.counters.early_evicted += self.early.expire(now.saturating_sub(self.stage_lifetime()));
+        self.recent.expire(now.saturating_sub(self.config.kv_lease_duration * 2));
+        self.pulled.expire(now.saturating_sub(self.config.kv_lease_duration));
+        self.cancelled.expire(now.saturating_sub(self.stage_lifetime()));
+    }
+
     /// A command from the scheduler.
     pub fn handle_command(&mut self, now: Time, command: PrefillCommand) {
         self.reap_expired(now);
+        self.forget_old(now);
         let PrefillCommand::Export { request, blocks, deadline, consumer } = command;
         let _span = request_span(&self.offer.engine, Some(self.offer.rank), &request).entered();
         tracing::debug!(blocks = blocks.len(), deadline_ns = deadline.as_nanos(), consumer = ?consumer, "export registered");
@@ -463,10 +475,7 @@ impl PrefillWorker {
                 self.accrue_stranded(now, &family);
             }
         }
-        self.counters.early_evicted += self.early.expire(now.saturating_sub(self.stage_lifetime()));
-        self.recent.expire(now.saturating_sub(self.config.kv_lease_duration * 2));
-        self.pulled.expire(now.saturating_sub(self.config.kv_lease_duration));
-        self.cancelled.expire(now.saturating_sub(self.stage_lifetime()));
+        self.forget_old(now);
     }
 
     /// The next action for the driver.
