@@ -111,14 +111,22 @@ impl Cluster {
             ForgedMessage::Heartbeat => Message::Heartbeat { requests: vec![request.clone()] },
             ForgedMessage::Reject => Message::Rejection { request: request.clone() },
         };
+        self.send_as(from, to, &message)?;
+        self.record(format!("{from} forged {message:?} to {to_agent}"));
+        Ok(())
+    }
+
+    /// D engine `from`'s rank 0 sends `message` to `to`'s rank 0 over its authenticated
+    /// session, as that engine itself could: for tests of messages no scenario event makes (a
+    /// push registration sent twice).
+    pub fn send_as(&mut self, from: &str, to: &str, message: &Message) -> Result<(), ClusterError> {
+        let to_agent = AgentName::new(EngineId::new(to), 0);
         let payload = message.encode().map_err(|e| ClusterError(e.to_string()))?;
         let engine = self.decode_engine(from)?;
         let transport = engine.workers[0].transport();
         transport
             .send_notification(&to_agent, &payload)
-            .map_err(|e| ClusterError(format!("{from} cannot speak to {to_agent}: {e}")))?;
-        self.record(format!("{from} forged {message:?} to {to_agent}"));
-        Ok(())
+            .map_err(|e| ClusterError(format!("{from} cannot speak to {to_agent}: {e}")))
     }
 
     /// An engine stops; with `detect`, its peers see its side channel close.

@@ -95,6 +95,14 @@ impl Cluster {
         pulled.max(round(pushed, block))
     }
 
+    /// The blocks a D engine allocated for a request it is loading.
+    pub fn decode_blocks(&self, node: &str, request: &RequestId) -> Option<Vec<BlockId>> {
+        match self.decode.get(&EngineId::new(node)) {
+            Some(Some(e)) => e.loads.get(request).map(|l| l.blocks.clone()),
+            _ => None,
+        }
+    }
+
     /// Every engine's counters, crashed incarnations included.
     pub fn counters(&self) -> Counters {
         let mut total = Counters::default();

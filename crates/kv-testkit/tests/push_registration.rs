@@ -1,0 +1,64 @@
+//! A push registration that reaches P twice (a D that sends it again, a network that repeats
+//! it) is counted as a duplicate and staged once: P writes D's blocks once, and the load ends
+//! ready with the bytes P computed.
+
+use kv_core::{EngineId, Message, PushRegistration, RequestId, Time};
+use kv_testkit::cluster::Cluster;
+use kv_testkit::scenario::runner::{apply, cluster_config};
+use kv_testkit::scenario::Scenario;
+
+#[test]
+fn a_registration_sent_twice_is_a_duplicate_and_p_writes_once() {
+    let scenario = Scenario::from_toml_str(
+        r#"
+        name = "D registers before P has run the prompt; its registration comes twice"
+        [cluster]
+        mode = "push"
+        [[step]]
+        at_s = 0.0
+        do = "arrive"
+        request = "r1"
+        prompt_tokens = 64
+        [[step]]
+        at_s = 0.1
+        do = "schedule"
+        request = "r1"
+        "#,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut cluster = Cluster::new(cluster_config(&scenario, 0)).unwrap_or_else(|e| panic!("{e}"));
+    for step in &scenario.steps {
+        cluster.advance_to(step.at);
+        apply(&mut cluster, step.event.as_ref().unwrap()).unwrap();
+    }
+    cluster.advance_to(Time::from_millis(200));
+    let r1 = RequestId::new("r1");
+    let blocks = cluster.decode_blocks("decode0", &r1).expect("decode0 is loading r1");
+    let again = Message::PushRegistration(PushRegistration {
+        request: r1.clone(),
+        decode_engine: EngineId::new("decode0"),
+        decode_rank: 0,
+        decode_tp: 1,
+        blocks,
+    });
+    cluster.send_as("decode0", "prefill0", &again).unwrap();
+    cluster.advance_to(Time::from_millis(300));
+    let duplicates_before = cluster.engine_counters("prefill0").duplicate_messages;
+    cluster.prefill("prefill0", &r1, 64, 1, None).unwrap();
+    cluster.advance_to(Time::from_millis(800));
+
+    assert_eq!(cluster.decode_state("decode0", &r1).map(|s| s.as_str()), Some("ready"));
+    assert_eq!(cluster.corrupt_reads(), 0);
+    assert_eq!(cluster.written_after_free(), 0);
+    assert_eq!(
+        cluster.engine_counters("prefill0").duplicate_messages,
+        duplicates_before + 1,
+        "the second registration is counted as a duplicate when P settles what it staged"
+    );
+    // One write of the prompt's 4 blocks (the simulator's 2 KiB blocks), not two.
+    let written = cluster.network().moved(
+        &kv_core::AgentName::new(EngineId::new("prefill0"), 0),
+        |p| matches!(Message::decode(p), Ok(Message::Completion { request, .. }) if request == r1),
+    );
+    assert_eq!(written, 4 * 2048, "P wrote D's blocks once");
+}
