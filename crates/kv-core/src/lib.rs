@@ -46,7 +46,7 @@ pub use plan::{DescriptorPair, Granularity, Initiator, PlanError, PlanInput, Poo
 pub use ports::{
     Clock, Memory, MemoryError, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PollIntervals, PreparedId,
     PreparedLists, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp, TransferRequest,
-    TransferStatus, Transport, TransportError,
+    TransferSizes, TransferStatus, Transport, TransportError,
 };
 pub use time::Time;
 pub use tp::{DecodeRankPlan, HeadSlice, TpError, TpMapping};

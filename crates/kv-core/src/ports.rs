@@ -238,6 +238,38 @@ pub struct PreparedTransfer {
     pub notification: Option<Vec<u8>>,
 }
 
+impl TransferRequest {
+    /// The bytes it moves: its pairs' lengths.
+    pub fn bytes(&self) -> u64 {
+        self.pairs.iter().map(|p| p.len).sum()
+    }
+}
+
+/// The bytes of transfers as they are posted, for whoever measures them above a transport (the
+/// connector's driver, an engine's own timing): a transfer of address pairs moves its pairs'
+/// lengths, one of prepared entries the lengths of its local list's entries, remembered here
+/// when the list is prepared.
+#[derive(Debug, Default)]
+pub struct TransferSizes {
+    local_lists: std::collections::BTreeMap<PreparedId, Vec<u64>>,
+}
+
+impl TransferSizes {
+    /// A list of `ranges` was prepared as `id`, of local memory when `peer` is none (a peer's
+    /// lists pair up with local entries of equal lengths, so only local ones are kept).
+    pub fn prepared(&mut self, peer: Option<&AgentName>, ranges: &[(u64, u64)], id: PreparedId) {
+        if peer.is_none() {
+            self.local_lists.insert(id, ranges.iter().map(|r| r.1).collect());
+        }
+    }
+
+    /// The bytes `request` moves: 0 for entries of a list never seen prepared.
+    pub fn of_prepared(&self, request: &PreparedTransfer) -> u64 {
+        let Some(lengths) = self.local_lists.get(&request.local) else { return 0 };
+        request.local_indices.iter().filter_map(|&i| lengths.get(i as usize)).sum()
+    }
+}
+
 impl PreparedTransfer {
     /// Refuses a transfer whose index lists are empty or of unequal lengths.
     pub fn check_counts(&self) -> Result<(), TransportError> {

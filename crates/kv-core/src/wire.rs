@@ -195,6 +195,15 @@ impl Message {
         Ok(message)
     }
 
+    /// The request a frame completes, if it decodes to a [`Message::Completion`]: what a
+    /// transfer's notification names (P's request for D's reads, D's for P's push writes).
+    pub fn completed_request(bytes: &[u8]) -> Option<RequestId> {
+        match Message::decode(bytes) {
+            Ok(Message::Completion { request, .. }) => Some(request),
+            _ => None,
+        }
+    }
+
     fn request_ids(&self) -> Box<dyn Iterator<Item = &RequestId> + '_> {
         match self {
             Message::Completion { request, .. } | Message::Rejection { request } | Message::Abort { request } => {

@@ -37,7 +37,8 @@ use std::thread::Thread;
 use std::time::Duration;
 
 use kv_core::{
-    EngineId, Notification, PeerEvent, PreparedId, Time, TransferId, TransferStatus, Transport, TransportError,
+    EngineId, Notification, PeerEvent, PreparedId, Time, TransferId, TransferSizes, TransferStatus, Transport,
+    TransportError,
 };
 
 use crate::common::{Action, Counters, XferToken};
@@ -132,9 +133,8 @@ pub struct WorkerDriver<M> {
     machine: M,
     transport: Box<dyn Transport>,
     in_flight: BTreeMap<TransferId, (XferToken, InFlight)>,
-    /// The entry lengths of each local descriptor list prepared, for the bytes of a transfer
-    /// that names its entries.
-    local_lists: BTreeMap<PreparedId, Vec<u64>>,
+    /// The bytes of each transfer posted, for its metrics.
+    sizes: TransferSizes,
     metrics: WorkerMetrics,
 }
 
@@ -144,7 +144,7 @@ impl<M: WorkerMachine> WorkerDriver<M> {
     pub fn new(machine: M, transport: Box<dyn Transport>) -> Self {
         let agent = transport.agent();
         let metrics = WorkerMetrics::new(&agent.engine, agent.rank);
-        WorkerDriver { machine, transport, in_flight: BTreeMap::new(), local_lists: BTreeMap::new(), metrics }
+        WorkerDriver { machine, transport, in_flight: BTreeMap::new(), sizes: TransferSizes::default(), metrics }
     }
 
     /// The machine, for commands from its scheduler (call [`WorkerDriver::flush`] after).
@@ -236,22 +236,19 @@ impl<M: WorkerMachine> WorkerDriver<M> {
                     }
                 }
                 Action::Post { token, request } => {
-                    let bytes = request.pairs.iter().map(|p| p.len).sum();
-                    let transfer = InFlight { posted: now, bytes, descriptors: request.pairs.len() };
+                    let transfer = InFlight { posted: now, bytes: request.bytes(), descriptors: request.pairs.len() };
                     let result = self.transport.post(request);
                     self.posted(now, token, transfer, result);
                 }
                 Action::Prepare { token, peer, ranges } => {
                     let result = self.transport.prepare(peer.as_ref(), &ranges);
-                    if let (None, Ok(id)) = (&peer, &result) {
-                        self.local_lists.insert(*id, ranges.iter().map(|r| r.1).collect());
+                    if let Ok(id) = &result {
+                        self.sizes.prepared(peer.as_ref(), &ranges, *id);
                     }
                     self.machine.handle_prepared(now, token, result);
                 }
                 Action::PostPrepared { token, request } => {
-                    let lengths = self.local_lists.get(&request.local);
-                    let entry = |i: &u32| lengths.and_then(|l| l.get(*i as usize)).copied().unwrap_or(0);
-                    let bytes = request.local_indices.iter().map(entry).sum();
+                    let bytes = self.sizes.of_prepared(&request);
                     let transfer = InFlight { posted: now, bytes, descriptors: request.local_indices.len() };
                     let result = self.transport.post_prepared(request);
                     self.posted(now, token, transfer, result);

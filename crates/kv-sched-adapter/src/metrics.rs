@@ -169,7 +169,7 @@ pub fn describe() {
 }
 
 /// A P scheduler's metrics.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct PrefillMetrics {
     #[cfg(feature = "metrics")]
     on: imp::Prefill,
@@ -203,7 +203,7 @@ impl PrefillMetrics {
 }
 
 /// A D scheduler's metrics.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct DecodeMetrics {
     #[cfg(feature = "metrics")]
     on: imp::Decode,
@@ -248,7 +248,7 @@ impl DecodeMetrics {
 
 /// A worker rank's metrics, kept by its driver: the machine's [`Counters`] as they move, its
 /// connected peers, and each transfer.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct WorkerMetrics {
     #[cfg(feature = "metrics")]
     on: imp::Worker,
@@ -304,12 +304,12 @@ mod imp {
 
     use super::*;
 
-    #[derive(Debug, Default)]
+    #[derive(Debug)]
     pub struct Prefill {
         releases: Vec<(ReleaseReason, Counter)>,
-        expired: Option<Counter>,
-        live: Option<Gauge>,
-        held: Option<Gauge>,
+        expired: Counter,
+        live: Gauge,
+        held: Gauge,
         /// How many live exports hold each block (siblings share their prompt's).
         blocks: BTreeMap<kv_core::BlockId, u32>,
         exports: usize,
@@ -323,9 +323,9 @@ mod imp {
                     .iter()
                     .map(|&r| (r, counter!(RELEASES, "engine" => engine.clone(), "reason" => r.as_str())))
                     .collect(),
-                expired: Some(counter!(EXPIRED, "engine" => engine.clone())),
-                live: Some(gauge!(EXPORTS_LIVE, "engine" => engine.clone())),
-                held: Some(gauge!(BLOCKS_HELD, "engine" => engine)),
+                expired: counter!(EXPIRED, "engine" => engine.clone()),
+                live: gauge!(EXPORTS_LIVE, "engine" => engine.clone()),
+                held: gauge!(BLOCKS_HELD, "engine" => engine),
                 blocks: BTreeMap::new(),
                 exports: 0,
             }
@@ -354,13 +354,13 @@ mod imp {
                 c.increment(1);
             }
             if reason == ReleaseReason::Expired {
-                self.expired.iter().for_each(|c| c.increment(1));
+                self.expired.increment(1);
             }
         }
 
         fn set(&self) {
-            self.live.iter().for_each(|g| g.set(self.exports as f64));
-            self.held.iter().for_each(|g| g.set(self.blocks.len() as f64));
+            self.live.set(self.exports as f64);
+            self.held.set(self.blocks.len() as f64);
         }
     }
 
@@ -369,12 +369,6 @@ mod imp {
         pub held: Gauge,
         pub loads: Vec<(DecodeState, Counter)>,
         pub latency: Histogram,
-    }
-
-    impl Default for Decode {
-        fn default() -> Self {
-            Decode { held: Gauge::noop(), loads: Vec::new(), latency: Histogram::noop() }
-        }
     }
 
     impl Decode {
@@ -410,24 +404,6 @@ mod imp {
         bytes: Histogram,
         time: Histogram,
         descriptors: Histogram,
-    }
-
-    impl Default for Worker {
-        fn default() -> Self {
-            Worker {
-                last: Counters::default(),
-                ignored: Vec::new(),
-                refused: Vec::new(),
-                plain: Vec::new(),
-                stranded: Counter::noop(),
-                posted: Counter::noop(),
-                failed: Counter::noop(),
-                peers: Gauge::noop(),
-                bytes: Histogram::noop(),
-                time: Histogram::noop(),
-                descriptors: Histogram::noop(),
-            }
-        }
     }
 
     impl Worker {

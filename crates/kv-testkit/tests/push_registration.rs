@@ -56,9 +56,6 @@ fn a_registration_sent_twice_is_a_duplicate_and_p_writes_once() {
         "the second registration is counted as a duplicate when P settles what it staged"
     );
     // One write of the prompt's 4 blocks (the simulator's 2 KiB blocks), not two.
-    let written = cluster.network().moved(
-        &kv_core::AgentName::new(EngineId::new("prefill0"), 0),
-        |p| matches!(Message::decode(p), Ok(Message::Completion { request, .. }) if request == r1),
-    );
+    let written = cluster.network().moved(&kv_core::AgentName::new(EngineId::new("prefill0"), 0), &r1);
     assert_eq!(written, 4 * 2048, "P wrote D's blocks once");
 }

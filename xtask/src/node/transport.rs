@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use kv_core::{
     AgentName, Handshake, Message, PeerAddress, PeerEvent, PollIntervals, PreparedId, PreparedTransfer, Region,
-    RegionId, TransferId, TransferRequest, TransferStatus, Transport, TransportError,
+    RegionId, TransferId, TransferRequest, TransferSizes, TransferStatus, Transport, TransportError,
 };
 use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
 use kv_transport_tcp::{TcpConfig, TcpTransport};
@@ -34,14 +34,14 @@ struct Posted {
 pub(super) struct TimedTransport {
     inner: Box<dyn Transport>,
     posted: HashMap<TransferId, Posted>,
-    local_lists: HashMap<PreparedId, Vec<u64>>,
+    sizes: TransferSizes,
     ended: Sender<Ended>,
 }
 
 impl TimedTransport {
     /// `inner`, reporting each transfer that ends to `ended`.
     pub(super) fn new(inner: Box<dyn Transport>, ended: Sender<Ended>) -> Self {
-        TimedTransport { inner, posted: HashMap::new(), local_lists: HashMap::new(), ended }
+        TimedTransport { inner, posted: HashMap::new(), sizes: TransferSizes::default(), ended }
     }
 
     /// Starts timing a transfer from `start`, taken before the post: UCX may move the bytes
@@ -52,12 +52,9 @@ impl TimedTransport {
     }
 }
 
-/// The request a transfer's notification completes: `Message::Completion`'s, if it is one.
+/// The request a transfer's notification completes, if it carries a completion.
 fn completed_request(notification: Option<&[u8]>) -> Option<String> {
-    match Message::decode(notification?) {
-        Ok(Message::Completion { request, .. }) => Some(request.as_str().to_owned()),
-        _ => None,
-    }
+    Message::completed_request(notification?).map(|r| r.as_str().to_owned())
 }
 
 impl Transport for TimedTransport {
@@ -74,7 +71,7 @@ impl Transport for TimedTransport {
         self.inner.connect(address)
     }
     fn post(&mut self, request: TransferRequest) -> Result<TransferId, TransportError> {
-        let bytes = request.pairs.iter().map(|p| p.len).sum();
+        let bytes = request.bytes();
         let completes = completed_request(request.notification.as_deref());
         let start = Instant::now();
         let id = self.inner.post(request)?;
@@ -82,14 +79,11 @@ impl Transport for TimedTransport {
     }
     fn prepare(&mut self, peer: Option<&AgentName>, ranges: &[(u64, u64)]) -> Result<PreparedId, TransportError> {
         let id = self.inner.prepare(peer, ranges)?;
-        if peer.is_none() {
-            self.local_lists.insert(id, ranges.iter().map(|r| r.1).collect());
-        }
+        self.sizes.prepared(peer, ranges, id);
         Ok(id)
     }
     fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError> {
-        let lens = self.local_lists.get(&request.local);
-        let bytes = request.local_indices.iter().filter_map(|&i| lens.and_then(|l| l.get(i as usize))).sum();
+        let bytes = self.sizes.of_prepared(&request);
         let completes = completed_request(request.notification.as_deref());
         let start = Instant::now();
         let id = self.inner.post_prepared(request)?;

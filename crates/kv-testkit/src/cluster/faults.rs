@@ -272,11 +272,8 @@ impl Cluster {
             if poster.engine != engine {
                 return false;
             }
-            let named = transfer.notification.as_deref().and_then(|n| Message::decode(n).ok());
-            let matches = match named {
-                Some(Message::Completion { request: r, .. }) => names.iter().any(|n| r == *n || r.base() == n.base()),
-                _ => false,
-            };
+            let named = transfer.notification.as_deref().and_then(Message::completed_request);
+            let matches = named.is_some_and(|r| names.iter().any(|n| r == *n || r.base() == n.base()));
             matches && matches!(transfer.op, TransferOp::Read | TransferOp::Write)
         });
     }
@@ -307,8 +304,8 @@ impl Cluster {
         let ranges: Vec<Vec<(u64, u64)>> = d.ranks.iter().map(|r| r.block_ranges(spoiled)).collect();
         let p_request = load.remote.request.clone();
         self.net.spoil_transfer_when(move |poster, transfer| {
-            let named = transfer.notification.as_deref().and_then(|n| Message::decode(n).ok());
-            let ours = matches!(named, Some(Message::Completion { request, .. }) if request == p_request);
+            let named = transfer.notification.as_deref().and_then(Message::completed_request);
+            let ours = named.as_ref() == Some(&p_request);
             (poster.engine == engine && ours).then(|| ranges.get(poster.rank as usize).cloned()).flatten()
         });
     }

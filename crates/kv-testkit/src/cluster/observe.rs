@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 
-use kv_core::{AgentName, BlockId, EngineId, Message, RequestId};
+use kv_core::{AgentName, BlockId, EngineId, RequestId};
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{Counters, DecodeState, ReleaseReason};
 
@@ -79,17 +79,16 @@ impl Cluster {
         load: &DecodeLoad,
         whole: bool,
     ) -> u64 {
-        let names = |payload: &[u8], id: &RequestId| matches!(Message::decode(payload), Ok(Message::Completion { request, .. }) if request == *id);
         let round = |bytes: u64, block: u64| if whole { bytes.div_ceil(block.max(1)) } else { bytes / block.max(1) };
         // Pull: each D rank's reads, whose completions name P's request.
         let pulled = (0..engine.ranks.len() as u32).map(|r| {
-            let bytes = self.net.moved(&AgentName::new(engine.id.clone(), r), |p| names(p, &load.remote.request));
+            let bytes = self.net.moved(&AgentName::new(engine.id.clone(), r), &load.remote.request);
             round(bytes, engine.ranks[r as usize].block_bytes())
         });
         let pulled = pulled.min().unwrap_or(0);
         // Push: P's writes, every P rank's into every D rank's blocks, which name D's request.
         let pushed: u64 = (0..load.remote.tp_size)
-            .map(|r| self.net.moved(&AgentName::new(load.remote.engine.clone(), r), |p| names(p, request)))
+            .map(|r| self.net.moved(&AgentName::new(load.remote.engine.clone(), r), request))
             .sum();
         let block: u64 = engine.ranks.iter().map(|r| r.block_bytes()).sum();
         pulled.max(round(pushed, block))

@@ -76,8 +76,8 @@ use std::time::Duration;
 
 use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint};
 use kv_core::{
-    AgentName, DescriptorPair, EngineId, Handshake, PeerAddress, PeerEvent, Region, RegionId, Time, TransferId,
-    TransferOp, TransferRequest, TransferStatus, TransportError,
+    AgentName, DescriptorPair, EngineId, Handshake, PeerAddress, PeerEvent, Region, RegionId, RequestId, Time,
+    TransferId, TransferOp, TransferRequest, TransferStatus, TransportError,
 };
 
 pub use transport::FakeTransport;
@@ -287,12 +287,10 @@ impl FakeNetwork {
         agent.heard_gone.iter().find(|(_, e, mark)| e == engine && instance <= *mark).map(|(t, _, _)| *t)
     }
 
-    /// Bytes that transfers posted by `agent` landed whole (those that completed, and the
-    /// unspoiled part of those that failed part-way), for those whose notification (as posted,
-    /// before sealing) `which` picks.
-    pub fn moved(&self, agent: &AgentName, mut which: impl FnMut(&[u8]) -> bool) -> u64 {
-        let net = self.settled();
-        net.moved.iter().filter(|((a, payload), _)| a == agent && which(payload)).map(|(_, bytes)| bytes).sum()
+    /// Bytes that transfers posted by `agent` whose notification completes `request` landed
+    /// whole (those that completed, and the unspoiled part of those that failed part-way).
+    pub fn moved(&self, agent: &AgentName, request: &RequestId) -> u64 {
+        self.settled().moved.get(&(agent.clone(), request.clone())).copied().unwrap_or(0)
     }
 
     /// The counters so far.
@@ -443,8 +441,8 @@ enum Transfer {
         doom: Option<String>,
         /// Local ranges whose bytes it spoils, failing part-way.
         spoil: Vec<(u64, u64)>,
-        /// The notification as the poster gave it, before it was sealed.
-        plain: Option<Vec<u8>>,
+        /// The request its notification completes (read before it was sealed).
+        completes: Option<RequestId>,
     },
     Finished(TransferStatus),
 }
@@ -530,9 +528,9 @@ struct Net {
     transfer_faults: Vec<TransferFault>,
     spoil_faults: Vec<SpoilFault>,
     stats: NetStats,
-    /// Bytes moved by completed transfers, by the posting engine and the transfer's
-    /// notification: what a load really read.
-    moved: BTreeMap<(AgentName, Vec<u8>), u64>,
+    /// Bytes transfers landed whole, by the posting agent and the request their notification
+    /// completes: what a load really read.
+    moved: BTreeMap<(AgentName, RequestId), u64>,
 }
 
 impl Agent {
@@ -698,38 +696,35 @@ impl Net {
             return self.schedule(resume, Event::Complete { poster: poster.clone(), id });
         }
         let Some(agent) = self.agent_mut(poster) else { return };
-        let Some(Transfer::InFlight { request, peer, doom, spoil, plain }) = agent.transfers.remove(&id) else {
+        let Some(Transfer::InFlight { request, peer, doom, spoil, completes }) = agent.transfers.remove(&id) else {
             return;
         };
         let doom = doom.or_else(|| self.severed(poster, &peer));
         let status = match doom.map_or_else(|| self.copy(poster, &peer, &request), Err) {
-            Ok(()) if !spoil.is_empty() => {
-                // The bytes landed but those of the spoiled ranges, which hold garbage.
-                self.stats.transfers_failed += 1;
-                if let Some(local) = self.agent(poster) {
-                    for &(addr, len) in &spoil {
-                        local.heap.write_at(addr, &vec![0xEE; len as usize]);
-                    }
-                }
-                if let Some(plain) = plain {
-                    let bytes: u64 = request.pairs.iter().map(|p| p.len).sum();
-                    let spoiled: u64 = spoil.iter().map(|s| s.1).sum();
-                    *self.moved.entry((poster.name.clone(), plain)).or_insert(0) += bytes.saturating_sub(spoiled);
-                }
-                let reason = "injected failure part-way".to_owned();
-                TransferStatus::Failed(TransportError::PartlyFailed { reason, spoiled: spoil })
-            }
             Ok(()) => {
-                self.stats.transfers_done += 1;
-                if let Some(plain) = plain {
-                    let bytes: u64 = request.pairs.iter().map(|p| p.len).sum();
-                    *self.moved.entry((poster.name.clone(), plain)).or_insert(0) += bytes;
+                let spoiled: u64 = spoil.iter().map(|s| s.1).sum();
+                if let Some(completes) = completes {
+                    let landed = request.bytes().saturating_sub(spoiled);
+                    *self.moved.entry((poster.name.clone(), completes)).or_insert(0) += landed;
                 }
-                if let Some(payload) = request.notification {
-                    let body = Body::Notification(payload);
-                    self.send(Message { from: poster.clone(), to: peer, sent_at: at, body });
+                if spoil.is_empty() {
+                    self.stats.transfers_done += 1;
+                    if let Some(payload) = request.notification {
+                        let body = Body::Notification(payload);
+                        self.send(Message { from: poster.clone(), to: peer, sent_at: at, body });
+                    }
+                    TransferStatus::Done
+                } else {
+                    // The bytes landed but those of the spoiled ranges, which hold garbage.
+                    self.stats.transfers_failed += 1;
+                    if let Some(local) = self.agent(poster) {
+                        for &(addr, len) in &spoil {
+                            local.heap.write_at(addr, &vec![0xEE; len as usize]);
+                        }
+                    }
+                    let reason = "injected failure part-way".to_owned();
+                    TransferStatus::Failed(TransportError::PartlyFailed { reason, spoiled: spoil })
                 }
-                TransferStatus::Done
             }
             Err(reason) => {
                 self.stats.transfers_failed += 1;

@@ -134,14 +134,14 @@ impl Transport for FakeTransport {
             };
             // The notification rides sealed for the peer, as every notification does.
             let mut request = request;
-            let plain = request.notification.clone();
+            let completes = request.notification.as_deref().and_then(kv_core::Message::completed_request);
             if let Some(payload) = request.notification.take() {
                 request.notification = Some(net.seal(me, &peer.name, &payload)?);
             }
             let agent = net.caller_mut(me)?;
             let id = TransferId(agent.next_transfer);
             agent.next_transfer += 1;
-            agent.transfers.insert(id, Transfer::InFlight { request, peer, doom, spoil, plain });
+            agent.transfers.insert(id, Transfer::InFlight { request, peer, doom, spoil, completes });
             net.schedule(now + net.config.transfer_latency, Event::Complete { poster: me.clone(), id });
             Ok(id)
         })
