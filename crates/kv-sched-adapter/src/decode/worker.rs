@@ -4,9 +4,14 @@
 //! A worker tracks a request from arrival: it connects to the P ranks it maps to, claims the
 //! export at once (its first renewal goes out on arrival) and renews P's lease by heartbeat;
 //! P's acknowledgements carry the new deadlines. It never loads an export the router named for
-//! another engine incarnation (P may free it at any time for that one), and reads a
-//! parallel-sampling sibling only once P has acknowledged holding it for this engine, since a
-//! sibling's completion releases what its owner never claimed. At schedule it fences the read: a
+//! another engine incarnation (P may free it at any time for that one). Unless the router named
+//! this engine at prefill, it reads only once every P rank it reads has answered its claim:
+//! with a deadline (P holds the export for this engine), or, for a request that is not a
+//! parallel-sampling sibling, "not known yet" (P's worker staged the claim, and no other
+//! engine's claim came first); "released" fails the load. So a request retried on a new
+//! incarnation never reads what P freed for the old one, and a sibling, which another
+//! sibling's completion releases unless its owner claimed it, waits for the deadline. At
+//! schedule it fences the read: a
 //! read that could outlive P's lease (the deadline on D's clock, minus the safety margin and
 //! the clock offset's uncertainty) is never started; and a read that completes after that
 //! point (D stalled, was paused, or the network was slow) is a failed load, never a success,
@@ -61,6 +66,8 @@ struct Load {
     cached: usize,
     /// The newest acknowledged deadline of each P rank, on P's clock.
     deadlines: BTreeMap<u32, Time>,
+    /// P ranks that answered the claim "not known yet": they staged it.
+    staged: BTreeSet<u32>,
     reads: BTreeSet<XferToken>,
     failed: bool,
     /// Reads that failed part-way left bad bytes only in these local ranges; every other byte
@@ -291,6 +298,7 @@ impl DecodeWorker {
             blocks: Vec::new(),
             cached: 0,
             deadlines: BTreeMap::new(),
+            staged: BTreeSet::new(),
             reads: BTreeSet::new(),
             failed: false,
             spoiled: Vec::new(),
@@ -373,13 +381,21 @@ impl DecodeWorker {
             self.fail(now, request);
             return;
         }
-        // A sibling's export can be released early by another sibling's completion, unless its
-        // owner claimed it; P says it has by acknowledging this engine's renewal (the claim sent
-        // on arrival, or a beat; a claim that came before the export is answered when the
-        // export registers). Until every read target has, wait. The fence above bounds the
-        // wait: it fails the load once the lease could end.
-        let confirmed = |slice: &kv_core::HeadSlice| load.deadlines.contains_key(&slice.prefill_rank);
-        if load.remote.request.parent().is_some() && !load.plan.reads.iter().all(confirmed) {
+        // P may release an export before its lease for its owner's sake: the owner's completion,
+        // rejection or abort, a sibling's completion, the owner's loss. Unless the router named
+        // this engine at prefill (P bound the export to it then), another engine may own it (a
+        // stale incarnation of this one that claimed it and is gone, say, when the router
+        // retries here), and the blocks could be freed under the read. So D reads once every
+        // read target has answered its claim (sent on arrival): with a deadline (this engine
+        // owns it), or, unless it is a sibling, with "not known yet" (P's worker staged the
+        // claim, and no other engine's came first). "Released" fails the load; no answer
+        // waits, bounded by the fence above.
+        let named = load.remote.consumer.as_ref() == Some(&Consumer::of(&self.offer));
+        let sibling = load.remote.request.parent().is_some();
+        let answered = |slice: &kv_core::HeadSlice| {
+            load.deadlines.contains_key(&slice.prefill_rank) || (!sibling && load.staged.contains(&slice.prefill_rank))
+        };
+        if !named && !load.plan.reads.iter().all(answered) {
             return;
         }
         let Ok(notification) = completion.encode() else {
@@ -731,7 +747,11 @@ impl DecodeWorker {
             }
             // P's worker has not learned of the export yet; it staged the claim and answers it
             // when the export registers (and the next beat asks again).
-            LeaseState::Unknown => {}
+            LeaseState::Unknown => {
+                if load.staged.insert(from.rank) && load.phase == Phase::Starting {
+                    self.try_start(now, request);
+                }
+            }
             LeaseState::Released => match load.phase {
                 Phase::Waiting | Phase::Starting => {
                     tracing::info!(%request, peer = %from, "P no longer holds the export");

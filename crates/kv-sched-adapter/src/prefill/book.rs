@@ -76,6 +76,13 @@ impl<T> EarlyStage<T> {
         chosen.into_iter().filter_map(|seq| self.remove(seq)).map(|s| (s.request, s.item)).collect()
     }
 
+    /// Whether an entry about `request` exactly satisfies `test`.
+    pub fn any(&self, request: &RequestId, test: impl Fn(&T) -> bool) -> bool {
+        self.by_base.get(&request.base()).is_some_and(|seqs| {
+            seqs.iter().map(|seq| &self.entries[seq]).any(|s| s.request == *request && test(&s.item))
+        })
+    }
+
     /// Drops entries staged before `horizon`; returns how many.
     pub fn expire(&mut self, horizon: Time) -> u64 {
         let mut dropped = 0;

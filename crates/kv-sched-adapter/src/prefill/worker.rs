@@ -708,8 +708,14 @@ impl PrefillWorker {
                 None if self.recent.contains(&request) => LeaseState::Released,
                 None => {
                     // Staged: it claims the export when the export registers, and is answered then.
+                    // Another engine's claim staged first would bind it instead, and this engine
+                    // must not read on the strength of "not known yet": no answer until then.
+                    let contested = self.early.any(&request, |e| e.from.consumer != from.consumer);
                     let message = Message::Heartbeat { requests: vec![request.clone()] };
                     self.stage(now, from.clone(), request.clone(), message);
+                    if contested {
+                        continue;
+                    }
                     LeaseState::Unknown
                 }
             };
