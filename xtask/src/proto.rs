@@ -208,8 +208,11 @@ pub struct Remote {
     pub engine: String,
     /// P's request id.
     pub request: String,
-    /// P's side-channel address per rank.
+    /// P's side-channel address per worker, by global rank.
     pub addresses: Vec<String>,
+    /// P's pipeline stages (its TP size is the addresses over this).
+    #[serde(default = "one_stage")]
+    pub pp_size: u32,
     /// P's incarnation (`None`: not known yet, push mode).
     pub instance: Option<u64>,
     /// Prompt tokens.
@@ -222,12 +225,17 @@ pub struct Remote {
     pub consumer: Option<(String, u64)>,
 }
 
+fn one_stage() -> u32 {
+    1
+}
+
 impl From<&RemoteRef> for Remote {
     fn from(r: &RemoteRef) -> Self {
         Remote {
             engine: r.engine.to_string(),
             request: r.request.as_str().to_owned(),
             addresses: r.addresses.iter().map(|a| a.0.clone()).collect(),
+            pp_size: r.pp_size,
             instance: r.instance,
             prompt_tokens: r.prompt_tokens,
             export: r
@@ -246,7 +254,8 @@ impl Remote {
             engine: EngineId::new(self.engine.clone()),
             request: RequestId::new(self.request.clone()),
             addresses: self.addresses.iter().map(|a| PeerAddress(a.clone())).collect(),
-            tp_size: self.addresses.len() as u32,
+            tp_size: self.addresses.len() as u32 / self.pp_size.max(1),
+            pp_size: self.pp_size,
             instance: self.instance,
             prompt_tokens: self.prompt_tokens,
             export: self.export.as_ref().map(|(blocks, deadline, finished)| ExportInfo {
@@ -416,8 +425,9 @@ mod tests {
         let r = RemoteRef {
             engine: EngineId::new("prefill0"),
             request: RequestId::new("1_req-3"),
-            addresses: vec![PeerAddress("127.0.0.1:5600".into())],
+            addresses: vec![PeerAddress("127.0.0.1:5600".into()), PeerAddress("127.0.0.1:5601".into())],
             tp_size: 1,
+            pp_size: 2,
             instance: Some(2),
             prompt_tokens: 300,
             export: Some(ExportInfo {

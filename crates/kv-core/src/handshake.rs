@@ -56,8 +56,8 @@ pub enum HandshakeError {
     /// The TP sizes do not map.
     #[error(transparent)]
     Tp(#[from] TpError),
-    /// A rank is not below its engine's TP size.
-    #[error("{side} rank {rank} is out of range for tp {tp}")]
+    /// A rank is not below its engine's worker count (TP size times pipeline stages).
+    #[error("{side} rank {rank} is out of range for tp {tp} x pp {pp}")]
     Rank {
         /// `"prefill"` or `"decode"`.
         side: &'static str,
@@ -65,6 +65,22 @@ pub enum HandshakeError {
         rank: u32,
         /// The TP size.
         tp: u32,
+        /// The pipeline-parallel size.
+        pp: u32,
+    },
+    /// P's pipeline stages do not split the model's layers evenly.
+    #[error("prefill pipeline-parallel size {pp} does not split {layers} layers evenly")]
+    PrefillStages {
+        /// P's pipeline-parallel size.
+        pp: u32,
+        /// The model's layers.
+        layers: u32,
+    },
+    /// D runs pipeline stages; kvflow's decode engines hold every layer on each rank.
+    #[error("decode pipeline-parallel size {pp}: a decode engine must hold every layer (pp 1)")]
+    DecodeStages {
+        /// D's pipeline-parallel size.
+        pp: u32,
     },
 }
 
@@ -108,9 +124,15 @@ pub fn check_compatible(local: &Handshake, peer: &Handshake) -> Result<Compatibl
     }
     let blocks = BlockSizeMapping::new(pl.block_tokens, dl.block_tokens)?;
     let tp = TpMapping::new(p.tp_size, d.tp_size, pl.kv_heads, pl.is_mla())?;
+    if p.pp_size == 0 || pl.layers % p.pp_size != 0 {
+        return Err(HandshakeError::PrefillStages { pp: p.pp_size, layers: pl.layers });
+    }
+    if d.pp_size != 1 {
+        return Err(HandshakeError::DecodeStages { pp: d.pp_size });
+    }
     for (side, hs) in [("prefill", p), ("decode", d)] {
-        if hs.rank >= hs.tp_size {
-            return Err(HandshakeError::Rank { side, rank: hs.rank, tp: hs.tp_size });
+        if hs.rank >= hs.workers() {
+            return Err(HandshakeError::Rank { side, rank: hs.rank, tp: hs.tp_size, pp: hs.pp_size });
         }
     }
     Ok(Compatible { tp, blocks })
@@ -131,6 +153,7 @@ mod tests {
             engine: EngineId::new(format!("{role:?}")),
             rank: 0,
             tp_size,
+            pp_size: 1,
             instance: 0,
             role,
             model: "m".into(),
@@ -168,9 +191,9 @@ mod tests {
             refusal(&p, &offer(Role::Decode, 3, 16)),
             "tensor-parallel sizes do not divide: prefill 2, decode 3"
         );
-        let mut v2 = d.clone();
-        v2.protocol_version = 2;
-        assert_eq!(refusal(&p, &v2), "protocol version mismatch: prefill 1, decode 2");
+        let mut v3 = d.clone();
+        v3.protocol_version = 3;
+        assert_eq!(refusal(&p, &v3), "protocol version mismatch: prefill 2, decode 3");
         let mut nhd = d.clone();
         nhd.layout.order = MemoryOrder::Nhd;
         nhd.compat_hash = compatibility_hash("m", &nhd.layout);
@@ -184,6 +207,25 @@ mod tests {
         assert_eq!(refusal(&p, &p.clone()), "role mismatch: both sides are Prefill");
         let mut rank = d.clone();
         rank.rank = 2;
-        assert_eq!(refusal(&p, &rank), "decode rank 2 is out of range for tp 2");
+        assert_eq!(refusal(&p, &rank), "decode rank 2 is out of range for tp 2 x pp 1");
+    }
+
+    #[test]
+    fn prefill_stages_split_the_layers_and_decode_has_one() {
+        let (mut p, d) = (offer(Role::Prefill, 2, 16), offer(Role::Decode, 2, 16));
+        p.pp_size = 2;
+        p.rank = 3; // stage 1, TP rank 1
+        assert_eq!((p.pp_rank(), p.tp_rank(), p.workers()), (1, 1, 4));
+        assert!(check_compatible(&p, &d).is_ok());
+        p.rank = 4;
+        assert_eq!(refusal(&p, &d), "prefill rank 4 is out of range for tp 2 x pp 2");
+        p.pp_size = 3;
+        assert_eq!(refusal(&p, &d), "prefill pipeline-parallel size 3 does not split 4 layers evenly");
+        let mut staged = d.clone();
+        staged.pp_size = 2;
+        assert_eq!(
+            refusal(&offer(Role::Prefill, 2, 16), &staged),
+            "decode pipeline-parallel size 2: a decode engine must hold every layer (pp 1)"
+        );
     }
 }

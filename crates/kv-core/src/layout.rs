@@ -73,6 +73,16 @@ pub enum LayoutError {
         /// Blocks asked for.
         num_blocks: u64,
     },
+    /// The pipeline stages do not split the layers evenly, or a stage is out of range.
+    #[error("pipeline stage {stage} of {stages} does not hold an even share of {layers} layers")]
+    Stages {
+        /// The model's layers.
+        layers: u32,
+        /// The stage asked for.
+        stage: u32,
+        /// The pipeline-parallel size.
+        stages: u32,
+    },
 }
 
 impl KvLayout {
@@ -152,7 +162,7 @@ impl KvLayout {
     }
 }
 
-/// One TP rank's pool: the layout, the heads this rank holds, and how many blocks it has.
+/// One rank's pool: the layout, the heads and layers this rank holds, and how many blocks it has.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct PoolShape {
     /// The model's layout, with this engine's block size.
@@ -161,6 +171,29 @@ pub struct PoolShape {
     pub heads: u32,
     /// Blocks in the pool.
     pub num_blocks: u32,
+    /// The model's layers this rank holds: all of them, or its pipeline stage's run.
+    pub layers: LayerRange,
+}
+
+/// A run of the model's layers: those a pipeline-parallel stage holds, or all of them.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct LayerRange {
+    /// The first layer, as the model numbers them.
+    pub first: u32,
+    /// Layers in the run.
+    pub count: u32,
+}
+
+impl LayerRange {
+    /// One past the last layer.
+    pub fn end(&self) -> u32 {
+        self.first + self.count
+    }
+
+    /// The layers both runs hold, as model layer numbers.
+    pub fn common(&self, other: &LayerRange) -> std::ops::Range<u32> {
+        self.first.max(other.first)..self.end().min(other.end())
+    }
 }
 
 /// Where one `(layer, block, plane)` starts: a region index and a byte offset in it.
@@ -179,16 +212,28 @@ impl PoolShape {
         if heads == 0 {
             return Err(LayoutError::Zero { field: "heads" });
         }
-        let shape = PoolShape { layout, heads, num_blocks };
+        let shape = PoolShape { layout, heads, num_blocks, layers: LayerRange { first: 0, count: layout.layers } };
         // Every offset the pool can name is below the region size, so checking it once here
         // makes every later offset computation overflow-free.
         shape.checked_region_len().ok_or(LayoutError::Overflow { num_blocks: u64::from(num_blocks) })?;
         Ok(shape)
     }
 
+    /// The pool of pipeline stage `stage` of `stages`, which holds the model's layers
+    /// `stage * L / stages ..` (`L / stages` of them); fails when the stages do not split the
+    /// layers evenly or `stage` is not below `stages`.
+    pub fn for_stage(self, stage: u32, stages: u32) -> Result<Self, LayoutError> {
+        let layers = self.layout.layers;
+        if stages == 0 || layers % stages != 0 || stage >= stages {
+            return Err(LayoutError::Stages { layers, stage, stages });
+        }
+        let count = layers / stages;
+        Ok(PoolShape { layers: LayerRange { first: stage * count, count }, ..self })
+    }
+
     fn checked_region_len(&self) -> Option<u64> {
         let per_region_blocks = match self.layout.placement {
-            Placement::BlockMajor => u64::from(self.layout.layers),
+            Placement::BlockMajor => u64::from(self.layers.count),
             Placement::LayerMajor => 1,
         };
         self.checked_layer_block_bytes()?.checked_mul(per_region_blocks)?.checked_mul(u64::from(self.num_blocks))
@@ -218,14 +263,14 @@ impl PoolShape {
 
     /// Bytes of one block, all layers.
     pub fn block_bytes(&self) -> u64 {
-        u64::from(self.layout.layers) * self.layer_block_bytes()
+        u64::from(self.layers.count) * self.layer_block_bytes()
     }
 
     /// Regions the pool is made of.
     pub fn region_count(&self) -> u32 {
         match self.layout.placement {
             Placement::BlockMajor => 1,
-            Placement::LayerMajor => self.layout.layers,
+            Placement::LayerMajor => self.layers.count,
         }
     }
 
@@ -251,7 +296,7 @@ impl PoolShape {
             }
             Placement::LayerMajor => bases
                 .iter()
-                .take(self.layout.layers as usize)
+                .take(self.layers.count as usize)
                 .flat_map(|&base| {
                     (0..blocks).map(move |b| (base + b * self.layer_block_bytes(), self.layer_block_bytes()))
                 })
@@ -270,13 +315,14 @@ impl PoolShape {
             }
             Placement::LayerMajor => bases
                 .iter()
-                .take(self.layout.layers as usize)
+                .take(self.layers.count as usize)
                 .map(|&base| (base + b * self.layer_block_bytes(), self.layer_block_bytes()))
                 .collect(),
         }
     }
 
-    /// The entry of [`PoolShape::block_descriptors`] that holds `(layer, block)`.
+    /// The entry of [`PoolShape::block_descriptors`] that holds `(layer, block)`, `layer`
+    /// counted from the pool's first.
     pub fn descriptor_index(&self, layer: u32, block: u32) -> u32 {
         match self.layout.placement {
             Placement::BlockMajor => block,
@@ -284,8 +330,10 @@ impl PoolShape {
         }
     }
 
-    /// Where `(layer, block, plane)` starts; the caller keeps the indices in range.
+    /// Where `(layer, block, plane)` starts, `layer` as the model numbers it (one of the pool's
+    /// [`PoolShape::layers`]); the caller keeps the indices in range.
     pub fn plane_offset(&self, layer: u32, block: u32, plane: u32) -> PlaneOffset {
+        let layer = layer - self.layers.first;
         let plane_start = u64::from(plane) * self.plane_bytes();
         match self.layout.placement {
             Placement::BlockMajor => PlaneOffset {
@@ -349,6 +397,22 @@ pub(crate) mod tests {
         assert_eq!(shape.region_len(), 10 * shape.layer_block_bytes());
         assert_eq!(shape.pool_bytes(), 10 * shape.block_bytes());
         assert_eq!(shape.plane_offset(5, 3, 0), PlaneOffset { region: 5, offset: 3 * shape.layer_block_bytes() });
+    }
+
+    #[test]
+    fn a_pipeline_stage_holds_its_share_of_the_layers() {
+        let model = PoolShape::new(llama_like(Placement::BlockMajor), 8, 10).unwrap();
+        let stage = model.for_stage(1, 2).unwrap();
+        assert_eq!(stage.layers, LayerRange { first: 16, count: 16 });
+        assert_eq!(2 * stage.block_bytes(), model.block_bytes());
+        assert_eq!(stage.plane_offset(16, 3, 0), PlaneOffset { region: 0, offset: 3 * stage.block_bytes() });
+        let layered = PoolShape::new(llama_like(Placement::LayerMajor), 8, 10).unwrap().for_stage(3, 4).unwrap();
+        assert_eq!((layered.region_count(), layered.plane_offset(25, 0, 0).region), (8, 1));
+        for (stage, stages) in [(0, 3), (2, 2), (0, 0)] {
+            assert_eq!(model.for_stage(stage, stages), Err(LayoutError::Stages { layers: 32, stage, stages }));
+        }
+        assert_eq!(stage.layers.common(&model.layers), 16..32);
+        assert!(stage.layers.common(&model.for_stage(0, 2).unwrap().layers).is_empty());
     }
 
     #[test]

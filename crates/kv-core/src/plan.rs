@@ -8,7 +8,7 @@
 
 use crate::blocks::{BlockSizeError, BlockSizeMapping};
 use crate::id::BlockId;
-use crate::layout::{KvLayout, MemoryOrder, Placement, PoolShape};
+use crate::layout::{KvLayout, LayerRange, MemoryOrder, Placement, PoolShape};
 use crate::tp::HeadSlice;
 
 /// A registered region of a pool: its base address and length.
@@ -126,6 +126,14 @@ pub enum PlanError {
     /// P has no blocks to move.
     #[error("no prefill blocks to transfer")]
     Empty,
+    /// The two pools hold no layer in common (pipeline stages that do not meet).
+    #[error("prefill layers {}..{} and decode layers {}..{} do not overlap", prefill.first, prefill.end(), decode.first, decode.end())]
+    NoCommonLayers {
+        /// P's layers.
+        prefill: LayerRange,
+        /// D's layers.
+        decode: LayerRange,
+    },
 }
 
 /// The descriptor pairs of one transfer between one D rank and one P rank.
@@ -174,6 +182,11 @@ impl TransferPlan {
             }
         }
         let subs = mapping.sub_blocks(d.blocks, p.blocks.len())?;
+        // A pipeline stage moves its own layers: those both pools hold.
+        let layers = p.shape.layers.common(&d.shape.layers);
+        if layers.is_empty() {
+            return Err(PlanError::NoCommonLayers { prefill: p.shape.layers, decode: d.shape.layers });
+        }
 
         let layout = p.shape.layout;
         let head_bytes = p.shape.head_bytes_per_token();
@@ -230,13 +243,13 @@ impl TransferPlan {
         match layout.placement {
             Placement::BlockMajor => {
                 for group in 0..p.blocks.len() {
-                    for layer in 0..layout.layers {
+                    for layer in layers.clone() {
                         emit_block_layer(group, layer);
                     }
                 }
             }
             Placement::LayerMajor => {
-                for layer in 0..layout.layers {
+                for layer in layers {
                     for group in 0..p.blocks.len() {
                         emit_block_layer(group, layer);
                     }
@@ -376,24 +389,33 @@ mod tests {
 
     /// Fills P's pool with a value per (layer, plane, model head, prompt token, element),
     /// applies the plan as a copy, and checks every byte of D's pool.
-    fn check_bytes(layout: KvLayout, p_tp: u32, d_tp: u32, p_tokens: u32, d_tokens: u32, prompt_blocks: usize) {
+    /// P runs `p_pp` pipeline stages, each a pool of its own layers that D reads.
+    fn check_bytes(
+        layout: KvLayout,
+        (p_tp, p_pp): (u32, u32),
+        d_tp: u32,
+        p_tokens: u32,
+        d_tokens: u32,
+        prompt_blocks: usize,
+    ) {
         let mapping = TpMapping::new(p_tp, d_tp, layout.kv_heads, layout.attention == Attention::Mla).unwrap();
-        let p_shape = PoolShape::new(layout.with_block_tokens(p_tokens), mapping.prefill_heads(), 16).unwrap();
+        let p_model = PoolShape::new(layout.with_block_tokens(p_tokens), mapping.prefill_heads(), 16).unwrap();
         let d_shape = PoolShape::new(layout.with_block_tokens(d_tokens), mapping.decode_heads(), 16).unwrap();
         let ratio = (d_tokens / p_tokens) as usize;
         let p_blocks = ids(&(0..prompt_blocks as u32).map(|i| 15 - 2 * i).collect::<Vec<_>>());
         let d_blocks = ids(&(0..prompt_blocks.div_ceil(ratio) as u32).map(|i| 2 + i).collect::<Vec<_>>());
-        let what = format!("{layout:?} p_tp {p_tp} d_tp {d_tp} blocks {p_tokens}/{d_tokens}");
+        let what = format!("{layout:?} p_tp {p_tp} p_pp {p_pp} d_tp {d_tp} blocks {p_tokens}/{d_tokens}");
         let elem = |layer: u32, plane: u32, head: u64, token: u64, e: u64| -> u8 {
             // Never 0, so an untouched byte of D's pool never looks copied.
             (1 + (u64::from(layer) * 7 + u64::from(plane) * 13 + head * 31 + token * 17 + e * 3) % 251) as u8
         };
-        let p_regions = regions(&p_shape, 0);
         let d_regions = regions(&d_shape, 0);
         for d_rank in 0..d_tp {
             let rank_plan = mapping.decode_rank(d_rank).unwrap();
             let mut d_mem = vec![vec![0u8; d_shape.region_len() as usize + 4096]; d_regions.len()];
-            for slice in &rank_plan.reads {
+            for (stage, slice) in (0..p_pp).flat_map(|stage| rank_plan.reads.iter().map(move |slice| (stage, slice))) {
+                let p_shape = p_model.for_stage(stage, p_pp).unwrap();
+                let p_regions = regions(&p_shape, 0);
                 // P rank's memory: its heads are model heads starting at its first head.
                 let p_first =
                     if layout.attention == Attention::Mla { 0 } else { slice.prefill_rank * mapping.prefill_heads() };
@@ -444,7 +466,7 @@ mod tests {
         let l = shape.layout;
         let hb = shape.head_bytes_per_token();
         for (i, block) in blocks.iter().enumerate() {
-            for layer in 0..l.layers {
+            for layer in shape.layers.first..shape.layers.end() {
                 for plane in 0..l.planes() {
                     let at = shape.plane_offset(layer, block.0, plane);
                     for h in 0..shape.heads {
@@ -483,12 +505,16 @@ mod tests {
                 let layout = small(order, placement, Attention::SplitKv);
                 for (p_tp, d_tp) in [(1, 1), (2, 2), (1, 2), (2, 4), (2, 1), (4, 2), (4, 1), (2, 8)] {
                     for (p_tokens, d_tokens, prompt_blocks) in [(4, 4, 3), (2, 8, 5), (4, 8, 4)] {
-                        check_bytes(layout, p_tp, d_tp, p_tokens, d_tokens, prompt_blocks);
+                        for p_pp in [1, 2] {
+                            check_bytes(layout, (p_tp, p_pp), d_tp, p_tokens, d_tokens, prompt_blocks);
+                        }
                     }
                 }
                 let mla = KvLayout { kv_heads: 1, ..small(order, placement, Attention::Mla) };
                 for (p_tp, d_tp) in [(1, 2), (2, 1), (4, 2)] {
-                    check_bytes(mla, p_tp, d_tp, 2, 4, 3);
+                    for p_pp in [1, 2] {
+                        check_bytes(mla, (p_tp, p_pp), d_tp, 2, 4, 3);
+                    }
                 }
             }
         }

@@ -549,6 +549,7 @@ mod tests {
                 engine: EngineId::new("p"),
                 rank: 0,
                 tp_size: 1,
+                pp_size: 1,
                 instance: 0,
                 role: Role::Prefill,
                 model: String::new(),

@@ -96,6 +96,25 @@ impl DecodeRankPlan {
     pub fn completion_targets(&self) -> impl Iterator<Item = u32> + '_ {
         self.reads.iter().map(|r| r.prefill_rank).chain(self.notify_only.iter().copied())
     }
+
+    /// The plan against a P engine of `stages` pipeline stages, each `prefill_tp` ranks wide
+    /// and holding its share of the layers: every read and notification once per stage, P
+    /// ranks numbered globally (`stage * prefill_tp + tp rank`), stage by stage. A D rank then
+    /// sends `stages` times as many completions, and each P rank still waits for
+    /// [`TpMapping::consumers_per_prefill_rank`] of them.
+    pub fn across_stages(&self, stages: u32, prefill_tp: u32) -> DecodeRankPlan {
+        let global = |stage: u32, rank: u32| stage * prefill_tp + rank;
+        DecodeRankPlan {
+            reads: (0..stages)
+                .flat_map(|stage| {
+                    self.reads.iter().map(move |r| HeadSlice { prefill_rank: global(stage, r.prefill_rank), ..*r })
+                })
+                .collect(),
+            notify_only: (0..stages)
+                .flat_map(|stage| self.notify_only.iter().map(move |&r| global(stage, r)))
+                .collect(),
+        }
+    }
 }
 
 impl TpMapping {
@@ -310,5 +329,16 @@ mod tests {
         assert!(TpMapping::new(16, 4, 8, true).is_ok());
         let m = TpMapping::new(2, 2, 8, false).unwrap();
         assert_eq!(m.decode_rank(2), Err(TpError::RankOutOfRange { side: "decode", rank: 2, tp: 2 }));
+    }
+
+    #[test]
+    fn pipeline_stages_repeat_each_read_and_notification_per_stage() {
+        // MLA with P wider: D rank 0 reads P rank 0 and notifies rank 1, in each of 2 stages.
+        let m = TpMapping::new(2, 1, 1, true).unwrap();
+        let staged = m.decode_rank(0).unwrap().across_stages(2, 2);
+        assert_eq!(staged.reads.iter().map(|r| r.prefill_rank).collect::<Vec<_>>(), [0, 2]);
+        assert_eq!(staged.notify_only, [1, 3]);
+        assert_eq!(staged.completion_targets().count(), 4, "pp x max(1, p_tp / d_tp) completions");
+        assert_eq!(m.decode_rank(0).unwrap().across_stages(1, 2), m.decode_rank(0).unwrap());
     }
 }

@@ -13,7 +13,7 @@ use crate::plan::RegionBase;
 use crate::time::Time;
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// The largest notification frame kvflow sends or accepts, in bytes.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
@@ -92,8 +92,15 @@ pub struct PushRegistration {
     pub decode_rank: u32,
     /// D's TP size.
     pub decode_tp: u32,
-    /// D's blocks, in prompt order.
+    /// D's blocks, in prompt order, from the prompt's block `first_block` on.
     pub blocks: Vec<BlockId>,
+    /// How many of the prompt's first D blocks D's own prefix cache holds: P writes only the
+    /// blocks after them (a partial prefix hit), 0 for a whole prompt.
+    pub first_block: u32,
+    /// P's pipeline-parallel size as D took it from P's handshakes: D registers with every
+    /// stage and waits for each one's write (`prefill_pp * max(1, p_tp / d_tp)` completions
+    /// per D rank). P refuses a registration whose count is not its own.
+    pub prefill_pp: u32,
 }
 
 /// What each side of a side-channel handshake tells the other.
@@ -103,10 +110,14 @@ pub struct Handshake {
     pub protocol_version: u16,
     /// The sender's engine.
     pub engine: EngineId,
-    /// The sender's TP rank.
+    /// The sender's rank among its engine's workers: `pp_rank * tp_size + tp_rank`, as
+    /// vLLM numbers its global ranks (the TP rank itself when the engine has one stage).
     pub rank: u32,
     /// The sender's TP size.
     pub tp_size: u32,
+    /// The sender engine's pipeline-parallel size: its stages split the model's layers evenly,
+    /// and stage `s` holds layers `s * L / pp_size ..`. Decode engines have one stage.
+    pub pp_size: u32,
     /// The sender engine's incarnation: a restarted engine has a new one, and D never loads
     /// an export from an incarnation other than the one that made it.
     pub instance: u64,
@@ -227,6 +238,7 @@ impl Handshake {
             engine: agent.engine.clone(),
             rank: agent.rank,
             tp_size,
+            pp_size: 1,
             instance,
             role,
             model: model.to_owned(),
@@ -237,6 +249,21 @@ impl Handshake {
             clock: Time::ZERO,
             agent_metadata: Vec::new(),
         }
+    }
+
+    /// The sender's rank within its pipeline stage's TP group.
+    pub fn tp_rank(&self) -> u32 {
+        self.rank % self.tp_size.max(1)
+    }
+
+    /// The sender's pipeline stage.
+    pub fn pp_rank(&self) -> u32 {
+        self.rank / self.tp_size.max(1)
+    }
+
+    /// Every worker of the sender's engine: `tp_size * pp_size`.
+    pub fn workers(&self) -> u32 {
+        self.tp_size.saturating_mul(self.pp_size)
     }
 
     /// Encodes the handshake as one frame.
@@ -353,16 +380,26 @@ mod tests {
             }),
             request_id().prop_map(|request| Message::Rejection { request }),
             request_id().prop_map(|request| Message::Abort { request }),
-            (request_id(), "[a-z0-9]{1,16}", any::<u32>(), any::<u32>(), prop::collection::vec(any::<u32>(), 0..64))
-                .prop_map(|(request, engine, decode_rank, decode_tp, blocks)| {
-                    Message::PushRegistration(PushRegistration {
-                        request,
-                        decode_engine: EngineId::new(engine),
-                        decode_rank,
-                        decode_tp,
-                        blocks: blocks.into_iter().map(BlockId).collect(),
-                    })
-                }),
+            (
+                request_id(),
+                "[a-z0-9]{1,16}",
+                (any::<u32>(), any::<u32>()),
+                prop::collection::vec(any::<u32>(), 0..64),
+                (any::<u32>(), any::<u32>())
+            )
+                .prop_map(
+                    |(request, engine, (decode_rank, decode_tp), blocks, (first_block, prefill_pp))| {
+                        Message::PushRegistration(PushRegistration {
+                            request,
+                            decode_engine: EngineId::new(engine),
+                            decode_rank,
+                            decode_tp,
+                            blocks: blocks.into_iter().map(BlockId).collect(),
+                            first_block,
+                            prefill_pp,
+                        })
+                    }
+                ),
         ]
     }
 
@@ -410,7 +447,7 @@ mod tests {
         );
         let mut future = frame.clone();
         future[3] = 9;
-        assert_eq!(Message::decode(&future).unwrap_err().to_string(), "protocol version mismatch: peer 9, local 1");
+        assert_eq!(Message::decode(&future).unwrap_err().to_string(), "protocol version mismatch: peer 9, local 2");
         let mut trailing = frame.clone();
         trailing.push(0);
         assert_eq!(Message::decode(&trailing).unwrap_err().to_string(), "malformed message: 1 trailing bytes");
@@ -440,6 +477,7 @@ mod tests {
             engine: EngineId::new("prefill0"),
             rank: 1,
             tp_size: 2,
+            pp_size: 1,
             instance: 0,
             role: Role::Prefill,
             model: "llama".into(),

@@ -18,7 +18,8 @@ use hmac::{Hmac, Mac};
 use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint, SideEvent, Transmit};
 use kv_core::wire::compatibility_hash;
 use kv_core::{
-    AgentName, EngineId, Handshake, KvLayout, LeaseState, Message, PeerAddress, RegionBase, Renewal, Role, Time,
+    AgentName, BlockId, EngineId, Handshake, KvLayout, LeaseState, Message, PeerAddress, PushRegistration, RegionBase,
+    Renewal, Role, Time,
 };
 use sha2::{Digest, Sha256};
 
@@ -126,6 +127,7 @@ fn documented_offer(role: Role) -> Handshake {
         engine: EngineId::new(engine),
         rank: 1,
         tp_size: 2,
+        pp_size: 1,
         instance,
         role,
         model: "llama-3.1-8b".into(),
@@ -340,6 +342,24 @@ fn the_documented_handshake_replays_byte_for_byte() {
         expected.extend_from_slice(&hmac(key, &[b"kvflow-notify-v1", &0u64.to_be_bytes(), payload])[..16]);
         check(*sealed == expected, "a notification is KT, seq, payload and the truncated tag");
     }
+
+    // A push registration: D rank 1 of 2 registers the blocks after the two its prefix cache
+    // holds, with a P of two pipeline stages.
+    let registration = Message::PushRegistration(PushRegistration {
+        request: "cmpl-42-0".into(),
+        decode_engine: offer_i.engine.clone(),
+        decode_rank: 1,
+        decode_tp: 2,
+        blocks: vec![BlockId(7), BlockId(8), BlockId(300)],
+        first_block: 2,
+        prefill_pp: 2,
+    });
+    let registration_frame = registration.encode().unwrap();
+    block.bytes("push_registration", &registration_frame);
+    check(
+        Message::decode(&bytes_or("push_registration", &registration_frame)) == Ok(registration),
+        "push_registration decodes to the documented registration",
+    );
 
     // A listener refuses a HELLO of side protocol version 3 with an ERROR naming both.
     let mut hello_v3 = hello.clone();

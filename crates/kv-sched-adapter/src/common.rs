@@ -44,10 +44,13 @@ pub struct RemoteRef {
     pub engine: EngineId,
     /// P's request id.
     pub request: RequestId,
-    /// P's side-channel address of each TP rank, by rank.
+    /// P's side-channel address of each worker, by global rank (`stage * tp_size + tp rank`):
+    /// `tp_size * pp_size` of them.
     pub addresses: Vec<PeerAddress>,
     /// P's TP size.
     pub tp_size: u32,
+    /// P's pipeline-parallel size: D reads (or, in push mode, awaits a write from) every stage.
+    pub pp_size: u32,
     /// P's incarnation, as its handshake names it; `None` when D comes first in push mode and
     /// cannot know it yet.
     pub instance: Option<u64>,
@@ -302,10 +305,14 @@ impl LocalPool {
     /// `instance`, serving `model` in `role` over this pool: its layout, block count and
     /// regions, the protocol version and the compatibility hash. The transport stamps the
     /// clock and adds its agent metadata when it sends the offer.
+    /// A pool of one pipeline stage ([`PoolShape::for_stage`]) offers its engine's stage count,
+    /// and `agent.rank` is then the worker's global rank.
     pub fn offer(&self, agent: &AgentName, tp_size: u32, instance: u64, role: Role, model: &str) -> Handshake {
         Handshake {
             num_blocks: self.shape.num_blocks,
             regions: self.regions.clone(),
+            // Stages split the layers evenly, so a stage's share says how many there are.
+            pp_size: self.shape.layout.layers / self.shape.layers.count.max(1),
             ..Handshake::new(agent, tp_size, instance, role, model, self.shape.layout)
         }
     }
@@ -317,8 +324,14 @@ impl LocalPool {
         if offer.role != role {
             return mismatch("role", format!("{:?}", offer.role), format!("{role:?} (the worker's)"));
         }
-        if offer.rank >= offer.tp_size {
-            return mismatch("rank", offer.rank.to_string(), format!("below tp_size {}", offer.tp_size));
+        if offer.rank >= offer.workers() {
+            let workers = format!("below tp_size {} x pp_size {}", offer.tp_size, offer.pp_size);
+            return mismatch("rank", offer.rank.to_string(), workers);
+        }
+        let stage = self.shape.for_stage(offer.pp_rank(), offer.pp_size);
+        if stage.map(|s| s.layers) != Ok(self.shape.layers) {
+            let layers = format!("layers {}..{}", self.shape.layers.first, self.shape.layers.end());
+            return mismatch("pp_size", format!("stage {} of {}", offer.pp_rank(), offer.pp_size), layers);
         }
         if offer.layout != self.shape.layout {
             return mismatch("layout", format!("{:?}", offer.layout), format!("{:?}", self.shape.layout));
@@ -465,9 +478,11 @@ impl Peer {
         self.handshake.engine == *engine && self.handshake.instance <= instance
     }
 
-    /// The peer's pool shape, from its handshake.
+    /// The peer's pool shape, from its handshake: a prefill peer's pool holds its pipeline
+    /// stage's layers.
     pub fn shape(&self, heads: u32) -> Option<PoolShape> {
-        PoolShape::new(self.handshake.layout, heads, self.handshake.num_blocks).ok()
+        let hs = &self.handshake;
+        PoolShape::new(hs.layout, heads, hs.num_blocks).and_then(|s| s.for_stage(hs.pp_rank(), hs.pp_size)).ok()
     }
 }
 

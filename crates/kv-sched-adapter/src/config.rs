@@ -249,6 +249,14 @@ pub enum ConfigError {
         /// The ranks given.
         tp: u32,
     },
+    /// A prefill engine's worker addresses do not split into its pipeline stages.
+    #[error("{workers} worker addresses do not split into {pp} pipeline stages")]
+    Stages {
+        /// Addresses given.
+        workers: u32,
+        /// Pipeline stages asked for.
+        pp: u32,
+    },
     /// A duration in seconds that is negative, not a number, or too large.
     #[error("{key} = {value:?} is not a duration in seconds")]
     Seconds {

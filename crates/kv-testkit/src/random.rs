@@ -63,12 +63,15 @@ pub fn generate(seed: u64) -> Scenario {
     let prefillers = 1 + rng.below(2) as u32;
     let decoders = 1 + rng.below(2) as u32;
     let step_ms = [5u64, 10, 20][rng.below(3) as usize];
+    // One P in five runs two pipeline stages, one layer each of the simulated model's two.
+    let prefill_pp = if rng.chance(0.2) { 2 } else { 1 };
     let cluster = ClusterSpec {
         mode,
         prefillers,
         decoders,
         prefill_tp,
         decode_tp,
+        prefill_pp,
         prefill_block_size: p_block,
         decode_block_size: p_block * ratio,
         num_kv_heads: 8,

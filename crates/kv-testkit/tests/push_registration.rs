@@ -1,6 +1,7 @@
-//! A push registration that reaches P twice (a D that sends it again, a network that repeats
-//! it) is counted as a duplicate and staged once: P writes D's blocks once, and the load ends
-//! ready with the bytes P computed.
+//! Push registrations P must handle with care. One that reaches P twice (a D that sends it
+//! again, a network that repeats it) is counted as a duplicate and staged once: P writes D's
+//! blocks once, and the load ends ready with the bytes P computed. One that counts other
+//! pipeline stages than P has is refused.
 
 use kv_core::{EngineId, Message, PushRegistration, RequestId, Time};
 use kv_testkit::cluster::Cluster;
@@ -40,6 +41,8 @@ fn a_registration_sent_twice_is_a_duplicate_and_p_writes_once() {
         decode_rank: 0,
         decode_tp: 1,
         blocks,
+        first_block: 0,
+        prefill_pp: 1,
     });
     cluster.send_as("decode0", "prefill0", &again).unwrap();
     cluster.advance_to(Time::from_millis(300));
@@ -58,4 +61,59 @@ fn a_registration_sent_twice_is_a_duplicate_and_p_writes_once() {
     // One write of the prompt's 4 blocks (the simulator's 2 KiB blocks), not two.
     let written = cluster.network().moved(&kv_core::AgentName::new(EngineId::new("prefill0"), 0), &r1);
     assert_eq!(written, 4 * 2048, "P wrote D's blocks once");
+}
+
+/// D counts the writes it awaits from P's pipeline stages; a registration that counts other
+/// stages than P has would end too early or never, so P refuses it (answering that no write
+/// will come) and writes nothing, while a registration that counts right goes on as usual.
+#[test]
+fn a_registration_counting_other_pipeline_stages_is_refused_and_nothing_is_written() {
+    let scenario = Scenario::from_toml_str(
+        r#"
+        name = "D registers r1 as usual; a registration for r2 says P has two stages"
+        [cluster]
+        mode = "push"
+        [[step]]
+        at_s = 0.0
+        do = "arrive"
+        request = "r1"
+        prompt_tokens = 64
+        [[step]]
+        at_s = 0.1
+        do = "schedule"
+        request = "r1"
+        "#,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut cluster = Cluster::new(cluster_config(&scenario, 0)).unwrap_or_else(|e| panic!("{e}"));
+    for step in &scenario.steps {
+        cluster.advance_to(step.at);
+        apply(&mut cluster, step.event.as_ref().unwrap()).unwrap();
+    }
+    cluster.advance_to(Time::from_millis(200));
+    let (r1, r2) = (RequestId::new("r1"), RequestId::new("r2"));
+    let blocks = cluster.decode_blocks("decode0", &r1).expect("decode0 is loading r1");
+    let miscounted = Message::PushRegistration(PushRegistration {
+        request: r2.clone(),
+        decode_engine: EngineId::new("decode0"),
+        decode_rank: 0,
+        decode_tp: 1,
+        blocks,
+        first_block: 0,
+        prefill_pp: 2,
+    });
+    let malformed_before = cluster.engine_counters("prefill0").malformed;
+    cluster.send_as("decode0", "prefill0", &miscounted).unwrap();
+    cluster.advance_to(Time::from_millis(300));
+    cluster.prefill("prefill0", &r1, 64, 1, None).unwrap();
+    cluster.prefill("prefill0", &r2, 64, 1, None).unwrap();
+    cluster.advance_to(Time::from_millis(800));
+
+    assert_eq!(cluster.engine_counters("prefill0").malformed, malformed_before + 1, "the miscounted one is refused");
+    let p0 = kv_core::AgentName::new(EngineId::new("prefill0"), 0);
+    assert_eq!(cluster.network().moved(&p0, &r2), 0, "nothing is written for it");
+    assert_eq!(cluster.held_blocks("prefill0"), 4, "r2's export waits for a registration that counts right");
+    assert_eq!(cluster.decode_state("decode0", &r1).map(|s| s.as_str()), Some("ready"));
+    assert_eq!(cluster.network().moved(&p0, &r1), 4 * 2048);
+    assert_eq!(cluster.corrupt_reads(), 0);
 }

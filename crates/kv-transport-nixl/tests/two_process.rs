@@ -291,7 +291,7 @@ fn mismatched_handshakes_fail_on_both_sides_and_the_listener_keeps_serving() {
     ));
     let mut version = offer("decode-version", Role::Decode, 1, 32, &pool, 4);
     version.protocol_version = 9;
-    cases.push(("version", version, "protocol version mismatch: prefill 1, decode 9"));
+    cases.push(("version", version, "protocol version mismatch: prefill 2, decode 9"));
     for (what, offer, text) in cases {
         let mut d = transport(offer, &pool);
         d.connect(&PeerAddress(format!("127.0.0.1:{port}"))).unwrap();

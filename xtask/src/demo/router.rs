@@ -387,6 +387,7 @@ impl Demo {
                     engine: "prefill0".into(),
                     request: export.clone(),
                     addresses: addresses.clone(),
+                    pp_size: 1,
                     instance: None,
                     prompt_tokens: tokens,
                     export: None,

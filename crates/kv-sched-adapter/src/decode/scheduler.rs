@@ -171,16 +171,6 @@ pub enum DecodeError {
         /// Blocks allocated.
         blocks: usize,
     },
-    /// Push mode writes whole prompts: part of one cannot be loaded.
-    #[error("request {request}: push mode cannot load part of a prompt ({cached} of {blocks} blocks cached); schedule it whole, or recompute")]
-    PartialPush {
-        /// D's request id.
-        request: RequestId,
-        /// Blocks cached.
-        cached: usize,
-        /// Blocks allocated.
-        blocks: usize,
-    },
     /// A report named a rank outside the engine.
     #[error("rank {rank} is outside tp {tp}")]
     NoSuchRank {
@@ -296,8 +286,8 @@ impl DecodeScheduler {
     /// Blocks are allocated for a waiting request whose first `cached_blocks` blocks D's own
     /// prefix cache already holds (vLLM's locally computed tokens, in whole D blocks): load only
     /// the rest, and tell P it is done when they are in place, as for a full load. All of them
-    /// cached is a prefix hit. Push mode loads whole prompts only: a partial hit there is
-    /// refused ([`DecodeError::PartialPush`]), and the engine schedules it whole or recomputes.
+    /// cached is a prefix hit. In push mode D registers only the blocks after the cached ones,
+    /// and P writes just those.
     pub fn handle_schedule_cached(
         &mut self,
         request: RequestId,
@@ -306,9 +296,6 @@ impl DecodeScheduler {
     ) -> Result<(), DecodeError> {
         if cached_blocks > blocks.len() {
             return Err(DecodeError::CachedBeyondBlocks { request, cached: cached_blocks, blocks: blocks.len() });
-        }
-        if self.config.mode == Mode::Push && cached_blocks > 0 && cached_blocks < blocks.len() {
-            return Err(DecodeError::PartialPush { request, cached: cached_blocks, blocks: blocks.len() });
         }
         match self.requests.get_mut(&request) {
             Some(e) if e.state == DecodeState::Waiting => {

@@ -10,8 +10,9 @@
 //! parallel-sampling sibling, "not known yet" (P's worker staged the claim, and no other
 //! engine's claim came first); "released" fails the load. So a request retried on a new
 //! incarnation never reads what P freed for the old one, and a sibling, which another
-//! sibling's completion releases unless its owner claimed it, waits for the deadline. At
-//! schedule it fences the read: a
+//! sibling's completion releases unless its owner claimed it, waits for the deadline. A
+//! pipeline-parallel P is read stage by stage: every stage's ranks, each holding its share of
+//! the layers. At schedule it fences the read: a
 //! read that could outlive P's lease (the deadline on D's clock, minus the safety margin and
 //! the clock offset's uncertainty) is never started; and a read that completes after that
 //! point (D stalled, was paused, or the network was slow) is a failed load, never a success,
@@ -228,14 +229,18 @@ impl DecodeWorker {
         let layout = self.offer.layout;
         let tp = TpMapping::new(remote.tp_size, self.offer.tp_size, layout.kv_heads, layout.is_mla())
             .map_err(|e| e.to_string())?;
-        let plan = tp.decode_rank(self.offer.rank).map_err(|e| e.to_string())?;
+        // A D engine has one stage (the handshake refuses more), so its rank is its TP rank; P's
+        // stages each hold a share of the layers, and this rank reads every stage.
+        let plan =
+            tp.decode_rank(self.offer.rank).map_err(|e| e.to_string())?.across_stages(remote.pp_size, remote.tp_size);
         let mut targets = Vec::new();
         for p in plan.completion_targets() {
             let address = remote.addresses.get(p as usize).cloned().ok_or_else(|| {
                 format!(
-                    "P rank {p} has no address: the parameters list {} for tp {}",
+                    "P rank {p} has no address: the parameters list {} for tp {} x pp {}",
                     remote.addresses.len(),
-                    remote.tp_size
+                    remote.tp_size,
+                    remote.pp_size
                 )
             })?;
             let agent = AgentName::new(remote.engine.clone(), p);
@@ -336,6 +341,22 @@ impl DecodeWorker {
             self.fail(now, request);
             return;
         }
+        // The parameters name P's ranks and stages; an engine whose handshakes say otherwise
+        // (the parameters are stale, or name another engine's shape) holds layers or heads this
+        // plan does not read, so the load could end without all of its KV.
+        let (tp_size, pp_size) = (load.remote.tp_size, load.remote.pp_size);
+        if let Some(peer) =
+            load.targets.iter().map(|t| &self.peers[t].handshake).find(|h| (h.tp_size, h.pp_size) != (tp_size, pp_size))
+        {
+            tracing::warn!(
+                %request,
+                params = %format!("tp {tp_size} x pp {pp_size}"),
+                handshake = %format!("tp {} x pp {}", peer.tp_size, peer.pp_size),
+                "P's handshake does not match the transfer parameters"
+            );
+            self.fail(now, request);
+            return;
+        }
         let completion = Message::Completion {
             request: load.remote.request.clone(),
             expected_consumers: load.tp.consumers_per_prefill_rank(),
@@ -351,12 +372,15 @@ impl DecodeWorker {
             Mode::Pull => self.start_reads(now, request, completion),
             Mode::Push => {
                 let load = self.loads.get_mut(request).expect("exists");
+                // A partial prefix hit registers only the blocks P must write.
                 let registration = Message::PushRegistration(PushRegistration {
                     request: request.clone(),
                     decode_engine: self.offer.engine.clone(),
                     decode_rank: self.offer.rank,
                     decode_tp: self.offer.tp_size,
-                    blocks: load.blocks.clone(),
+                    blocks: load.blocks[load.cached..].to_vec(),
+                    first_block: u32::try_from(load.cached).unwrap_or(u32::MAX),
+                    prefill_pp: load.remote.pp_size,
                 });
                 load.phase = Phase::Registered;
                 load.watchdog = Some(now + self.config.push_registration_timeout);

@@ -68,11 +68,11 @@ pub enum PrefillError {
     #[error("request {0} has no blocks to export")]
     NoBlocks(RequestId),
     /// A report named a rank outside the engine.
-    #[error("rank {rank} is outside tp {tp}")]
+    #[error("rank {rank} is outside the engine's {tp} workers")]
     NoSuchRank {
         /// The rank.
         rank: u32,
-        /// The engine's TP size.
+        /// The engine's workers (TP size times pipeline stages).
         tp: u32,
     },
 }
@@ -89,7 +89,9 @@ struct SchedulerExport {
 pub struct PrefillScheduler {
     engine: EngineId,
     instance: u64,
-    tp: u32,
+    /// Workers: TP size times pipeline stages, one address each.
+    workers: u32,
+    pp: u32,
     addresses: Vec<PeerAddress>,
     config: Config,
     exports: BTreeMap<RequestId, SchedulerExport>,
@@ -108,20 +110,32 @@ impl PrefillScheduler {
         config: Config,
     ) -> Result<Self, ConfigError> {
         config.validate()?;
-        let tp = u32::try_from(addresses.len()).unwrap_or(u32::MAX);
-        if tp == 0 {
-            return Err(ConfigError::NoRanks { tp });
+        let workers = u32::try_from(addresses.len()).unwrap_or(u32::MAX);
+        if workers == 0 {
+            return Err(ConfigError::NoRanks { tp: workers });
         }
         Ok(PrefillScheduler {
             metrics: PrefillMetrics::new(&engine),
             engine,
             instance,
-            tp,
+            workers,
+            pp: 1,
             addresses,
             config,
             exports: BTreeMap::new(),
             events: VecDeque::new(),
         })
+    }
+
+    /// The engine runs `pp` pipeline stages: its addresses are those of `pp` stages of equal
+    /// TP size, stage by stage (worker `r` is TP rank `r % tp` of stage `r / tp`), and each
+    /// stage's worker holds its share of the layers. Fails when the addresses do not split.
+    pub fn with_stages(mut self, pp: u32) -> Result<Self, ConfigError> {
+        if pp == 0 || self.workers % pp != 0 {
+            return Err(ConfigError::Stages { workers: self.workers, pp });
+        }
+        self.pp = pp;
+        Ok(self)
     }
 
     /// A request finished its prompt: export `blocks` under a lease from `now`, bound to
@@ -142,7 +156,7 @@ impl PrefillScheduler {
             return Err(PrefillError::NoBlocks(request));
         }
         let deadline = now + self.config.kv_lease_duration;
-        for rank in 0..self.tp {
+        for rank in 0..self.workers {
             let command = PrefillCommand::Export {
                 request: request.clone(),
                 blocks: blocks.clone(),
@@ -160,7 +174,8 @@ impl PrefillScheduler {
             engine: self.engine.clone(),
             request,
             addresses: self.addresses.clone(),
-            tp_size: self.tp,
+            tp_size: self.workers / self.pp,
+            pp_size: self.pp,
             instance: Some(self.instance),
             prompt_tokens,
             export: Some(ExportInfo { blocks, deadline, finished: now }),
@@ -170,8 +185,8 @@ impl PrefillScheduler {
 
     /// A worker rank's report.
     pub fn handle_report(&mut self, rank: u32, report: PrefillReport) -> Result<(), PrefillError> {
-        if rank >= self.tp {
-            return Err(PrefillError::NoSuchRank { rank, tp: self.tp });
+        if rank >= self.workers {
+            return Err(PrefillError::NoSuchRank { rank, tp: self.workers });
         }
         let PrefillReport::Released { request, reason } = report;
         let Some(export) = self.exports.get_mut(&request) else {
@@ -180,7 +195,7 @@ impl PrefillScheduler {
         };
         export.released.insert(rank);
         let reason = *export.reason.get_or_insert(reason);
-        if export.released.len() as u32 == self.tp {
+        if export.released.len() as u32 == self.workers {
             let export = self.exports.remove(&request).expect("present");
             let _span = crate::common::request_span(&self.engine, None, &request).entered();
             tracing::debug!(%reason, blocks = export.blocks.len(), "export freed on every rank");
@@ -205,8 +220,8 @@ impl PrefillScheduler {
         self.exports.values().flat_map(|e| e.blocks.iter().copied())
     }
 
-    /// The TP size.
-    pub fn tp(&self) -> u32 {
-        self.tp
+    /// Workers: the TP size times the pipeline stages.
+    pub fn workers(&self) -> u32 {
+        self.workers
     }
 }

@@ -495,7 +495,8 @@ impl PrefillWorker {
             self.counters.ignored(Ignored::Unauthenticated);
             return;
         };
-        let rank = self.offer.rank;
+        // The TP mapping pairs TP ranks; every stage of P serves the same D ranks.
+        let rank = self.offer.tp_rank();
         if peer.handshake.role != Role::Decode
             || !peer.compat.tp.consumers_of_prefill_rank(rank).is_ok_and(|c| c.contains(&from.rank))
         {
@@ -735,6 +736,14 @@ impl PrefillWorker {
             self.counters.ignored(Ignored::Unknown);
             return;
         }
+        if reg.prefill_pp != self.offer.pp_size {
+            // D would wait for writes from stages this engine does not have, or finish before
+            // every stage wrote: tell it none will come, and keep the export for a good one.
+            tracing::warn!(request = %reg.request, peer = %agent, registered = reg.prefill_pp, local = self.offer.pp_size, "push registration counts other pipeline stages");
+            self.counters.ignored(Ignored::Malformed);
+            self.answer(&from, &Message::Abort { request: reg.request });
+            return;
+        }
         if self.cancelled.contains(&(agent.clone(), reg.request.base())) {
             // It came after D's cancel, which P answered: no write, ever.
             self.counters.late_messages += 1;
@@ -780,21 +789,28 @@ impl PrefillWorker {
         let Ok(plan_d) = tp.decode_rank(to.rank) else { return };
         let export = self.exports.get_mut(id).expect("exists");
         let reg = export.registrations[to].clone();
+        // D counts one write from each of the P ranks it maps to in every stage.
         let completion = Message::Completion {
             request: reg.request.clone(),
-            expected_consumers: plan_d.completion_targets().count() as u32,
+            expected_consumers: plan_d.completion_targets().count() as u32 * self.offer.pp_size,
         };
-        if plan_d.notify_only.contains(&self.offer.rank) {
+        let rank = self.offer.tp_rank();
+        if plan_d.notify_only.contains(&rank) {
             // MLA: D reads the latent from another rank; this one only says it is done.
             self.out.send(to, &completion);
             export.written.insert(to.clone());
             return;
         }
-        let Some(slice) = plan_d.reads.iter().find(|s| s.prefill_rank == self.offer.rank).copied() else { return };
+        let Some(slice) = plan_d.reads.iter().find(|s| s.prefill_rank == rank).copied() else { return };
         let d_shape = peer.shape(tp.decode_heads());
+        // A partial prefix hit: D registered its blocks from the prompt's `first_block` on, and
+        // D block `b` takes P's sub-blocks from `b * ratio` (the plan clips the last).
+        let ratio = d_shape.map_or(1, |d| (d.layout.block_tokens / self.pool.shape.layout.block_tokens.max(1)).max(1));
+        let skipped = (reg.first_block as usize).saturating_mul(ratio as usize);
+        let p_blocks = export.blocks.get(skipped..).unwrap_or(&[]);
         let built = d_shape.ok_or_else(|| "peer layout".to_owned()).and_then(|d_shape| {
             let input = PlanInput {
-                prefill: PoolSide { shape: self.pool.shape, regions: &self.pool.regions, blocks: &export.blocks },
+                prefill: PoolSide { shape: self.pool.shape, regions: &self.pool.regions, blocks: p_blocks },
                 decode: PoolSide { shape: d_shape, regions: &peer.handshake.regions, blocks: &reg.blocks },
                 slice,
                 initiator: Initiator::Prefill,
@@ -806,12 +822,15 @@ impl PrefillWorker {
             (Ok(plan), Ok(notification)) => {
                 let d_shape = d_shape.expect("the plan was built from it");
                 // Whole blocks, whole heads, equal block sizes: name prepared entries by index.
-                let whole = slice.heads == self.pool.shape.heads && slice.heads == d_shape.heads;
+                // A stage's blocks are only part of D's, so they go as pairs.
+                let whole = slice.heads == self.pool.shape.heads
+                    && slice.heads == d_shape.heads
+                    && self.pool.shape.layers == d_shape.layers;
                 let indexed = whole && d_shape.layout.block_tokens == self.pool.shape.layout.block_tokens;
                 let token = match self.lists.ready(to).filter(|_| indexed) {
                     Some((local, remote)) => {
                         let (local_indices, remote_indices) =
-                            block_indices(&self.pool.shape, &export.blocks, &d_shape, &reg.blocks);
+                            block_indices(&self.pool.shape, p_blocks, &d_shape, &reg.blocks);
                         self.counters.prepared_writes += 1;
                         self.out.post_prepared(PreparedTransfer {
                             op: TransferOp::Write,

@@ -279,13 +279,16 @@ impl Cluster {
     ) -> Result<(Vec<RankMemory>, Vec<WorkerDriver<M>>), ClusterError> {
         let spec = &self.config.spec;
         let (tp, num_blocks) = (spec.tp_size(role), spec.num_blocks(role));
+        let stages = spec.workers(role) / tp;
         let layout = self.config.layout(spec.block_size(role));
         let heads = layout.heads_per_rank(tp);
-        let shape = PoolShape::new(layout, heads, num_blocks).map_err(|e| ClusterError(e.to_string()))?;
+        let model = PoolShape::new(layout, heads, num_blocks).map_err(|e| ClusterError(e.to_string()))?;
         let base = self.heap_base(engine);
         let instance = self.instance(engine);
         let (mut ranks, mut workers) = (Vec::new(), Vec::new());
-        for rank in 0..tp {
+        // Worker `rank` is TP rank `rank % tp` of pipeline stage `rank / tp`.
+        for rank in 0..tp * stages {
+            let shape = model.for_stage(rank / tp, stages).map_err(|e| ClusterError(format!("{engine}: {e}")))?;
             let heap = FakeHeap::with_base(base + u64::from(rank) * 0x100_0000 * 16);
             let mut memory = InMemoryMemory::new(heap.clone());
             let region = memory
@@ -301,7 +304,7 @@ impl Cluster {
             kv_core::Transport::register(&mut transport, &region).map_err(|e| ClusterError(e.to_string()))?;
             let machine = worker(hs, pool).map_err(|e| ClusterError(format!("{engine} rank {rank}: {e}")))?;
             workers.push(WorkerDriver::new(machine, Box::new(transport)));
-            ranks.push(RankMemory::new(memory, region, shape, rank));
+            ranks.push(RankMemory::new(memory, region, shape, rank % tp));
         }
         Ok((ranks, workers))
     }
@@ -311,10 +314,11 @@ impl Cluster {
         let (ranks, workers) =
             self.start_ranks(id, Role::Prefill, |hs, pool| PrefillWorker::new(hs, connector, pool))?;
         let spec = &self.config.spec;
-        let addresses = (0..spec.prefill_tp).map(|r| Self::address(id, r)).collect();
+        let addresses = (0..spec.workers(Role::Prefill)).map(|r| Self::address(id, r)).collect();
         Ok(PrefillEngine {
             id: id.clone(),
             scheduler: PrefillScheduler::new(id.clone(), self.instance(id), addresses, connector)
+                .and_then(|s| s.with_stages(spec.prefill_pp))
                 .map_err(|e| ClusterError(format!("{id}: {e}")))?,
             workers,
             ranks,

@@ -86,8 +86,9 @@ impl Cluster {
             round(bytes, engine.ranks[r as usize].block_bytes())
         });
         let pulled = pulled.min().unwrap_or(0);
-        // Push: P's writes, every P rank's into every D rank's blocks, which name D's request.
-        let pushed: u64 = (0..load.remote.tp_size)
+        // Push: P's writes, every P worker's (each stage's ranks) into every D rank's blocks,
+        // which name D's request.
+        let pushed: u64 = (0..load.remote.tp_size * load.remote.pp_size)
             .map(|r| self.net.moved(&AgentName::new(load.remote.engine.clone(), r), request))
             .sum();
         let block: u64 = engine.ranks.iter().map(|r| r.block_bytes()).sum();

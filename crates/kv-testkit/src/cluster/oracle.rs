@@ -16,7 +16,7 @@ use crate::{BlockPool, InMemoryMemory};
 /// The byte a freed block is scrubbed with.
 const SCRUB: u8 = 0xDB;
 
-/// One TP rank's memory: its pool region and shape.
+/// One worker's memory: its pool region and shape (a pipeline stage's layers), and its TP rank.
 pub(super) struct RankMemory {
     memory: InMemoryMemory,
     region: Region,
@@ -77,12 +77,13 @@ fn kv_byte(seed: u64, layer: u32, plane: u32, head: u32, token: u64, e: u64) -> 
     }
 }
 
-/// The bytes of one block on one rank: `[layer][plane][head][token][elem]` (block-major, HND).
+/// The bytes of one block on one rank: `[layer][plane][head][token][elem]` (block-major, HND),
+/// the rank's layers only.
 fn block_bytes(shape: &PoolShape, first_head: u32, seed: u64, first_token: u64, valid_tokens: u64) -> Vec<Option<u8>> {
     let l = shape.layout;
     let elems = shape.head_bytes_per_token();
     let mut out = Vec::with_capacity(shape.block_bytes() as usize);
-    for layer in 0..l.layers {
+    for layer in shape.layers.first..shape.layers.end() {
         for plane in 0..l.planes() {
             for h in 0..shape.heads {
                 for t in 0..u64::from(l.block_tokens) {

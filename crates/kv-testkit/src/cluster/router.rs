@@ -3,7 +3,7 @@
 //!
 //! A call to a D engine that is paused (see `faults.rs`) waits for its resume.
 
-use kv_core::{EngineId, RequestId};
+use kv_core::{EngineId, RequestId, Role};
 use kv_sched_adapter::{Consumer, Mode, RemoteRef};
 
 use super::oracle::{self, Computed};
@@ -144,8 +144,9 @@ impl Cluster {
         Ok(RemoteRef {
             engine: engine.clone(),
             request: remote_request.clone(),
-            addresses: (0..self.config.spec.prefill_tp).map(|r| Self::address(&engine, r)).collect(),
+            addresses: (0..self.config.spec.workers(Role::Prefill)).map(|r| Self::address(&engine, r)).collect(),
             tp_size: self.config.spec.prefill_tp,
+            pp_size: self.config.spec.prefill_pp,
             // D comes first in push mode: it cannot know P's incarnation yet.
             instance: None,
             prompt_tokens,

@@ -41,6 +41,7 @@ fn offer(role: Role, engine: &str, instance: u64, metadata: &[u8]) -> Handshake 
         engine: EngineId::new(engine),
         rank: 0,
         tp_size: 1,
+        pp_size: 1,
         instance,
         role,
         model: "m".into(),

@@ -39,7 +39,8 @@ fn a_worker_is_refused_when_its_offer_or_settings_disagree_naming_the_values() {
         &|o, _| o.tp_size = 4,
         "the handshake offer's tp_size is 4, but the pool's is 2 heads a rank, 1 at tp_size 4",
     );
-    check(2, &|o, _| o.rank = 2, "the handshake offer's rank is 2, but the pool's is below tp_size 2");
+    check(2, &|o, _| o.rank = 2, "the handshake offer's rank is 2, but the pool's is below tp_size 2 x pp_size 1");
+    check(2, &|o, _| o.pp_size = 2, "the handshake offer's pp_size is stage 0 of 2, but the pool's is layers 0..2");
     check(
         2,
         &|o, _| o.regions.clear(),
@@ -56,6 +57,7 @@ fn remote(tp_size: u32, addresses: usize) -> RemoteRef {
         request: RequestId::new("r1"),
         addresses: (0..addresses).map(|i| PeerAddress(format!("127.0.0.1:{}", 5600 + i))).collect(),
         tp_size,
+        pp_size: 1,
         instance: Some(1),
         prompt_tokens: 16,
         export: None,
@@ -76,7 +78,7 @@ fn a_rejection_that_maps_onto_no_p_rank_is_counted_not_dropped_silently() {
 }
 
 #[test]
-fn a_partial_prefix_hit_is_refused_where_it_cannot_be_loaded() {
+fn a_partial_prefix_hit_loads_in_either_mode_and_too_many_cached_is_refused() {
     let blocks = || vec![BlockId(0), BlockId(1), BlockId(2)];
     let scheduled = |mode: Mode, cached: usize| {
         let mut d = DecodeScheduler::new(EngineId::new("decode0"), 1, Config { mode, ..Config::default() }).unwrap();
@@ -86,12 +88,8 @@ fn a_partial_prefix_hit_is_refused_where_it_cannot_be_loaded() {
     };
     assert_eq!(scheduled(Mode::Pull, 2), Ok(()));
     assert_eq!(scheduled(Mode::Pull, 4), Err("request r1: 4 blocks cached, but only 3 allocated".to_owned()));
-    assert_eq!(
-        scheduled(Mode::Push, 1),
-        Err("request r1: push mode cannot load part of a prompt (1 of 3 blocks cached); schedule it whole, or recompute"
-            .to_owned())
-    );
-    // Push: all or nothing cached is a whole load or a prefix hit.
+    // Push registers the blocks after the cached ones, and P writes those.
+    assert_eq!(scheduled(Mode::Push, 1), Ok(()));
     assert_eq!(scheduled(Mode::Push, 3), Ok(()));
     assert_eq!(scheduled(Mode::Push, 0), Ok(()));
 }

@@ -159,6 +159,10 @@ pub struct ClusterSpec {
     pub prefill_tp: u32,
     /// `decode_tp` (1): TP ranks of every decode engine; at least 1.
     pub decode_tp: u32,
+    /// `prefill_pp` (1), kvflow's own key: pipeline stages of every prefill engine, each
+    /// `prefill_tp` ranks holding its share of the simulated model's layers; it must divide
+    /// them.
+    pub prefill_pp: u32,
     /// `prefill_block_size` (16): tokens per block on P; at least 1.
     pub prefill_block_size: u32,
     /// `decode_block_size` (16): tokens per block on D; at least 1.
@@ -195,6 +199,7 @@ impl Default for ClusterSpec {
             decoders: 1,
             prefill_tp: 1,
             decode_tp: 1,
+            prefill_pp: 1,
             prefill_block_size: 16,
             decode_block_size: 16,
             num_kv_heads: 8,
@@ -223,6 +228,14 @@ impl ClusterSpec {
     pub fn tp_size(&self, role: Role) -> u32 {
         match role {
             Role::Prefill => self.prefill_tp,
+            Role::Decode => self.decode_tp,
+        }
+    }
+
+    /// Workers (agents) of each engine of `role`: its TP ranks in every pipeline stage.
+    pub fn workers(&self, role: Role) -> u32 {
+        match role {
+            Role::Prefill => self.prefill_tp * self.prefill_pp,
             Role::Decode => self.decode_tp,
         }
     }
