@@ -150,7 +150,7 @@ pub fn generate(seed: u64) -> Scenario {
         let roll = rng.below(100);
         if roll < 8 {
             // D rejects before admission.
-            push(t_arrive, Event::Reject { request: d_request, node: d, from: p, remote_request });
+            push(t_arrive, Event::Reject { request: d_request, node: d, from: p, remote_request, prefill_tp: None });
             continue;
         }
         if roll < 12 {

@@ -8,11 +8,12 @@ use kv_testkit::cluster::Cluster;
 use kv_testkit::scenario::runner::{apply, cluster_config};
 use kv_testkit::scenario::Scenario;
 
-#[test]
-fn a_registration_sent_twice_is_a_duplicate_and_p_writes_once() {
+/// A push cluster in which decode0 has scheduled r1, which P has not run yet: its
+/// registration waits at P, and its blocks are allocated.
+fn registered_r1() -> Cluster {
     let scenario = Scenario::from_toml_str(
         r#"
-        name = "D registers before P has run the prompt; its registration comes twice"
+        name = "D registers r1 before P has run the prompt"
         [cluster]
         mode = "push"
         [[step]]
@@ -33,6 +34,12 @@ fn a_registration_sent_twice_is_a_duplicate_and_p_writes_once() {
         apply(&mut cluster, step.event.as_ref().unwrap()).unwrap();
     }
     cluster.advance_to(Time::from_millis(200));
+    cluster
+}
+
+#[test]
+fn a_registration_sent_twice_is_a_duplicate_and_p_writes_once() {
+    let mut cluster = registered_r1();
     let r1 = RequestId::new("r1");
     let blocks = cluster.decode_blocks("decode0", &r1).expect("decode0 is loading r1");
     let again = Message::PushRegistration(PushRegistration {
@@ -68,29 +75,7 @@ fn a_registration_sent_twice_is_a_duplicate_and_p_writes_once() {
 /// will come) and writes nothing, while a registration that counts right goes on as usual.
 #[test]
 fn a_registration_counting_other_pipeline_stages_is_refused_and_nothing_is_written() {
-    let scenario = Scenario::from_toml_str(
-        r#"
-        name = "D registers r1 as usual; a registration for r2 says P has two stages"
-        [cluster]
-        mode = "push"
-        [[step]]
-        at_s = 0.0
-        do = "arrive"
-        request = "r1"
-        prompt_tokens = 64
-        [[step]]
-        at_s = 0.1
-        do = "schedule"
-        request = "r1"
-        "#,
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    let mut cluster = Cluster::new(cluster_config(&scenario, 0)).unwrap_or_else(|e| panic!("{e}"));
-    for step in &scenario.steps {
-        cluster.advance_to(step.at);
-        apply(&mut cluster, step.event.as_ref().unwrap()).unwrap();
-    }
-    cluster.advance_to(Time::from_millis(200));
+    let mut cluster = registered_r1();
     let (r1, r2) = (RequestId::new("r1"), RequestId::new("r2"));
     let blocks = cluster.decode_blocks("decode0", &r1).expect("decode0 is loading r1");
     let miscounted = Message::PushRegistration(PushRegistration {

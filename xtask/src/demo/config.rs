@@ -37,8 +37,8 @@ pub struct DemoArgs {
     max_tokens: u64,
     /// The fraction of single-sample requests (n = 1) of two D blocks or more that arrive on D
     /// as partial prefix hits: D's own prefix cache holds a random whole number of their
-    /// blocks (at least one, not all), and D reads only the rest from P. Pull mode only: push
-    /// loads whole prompts, and sends none. 0 sends none.
+    /// blocks (at least one, not all), and D loads only the rest from P (in push mode P
+    /// writes only those). 0 sends none.
     #[arg(long, value_name = "F", default_value_t = DemoConfig::default().partial_rate)]
     partial_rate: f64,
     /// The model's layers (8 KV heads of 128, bf16; or, with --mla, one latent of 576).

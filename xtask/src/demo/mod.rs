@@ -4,10 +4,11 @@
 //!
 //! The router sends prompts to P (lengths from a spread, some with n > 1 siblings), hands P's
 //! transfer parameters to a D engine (round robin), rejects some requests on D before
-//! admission and aborts others while they wait or load. In pull mode some (`--partial-rate`)
-//! arrive on D as partial prefix hits: D's own prefix cache holds their first few D blocks
-//! (D fills them with the bytes P computed), D reads only the rest, and the report counts the
-//! blocks each read, from the bytes of the transfers that name it, against those it needed.
+//! admission and aborts others while they wait or load. Some (`--partial-rate`) arrive on D
+//! as partial prefix hits: D's own prefix cache holds their first few D blocks (D fills them
+//! with the bytes P computed), D loads only the rest (reads them, or in push mode registers
+//! only them for P to write), and the report counts the blocks each loaded, from the bytes of
+//! the transfers that name it, against those it needed.
 //! Part-way it kills one D engine with
 //! SIGKILL and restarts it. In push mode D hears of each request first and P writes.
 //! `--pause-decode N` stops decode0 with SIGSTOP N times, each for 1.5 leases, with its reads

@@ -481,15 +481,11 @@ impl Report {
                 a.detail
             );
         }
-        if self.mode == "push" {
-            println!("  partial prefix hits  none sent (push mode loads whole prompts)");
-        } else {
-            let p = &self.partial;
-            println!(
-                "  partial prefix hits  {} ready of {} sent: {} blocks read of {} needed ({} cached)",
-                p.ready, p.sent, p.read, p.needed, p.cached
-            );
-        }
+        let p = &self.partial;
+        println!(
+            "  partial prefix hits  {} ready of {} sent: {} blocks loaded of {} needed ({} cached)",
+            p.ready, p.sent, p.read, p.needed, p.cached
+        );
         println!("  released, D alive    {}", self.released_for_live_engines);
         println!("  corrupt reads        {}", self.corrupt_reads);
         println!("  written after free   {}", self.written_after_free);

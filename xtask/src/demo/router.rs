@@ -81,7 +81,7 @@ struct Request {
     prompt_tokens: u64,
     n: u32,
     fate: Fate,
-    /// A partial prefix hit (pull mode): the draw that picks how many of its D blocks D's own
+    /// A partial prefix hit: the draw that picks how many of its D blocks D's own
     /// cache holds, once the D engine (and so its block size) is known.
     partial: Option<u64>,
 }
@@ -380,6 +380,9 @@ impl Demo {
                     }
                 }
             }
+            let fate = request.fate;
+            // Open before D hears of it: dispatch reads the request's partial-hit draw there.
+            self.open.insert(id.clone(), (request, exports.clone()));
             if self.config.push {
                 // D hears first: it allocates and registers its blocks with P.
                 let addresses = self.prefill_addresses();
@@ -393,8 +396,8 @@ impl Demo {
                     export: None,
                     consumer: None,
                 };
-                self.dispatch(&exports[0], &id, remote(&exports[0]), request.fate);
-                if request.fate == Fate::Reject {
+                self.dispatch(&exports[0], &id, remote(&exports[0]), fate);
+                if fate == Fate::Reject {
                     // D rejects the whole request: every sibling's export, on the same engine,
                     // which P binds the family to (a rejection from another is foreign).
                     let chosen = self.tracks.get(&exports[0]).and_then(|t| t.decode.clone());
@@ -407,8 +410,7 @@ impl Demo {
                 }
             }
             let consumer = self.tracks.get(&exports[0]).and_then(|t| t.decode.clone());
-            self.send("prefill0", &Command::Prefill { id: id.clone(), prompt_tokens: tokens, n, consumer });
-            self.open.insert(id, (request, exports));
+            self.send("prefill0", &Command::Prefill { id, prompt_tokens: tokens, n, consumer });
         }
     }
 
@@ -776,10 +778,8 @@ fn workload(config: &DemoConfig, rng: &mut Rng, i: u32) -> Request {
     } else {
         Fate::Normal
     };
-    // Push loads whole prompts: no partial hits there (and no draws, so its workload stays
-    // the same).
     let d_blocks = kv_core::blocks_for_tokens(prompt_tokens, config.d_block_tokens);
-    let eligible = !config.push && n == 1 && fate != Fate::Reject && d_blocks >= 2;
+    let eligible = n == 1 && fate != Fate::Reject && d_blocks >= 2;
     let partial = (eligible && rng.chance(config.partial_rate)).then(|| rng.below(1 << 30));
     Request { id: format!("req-{i}"), prompt_tokens, n, fate, partial }
 }

@@ -254,15 +254,18 @@ impl Cluster {
         self.flush_decode(node)
     }
 
-    /// D rejects a request carrying P's parameters before admission.
+    /// D rejects a request carrying P's parameters before admission; `prefill_tp`, when given,
+    /// is the TP size the parameters claim for P instead of its own.
     pub fn reject(
         &mut self,
         node: &str,
         request: &RequestId,
         from: &str,
         remote_request: &RequestId,
+        prefill_tp: Option<u32>,
     ) -> Result<(), ClusterError> {
-        let remote = self.remote_for(from, remote_request, None)?;
+        let mut remote = self.remote_for(from, remote_request, None)?;
+        remote.tp_size = prefill_tp.unwrap_or(remote.tp_size);
         self.call(node, Call::Reject { request: request.clone(), remote })
     }
 

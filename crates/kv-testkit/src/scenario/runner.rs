@@ -136,8 +136,8 @@ pub fn apply(cluster: &mut Cluster, event: &Event) -> Result<(), String> {
             cluster.schedule_cached(&name(node), request, *cached)
         }
         Event::Schedule { request, node, prefix_hit, .. } => cluster.schedule(&name(node), request, *prefix_hit),
-        Event::Reject { request, node, from, remote_request } => {
-            cluster.reject(&name(node), request, &name(from), remote_request)
+        Event::Reject { request, node, from, remote_request, prefill_tp } => {
+            cluster.reject(&name(node), request, &name(from), remote_request, *prefill_tp)
         }
         Event::Abort { request, node } => cluster.abort(&name(node), request),
         Event::Crash { node, detect } => cluster.crash(&name(node), *detect),
@@ -227,6 +227,9 @@ fn check(cluster: &Cluster, expect: &Expect) -> Result<(), String> {
     }
     if let Some(want) = expect.ignored_messages {
         expect_eq("ignored_messages", want, counters.ignored_messages)?;
+    }
+    if let Some(want) = expect.rejections_unsent {
+        expect_eq("rejections_unsent", want, counters.rejections_unsent)?;
     }
     if let Some(want) = expect.corrupt_reads {
         expect_eq("corrupt_reads", want, cluster.corrupt_reads())?;

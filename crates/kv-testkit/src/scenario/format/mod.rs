@@ -448,6 +448,11 @@ pub enum Event {
         from: Node,
         /// `remote_request` (= `request`): P's id, which the rejection names.
         remote_request: RequestId,
+        /// `prefill_tp` (P's), kvflow's own key: the TP size P's parameters claim, as a router
+        /// with a stale or mistaken view would hand them; one that does not map onto D's TP
+        /// leaves the rejection with no P rank to go to.
+        #[serde(default)]
+        prefill_tp: Option<u32>,
     },
     /// `abort`: the router aborts the request on an engine.
     Abort {
@@ -620,6 +625,9 @@ pub struct Expect {
     pub corrupt_reads: Option<u64>,
     /// `written_after_free`: writes that landed in blocks their engine had given back.
     pub written_after_free: Option<u64>,
+    /// `rejections_unsent`, kvflow's own key: rejections D could not send because P's
+    /// parameters mapped onto no P rank, on all engines.
+    pub rejections_unsent: Option<u64>,
 }
 
 impl Default for Expect {
@@ -639,6 +647,7 @@ impl Default for Expect {
             ignored_messages: None,
             corrupt_reads: None,
             written_after_free: None,
+            rejections_unsent: None,
         }
     }
 }
