@@ -164,6 +164,7 @@ pub fn generate(seed: u64) -> Scenario {
             from: p,
             remote_request: remote_request.clone(),
             prompt_tokens: arrive_tokens,
+            prefill_pp: None,
         };
         push(t_arrive, arrive);
         // Usually soon; sometimes so late that the lease may have gone, which the fence must catch.
@@ -213,6 +214,7 @@ pub fn generate(seed: u64) -> Scenario {
                     from: p,
                     remote_request: other.clone(),
                     prompt_tokens: None,
+                    prefill_pp: None,
                 },
             );
             push(t + rng.below(100), Event::Schedule { request: other, node: d, prefix_hit: true, cached_tokens: 0 });

@@ -457,7 +457,10 @@ impl DecodeWorker {
                 }
             };
             // Whole blocks, whole heads, equal block sizes: name prepared entries by index.
-            let whole = slice.heads == p_shape.heads && slice.heads == self.pool.shape.heads;
+            // A pipeline stage's blocks are only part of D's (some of the layers): pairs.
+            let whole = slice.heads == p_shape.heads
+                && slice.heads == self.pool.shape.heads
+                && p_shape.layers == self.pool.shape.layers;
             let same_blocks = p_shape.layout.block_tokens == self.pool.shape.layout.block_tokens;
             if whole && same_blocks {
                 if let Some((local, remote)) = self.lists.ready(&agent) {

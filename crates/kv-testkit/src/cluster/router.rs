@@ -179,7 +179,8 @@ impl Cluster {
         }
     }
 
-    /// A request carrying P's parameters enters D's waiting queue.
+    /// A request carrying P's parameters enters D's waiting queue; `prefill_pp`, when given, is the
+    /// pipeline stages the parameters claim for P instead of its own.
     pub fn arrive(
         &mut self,
         node: &str,
@@ -187,8 +188,10 @@ impl Cluster {
         from: &str,
         remote_request: &RequestId,
         prompt_tokens: Option<u64>,
+        prefill_pp: Option<u32>,
     ) -> Result<(), ClusterError> {
-        let remote = self.remote_for(from, remote_request, prompt_tokens)?;
+        let mut remote = self.remote_for(from, remote_request, prompt_tokens)?;
+        remote.pp_size = prefill_pp.unwrap_or(remote.pp_size);
         self.call(node, Call::Arrive { request: request.clone(), remote })
     }
 

@@ -129,8 +129,8 @@ pub fn apply(cluster: &mut Cluster, event: &Event) -> Result<(), String> {
         }
         Event::Intrude { to, claimed } => cluster.intrude(&name(to), &name(claimed)),
         Event::Lapse { node } => cluster.lapse(&name(node)),
-        Event::Arrive { request, node, from, remote_request, prompt_tokens } => {
-            cluster.arrive(&name(node), request, &name(from), remote_request, *prompt_tokens)
+        Event::Arrive { request, node, from, remote_request, prompt_tokens, prefill_pp } => {
+            cluster.arrive(&name(node), request, &name(from), remote_request, *prompt_tokens, *prefill_pp)
         }
         Event::Schedule { request, node, prefix_hit: false, cached_tokens: cached @ 1.. } => {
             cluster.schedule_cached(&name(node), request, *cached)

@@ -420,6 +420,10 @@ pub enum Event {
         /// `prompt_tokens` (P's, if P has run it; at least 1 when given). The runner checks
         /// that a push-mode `arrive` before P's `prefill` has it.
         prompt_tokens: Option<u64>,
+        /// `prefill_pp` (P's), kvflow's own key: the pipeline stages P's parameters claim, as a
+        /// router with a stale view would hand them.
+        #[serde(default)]
+        prefill_pp: Option<u32>,
     },
     /// `schedule`: D allocates blocks and starts the load.
     Schedule {

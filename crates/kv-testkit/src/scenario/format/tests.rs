@@ -221,6 +221,7 @@ fn every_event_parses_with_its_defaults() {
             from: Node::PREFILL0,
             remote_request: r("r1"),
             prompt_tokens: None,
+            prefill_pp: None,
         }),
         Some(Event::Arrive {
             request: r("0_r2-0123abcd"),
@@ -228,6 +229,7 @@ fn every_event_parses_with_its_defaults() {
             from: Node::prefill(1),
             remote_request: r("0_r2"),
             prompt_tokens: Some(32),
+            prefill_pp: None,
         }),
         Some(Event::Schedule { request: r("r1"), node: Node::DECODE0, prefix_hit: true, cached_tokens: 0 }),
         Some(Event::Reject {
