@@ -427,6 +427,16 @@ impl PreparedLists {
     }
 }
 
+/// Whether a transfer between pools `a` and `b` moving `slice` can name prepared entries by
+/// index: whole blocks (equal block sizes, the same layers: a pipeline stage's blocks are
+/// only part of a whole model's) and whole heads on both sides. Otherwise it goes as pairs.
+pub(crate) fn by_index(a: &PoolShape, b: &PoolShape, slice: &kv_core::HeadSlice) -> bool {
+    slice.heads == a.heads
+        && slice.heads == b.heads
+        && a.layers == b.layers
+        && a.layout.block_tokens == b.layout.block_tokens
+}
+
 /// The prepared-list entries of a transfer of whole blocks, `local_blocks[i]` with
 /// `remote_blocks[i]`, in memory order (by layer, then block, in a layer-major pool), so that
 /// runs contiguous on both sides are adjacent entries the transport merges.

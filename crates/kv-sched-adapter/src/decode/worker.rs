@@ -36,7 +36,7 @@ use kv_lease::HeartbeatPlanner;
 
 use super::scheduler::{DecodeCommand, DecodeReport, LoadOutcome};
 use crate::common::{
-    block_indices, request_span, Action, Consumer, Counters, Ignored, LocalPool, Outbox, Peer, PreparedLists,
+    block_indices, by_index, request_span, Action, Consumer, Counters, Ignored, LocalPool, Outbox, Peer, PreparedLists,
     RemoteRef, XferToken,
 };
 use crate::config::{Config, ConfigError, Mode};
@@ -456,13 +456,7 @@ impl DecodeWorker {
                     return;
                 }
             };
-            // Whole blocks, whole heads, equal block sizes: name prepared entries by index.
-            // A pipeline stage's blocks are only part of D's (some of the layers): pairs.
-            let whole = slice.heads == p_shape.heads
-                && slice.heads == self.pool.shape.heads
-                && p_shape.layers == self.pool.shape.layers;
-            let same_blocks = p_shape.layout.block_tokens == self.pool.shape.layout.block_tokens;
-            if whole && same_blocks {
+            if by_index(&p_shape, &self.pool.shape, slice) {
                 if let Some((local, remote)) = self.lists.ready(&agent) {
                     let (local_indices, remote_indices) = block_indices(&self.pool.shape, d_blocks, &p_shape, p_blocks);
                     posts.push(ReadPost::Prepared(PreparedTransfer {

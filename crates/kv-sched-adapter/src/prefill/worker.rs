@@ -35,7 +35,8 @@ use kv_lease::LeaseTable;
 use super::book::{EarlyStage, GoneIncarnations, Recent};
 use super::scheduler::{PrefillCommand, PrefillReport};
 use crate::common::{
-    block_indices, request_span, Action, Consumer, Counters, Ignored, LocalPool, Outbox, Peer, PreparedLists, XferToken,
+    block_indices, by_index, request_span, Action, Consumer, Counters, Ignored, LocalPool, Outbox, Peer, PreparedLists,
+    XferToken,
 };
 use crate::config::{Config, ConfigError, Mode, ReleaseReason};
 
@@ -821,12 +822,7 @@ impl PrefillWorker {
         match (built, completion.encode()) {
             (Ok(plan), Ok(notification)) => {
                 let d_shape = d_shape.expect("the plan was built from it");
-                // Whole blocks, whole heads, equal block sizes: name prepared entries by index.
-                // A stage's blocks are only part of D's, so they go as pairs.
-                let whole = slice.heads == self.pool.shape.heads
-                    && slice.heads == d_shape.heads
-                    && self.pool.shape.layers == d_shape.layers;
-                let indexed = whole && d_shape.layout.block_tokens == self.pool.shape.layout.block_tokens;
+                let indexed = by_index(&self.pool.shape, &d_shape, &slice);
                 let token = match self.lists.ready(to).filter(|_| indexed) {
                     Some((local, remote)) => {
                         let (local_indices, remote_indices) =
