@@ -310,6 +310,16 @@ pub enum Command {
         /// D's request id.
         id: String,
     },
+    /// D: connect to P engine `engine`, whose workers listen at `addresses` (by global rank,
+    /// `pp_size` stages), ahead of its first request.
+    Connect {
+        /// P's engine.
+        engine: String,
+        /// P's side-channel address per worker.
+        addresses: Vec<String>,
+        /// P's pipeline stages.
+        pp_size: u32,
+    },
     /// Report [`Event::Stats`].
     Stats,
     /// Exit.
@@ -361,13 +371,16 @@ pub enum Event {
         bytes: u64,
         /// When its KV was in place (for `ok` and `corrupt`).
         ready_at_ns: u64,
-        /// How long, before that, D's engine spent checking that the blocks it allocated for
-        /// the load still held their scrub bytes: the demo's own check for writes after free,
-        /// which a real engine does not make, so the KV latency leaves it out. It includes
-        /// filling the blocks D's prefix cache holds of a partial prefix hit, which a real
-        /// engine's cache already holds.
+        /// How long D's engine spent, before the load, checking that the blocks it allocated
+        /// for it still held their scrub bytes (the demo's own check for writes after free,
+        /// which a real engine does not make), and filling those its prefix cache holds of a
+        /// partial prefix hit (a real engine's cache already holds them); that work ended at
+        /// `prepared_at_ns`. The KV latency leaves out what of it fell after P finished.
         #[serde(default)]
         scrub_check_ns: u64,
+        /// When that work ended (0: none was done).
+        #[serde(default)]
+        prepared_at_ns: u64,
     },
     /// A transfer this engine posted ended.
     Transfer {
@@ -389,6 +402,9 @@ pub enum Event {
         held_blocks: u64,
         /// Blocks found written after they were freed, when allocated again.
         written_after_free: u64,
+        /// Peers each rank has completed a handshake with, by rank.
+        #[serde(default)]
+        connected: Vec<u64>,
     },
     /// Something went wrong that the report must show.
     Error {

@@ -312,6 +312,10 @@ pub struct PeerInfo {
     pub sent_at: Time,
     /// Local clock when the peer's offer arrived.
     pub received_at: Time,
+    /// Where we connected to reach the peer; `None` when it connected to us. A transport
+    /// that cannot take up a peer it dialed (its metadata does not load) reports
+    /// [`PeerEvent::ConnectFailed`] for this address, so that the engine tries again later.
+    pub dialed: Option<PeerAddress>,
 }
 
 impl PeerInfo {
@@ -562,6 +566,7 @@ mod tests {
             },
             sent_at: Time::from_millis(100),
             received_at: Time::from_millis(110),
+            dialed: None,
         };
         assert_eq!(info.clock_offset_nanos(), 999_900 * 1_000_000);
         assert_eq!(info.round_trip(), std::time::Duration::from_millis(10));

@@ -36,6 +36,21 @@ impl std::fmt::Display for Consumer {
     }
 }
 
+/// A P engine as D reaches it: what [`RemoteRef`] says of the engine rather than of one
+/// request. D can connect to it ahead of the first request
+/// (`DecodeScheduler::handle_connect`).
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct PrefillEngine {
+    /// P's engine.
+    pub engine: EngineId,
+    /// P's side-channel address of each worker, by global rank (`stage * tp_size + tp rank`).
+    pub addresses: Vec<PeerAddress>,
+    /// P's TP size.
+    pub tp_size: u32,
+    /// P's pipeline-parallel size.
+    pub pp_size: u32,
+}
+
 /// What P hands the router when it exports a request (vLLM's `kv_transfer_params`), and what
 /// the router hands D with the request.
 #[derive(Clone, PartialEq, Eq, Debug)]

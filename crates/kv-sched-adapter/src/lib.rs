@@ -143,7 +143,7 @@ pub mod driver;
 pub mod metrics;
 mod prefill;
 
-pub use common::{Action, Consumer, Counters, ExportInfo, LocalPool, RemoteRef, XferToken};
+pub use common::{Action, Consumer, Counters, ExportInfo, LocalPool, PrefillEngine, RemoteRef, XferToken};
 pub use config::{Config, ConfigError, ExtraConfig, LoadFailurePolicy, Mode, ReleaseReason};
 pub use decode::{
     DecodeCommand, DecodeError, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LoadOutcome,

@@ -312,6 +312,11 @@ impl NixlTransport {
                         info.handshake.instance
                     )));
                 }
+                // UCX's endpoint to the peer now, not inside its first transfer: otherwise the
+                // first request to each peer pays the wire-up (tens of milliseconds).
+                if let Err(error) = self.agent.make_connection(&nixl, None) {
+                    tracing::debug!(peer = %agent, %error, "no connection made ahead; the first transfer makes it");
+                }
                 Ok(Peer { conn, nixl, memory })
             });
         match loaded {
@@ -325,11 +330,17 @@ impl NixlTransport {
             Err(error) => {
                 tracing::warn!(peer = %agent, %error, "peer dropped: its metadata does not load");
                 self.side.peer_closed(conn);
-                self.events.push_back(PeerEvent::Refused {
-                    peer: Some(agent),
-                    cause: RefusalCause::Malformed,
-                    reason: error.to_string(),
-                });
+                // A peer this engine dialed: the connection it asked for failed, and it may
+                // ask again. One that dialed this engine was refused.
+                let event = match info.dialed {
+                    Some(address) => PeerEvent::ConnectFailed { address, error },
+                    None => PeerEvent::Refused {
+                        peer: Some(agent),
+                        cause: RefusalCause::Malformed,
+                        reason: error.to_string(),
+                    },
+                };
+                self.events.push_back(event);
             }
         }
     }

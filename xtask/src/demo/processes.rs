@@ -69,6 +69,9 @@ pub(super) struct Node {
     pub(super) ports: Vec<u16>,
     /// Where the router scrapes its metrics, once it said it is ready.
     pub(super) metrics: Option<std::net::SocketAddr>,
+    /// A D engine: every rank of it has connected to P (the router asked it to, ahead of
+    /// traffic), so the router routes to it first.
+    pub(super) connected: bool,
 }
 
 /// The router's watch on etcd (`kvflow-watch`); it stops when its stdin closes.
@@ -257,7 +260,8 @@ impl Demo {
             }
             let _ = sender.send((who, instance, FromNode::Exited));
         });
-        let node = Node { role, instance, child, stdin, port: None, ports: Vec::new(), metrics: None };
+        let node =
+            Node { role, instance, child, stdin, port: None, ports: Vec::new(), metrics: None, connected: false };
         self.nodes.insert(name.to_owned(), node);
         Ok(())
     }

@@ -138,12 +138,7 @@ impl Report {
         let bytes: u64 = done.iter().map(|t| t.0).sum();
         let busy_ns: u64 = done.iter().map(|t| t.1).sum();
         let took: Vec<u64> = done.iter().map(|t| t.1 / 1000).collect();
-        let kv: Vec<u64> = demo
-            .tracks
-            .values()
-            // Less the demo's own scrub checks on D, which a real engine does not make.
-            .filter_map(|t| Some(t.ready_at_ns?.saturating_sub(t.finished_at_ns? + t.scrub_check_ns) / 1000))
-            .collect();
+        let kv: Vec<u64> = demo.tracks.values().filter_map(|t| Some(t.kv_latency_ns()? / 1000)).collect();
         let mut longest_held_after_death = None;
         let held_after_death_ms = demo.kill.as_ref().map(|k| {
             demo.tracks

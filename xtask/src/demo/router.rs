@@ -32,13 +32,26 @@ pub(super) struct Track {
     pub(super) finished_at_ns: Option<u64>,
     pub(super) outcome: Option<String>,
     pub(super) ready_at_ns: Option<u64>,
-    /// Of the time to `ready_at_ns`, what D spent on the demo's own scrub checks.
+    /// What D spent on the demo's own scrub checks and prefix-cache fills before the load,
+    /// and when that ended.
     pub(super) scrub_check_ns: u64,
+    pub(super) prepared_at_ns: u64,
     pub(super) freed: Option<(String, u64)>,
     /// A partial prefix hit: what D's own cache held of it, and what it had to read.
     pub(super) partial: Option<Partial>,
     /// Bytes of the completed transfers whose notification named this request.
     pub(super) bytes_read: u64,
+}
+
+impl Track {
+    /// From P finishing the prompt to D holding its KV, less the part of D's own scrub checks
+    /// and prefix-cache fills that fell after P finished (in push mode D does them on arrival,
+    /// usually while P still computes).
+    pub(super) fn kv_latency_ns(&self) -> Option<u64> {
+        let (finished, ready) = (self.finished_at_ns?, self.ready_at_ns?);
+        let demo_work = self.scrub_check_ns.min(self.prepared_at_ns.saturating_sub(finished));
+        Some(ready.saturating_sub(finished).saturating_sub(demo_work))
+    }
 }
 
 /// A request D's own prefix cache partly held when it arrived.
@@ -118,6 +131,9 @@ pub struct Demo {
     pub(super) tracks: BTreeMap<String, Track>,
     aborts: Vec<(Instant, String)>,
     next_decode: usize,
+    /// When the router last asked D engines not yet connected to P how far they are.
+    cold_polled: Instant,
+    cold_polls: u64,
     issued: u32,
     completed: u32,
     pub(super) kill: Option<Kill>,
@@ -206,6 +222,8 @@ impl Demo {
             tracks: BTreeMap::new(),
             aborts: Vec::new(),
             next_decode: 0,
+            cold_polled: Instant::now(),
+            cold_polls: 0,
             issued: 0,
             completed: 0,
             kill: None,
@@ -244,6 +262,7 @@ impl Demo {
             }
         }
         demo.check_published()?;
+        demo.await_connections()?;
         demo.started = Instant::now();
         Ok(demo)
     }
@@ -277,14 +296,62 @@ impl Demo {
         self.nodes["prefill0"].ports.iter().map(|port| format!("{ip}:{port}")).collect()
     }
 
-    /// The next live D engine, round robin.
-    fn pick_decode(&mut self) -> Option<String> {
-        let live: Vec<String> = self
-            .nodes
+    /// Waits until every rank of every D engine has connected to P ahead of traffic, as a
+    /// router sends an engine requests once it is ready: otherwise the run's first requests
+    /// measure the handshake and the UCX endpoint's wire-up rather than the path.
+    fn await_connections(&mut self) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let waiting: Vec<String> = self.cold_decoders();
+            if waiting.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("D engines {waiting:?} did not connect to P within 10 s of starting");
+            }
+            self.poll_cold(Instant::now());
+            self.pump(Duration::from_millis(10))?;
+        }
+    }
+
+    /// D engines up whose ranks have not all connected to P yet.
+    fn cold_decoders(&self) -> Vec<String> {
+        self.nodes
             .iter()
-            .filter(|(_, n)| n.role == NodeRole::Decode && n.port.is_some())
+            .filter(|(_, n)| n.role == NodeRole::Decode && n.port.is_some() && !n.connected)
             .map(|(name, _)| name.clone())
-            .collect();
+            .collect()
+    }
+
+    /// Asks the D engines not yet connected to P how far they are, every 10 ms (their
+    /// `Stats` answer marks them connected), and every 100 ms asks them to connect again: a
+    /// refused handshake is not retried by itself.
+    fn poll_cold(&mut self, now: Instant) {
+        if now < self.cold_polled + Duration::from_millis(10) {
+            return;
+        }
+        self.cold_polled = now;
+        self.cold_polls += 1;
+        for name in self.cold_decoders() {
+            if self.cold_polls.is_multiple_of(10) {
+                self.connect_ahead(&name);
+            }
+            self.send(&name, &Command::Stats);
+        }
+    }
+
+    /// Tells D engine `decode` to connect to P now.
+    fn connect_ahead(&mut self, decode: &str) {
+        let command = Command::Connect { engine: "prefill0".into(), addresses: self.prefill_addresses(), pp_size: 1 };
+        self.send(decode, &command);
+    }
+
+    /// The next live D engine, round robin: of those connected to P, if any is.
+    fn pick_decode(&mut self) -> Option<String> {
+        let up = |n: &super::processes::Node| n.role == NodeRole::Decode && n.port.is_some();
+        let warm = self.nodes.values().any(|n| up(n) && n.connected);
+        let live: Vec<String> =
+            self.nodes.iter().filter(|(_, n)| up(n) && (n.connected || !warm)).map(|(name, _)| name.clone()).collect();
         if live.is_empty() {
             return None;
         }
@@ -323,6 +390,7 @@ impl Demo {
                 self.issue(now);
             }
             self.fire_aborts(now);
+            self.poll_cold(now);
             self.pump(Duration::from_millis(2))?;
             let stopped: Duration = self.paused_done.iter().map(|(p, _, _)| p.length).sum();
             if now > limit + stopped + Duration::from_millis(self.config.lease_ms * 3) {
@@ -643,6 +711,24 @@ impl Demo {
                     node.ports = ports;
                     node.metrics = metrics;
                 }
+                // A D engine connects to P ahead of the first request it gets: otherwise the
+                // first requests to each D engine (each incarnation) wait for the handshake,
+                // P's NIXL metadata and the UCX endpoint. P's own `Ready` reaches every D
+                // engine up by then.
+                let role = self.nodes.get(name).map(|n| n.role);
+                if role == Some(NodeRole::Decode) && self.nodes.get("prefill0").is_some_and(|p| p.port.is_some()) {
+                    self.connect_ahead(name);
+                } else if role == Some(NodeRole::Prefill) {
+                    let decodes: Vec<String> = self
+                        .nodes
+                        .iter()
+                        .filter(|(_, n)| n.role == NodeRole::Decode && n.port.is_some())
+                        .map(|(d, _)| d.clone())
+                        .collect();
+                    for decode in decodes {
+                        self.connect_ahead(&decode);
+                    }
+                }
                 if let Some(addr) = metrics {
                     self.announce_metrics(name, instance, addr);
                 }
@@ -661,13 +747,14 @@ impl Demo {
             Event::Freed { id, reason, at_ns } => {
                 self.tracks.entry(id).or_default().freed = Some((reason, at_ns));
             }
-            Event::Outcome { id, outcome, ready_at_ns, scrub_check_ns, .. } => {
+            Event::Outcome { id, outcome, ready_at_ns, scrub_check_ns, prepared_at_ns, .. } => {
                 let track = self.tracks.get(&id);
                 let from_here = track.and_then(|t| t.decode.as_ref()).is_some_and(|(d, i)| d == name && *i == instance);
                 if from_here && track.is_some_and(|t| t.outcome.is_none()) {
                     let ready = (outcome == "ok" || outcome == "corrupt").then_some(ready_at_ns);
                     if let Some(track) = self.tracks.get_mut(&id) {
                         track.scrub_check_ns = scrub_check_ns;
+                        track.prepared_at_ns = prepared_at_ns;
                     }
                     self.finish_export(&id, &outcome, ready);
                 }
@@ -678,7 +765,11 @@ impl Demo {
                     track.bytes_read += bytes;
                 }
             }
-            Event::Stats { .. } => {}
+            Event::Stats { connected, .. } => {
+                if let Some(node) = self.nodes.get_mut(name) {
+                    node.connected |= !connected.is_empty() && connected.iter().all(|&c| c > 0);
+                }
+            }
             Event::Error { message } => self.errors.push(format!("{name}: {message}")),
         }
     }
@@ -752,10 +843,15 @@ impl Demo {
                 anyhow!("engines did not report their counts: {:?}", live.iter().map(|l| &l.0).collect::<Vec<_>>())
             })?;
             match from {
-                FromNode::Event(Event::Stats { held_blocks, written_after_free })
+                FromNode::Event(Event::Stats { held_blocks, written_after_free, connected })
                     if live.contains(&(name.clone(), instance)) =>
                 {
-                    stats.insert(name, json!({ "held_blocks": held_blocks, "written_after_free": written_after_free }));
+                    let counts = json!({
+                        "held_blocks": held_blocks,
+                        "written_after_free": written_after_free,
+                        "connected": connected,
+                    });
+                    stats.insert(name, counts);
                 }
                 other => self.on_event(&name, instance, other),
             }

@@ -6,16 +6,20 @@
 //! when the connector says so.
 //!
 //! The router drives it with [`Command`] lines on stdin and reads [`Event`] lines on stdout.
-//! The engine's thread keeps the scheduler side and the pool's memory; each rank's worker and
+//! The engine's thread keeps the scheduler side and the block allocator; each rank's worker and
 //! transport (one NIXL agent per rank) runs on a thread of its own (`rank.rs`), stepped through
 //! [`WorkerDriver`] at its own wake-ups (its deadlines, its transport's waker; a few
 //! milliseconds at most over NIXL, whose notifications and completions are polled), exactly as
 //! an engine's GPU worker would. Commands and reports cross between them on channels, and each
-//! side unparks the other.
+//! side unparks the other. The bytes (filling, checking, scrubbing) are the payload threads'
+//! (`payload.rs`), so that the engine's thread, which serves the control plane, never waits
+//! behind a prompt's bytes.
 //!
-//! Freed blocks are scrubbed with [`pattern::SCRUB`]: a read after free then delivers scrub
-//! bytes and fails D's check. D also checks that a block it allocates again still holds its
-//! scrub, so a write into a freed block (a late push) is counted too.
+//! Freed blocks are scrubbed with [`pattern::SCRUB`] before they can be allocated again: a read
+//! after free then delivers scrub bytes and fails D's check. D also checks that a block it
+//! allocates again still holds its scrub, so a write into a freed block (a late push) is
+//! counted too. A D engine connects to P when the router says (`Command::Connect`), ahead of
+//! the first request.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::BufRead;
@@ -23,30 +27,32 @@ use std::process::ExitCode;
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::thread::Thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
 use clap::Parser;
 use kv_core::discovery::EngineRecord;
 use kv_core::{
-    AgentName, BlockId, Clock, EngineId, Handshake, Memory, MemoryKind, PeerAddress, PoolShape, Region, RegionBase,
-    RegionId, RequestId, Role, Time,
+    AgentName, BlockId, Clock, EngineId, Handshake, Memory, MemoryKind, PeerAddress, PoolShape, RegionBase, RequestId,
+    Role, Time,
 };
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{
     Consumer, DecodeCommand, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LocalPool,
-    PrefillCommand, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker,
+    PrefillCommand, PrefillEngine, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker,
 };
 use kv_testkit::BlockPool;
 
 mod discovery;
 mod metrics;
+mod payload;
 mod rank;
 mod transport;
 
 use crate::e2e::ProcessClock;
 use crate::pattern;
 use crate::proto::{from_json, wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Remote, TransportKind};
+use payload::{PoolBytes, RankPool, Work, Workers};
 use transport::{transport, Ended, TimedTransport};
 
 /// The model name every demo engine serves.
@@ -124,13 +130,6 @@ fn read_commands(tx: Sender<Result<Command, String>>, engine: Thread) {
     engine.unpark();
 }
 
-/// One TP rank's part of the pool: its region, its shape (its heads), and its first head.
-struct RankPool {
-    region: Region,
-    shape: PoolShape,
-    first_head: u32,
-}
-
 /// A rank's worker-to-be: its handshake offer, its pool, and its transport with the port its
 /// side channel listens on.
 struct RankStart {
@@ -140,21 +139,33 @@ struct RankStart {
     port: u16,
 }
 
-/// What both engine kinds have: the clock, the pool's memory (every rank's part) and blocks,
-/// and stdout.
+/// Payload work the engine handed over, as it will take it back.
+enum Tag {
+    /// P computed a prompt (filled its blocks).
+    Prefill { id: String, prompt_tokens: u64, n: u32, consumer: Option<Consumer>, blocks: Vec<BlockId> },
+    /// D's blocks for a waiting request hold their scrub, and those of its prefix its own
+    /// cache holds are filled: the load can start.
+    Prepared { id: RequestId, blocks: Vec<BlockId>, cached: usize },
+    /// D checked the bytes of a request whose KV it held at `ready_at_ns`.
+    Verified { id: RequestId, blocks: Vec<BlockId>, ready_at_ns: u64, prepared: Prepared, bytes: u64 },
+    /// Freed blocks hold their scrub: they can be allocated again.
+    Scrubbed { blocks: Vec<BlockId> },
+}
+
+/// What both engine kinds have: the clock, the pool (every rank's part) and its blocks, the
+/// payload threads, and stdout.
 struct Engine {
     name: String,
     clock: Arc<ProcessClock>,
-    memory: Box<dyn Memory>,
-    /// By rank; the same block ids on every rank.
-    ranks: Vec<RankPool>,
+    /// The pool's bytes, shared with the payload threads.
+    pool: Arc<PoolBytes>,
     blocks: BlockPool,
     /// Blocks freed at least once (and so scrubbed); others were never written.
     scrubbed: Vec<bool>,
     written_after_free: u64,
+    payload: Workers<Tag>,
     ended: Receiver<Ended>,
     out: std::io::Stdout,
-    chunk: Vec<u8>,
 }
 
 impl Engine {
@@ -183,17 +194,17 @@ impl Engine {
             ranks.push(RankPool { region, shape, first_head: layout.first_head(rank, tp) });
             starts.push(RankStart { offer, pool, transport, port });
         }
+        let pool = Arc::new(PoolBytes::new(memory, ranks));
         let engine = Engine {
             name: config.name.clone(),
             clock,
-            memory,
-            ranks,
+            payload: Workers::spawn(pool.clone(), std::thread::current())?,
+            pool,
             blocks: BlockPool::new(config.num_blocks),
             scrubbed: vec![false; config.num_blocks as usize],
             written_after_free: 0,
             ended,
             out: std::io::stdout(),
-            chunk: vec![0; shape.layer_block_bytes() as usize],
         };
         Ok((engine, starts))
     }
@@ -209,106 +220,51 @@ impl Engine {
 
     /// The layout every rank shares, and the shape of one rank's part of the pool.
     fn shape(&self) -> PoolShape {
-        self.ranks[0].shape
+        self.pool.shape()
     }
 
-    /// Where rank `rank`'s part of `block` at `layer` starts, as (region, offset in it): the
-    /// layer's planes of that block, adjacent.
-    fn place(&self, rank: usize, layer: u32, block: BlockId) -> (RegionId, u64) {
-        let pool = &self.ranks[rank];
-        let at = pool.shape.plane_offset(layer, block.0, 0);
-        (pool.region.id, u64::from(at.region) * pool.shape.region_len() + at.offset)
+    /// Bytes of `blocks` blocks over every rank.
+    fn bytes(&self, blocks: usize) -> u64 {
+        blocks as u64 * self.shape().block_bytes() * self.pool.rank_count() as u64
     }
 
-    /// The chunks rank `rank` holds of the block at `position` of a prompt, one per plane of
-    /// `layer`, in the order they lie in the layer's part of the block.
-    fn chunks(&self, rank: usize, layer: u32, position: usize) -> impl Iterator<Item = pattern::Chunk> {
-        let (shape, first_head) = (self.ranks[rank].shape, self.ranks[rank].first_head);
-        let layout = shape.layout;
-        (0..layout.planes()).map(move |plane| pattern::Chunk {
-            layer,
-            plane,
-            first_head,
-            heads: shape.heads,
-            first_token: position as u64 * u64::from(layout.block_tokens),
-            tokens: layout.block_tokens,
-            row_bytes: shape.head_bytes_per_token() as usize,
-            order: layout.order,
-        })
+    /// Takes `count` blocks, and says which of them were freed before: their scrub is to be
+    /// checked (a write into a freed block, a late push, is counted).
+    fn allocate(&mut self, count: usize) -> Option<(Vec<BlockId>, Vec<BlockId>)> {
+        let blocks = self.blocks.allocate(count)?;
+        let freed = blocks.iter().copied().filter(|b| self.scrubbed[b.0 as usize]).collect();
+        Some((blocks, freed))
     }
 
-    /// Fills `blocks`, in prompt order, with the prompt's bytes on every rank.
-    fn fill(&mut self, seed: u64, blocks: &[BlockId]) -> Result<()> {
-        let plane_bytes = self.shape().plane_bytes() as usize;
-        for (position, &block) in blocks.iter().enumerate() {
-            for layer in 0..self.shape().layout.layers {
-                for rank in 0..self.ranks.len() {
-                    let (region, at) = self.place(rank, layer, block);
-                    for (i, chunk) in self.chunks(rank, layer, position).enumerate() {
-                        pattern::fill(&mut self.chunk[i * plane_bytes..(i + 1) * plane_bytes], seed, &chunk);
-                    }
-                    self.memory.write(region, at, &self.chunk)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether `blocks`, in prompt order, hold the bytes of a prompt of `tokens` tokens on
-    /// every rank.
-    fn check(&mut self, seed: u64, blocks: &[BlockId], tokens: u64) -> Result<bool> {
-        let plane_bytes = self.shape().plane_bytes() as usize;
-        let mut all = true;
-        for (position, &block) in blocks.iter().enumerate() {
-            for layer in 0..self.shape().layout.layers {
-                for rank in 0..self.ranks.len() {
-                    let (region, at) = self.place(rank, layer, block);
-                    self.memory.read(region, at, &mut self.chunk)?;
-                    for (i, chunk) in self.chunks(rank, layer, position).enumerate() {
-                        let got = &self.chunk[i * plane_bytes..(i + 1) * plane_bytes];
-                        all &= pattern::check(got, seed, &chunk, tokens);
-                    }
-                }
-            }
-        }
-        Ok(all)
-    }
-
-    /// Takes `count` blocks, counting any freed block that no longer holds its scrub on some rank.
-    fn allocate(&mut self, count: usize) -> Result<Option<Vec<BlockId>>> {
-        let Some(blocks) = self.blocks.allocate(count) else { return Ok(None) };
-        for &block in &blocks {
-            if !self.scrubbed[block.0 as usize] {
-                continue;
-            }
-            'layers: for layer in 0..self.shape().layout.layers {
-                for rank in 0..self.ranks.len() {
-                    let (region, at) = self.place(rank, layer, block);
-                    self.memory.read(region, at, &mut self.chunk)?;
-                    if !pattern::is_scrub(&self.chunk) {
-                        self.written_after_free += 1;
-                        break 'layers;
-                    }
-                }
-            }
-        }
-        Ok(Some(blocks))
-    }
-
-    /// Drops a reference to each block and scrubs those now free, on every rank.
+    /// Drops a reference to each block; those now free are scrubbed on every rank before
+    /// they can be allocated again.
     fn release(&mut self, blocks: &[BlockId]) -> Result<()> {
-        let freed = self.blocks.release(blocks).map_err(|b| anyhow!("{}: block {b} freed twice", self.name))?;
-        self.chunk.fill(pattern::SCRUB);
-        for block in freed {
-            for layer in 0..self.shape().layout.layers {
-                for rank in 0..self.ranks.len() {
-                    let (region, at) = self.place(rank, layer, block);
-                    self.memory.write(region, at, &self.chunk)?;
-                }
-            }
-            self.scrubbed[block.0 as usize] = true;
+        let freed = self.blocks.release_later(blocks).map_err(|b| anyhow!("{}: block {b} freed twice", self.name))?;
+        if !freed.is_empty() {
+            self.payload.submit(Tag::Scrubbed { blocks: freed.clone() }, Work::Scrub { blocks: freed });
         }
         Ok(())
+    }
+
+    /// Takes back the next payload work done, after counting what it found; scrubbed blocks
+    /// go back to the pool here, and the rest is the side's.
+    fn take_done(&mut self) -> Result<Option<(Tag, Duration, bool)>> {
+        while let Some(done) = self.payload.try_done() {
+            if let Some(failed) = done.failed {
+                return Err(anyhow!("{}: payload work failed: {failed}", self.name));
+            }
+            self.written_after_free += done.written_after_free;
+            match done.tag {
+                Tag::Scrubbed { blocks } => {
+                    for block in &blocks {
+                        self.scrubbed[block.0 as usize] = true;
+                    }
+                    self.blocks.give_back(&blocks);
+                }
+                tag => return Ok(Some((tag, done.took, done.intact))),
+            }
+        }
+        Ok(None)
     }
 
     /// Reports the transfers that ended.
@@ -318,10 +274,13 @@ impl Engine {
         }
     }
 
-    /// Reports the demo's own checks of the pool.
-    fn stats(&mut self) {
-        let event =
-            Event::Stats { held_blocks: self.blocks.held() as u64, written_after_free: self.written_after_free };
+    /// Reports the demo's own checks of the pool, and the peers each rank is connected to.
+    fn stats(&mut self, connected: Vec<u64>) {
+        let event = Event::Stats {
+            held_blocks: self.blocks.held() as u64,
+            written_after_free: self.written_after_free,
+            connected,
+        };
         self.emit(&event);
     }
 }
@@ -360,12 +319,16 @@ trait Side: Sized {
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<Self::Worker>;
     /// Hands a worker a command of the scheduler.
     fn handle_command(worker: &mut Self::Worker, now: Time, command: Self::ToWorker);
+    /// Peers a worker has completed a handshake with.
+    fn connected_peers(worker: &Self::Worker) -> usize;
     /// Hands the scheduler a report of rank `rank`'s worker.
     fn handle_report(&mut self, rank: u32, report: <Self::Worker as WorkerMachine>::Report) -> Result<()>;
     /// Carries out what the scheduler asks until nothing is left.
     fn settle(node: &mut Node<Self>) -> Result<()>;
     /// Handles a command of the router other than `Stats` and `Shutdown`.
     fn handle(node: &mut Node<Self>, command: Command) -> Result<()>;
+    /// Takes back payload work done (`took` from handing it over; `intact` for a check).
+    fn handle_done(node: &mut Node<Self>, tag: Tag, took: Duration, intact: bool) -> Result<()>;
 }
 
 impl<S: Side> Node<S> {
@@ -382,7 +345,7 @@ impl<S: Side> Node<S> {
         for (rank, start) in (0u32..).zip(starts) {
             let worker = S::worker(config, &start.offer, start.pool).context("the connector")?;
             let driver = WorkerDriver::new(worker, Box::new(start.transport));
-            let hooks = rank::Hooks { handle: S::handle_command };
+            let hooks = rank::Hooks { handle: S::handle_command, connected: S::connected_peers };
             let clock: Arc<dyn Clock> = engine.clock.clone();
             ranks.push(rank::Rank::spawn(rank, driver, hooks, clock, tx.clone(), std::thread::current())?);
         }
@@ -447,10 +410,14 @@ impl<S: Side> Node<S> {
         Ok(())
     }
 
-    /// Hands the scheduler what the ranks reported, and carries out what follows.
+    /// Hands the scheduler what the ranks reported and the side the payload work done, and
+    /// carries out what follows.
     fn step(&mut self) -> Result<()> {
         while let Ok((rank, report)) = self.reports.try_recv() {
             self.side.handle_report(rank, report)?;
+        }
+        while let Some((tag, took, intact)) = self.engine.take_done()? {
+            S::handle_done(self, tag, took, intact)?;
         }
         S::settle(self)
     }
@@ -458,7 +425,10 @@ impl<S: Side> Node<S> {
     /// Handles one command; `false` to stop.
     fn handle(&mut self, command: Command) -> Result<bool> {
         match command {
-            Command::Stats => self.engine.stats(),
+            Command::Stats => {
+                let connected = self.ranks.iter().map(|r| r.connected() as u64).collect();
+                self.engine.stats(connected);
+            }
             Command::Shutdown => return Ok(false),
             other => S::handle(self, other)?,
         }
@@ -498,6 +468,10 @@ impl Side for PrefillSide {
         worker.handle_command(now, command);
     }
 
+    fn connected_peers(worker: &PrefillWorker) -> usize {
+        worker.connected_peers()
+    }
+
     fn handle_report(&mut self, rank: u32, report: PrefillReport) -> Result<()> {
         Ok(self.scheduler.handle_report(rank, report)?)
     }
@@ -516,10 +490,20 @@ impl Side for PrefillSide {
         }
         Ok(())
     }
+
+    fn handle_done(node: &mut Node<Self>, tag: Tag, _took: Duration, _intact: bool) -> Result<()> {
+        match tag {
+            Tag::Prefill { id, prompt_tokens, n, consumer, blocks } => {
+                node.computed(id, prompt_tokens, n, consumer, blocks)
+            }
+            _ => Err(anyhow!("a prefill engine handed over work it does not do")),
+        }
+    }
 }
 
 impl Node<PrefillSide> {
-    /// Runs a prompt: allocates its blocks, fills them, and exports them (once per sibling).
+    /// Starts a prompt: allocates its blocks and hands their filling to the payload threads;
+    /// [`Node::computed`] exports them.
     fn prefill(&mut self, id: String, prompt_tokens: u64, n: u32, consumer: Option<Consumer>) -> Result<()> {
         let count = kv_core::blocks_for_tokens(prompt_tokens, self.engine.shape().layout.block_tokens) as usize;
         if count == 0 || n == 0 {
@@ -527,11 +511,25 @@ impl Node<PrefillSide> {
             self.engine.emit(&Event::Error { message });
             return Ok(());
         }
-        let Some(blocks) = self.engine.allocate(count)? else {
+        let Some((blocks, freed)) = self.engine.allocate(count) else {
             self.engine.emit(&Event::Busy { id });
             return Ok(());
         };
-        self.engine.fill(pattern::seed(&self.engine.name, &id), &blocks)?;
+        let seed = pattern::seed(&self.engine.name, &id);
+        let work = Work::Fill { seed, blocks: blocks.clone(), freed };
+        self.engine.payload.submit(Tag::Prefill { id, prompt_tokens, n, consumer, blocks }, work);
+        Ok(())
+    }
+
+    /// A prompt is computed: exports its blocks, once per sibling.
+    fn computed(
+        &mut self,
+        id: String,
+        prompt_tokens: u64,
+        n: u32,
+        consumer: Option<Consumer>,
+        blocks: Vec<BlockId>,
+    ) -> Result<()> {
         // allocate() took one reference; each further sibling export holds its own.
         for _ in 1..n {
             self.engine.blocks.retain(&blocks);
@@ -579,9 +577,18 @@ struct Load {
     cached_tokens: u64,
     blocks: Vec<BlockId>,
     aborted: bool,
-    /// Time spent checking the scrub bytes of `blocks` when they were allocated, and filling
-    /// those D's prefix cache holds: the demo's own work, which the KV latency leaves out.
-    scrub_check: Duration,
+    /// The demo's own work on `blocks` before the load.
+    prepared: Prepared,
+}
+
+/// The demo's own work on a load's blocks before it starts: checking the scrub bytes of those
+/// freed before, and filling those D's prefix cache holds. The KV latency leaves it out.
+#[derive(Clone, Copy, Default, Debug)]
+struct Prepared {
+    /// From handing the work over to its end.
+    took: Duration,
+    /// When it ended (wall clock, ns; 0: none was done).
+    at_ns: u64,
 }
 
 /// D's side: its scheduler, and the requests it knows of.
@@ -611,6 +618,10 @@ impl Side for DecodeSide {
         worker.handle_command(now, command);
     }
 
+    fn connected_peers(worker: &DecodeWorker) -> usize {
+        worker.connected_peers()
+    }
+
     fn handle_report(&mut self, rank: u32, report: DecodeReport) -> Result<()> {
         Ok(self.scheduler.handle_report(rank, report)?)
     }
@@ -631,7 +642,7 @@ impl Side for DecodeSide {
                             cached_tokens,
                             blocks: Vec::new(),
                             aborted: false,
-                            scrub_check: Duration::ZERO,
+                            prepared: Prepared::default(),
                         };
                         node.side.loads.insert(id.clone(), load);
                         node.side.waiting.push_back(id);
@@ -652,6 +663,16 @@ impl Side for DecodeSide {
                     }
                 }
             }
+            Command::Connect { engine, addresses, pp_size } => {
+                let pp_size = pp_size.max(1);
+                let prefill = PrefillEngine {
+                    engine: EngineId::new(engine),
+                    tp_size: addresses.len() as u32 / pp_size,
+                    addresses: addresses.into_iter().map(PeerAddress).collect(),
+                    pp_size,
+                };
+                node.side.scheduler.handle_connect(prefill);
+            }
             Command::Abort { id } => {
                 let id = RequestId::new(id);
                 if let Some(load) = node.side.loads.get_mut(&id) {
@@ -664,21 +685,34 @@ impl Side for DecodeSide {
         }
         Self::settle(node)
     }
+
+    fn handle_done(node: &mut Node<Self>, tag: Tag, took: Duration, intact: bool) -> Result<()> {
+        match tag {
+            Tag::Prepared { id, blocks, cached } => node.prepared(id, blocks, cached, took),
+            Tag::Verified { id, blocks, ready_at_ns, prepared, bytes } => {
+                let outcome = if intact { "ok" } else { "corrupt" };
+                node.outcome_at(&id, outcome, bytes, ready_at_ns, prepared);
+                // The engine decodes and is done with the blocks.
+                node.engine.release(&blocks)
+            }
+            _ => Err(anyhow!("a decode engine handed over work it does not do")),
+        }
+    }
 }
 
 impl Node<DecodeSide> {
     fn outcome(&mut self, id: &RequestId, outcome: &str, bytes: u64) {
-        self.outcome_at(id, outcome, bytes, wall_ns(), Duration::ZERO);
+        self.outcome_at(id, outcome, bytes, wall_ns(), Prepared::default());
     }
 
-    fn outcome_at(&mut self, id: &RequestId, outcome: &str, bytes: u64, ready_at_ns: u64, scrub_check: Duration) {
-        let scrub_check_ns = scrub_check.as_nanos() as u64;
+    fn outcome_at(&mut self, id: &RequestId, outcome: &str, bytes: u64, ready_at_ns: u64, prepared: Prepared) {
         let event = Event::Outcome {
             id: id.as_str().to_owned(),
             outcome: outcome.to_owned(),
             bytes,
             ready_at_ns,
-            scrub_check_ns,
+            scrub_check_ns: prepared.took.as_nanos() as u64,
+            prepared_at_ns: prepared.at_ns,
         };
         self.engine.emit(&event);
     }
@@ -705,26 +739,32 @@ impl Node<DecodeSide> {
             // Whole blocks of D's own prefix cache, from the prompt's start.
             let cached = usize::try_from(load.cached_tokens / u64::from(tokens)).unwrap_or(usize::MAX).min(count);
             let seed = pattern::seed(&load.remote.engine, Self::parent(&load.remote).as_str());
-            let checking = Instant::now();
-            let Some(blocks) = self.engine.allocate(count)? else { break };
-            let scrub_check = checking.elapsed();
+            let Some((blocks, freed)) = self.engine.allocate(count) else { break };
             self.side.waiting.pop_front();
-            let filling = Instant::now();
-            if cached > 0 {
-                // D's prefix cache holds the KV P computed for these tokens: the same bytes. The
-                // check at `Ready` then finds them intact and the read's in the blocks after.
-                self.engine.fill(seed, &blocks[..cached])?;
-            }
-            // Standing in for the prefix cache is the demo's work too, not the load's.
-            let scrub_check = scrub_check + filling.elapsed();
-            if let Err(err) = self.side.scheduler.handle_schedule_cached(id.clone(), blocks.clone(), cached) {
-                self.engine.release(&blocks)?;
-                self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });
-                continue;
-            }
-            let load = self.side.loads.get_mut(&id).expect("present");
-            load.blocks = blocks;
-            load.scrub_check = scrub_check;
+            // D's prefix cache holds the KV P computed for its first `cached` blocks: the same
+            // bytes. The check at `Ready` then finds them intact and the read's in the blocks
+            // after.
+            let work = Work::Fill { seed, blocks: blocks[..cached].to_vec(), freed };
+            self.engine.payload.submit(Tag::Prepared { id, blocks, cached }, work);
+        }
+        Ok(())
+    }
+
+    /// The blocks of request `id` are ready for its load (`took`: the demo's scrub checks and
+    /// prefix-cache fills, which the KV latency leaves out): hands them to the scheduler, or
+    /// frees them if the request ended meanwhile.
+    fn prepared(&mut self, id: RequestId, blocks: Vec<BlockId>, cached: usize, took: Duration) -> Result<()> {
+        let waiting = self.side.scheduler.state(&id) == Some(DecodeState::Waiting);
+        let Some(load) = self.side.loads.get_mut(&id).filter(|_| waiting) else {
+            return self.engine.release(&blocks);
+        };
+        load.blocks = blocks.clone();
+        load.prepared = Prepared { took, at_ns: wall_ns() };
+        if let Err(err) = self.side.scheduler.handle_schedule_cached(id.clone(), blocks.clone(), cached) {
+            self.side.loads.remove(&id);
+            self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });
+            self.outcome(&id, "refused", 0);
+            return self.engine.release(&blocks);
         }
         Ok(())
     }
@@ -739,13 +779,12 @@ impl Node<DecodeSide> {
                     let ready_at_ns = wall_ns();
                     let Some(load) = self.side.loads.remove(&request) else { continue };
                     let seed = pattern::seed(&load.remote.engine, Self::parent(&load.remote).as_str());
-                    let ok = self.engine.check(seed, &load.blocks, load.remote.prompt_tokens)?;
-                    let bytes =
-                        load.blocks.len() as u64 * self.engine.shape().block_bytes() * self.engine.ranks.len() as u64;
-                    let outcome = if ok { "ok" } else { "corrupt" };
-                    self.outcome_at(&request, outcome, bytes, ready_at_ns, load.scrub_check);
-                    // The engine decodes and is done with the blocks.
-                    self.engine.release(&load.blocks)?;
+                    let bytes = self.engine.bytes(load.blocks.len());
+                    let work = Work::Check { seed, blocks: load.blocks.clone(), tokens: load.remote.prompt_tokens };
+                    let (blocks, prepared) = (load.blocks, load.prepared);
+                    self.engine
+                        .payload
+                        .submit(Tag::Verified { id: request, blocks, ready_at_ns, prepared, bytes }, work);
                 }
                 DecodeEvent::Ended { request, state, .. } => {
                     // A rejection was reported when it was made; it has no load.

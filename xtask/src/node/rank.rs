@@ -3,6 +3,7 @@
 //! its own wake-ups (its deadlines, its transport's waker), and trades commands and reports
 //! with the engine's thread, which keeps the scheduler side and the pool's memory.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::thread::{JoinHandle, Thread};
@@ -25,11 +26,15 @@ enum ToRank<C> {
 pub(super) struct Hooks<W: WorkerMachine, C> {
     /// Hands the worker a command of the scheduler.
     pub handle: fn(&mut W, Time, C),
+    /// Peers the worker has completed a handshake with.
+    pub connected: fn(&W) -> usize,
 }
 
 /// A rank's thread, seen from the engine's.
 pub(super) struct Rank<C> {
     tx: Option<Sender<ToRank<C>>>,
+    /// Peers the rank's worker has completed a handshake with, as of its last step.
+    connected: Arc<AtomicUsize>,
     thread: Thread,
     join: Option<JoinHandle<()>>,
 }
@@ -50,6 +55,8 @@ impl<C: Send + 'static> Rank<C> {
         W::Report: Send + 'static,
     {
         let (tx, rx) = mpsc::channel::<ToRank<C>>();
+        let connected = Arc::new(AtomicUsize::new(0));
+        let peers = connected.clone();
         let join = std::thread::Builder::new()
             .name(format!("kvflow-rank{rank}"))
             .spawn(move || {
@@ -70,11 +77,17 @@ impl<C: Send + 'static> Rank<C> {
                     }
                     let now = clock.now();
                     send(driver.step(now));
+                    peers.store((hooks.connected)(driver.machine()), Ordering::Relaxed);
                     std::thread::park_timeout(driver.wait_time(now).map_or(IDLE_WAIT, |w| w.min(IDLE_WAIT)));
                 }
             })
             .with_context(|| format!("the thread of rank {rank}"))?;
-        Ok(Rank { tx: Some(tx), thread: join.thread().clone(), join: Some(join) })
+        Ok(Rank { tx: Some(tx), connected, thread: join.thread().clone(), join: Some(join) })
+    }
+
+    /// Peers the rank's worker has completed a handshake with.
+    pub(super) fn connected(&self) -> usize {
+        self.connected.load(Ordering::Relaxed)
     }
 
     /// Hands the rank's worker a command of the scheduler.

@@ -5,8 +5,17 @@ use super::frame::Greeting;
 use super::*;
 
 impl SideEndpoint {
-    /// Makes `id` the connection of the peer that sent `offer`, replacing an older incarnation.
-    pub(super) fn establish(&mut self, now: Time, id: ConnId, offer: Handshake, sent_at: Time, session: Session) {
+    /// Makes `id` the connection of the peer that sent `offer`, replacing an older incarnation;
+    /// `dialed` is where we connected to reach it (`None`: it connected to us).
+    pub(super) fn establish(
+        &mut self,
+        now: Time,
+        id: ConnId,
+        offer: Handshake,
+        sent_at: Time,
+        session: Session,
+        dialed: Option<PeerAddress>,
+    ) {
         let agent = AgentName::new(offer.engine.clone(), offer.rank);
         if let Some(old) = self.peers.get(&agent).map(|p| p.conn) {
             self.lose(old);
@@ -18,7 +27,7 @@ impl SideEndpoint {
             tags: Tags::new(session.tag_out, session.tag_in),
         };
         self.peers.insert(agent.clone(), peer);
-        let info = PeerInfo { agent, handshake: offer, sent_at, received_at: now };
+        let info = PeerInfo { agent, handshake: offer, sent_at, received_at: now, dialed };
         self.events.push_back(SideEvent::Connected { conn: id, info: Box::new(info) });
     }
 
@@ -105,7 +114,7 @@ impl SideEndpoint {
                 let State::Proven { session, sent_at, .. } = std::mem::replace(state, State::Taken) else {
                     unreachable!("matched Proven above")
                 };
-                self.establish(now, id, peer, sent_at, session);
+                self.establish(now, id, peer, sent_at, session, None);
                 Ok(Some(State::Established { agent, incarnation }))
             }
             (State::Offered { session, listener, sent_at }, Kind::Sealed, Some(address)) => {
@@ -128,7 +137,7 @@ impl SideEndpoint {
                 let State::Offered { session, .. } = std::mem::replace(state, State::Taken) else {
                     unreachable!("matched Offered above")
                 };
-                self.establish(now, id, peer, sent_at, session);
+                self.establish(now, id, peer, sent_at, session, Some(address.clone()));
                 Ok(Some(State::Established { agent, incarnation }))
             }
             (_, Kind::Error, Some(address)) => {

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use kv_core::{BlockId, EngineId, RequestId};
 
-use crate::common::RemoteRef;
+use crate::common::{PrefillEngine, RemoteRef};
 use crate::config::{Config, ConfigError, LoadFailurePolicy, Mode};
 use crate::metrics::DecodeMetrics;
 
@@ -38,6 +38,12 @@ pub enum DecodeCommand {
     Abort {
         /// D's request id.
         request: RequestId,
+    },
+    /// Connect to the ranks of this P engine that requests from it would need, ahead of the
+    /// first one.
+    Connect {
+        /// The P engine.
+        prefill: PrefillEngine,
     },
 }
 
@@ -269,6 +275,18 @@ impl DecodeScheduler {
         self.requests.insert(request.clone(), entry);
         self.broadcast(|| DecodeCommand::Track { request: request.clone(), remote: remote.clone() });
         Ok(())
+    }
+
+    /// Connects every rank to the ranks of P engine `prefill` it would read (or, in push mode,
+    /// register with) for a request from there, ahead of the first one: the authenticated
+    /// handshake, P's NIXL metadata and the transport's endpoint are then in place when it
+    /// comes, instead of the first requests from a new P waiting tens of milliseconds for
+    /// them. For a router or discovery that knows P engines before it routes requests; an
+    /// engine's incarnation is learnt at the handshake, and a newer one connects afresh.
+    /// Parameters that map onto no rank of this engine connect nothing; the first request
+    /// with them fails as it would have.
+    pub fn handle_connect(&mut self, prefill: PrefillEngine) {
+        self.broadcast(|| DecodeCommand::Connect { prefill: prefill.clone() });
     }
 
     /// Blocks are allocated for a waiting request: start its load; with `prefix_hit`, D's own

@@ -219,31 +219,49 @@ impl DecodeWorker {
                 }
             }
             DecodeCommand::Abort { request } => self.abort(now, &request),
+            DecodeCommand::Connect { prefill } => {
+                if let Err(error) =
+                    self.map_prefill(&prefill.engine, &prefill.addresses, prefill.tp_size, prefill.pp_size)
+                {
+                    tracing::warn!(prefill = %prefill.engine, %error, "not connecting ahead: P's ranks do not map onto this engine");
+                }
+            }
         }
     }
 
-    /// The TP mapping, this rank's plan and its P targets for `remote`, connecting to them.
-    /// How P's ranks map onto this one, and the P ranks it needs, connecting to them; the
-    /// error names both sides' values.
+    /// The TP mapping, this rank's plan and its P targets for `remote`, connecting to them;
+    /// the error names both sides' values.
     fn map_remote(&mut self, remote: &RemoteRef) -> Result<(TpMapping, DecodeRankPlan, Vec<AgentName>), String> {
+        self.map_prefill(&remote.engine, &remote.addresses, remote.tp_size, remote.pp_size)
+    }
+
+    /// How the ranks of P engine `engine` (`tp_size` x `pp_size` of them, at `addresses` by
+    /// global rank) map onto this one, and the P ranks it needs, connecting to those it is
+    /// neither connected nor connecting to.
+    fn map_prefill(
+        &mut self,
+        engine: &EngineId,
+        addresses: &[PeerAddress],
+        tp_size: u32,
+        pp_size: u32,
+    ) -> Result<(TpMapping, DecodeRankPlan, Vec<AgentName>), String> {
         let layout = self.offer.layout;
-        let tp = TpMapping::new(remote.tp_size, self.offer.tp_size, layout.kv_heads, layout.is_mla())
-            .map_err(|e| e.to_string())?;
+        let tp =
+            TpMapping::new(tp_size, self.offer.tp_size, layout.kv_heads, layout.is_mla()).map_err(|e| e.to_string())?;
         // A D engine has one stage (the handshake refuses more), so its rank is its TP rank; P's
         // stages each hold a share of the layers, and this rank reads every stage.
-        let plan =
-            tp.decode_rank(self.offer.rank).map_err(|e| e.to_string())?.across_stages(remote.pp_size, remote.tp_size);
+        let plan = tp.decode_rank(self.offer.rank).map_err(|e| e.to_string())?.across_stages(pp_size, tp_size);
         let mut targets = Vec::new();
         for p in plan.completion_targets() {
-            let address = remote.addresses.get(p as usize).cloned().ok_or_else(|| {
+            let address = addresses.get(p as usize).cloned().ok_or_else(|| {
                 format!(
                     "P rank {p} has no address: the parameters list {} for tp {} x pp {}",
-                    remote.addresses.len(),
-                    remote.tp_size,
-                    remote.pp_size
+                    addresses.len(),
+                    tp_size,
+                    pp_size
                 )
             })?;
-            let agent = AgentName::new(remote.engine.clone(), p);
+            let agent = AgentName::new(engine.clone(), p);
             if !self.peers.contains_key(&agent) && !self.connecting.contains_key(&agent) {
                 self.connecting.insert(agent.clone(), address.clone());
                 self.out.connect(address);

@@ -148,6 +148,13 @@ impl Cluster {
         names.into_iter().map(|n| (n.clone(), self.held_blocks(&n))).filter(|(_, h)| *h > 0).collect()
     }
 
+    /// P ranks each rank of D engine `node` has completed a handshake with, by rank (empty
+    /// when it is down).
+    pub fn connected_prefill_ranks(&self, node: &str) -> Vec<usize> {
+        let engine = self.decode.get(&kv_core::EngineId::new(node)).and_then(Option::as_ref);
+        engine.map_or_else(Vec::new, |e| e.workers.iter().map(|w| w.machine_ref().connected_peers()).collect())
+    }
+
     /// The state of every D worker, for debugging a failed run.
     pub fn describe_decode_workers(&self) -> String {
         let mut out = String::new();

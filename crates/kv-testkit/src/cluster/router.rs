@@ -179,6 +179,24 @@ impl Cluster {
         }
     }
 
+    /// D engine `node`, which must be running, connects to P engine `from` ahead of any
+    /// request (`DecodeScheduler::handle_connect`).
+    pub fn connect_ahead(&mut self, node: &str, from: &str) -> Result<(), ClusterError> {
+        let engine = EngineId::new(from);
+        if !self.prefill.contains_key(&engine) {
+            return err(format!("no prefill engine {from}"));
+        }
+        let prefill = kv_sched_adapter::PrefillEngine {
+            addresses: (0..self.config.spec.workers(Role::Prefill)).map(|r| Self::address(&engine, r)).collect(),
+            engine,
+            tp_size: self.config.spec.prefill_tp,
+            pp_size: self.config.spec.prefill_pp,
+        };
+        self.decode_engine(node)?.scheduler.handle_connect(prefill);
+        self.record(format!("{node} connects ahead to {from}"));
+        self.flush_decode(node)
+    }
+
     /// A request carrying P's parameters enters D's waiting queue; `prefill_pp`, when given, is the
     /// pipeline stages the parameters claim for P instead of its own.
     pub fn arrive(

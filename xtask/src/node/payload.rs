@@ -1,0 +1,275 @@
+//! The engine's payload work, on threads of its own: filling a prompt's blocks (P's stand-in
+//! for computing them, D's for its prefix cache), checking every byte D received, checking
+//! that a freed block still holds its scrub when it is allocated again, and scrubbing freed
+//! blocks. Each is bytes in proportion to the prompt (tens of milliseconds for a large one);
+//! done on the engine's thread they held up the control plane behind them (every other
+//! request's reports, frees and readiness), which is what a real engine's GPU work does not do.
+//!
+//! The engine's thread hands [`Work`] to [`Workers`] with a tag of its own, and takes the
+//! [`Done`] back in its loop (each one unparks it). Blocks under work stay held by the engine
+//! until their work is done: a block being scrubbed is not free, and a block being checked is
+//! not scrubbed.
+
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context, Result};
+use kv_core::{BlockId, Memory, PoolShape, Region, RegionId};
+
+use crate::pattern;
+
+/// Payload threads per engine: as many as the machine has cores, up to four (each job is one
+/// prompt's bytes, so a few threads already keep several prompts apart).
+fn thread_count() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, 4)
+}
+
+/// One TP rank's part of the pool: its region, its shape (its heads), and its first head.
+pub(super) struct RankPool {
+    pub(super) region: Region,
+    pub(super) shape: PoolShape,
+    pub(super) first_head: u32,
+}
+
+/// The pool's memory and where each rank's part of it lies, shared by the payload threads.
+/// Each thread copies a layer's part of a block at a time under the lock; making and checking
+/// the bytes happens outside it.
+pub(super) struct PoolBytes {
+    memory: Mutex<Box<dyn Memory>>,
+    /// By rank; the same block ids on every rank.
+    ranks: Vec<RankPool>,
+}
+
+impl PoolBytes {
+    pub(super) fn new(memory: Box<dyn Memory>, ranks: Vec<RankPool>) -> Self {
+        PoolBytes { memory: Mutex::new(memory), ranks }
+    }
+
+    /// The shape of one rank's part of the pool.
+    pub(super) fn shape(&self) -> PoolShape {
+        self.ranks[0].shape
+    }
+
+    pub(super) fn rank_count(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Where rank `rank`'s part of `block` at `layer` starts, as (region, offset in it): the
+    /// layer's planes of that block, adjacent.
+    fn place(&self, rank: usize, layer: u32, block: BlockId) -> (RegionId, u64) {
+        let pool = &self.ranks[rank];
+        let at = pool.shape.plane_offset(layer, block.0, 0);
+        (pool.region.id, u64::from(at.region) * pool.shape.region_len() + at.offset)
+    }
+
+    /// Every (rank, layer) part of `block`, as (rank, layer, region, offset).
+    fn parts(&self, block: BlockId) -> impl Iterator<Item = (usize, u32, RegionId, u64)> + '_ {
+        (0..self.shape().layout.layers).flat_map(move |layer| {
+            (0..self.ranks.len()).map(move |rank| {
+                let (region, at) = self.place(rank, layer, block);
+                (rank, layer, region, at)
+            })
+        })
+    }
+
+    /// The chunks rank `rank` holds of the block at `position` of a prompt, one per plane of
+    /// `layer`, in the order they lie in the layer's part of the block.
+    fn chunks(&self, rank: usize, layer: u32, position: usize) -> impl Iterator<Item = pattern::Chunk> {
+        let (shape, first_head) = (self.ranks[rank].shape, self.ranks[rank].first_head);
+        let layout = shape.layout;
+        (0..layout.planes()).map(move |plane| pattern::Chunk {
+            layer,
+            plane,
+            first_head,
+            heads: shape.heads,
+            first_token: position as u64 * u64::from(layout.block_tokens),
+            tokens: layout.block_tokens,
+            row_bytes: shape.head_bytes_per_token() as usize,
+            order: layout.order,
+        })
+    }
+
+    fn read(&self, region: RegionId, at: u64, out: &mut [u8]) -> Result<()> {
+        let memory = self.memory.lock().map_err(|_| anyhow!("a payload thread panicked"))?;
+        Ok(memory.read(region, at, out)?)
+    }
+
+    fn write(&self, region: RegionId, at: u64, data: &[u8]) -> Result<()> {
+        let mut memory = self.memory.lock().map_err(|_| anyhow!("a payload thread panicked"))?;
+        Ok(memory.write(region, at, data)?)
+    }
+
+    /// Fills `blocks`, in prompt order, with the prompt's bytes on every rank.
+    fn fill(&self, chunk: &mut [u8], seed: u64, blocks: &[BlockId]) -> Result<()> {
+        let plane_bytes = self.shape().plane_bytes() as usize;
+        for (position, &block) in blocks.iter().enumerate() {
+            for (rank, layer, region, at) in self.parts(block) {
+                for (i, c) in self.chunks(rank, layer, position).enumerate() {
+                    pattern::fill(&mut chunk[i * plane_bytes..(i + 1) * plane_bytes], seed, &c);
+                }
+                self.write(region, at, chunk)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `blocks`, in prompt order, hold the bytes of a prompt of `tokens` tokens on
+    /// every rank.
+    fn check(&self, chunk: &mut [u8], seed: u64, blocks: &[BlockId], tokens: u64) -> Result<bool> {
+        let plane_bytes = self.shape().plane_bytes() as usize;
+        let mut all = true;
+        for (position, &block) in blocks.iter().enumerate() {
+            for (rank, layer, region, at) in self.parts(block) {
+                self.read(region, at, chunk)?;
+                for (i, c) in self.chunks(rank, layer, position).enumerate() {
+                    all &= pattern::check(&chunk[i * plane_bytes..(i + 1) * plane_bytes], seed, &c, tokens);
+                }
+            }
+        }
+        Ok(all)
+    }
+
+    /// How many of `blocks` no longer hold their scrub on some rank: written after they were
+    /// freed.
+    fn written_after_free(&self, chunk: &mut [u8], blocks: &[BlockId]) -> Result<u64> {
+        let mut written = 0;
+        for &block in blocks {
+            for (_, _, region, at) in self.parts(block) {
+                self.read(region, at, chunk)?;
+                if !pattern::is_scrub(chunk) {
+                    written += 1;
+                    break;
+                }
+            }
+        }
+        Ok(written)
+    }
+
+    /// Writes the scrub over `blocks` on every rank.
+    fn scrub(&self, chunk: &mut [u8], blocks: &[BlockId]) -> Result<()> {
+        chunk.fill(pattern::SCRUB);
+        for &block in blocks {
+            for (_, _, region, at) in self.parts(block) {
+                self.write(region, at, chunk)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Payload work on blocks the engine holds.
+pub(super) enum Work {
+    /// Checks the scrub of `freed` (blocks freed before, allocated again), then fills
+    /// `blocks`, in prompt order, with the bytes of the prompt `seed` names.
+    Fill { seed: u64, blocks: Vec<BlockId>, freed: Vec<BlockId> },
+    /// Checks `blocks`, in prompt order, against the bytes of the prompt of `tokens` tokens
+    /// `seed` names.
+    Check { seed: u64, blocks: Vec<BlockId>, tokens: u64 },
+    /// Scrubs `blocks`.
+    Scrub { blocks: Vec<BlockId> },
+}
+
+/// Work done, with the engine's tag.
+pub(super) struct Done<T> {
+    pub(super) tag: T,
+    /// Of a `Fill`: freed blocks that no longer held their scrub.
+    pub(super) written_after_free: u64,
+    /// Of a `Check`: whether every byte was the prompt's.
+    pub(super) intact: bool,
+    /// From handing the work over to its end.
+    pub(super) took: Duration,
+    /// A failure of the memory port: the engine cannot go on.
+    pub(super) failed: Option<String>,
+}
+
+/// The payload threads, seen from the engine's.
+pub(super) struct Workers<T> {
+    tx: Option<Sender<(T, Work, Instant)>>,
+    done: Receiver<Done<T>>,
+    joins: Vec<JoinHandle<()>>,
+}
+
+impl<T: Send + 'static> Workers<T> {
+    /// Starts the threads over `pool`; each finished piece of work wakes `engine`.
+    pub(super) fn spawn(pool: Arc<PoolBytes>, engine: Thread) -> Result<Self> {
+        let (tx, rx) = mpsc::channel::<(T, Work, Instant)>();
+        let rx = Arc::new(Mutex::new(rx));
+        let (done_tx, done) = mpsc::channel();
+        let chunk_len = pool.shape().layer_block_bytes() as usize;
+        let mut joins = Vec::new();
+        for i in 0..thread_count() {
+            let (rx, done_tx, pool, engine) = (rx.clone(), done_tx.clone(), pool.clone(), engine.clone());
+            let join = std::thread::Builder::new()
+                .name(format!("kvflow-payload{i}"))
+                .spawn(move || {
+                    lower_priority();
+                    let mut chunk = vec![0u8; chunk_len];
+                    loop {
+                        // The lock is held only while waiting for the next piece of work.
+                        let next = rx.lock().map(|rx| rx.recv());
+                        let Ok(Ok((tag, work, handed))) = next else { return };
+                        let done = run(&pool, &mut chunk, tag, work, handed);
+                        if done_tx.send(done).is_err() {
+                            return;
+                        }
+                        engine.unpark();
+                    }
+                })
+                .context("a payload thread")?;
+            joins.push(join);
+        }
+        Ok(Workers { tx: Some(tx), done, joins })
+    }
+
+    /// Hands `work` over; its [`Done`] carries `tag`.
+    pub(super) fn submit(&self, tag: T, work: Work) {
+        if let Some(tx) = &self.tx {
+            // The threads end only when this side drops the sender.
+            let _ = tx.send((tag, work, Instant::now()));
+        }
+    }
+
+    /// The next piece of work done, if any.
+    pub(super) fn try_done(&self) -> Option<Done<T>> {
+        self.done.try_recv().ok()
+    }
+}
+
+impl<T> Drop for Workers<T> {
+    fn drop(&mut self) {
+        self.tx = None;
+        for join in self.joins.drain(..) {
+            let _ = join.join();
+        }
+    }
+}
+
+/// Puts the calling thread behind the engine's control plane and its ranks' transfers for
+/// the CPU. A GPU engine computes and checks on the GPU, not on the cores its control plane
+/// and UCX run on; here the payload threads share a few cores with them, and at the same
+/// priority a prompt's fill stood in the way of every report, frees and readiness behind it.
+/// Linux applies a nice value to the calling thread alone; failing is harmless (the work is
+/// done all the same), so it is only logged.
+#[allow(unsafe_code)] // One libc call: see the SAFETY note.
+fn lower_priority() {
+    // SAFETY: setpriority takes plain integers and changes no memory of this process.
+    let result = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) };
+    if result != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "payload thread keeps its priority");
+    }
+}
+
+fn run<T>(pool: &PoolBytes, chunk: &mut [u8], tag: T, work: Work, handed: Instant) -> Done<T> {
+    let (mut written_after_free, mut intact) = (0, true);
+    let result = match work {
+        Work::Fill { seed, blocks, freed } => pool.written_after_free(chunk, &freed).and_then(|written| {
+            written_after_free = written;
+            pool.fill(chunk, seed, &blocks)
+        }),
+        Work::Check { seed, blocks, tokens } => pool.check(chunk, seed, &blocks, tokens).map(|all| intact = all),
+        Work::Scrub { blocks } => pool.scrub(chunk, &blocks),
+    };
+    Done { tag, written_after_free, intact, took: handed.elapsed(), failed: result.err().map(|e| format!("{e:#}")) }
+}
