@@ -1,4 +1,6 @@
-//! `cargo xtask bench`: runs the criterion benches and prints each against its baseline.
+//! `cargo xtask bench`: runs the criterion benches and prints each against its baseline, then
+//! the two-process transport bench, and the end-to-end runs of the demo's engines: pull
+//! against push one request at a time and under load, and idle engines.
 //!
 //! Every number printed was measured in this run: criterion writes its estimates under
 //! `target/criterion`, and this task reads them back and prints the ratio of the baseline to
@@ -22,7 +24,7 @@ pub struct BenchArgs {
     /// Prints one JSON object on stdout instead of the tables.
     #[arg(long)]
     json: bool,
-    /// Measures less of each bench, to end within a minute once built.
+    /// Measures less of each bench, to end within a few minutes once built.
     #[arg(long)]
     quick: bool,
     /// The transport of the end-to-end runs (pull against push, idle engines): NIXL over
@@ -32,6 +34,24 @@ pub struct BenchArgs {
     /// The engines' shapes in the end-to-end runs.
     #[command(flatten)]
     topology: TopologyArgs,
+    /// Runs only these parts (a list: `in-flight,latency`); all of them by default.
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "PART[,PART...]")]
+    only: Vec<Part>,
+}
+
+/// The parts of the bench.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+enum Part {
+    /// The lease table against a scan (criterion).
+    Lease,
+    /// Two processes over NIXL: kvflow's descriptors against memcpy and raw nixl-sys.
+    Transport,
+    /// Pull against push, one request at a time: P done to D holding the KV.
+    Latency,
+    /// Pull against push with 8 and 32 requests in flight and simulated prefill compute.
+    InFlight,
+    /// The CPU an idle engine uses.
+    Idle,
 }
 
 /// One comparison: a criterion group, the operations measured, and which implementation is
@@ -56,14 +76,16 @@ const COMPARISONS: &[Comparison] = &[Comparison {
     baseline: "scan",
 }];
 
-/// Runs every bench, then prints the tables (or one JSON object with `--json`). `--quick`
-/// measures less of each, to end within a minute once built.
+/// Runs every bench (or those `--only` names), then prints the tables (or one JSON object with
+/// `--json`). `--quick` measures less of each, to end within a few minutes once built.
 pub fn run(args: &BenchArgs) -> Result<()> {
-    let BenchArgs { json: json_out, quick, transport: kind, ref topology } = *args;
+    let BenchArgs { json: json_out, quick, transport: kind, ref topology, ref only } = *args;
+    let runs = |part: Part| only.is_empty() || only.contains(&part);
     let root = workspace::root();
     // Build the engines first, so that building is not inside any measurement.
     let node = build_node()?;
-    for c in COMPARISONS {
+    let mut report = serde_json::Map::new();
+    for c in COMPARISONS.iter().filter(|_| runs(Part::Lease)) {
         // --noplot: the numbers are read back below; plots are not needed.
         let mut args = vec!["bench", "--locked", "-p", c.package, "--bench", c.bench, "--", "--noplot"];
         if quick {
@@ -77,8 +99,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
     }
     let criterion = workspace::target_dir(&root).join("criterion");
-    let mut report = serde_json::Map::new();
-    for c in COMPARISONS {
+    for c in COMPARISONS.iter().filter(|_| runs(Part::Lease)) {
         let mut rows = Vec::new();
         for op in c.ops {
             let ours = mean_ns(&criterion, c.group, op, c.ours)?;
@@ -98,27 +119,51 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
     }
     // The transport bench runs two processes over real NIXL/UCX; it needs the runtime.
-    let nixl = provision::ensure().context("the transport bench needs the NIXL runtime (see `cargo xtask setup`)")?;
-    let transport = transport_bench(&root, &nixl.envs(), json_out, quick)?;
-    // Again with NIXL's UCX thread pool as vLLM's NixlConnector configures it (`num_threads`
-    // 4): the pool splits one transfer's descriptors across threads, where there are cores.
-    let mut threaded_envs = nixl.envs();
-    threaded_envs.push(("KVFLOW_BENCH_UCX_PARAMS".into(), "num_threads=4".into()));
-    let threaded = transport_bench(&root, &threaded_envs, json_out, quick)?;
-    let latency = latency_bench(node.clone(), kind, topology, quick, json_out)?;
-    let idle = idle_bench(node, kind, topology, json_out)?;
-    if json_out {
+    if runs(Part::Transport) {
+        let nixl =
+            provision::ensure().context("the transport bench needs the NIXL runtime (see `cargo xtask setup`)")?;
+        let transport = transport_bench(&root, &nixl.envs(), json_out, quick)?;
+        // Again with NIXL's UCX thread pool as vLLM's NixlConnector configures it (`num_threads`
+        // 4): the pool splits one transfer's descriptors across threads, where there are cores.
+        let mut threaded_envs = nixl.envs();
+        threaded_envs.push(("KVFLOW_BENCH_UCX_PARAMS".into(), "num_threads=4".into()));
+        let threaded = transport_bench(&root, &threaded_envs, json_out, quick)?;
         if let Value::Object(fields) = transport {
             report.extend(fields);
         }
         if let Some(t) = threaded.get("transport") {
             report.insert("transport_num_threads_4".into(), t.clone());
         }
-        report.insert("end_to_end_transport".into(), kind.name().into());
-        report.insert("end_to_end_topology".into(), topology.describe().into());
+    }
+    report.insert("end_to_end_transport".into(), kind.name().into());
+    report.insert("end_to_end_topology".into(), topology.describe().into());
+    if runs(Part::Latency) {
+        let mut latency = latency_bench(node.clone(), kind, topology, quick, json_out)?;
+        // The transfers against memcpy, when both ran: the same machine, the same run.
+        let memcpy = report.get("transport").and_then(|t| t["memcpy"]["gbps"].as_f64());
+        if let Some(memcpy) = memcpy.filter(|m| *m > 0.0) {
+            for mode in ["pull", "push"] {
+                let gbps = latency[mode]["transfer_gbps"].as_f64().unwrap_or(0.0);
+                latency[mode]["transfer_over_memcpy"] = json!(gbps / memcpy);
+                if !json_out {
+                    println!("{mode}: transfers at {:.2} of memcpy ({gbps:.2} of {memcpy:.2} GB/s)", gbps / memcpy);
+                }
+            }
+        }
         report.insert("pull_vs_push".into(), latency);
+    }
+    if runs(Part::InFlight) {
+        for in_flight in IN_FLIGHT {
+            let result = in_flight_bench(node.clone(), kind, topology, in_flight, quick, json_out)?;
+            report.insert(format!("in_flight_{in_flight}"), result);
+        }
+    }
+    if runs(Part::Idle) {
+        let idle = idle_bench(node, kind, topology, json_out)?;
         report.insert("idle_cpu_percent".into(), idle["max"].clone());
         report.insert("idle_cpu_percent_by_engine".into(), idle["by_engine"].clone());
+    }
+    if json_out {
         println!("{}", Value::Object(report));
     }
     Ok(())
@@ -178,6 +223,11 @@ fn latency_bench(
         }
         results.insert(if push { "push" } else { "pull" }.into(), report.latency_json());
     }
+    for mode in ["pull", "push"] {
+        let kv = results[mode]["kv_latency_us"]["p50"].as_f64().unwrap_or(0.0);
+        let transfer = results[mode]["transfer_latency_us"]["p50"].as_f64().unwrap_or(0.0);
+        results[mode]["kv_over_transfer_p50"] = json!(if transfer > 0.0 { kv / transfer } else { 0.0 });
+    }
     let p50 = |mode: &str| results[mode]["kv_latency_us"]["p50"].as_f64().unwrap_or(0.0);
     let (pull, push) = (p50("pull"), p50("push"));
     results.insert("pull_over_push_p50".into(), json!(if push > 0.0 { pull / push } else { 0.0 }));
@@ -198,6 +248,96 @@ fn latency_bench(
             );
         }
         println!("pull p50 / push p50 = {:.2}", pull / push.max(1.0));
+        for mode in ["pull", "push"] {
+            let ratio = results[mode]["kv_over_transfer_p50"].as_f64().unwrap_or(0.0);
+            println!("{mode}: P done -> D holds KV p50 is {ratio:.2} times the transfer's");
+        }
+    }
+    Ok(Value::Object(results))
+}
+
+/// The loads of the in-flight bench: requests the router keeps in flight.
+const IN_FLIGHT: [u32; 2] = [8, 32];
+
+/// P's simulated prefill compute in the in-flight bench: 100 µs a token, about what one H100
+/// takes for a Llama-3-8B prompt (some 10,000 tokens a second); a 256-token prompt computes in
+/// 25.6 ms, one prompt at a time.
+const PREFILL_US_PER_TOKEN: u64 = 100;
+
+/// Pull against push under load: the router keeps `in_flight` requests of 256 tokens (32 MiB
+/// of KV) in flight, P computes each for [`PREFILL_US_PER_TOKEN`] a token on its one simulated
+/// GPU, and the figures are from the router's submit to D holding the KV (what time to first
+/// token feels) and the requests per second, each mode in its own run with the same workload.
+fn in_flight_bench(
+    node: NodeBinary,
+    transport: TransportKind,
+    topology: &TopologyArgs,
+    in_flight: u32,
+    quick: bool,
+    json_out: bool,
+) -> Result<Value> {
+    // Enough requests that the p50 is a median of many (the first `in_flight` fill the pipe).
+    let requests = in_flight * if quick { 4 } else { 12 };
+    let blocks_per_request = 256 / DemoConfig::default().model.block_tokens;
+    let base = topology.apply(DemoConfig {
+        decoders: 1,
+        requests,
+        concurrency: in_flight,
+        min_tokens: 256,
+        max_tokens: 256,
+        prefill_us_per_token: PREFILL_US_PER_TOKEN,
+        // Every request in flight holds its blocks on P and on D, with room to spare.
+        blocks: (in_flight * blocks_per_request * 2).max(DemoConfig::default().blocks),
+        kill: false,
+        reject_rate: 0.0,
+        abort_rate: 0.0,
+        sibling_rate: 0.0,
+        partial_rate: 0.0,
+        transport,
+        ..DemoConfig::default()
+    });
+    base.validate()?;
+    let mut results = serde_json::Map::new();
+    for push in [false, true] {
+        let config = DemoConfig { push, ..base.clone() };
+        let report = Demo::start(config, node.clone())?.run()?;
+        let failures = report.failures();
+        if !failures.is_empty() {
+            let mode = if push { "push" } else { "pull" };
+            bail!("the {mode} run with {in_flight} in flight failed its checks: {}", failures.join("; "));
+        }
+        results.insert(if push { "push" } else { "pull" }.into(), report.latency_json());
+    }
+    let p50 = |mode: &str| results[mode]["submit_to_kv_us"]["p50"].as_f64().unwrap_or(0.0);
+    let rps = |mode: &str| results[mode]["throughput_rps"].as_f64().unwrap_or(0.0);
+    let (pull, push) = (p50("pull"), p50("push"));
+    let (pull_rps, push_rps) = (rps("pull"), rps("push"));
+    results.insert("pull_over_push_p50".into(), json!(if push > 0.0 { pull / push } else { 0.0 }));
+    let throughput = if pull_rps > 0.0 { push_rps / pull_rps } else { 0.0 };
+    results.insert("push_over_pull_throughput".into(), json!(throughput));
+    results.insert("prefill_us_per_token".into(), json!(PREFILL_US_PER_TOKEN));
+    results.insert("requests".into(), json!(requests));
+    if !json_out {
+        println!(
+            "\npull vs push over {}: {in_flight} in flight, {requests} requests of 32 MiB, prefill {PREFILL_US_PER_TOKEN} us/token",
+            transport.name()
+        );
+        println!(
+            "{:<6} {:>18} {:>18} {:>14} {:>16}",
+            "mode", "submit->KV p50 ms", "submit->KV p99 ms", "requests/s", "P done->KV p50"
+        );
+        for mode in ["pull", "push"] {
+            let r = &results[mode];
+            let ms = |v: &Value| v.as_f64().unwrap_or(0.0) / 1e3;
+            println!(
+                "{mode:<6} {:>18.2} {:>18.2} {rps:>14.1} {:>16.2}",
+                ms(&r["submit_to_kv_us"]["p50"]),
+                ms(&r["submit_to_kv_us"]["p99"]),
+                ms(&r["kv_latency_us"]["p50"]),
+                rps = r["throughput_rps"].as_f64().unwrap_or(0.0)
+            );
+        }
+        println!("pull p50 / push p50 = {:.2}, push / pull throughput = {throughput:.2}", pull / push.max(1.0));
     }
     Ok(Value::Object(results))
 }

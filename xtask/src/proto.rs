@@ -127,6 +127,11 @@ pub struct NodeConfig {
     /// sets it too).
     #[serde(default)]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// P's prefill compute, simulated: a prompt of `t` tokens takes `t` times this many
+    /// microseconds on P's one GPU, which runs one prompt at a time (its blocks are filled
+    /// meanwhile); 0 adds nothing to the filling.
+    #[serde(default)]
+    pub prefill_us_per_token: u64,
 }
 
 /// Where the run's etcd is and how long an engine's registration outlives its last renewal.

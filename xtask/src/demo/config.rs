@@ -41,6 +41,10 @@ pub struct DemoArgs {
     /// writes only those). 0 sends none.
     #[arg(long, value_name = "F", default_value_t = DemoConfig::default().partial_rate)]
     partial_rate: f64,
+    /// P's prefill compute, simulated: microseconds per prompt token, on one GPU that runs
+    /// one prompt at a time (0: none beyond filling the blocks).
+    #[arg(long, value_name = "US", default_value_t = DemoConfig::default().prefill_us_per_token)]
+    prefill_us_per_token: u64,
     /// The model's layers (8 KV heads of 128, bf16; or, with --mla, one latent of 576).
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().model.layers)]
     layers: u32,
@@ -176,6 +180,7 @@ impl DemoArgs {
             min_tokens: self.min_tokens,
             max_tokens: self.max_tokens,
             partial_rate: self.partial_rate,
+            prefill_us_per_token: self.prefill_us_per_token,
             model: Model { layers: self.layers, ..defaults.model },
             blocks: self.blocks,
             lease_ms: self.lease_ms,
@@ -213,6 +218,8 @@ pub struct DemoConfig {
     pub min_tokens: u64,
     /// See `min_tokens`.
     pub max_tokens: u64,
+    /// P's simulated prefill compute, microseconds per prompt token (see `NodeConfig`).
+    pub prefill_us_per_token: u64,
     /// The model, with P's block size.
     pub model: Model,
     /// D's block size.
@@ -268,6 +275,7 @@ impl Default for DemoConfig {
             concurrency: 8,
             min_tokens: 16,
             max_tokens: 512,
+            prefill_us_per_token: 0,
             // A Llama-3-8B-like layout: 32 layers, 8 KV heads of 128, bf16, 16-token blocks (2 MiB).
             model: Model::llama3_8b(16),
             d_block_tokens: 16,
@@ -407,6 +415,7 @@ impl DemoConfig {
             host: None,
             discovery: None,
             metrics_addr: None,
+            prefill_us_per_token: self.prefill_us_per_token,
         }
     }
 
@@ -477,6 +486,8 @@ mod tests {
         let c = parse(&flags).unwrap();
         assert_eq!((c.decoders, c.seed, c.concurrency, c.min_tokens, c.blocks), (3, 9, 2, 32, 64));
         assert_eq!(parse(&["--partial-rate", "0"]).unwrap().partial_rate, 0.0);
+        assert_eq!(parse(&["--prefill-us-per-token", "100"]).unwrap().prefill_us_per_token, 100);
+        assert_eq!(parse(&[]).unwrap().prefill_us_per_token, 0, "no simulated compute by default");
         let c = parse(&["--no-kill", "--pause-decode", "2", "--pause-prefill", "--metrics"]).unwrap();
         assert_eq!((c.kill, c.pause_decode, c.pause_prefill, c.print_metrics), (false, 2, true, true));
     }

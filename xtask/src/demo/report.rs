@@ -80,6 +80,12 @@ pub struct Report {
     kv_p50_us: u64,
     kv_p99_us: u64,
     kv_samples: usize,
+    /// From the router's submit to D holding the KV.
+    submit_p50_us: u64,
+    submit_p99_us: u64,
+    /// Requests whose KV D came to hold, over the time from the first submit to the last of
+    /// them.
+    throughput_rps: f64,
     killed: Option<String>,
     pauses: Vec<(String, u64)>,
     attacks: Option<Vec<AttackResult>>,
@@ -139,6 +145,14 @@ impl Report {
         let busy_ns: u64 = done.iter().map(|t| t.1).sum();
         let took: Vec<u64> = done.iter().map(|t| t.1 / 1000).collect();
         let kv: Vec<u64> = demo.tracks.values().filter_map(|t| Some(t.kv_latency_ns()? / 1000)).collect();
+        let submit: Vec<u64> = demo.tracks.values().filter_map(|t| Some(t.submit_to_kv_ns()? / 1000)).collect();
+        let first_submit = demo.tracks.values().filter_map(|t| t.submitted_at_ns).min();
+        let last_ready =
+            demo.tracks.values().filter(|t| t.submit_to_kv_ns().is_some()).filter_map(|t| t.ready_at_ns).max();
+        let throughput_rps = match (first_submit, last_ready) {
+            (Some(first), Some(last)) if last > first => submit.len() as f64 / ((last - first) as f64 / 1e9),
+            _ => 0.0,
+        };
         let mut longest_held_after_death = None;
         let held_after_death_ms = demo.kill.as_ref().map(|k| {
             demo.tracks
@@ -206,6 +220,9 @@ impl Report {
             kv_p50_us: percentile(&kv, 50.0),
             kv_p99_us: percentile(&kv, 99.0),
             kv_samples: kv.len(),
+            submit_p50_us: percentile(&submit, 50.0),
+            submit_p99_us: percentile(&submit, 99.0),
+            throughput_rps,
             killed: demo.kill.as_ref().map(|k| k.engine.clone()),
             pauses: demo.paused_done.iter().map(|(p, _, _)| (p.engine.clone(), p.length.as_millis() as u64)).collect(),
             attacks: demo.config.attack.then(|| demo.attacks.clone()),
@@ -363,6 +380,8 @@ impl Report {
             "elapsed_s": self.elapsed.as_secs_f64(),
             "transfer_latency_us": { "p50": self.transfer_p50_us, "p99": self.transfer_p99_us },
             "kv_latency_us": { "p50": self.kv_p50_us, "p99": self.kv_p99_us, "samples": self.kv_samples },
+            "submit_to_kv_us": { "p50": self.submit_p50_us, "p99": self.submit_p99_us },
+            "throughput_rps": self.throughput_rps,
             "killed": self.killed,
             "attacks": self.attacks,
             "released_for_live_engines": self.released_for_live_engines,
@@ -400,6 +419,8 @@ impl Report {
     pub fn latency_json(&self) -> Value {
         json!({
             "kv_latency_us": { "p50": self.kv_p50_us, "p99": self.kv_p99_us, "samples": self.kv_samples },
+            "submit_to_kv_us": { "p50": self.submit_p50_us, "p99": self.submit_p99_us },
+            "throughput_rps": self.throughput_rps,
             "transfer_latency_us": { "p50": self.transfer_p50_us, "p99": self.transfer_p99_us },
             "transfer_gbps": self.transfer_gbps,
         })
@@ -441,6 +462,12 @@ impl Report {
             self.kv_p50_us as f64 / 1e3,
             self.kv_p99_us as f64 / 1e3,
             self.kv_samples
+        );
+        println!(
+            "  submit -> D holds KV p50 {:.2} ms, p99 {:.2} ms; {:.1} requests/s",
+            self.submit_p50_us as f64 / 1e3,
+            self.submit_p99_us as f64 / 1e3,
+            self.throughput_rps
         );
         match (&self.killed, self.held_after_death_ms) {
             (Some(engine), Some(ms)) => {

@@ -29,6 +29,8 @@ const SILENT_KILL_AFTER: Duration = Duration::from_millis(300);
 pub(super) struct Track {
     parent: String,
     pub(super) decode: Option<(String, u64)>,
+    /// When the router sent the request (to P, and in push mode to D first).
+    pub(super) submitted_at_ns: Option<u64>,
     pub(super) finished_at_ns: Option<u64>,
     pub(super) outcome: Option<String>,
     pub(super) ready_at_ns: Option<u64>,
@@ -51,6 +53,13 @@ impl Track {
         let (finished, ready) = (self.finished_at_ns?, self.ready_at_ns?);
         let demo_work = self.scrub_check_ns.min(self.prepared_at_ns.saturating_sub(finished));
         Some(ready.saturating_sub(finished).saturating_sub(demo_work))
+    }
+
+    /// From the router submitting the request to D holding its KV (what time to first token
+    /// feels), less the same demo work as [`Track::kv_latency_ns`].
+    pub(super) fn submit_to_kv_ns(&self) -> Option<u64> {
+        let (submitted, finished) = (self.submitted_at_ns?, self.finished_at_ns?);
+        Some(finished.saturating_sub(submitted) + self.kv_latency_ns()?)
     }
 }
 
@@ -428,8 +437,11 @@ impl Demo {
             let (id, tokens, n) = (request.id.clone(), request.prompt_tokens, request.n);
             let exports: Vec<String> =
                 if n > 1 { (0..n).map(|i| format!("{i}_{id}")).collect() } else { vec![id.clone()] };
+            let submitted = wall_ns();
             for export in &exports {
-                self.tracks.entry(export.clone()).or_default().parent = id.clone();
+                let track = self.tracks.entry(export.clone()).or_default();
+                track.parent = id.clone();
+                track.submitted_at_ns = Some(submitted);
             }
             // D loads sibling 0 once and serves the other siblings from its prefix cache, as
             // vLLM does; P releases their exports when sibling 0 completes.

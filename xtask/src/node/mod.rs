@@ -27,7 +27,7 @@ use std::process::ExitCode;
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::thread::Thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 use clap::Parser;
@@ -141,8 +141,8 @@ struct RankStart {
 
 /// Payload work the engine handed over, as it will take it back.
 enum Tag {
-    /// P computed a prompt (filled its blocks).
-    Prefill { id: String, prompt_tokens: u64, n: u32, consumer: Option<Consumer>, blocks: Vec<BlockId> },
+    /// P filled a prompt's blocks.
+    Prefill(Prompt),
     /// D's blocks for a waiting request hold their scrub, and those of its prefix its own
     /// cache holds are filled: the load can start.
     Prepared { id: RequestId, blocks: Vec<BlockId>, cached: usize },
@@ -150,6 +150,18 @@ enum Tag {
     Verified { id: RequestId, blocks: Vec<BlockId>, ready_at_ns: u64, prepared: Prepared, bytes: u64 },
     /// Freed blocks hold their scrub: they can be allocated again.
     Scrubbed { blocks: Vec<BlockId> },
+}
+
+/// A prompt P runs: its blocks, and when its simulated compute ends.
+struct Prompt {
+    id: String,
+    prompt_tokens: u64,
+    n: u32,
+    consumer: Option<Consumer>,
+    blocks: Vec<BlockId>,
+    /// When P's one GPU is done computing it (`prefill_us_per_token`); its export waits for
+    /// this and for its blocks' filling, whichever ends last.
+    due: Instant,
 }
 
 /// What both engine kinds have: the clock, the pool (every rank's part) and its blocks, the
@@ -329,6 +341,10 @@ trait Side: Sized {
     fn handle(node: &mut Node<Self>, command: Command) -> Result<()>;
     /// Takes back payload work done (`took` from handing it over; `intact` for a check).
     fn handle_done(node: &mut Node<Self>, tag: Tag, took: Duration, intact: bool) -> Result<()>;
+    /// When the side next has something to do by itself, if ever.
+    fn next_due(&self) -> Option<Instant> {
+        None
+    }
 }
 
 impl<S: Side> Node<S> {
@@ -389,7 +405,8 @@ impl<S: Side> Node<S> {
             self.take_losses()?;
             self.step()?;
             self.engine.report_transfers();
-            std::thread::park_timeout(IDLE_WAIT);
+            let due = self.side.next_due().map(|at| at.saturating_duration_since(Instant::now()));
+            std::thread::park_timeout(due.map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT)));
         }
     }
 
@@ -444,9 +461,15 @@ impl<S: Side> Node<S> {
     }
 }
 
-/// P's side: its scheduler.
+/// P's side: its scheduler, and its simulated GPU.
 struct PrefillSide {
     scheduler: PrefillScheduler,
+    /// Simulated compute per prompt token.
+    per_token: Duration,
+    /// When the GPU is done with the prompts it was given.
+    gpu_free: Instant,
+    /// Prompts whose blocks are filled, waiting for their compute to end, soonest first.
+    computing: Vec<Prompt>,
 }
 
 impl Side for PrefillSide {
@@ -457,7 +480,8 @@ impl Side for PrefillSide {
     fn new(config: &NodeConfig, addresses: Vec<PeerAddress>) -> Result<Self> {
         let engine = EngineId::new(config.name.clone());
         let scheduler = PrefillScheduler::new(engine, config.instance, addresses, config.connector())?;
-        Ok(PrefillSide { scheduler })
+        let per_token = Duration::from_micros(config.prefill_us_per_token);
+        Ok(PrefillSide { scheduler, per_token, gpu_free: Instant::now(), computing: Vec::new() })
     }
 
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<PrefillWorker> {
@@ -477,7 +501,16 @@ impl Side for PrefillSide {
     }
 
     fn settle(node: &mut Node<Self>) -> Result<()> {
+        let now = Instant::now();
+        while node.side.computing.first().is_some_and(|p| p.due <= now) {
+            let prompt = node.side.computing.remove(0);
+            node.computed(prompt)?;
+        }
         node.drain()
+    }
+
+    fn next_due(&self) -> Option<Instant> {
+        self.computing.first().map(|p| p.due)
     }
 
     fn handle(node: &mut Node<Self>, command: Command) -> Result<()> {
@@ -493,8 +526,11 @@ impl Side for PrefillSide {
 
     fn handle_done(node: &mut Node<Self>, tag: Tag, _took: Duration, _intact: bool) -> Result<()> {
         match tag {
-            Tag::Prefill { id, prompt_tokens, n, consumer, blocks } => {
-                node.computed(id, prompt_tokens, n, consumer, blocks)
+            Tag::Prefill(prompt) if prompt.due <= Instant::now() => node.computed(prompt),
+            Tag::Prefill(prompt) => {
+                let at = node.side.computing.partition_point(|p| p.due <= prompt.due);
+                node.side.computing.insert(at, prompt);
+                Ok(())
             }
             _ => Err(anyhow!("a prefill engine handed over work it does not do")),
         }
@@ -517,19 +553,18 @@ impl Node<PrefillSide> {
         };
         let seed = pattern::seed(&self.engine.name, &id);
         let work = Work::Fill { seed, blocks: blocks.clone(), freed };
-        self.engine.payload.submit(Tag::Prefill { id, prompt_tokens, n, consumer, blocks }, work);
+        // One GPU, one prompt at a time: this one starts when the GPU is done with those before.
+        let compute = self.side.per_token.saturating_mul(u32::try_from(prompt_tokens).unwrap_or(u32::MAX));
+        let due = self.side.gpu_free.max(Instant::now()) + compute;
+        self.side.gpu_free = due;
+        let prompt = Prompt { id, prompt_tokens, n, consumer, blocks, due };
+        self.engine.payload.submit(Tag::Prefill(prompt), work);
         Ok(())
     }
 
     /// A prompt is computed: exports its blocks, once per sibling.
-    fn computed(
-        &mut self,
-        id: String,
-        prompt_tokens: u64,
-        n: u32,
-        consumer: Option<Consumer>,
-        blocks: Vec<BlockId>,
-    ) -> Result<()> {
+    fn computed(&mut self, prompt: Prompt) -> Result<()> {
+        let Prompt { id, prompt_tokens, n, consumer, blocks, .. } = prompt;
         // allocate() took one reference; each further sibling export holds its own.
         for _ in 1..n {
             self.engine.blocks.retain(&blocks);
