@@ -44,9 +44,9 @@ pub use id::{AgentName, BlockId, EngineId, RequestId};
 pub use layout::{Attention, KvLayout, LayerRange, LayoutError, MemoryOrder, Placement, PoolShape};
 pub use plan::{DescriptorPair, Granularity, Initiator, PlanError, PlanInput, PoolSide, RegionBase, TransferPlan};
 pub use ports::{
-    Clock, Memory, MemoryError, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PollIntervals, PreparedId,
-    PreparedLists, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp, TransferRequest,
-    TransferSizes, TransferStatus, Transport, TransportError,
+    Clock, Descriptors, Memory, MemoryError, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PollIntervals,
+    PreparedId, PreparedLists, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp,
+    TransferRequest, TransferSizes, TransferStatus, Transport, TransportError,
 };
 pub use time::Time;
 pub use tp::{DecodeRankPlan, HeadSlice, TpError, TpMapping};

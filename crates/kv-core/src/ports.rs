@@ -510,6 +510,34 @@ pub trait Transport: Send {
     fn poll_intervals(&self) -> PollIntervals {
         PollIntervals::UNSIGNALLED
     }
+    /// How transfers of whole blocks go fastest over this transport, given the memory it has
+    /// registered and its backend's configuration. The default, prepared lists, checks
+    /// descriptors once per peer instead of per transfer.
+    fn descriptors(&self) -> Descriptors {
+        Descriptors::Prepared
+    }
+}
+
+/// How a transfer of whole blocks names its bytes (the connectors' choice, a transport's
+/// preference, or the engine's override).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum Descriptors {
+    /// Address pairs, merged where contiguous on both sides ([`Transport::post`]): a few
+    /// large descriptors, which a backend's thread pool can split across threads.
+    Pairs,
+    /// Entries of lists prepared once per peer, named by index
+    /// ([`Transport::post_prepared`]): descriptors are checked once, not per transfer.
+    Prepared,
+}
+
+impl Descriptors {
+    /// The choice's name, as configuration writes it: `pairs` or `prepared`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Descriptors::Pairs => "pairs",
+            Descriptors::Prepared => "prepared",
+        }
+    }
 }
 
 #[cfg(test)]

@@ -108,6 +108,10 @@ pub struct Config {
     pub early_notification_capacity: usize,
     /// D starts a read only if it has at least this long before P's deadline (clock uncertainty added).
     pub read_safety_margin: Duration,
+    /// How transfers of whole blocks name their bytes: `None` (the default), as the transport
+    /// says is fastest for its memory and backend ([`kv_core::Transport::descriptors`]);
+    /// `Some` overrides it.
+    pub descriptors: Option<kv_core::Descriptors>,
 }
 
 impl Config {
@@ -124,6 +128,7 @@ impl Config {
             kv_load_failure_policy: LoadFailurePolicy::Recompute,
             early_notification_capacity: 8192,
             read_safety_margin: Duration::from_secs(5),
+            descriptors: None,
         }
     }
 
@@ -147,6 +152,7 @@ impl Config {
             early_notification_capacity: extra.early_notification_capacity.unwrap_or(d.early_notification_capacity),
             read_safety_margin: seconds("read_safety_margin", extra.read_safety_margin)?
                 .unwrap_or(d.read_safety_margin),
+            descriptors: descriptors(extra.kv_descriptors.as_deref())?,
             ..d
         };
         config.validate()?;
@@ -217,6 +223,20 @@ pub struct ExtraConfig {
     pub early_notification_capacity: Option<usize>,
     /// `read_safety_margin` (5 s): D starts a read only this long before P's deadline.
     pub read_safety_margin: Option<f64>,
+    /// `kv_descriptors` (`"auto"`): how transfers of whole blocks name their bytes:
+    /// `"pairs"` (merged address pairs), `"prepared"` (prepared lists, by index), or `"auto"`,
+    /// whichever the transport says is fastest for its memory and backend.
+    pub kv_descriptors: Option<String>,
+}
+
+/// The `kv_descriptors` setting: `None` for `auto` (or left out).
+fn descriptors(value: Option<&str>) -> Result<Option<kv_core::Descriptors>, ConfigError> {
+    match value {
+        None | Some("auto") => Ok(None),
+        Some("pairs") => Ok(Some(kv_core::Descriptors::Pairs)),
+        Some("prepared") => Ok(Some(kv_core::Descriptors::Prepared)),
+        Some(other) => Err(ConfigError::Descriptors { value: other.to_owned() }),
+    }
 }
 
 /// `value` seconds of the setting `key`, when it is a finite, non-negative number that fits.
@@ -232,6 +252,12 @@ pub enum ConfigError {
     Zero {
         /// The setting.
         name: &'static str,
+    },
+    /// `kv_descriptors` names no choice.
+    #[error("kv_descriptors is {value:?}; it must be \"auto\", \"pairs\" or \"prepared\"")]
+    Descriptors {
+        /// The value given.
+        value: String,
     },
     /// A worker's handshake offer does not describe its pool or its role.
     #[error("the handshake offer's {field} is {offer}, but the pool's is {pool}")]
@@ -319,6 +345,10 @@ mod tests {
             (Duration::from_millis(500), Duration::from_millis(2500))
         );
         assert_eq!(c.read_safety_margin, secs(1));
+        assert_eq!(read(r#"{"kv_descriptors": "auto"}"#).unwrap().descriptors, None);
+        assert_eq!(read(r#"{"kv_descriptors": "pairs"}"#).unwrap().descriptors, Some(kv_core::Descriptors::Pairs));
+        let prepared = read(r#"{"kv_descriptors": "prepared"}"#).unwrap().descriptors;
+        assert_eq!(prepared, Some(kv_core::Descriptors::Prepared));
     }
 
     #[cfg(feature = "serde")]
@@ -338,5 +368,9 @@ mod tests {
         check(r#"{"kv_lease_durations": 30}"#, "unknown field `kv_lease_durations`");
         check(r#"{"kv_load_failure_policy": "retry"}"#, "unknown variant `retry`");
         check(r#"{"kv_lease_duration": "30"}"#, "invalid type: string \"30\"");
+        check(
+            r#"{"kv_descriptors": "indices"}"#,
+            r#"kv_descriptors is "indices"; it must be "auto", "pairs" or "prepared""#,
+        );
     }
 }

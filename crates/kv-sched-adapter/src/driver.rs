@@ -37,8 +37,8 @@ use std::thread::Thread;
 use std::time::Duration;
 
 use kv_core::{
-    EngineId, Notification, PeerEvent, PreparedId, Time, TransferId, TransferSizes, TransferStatus, Transport,
-    TransportError,
+    Descriptors, EngineId, Notification, PeerEvent, PreparedId, Time, TransferId, TransferSizes, TransferStatus,
+    Transport, TransportError,
 };
 
 use crate::common::{Action, Counters, XferToken};
@@ -79,6 +79,9 @@ pub trait WorkerMachine {
     fn counters(&self) -> Counters;
     /// Peer ranks connected to it.
     fn connected_peers(&self) -> usize;
+    /// How its transport moves whole blocks fastest ([`Transport::descriptors`]); the
+    /// machine's configuration (`kv_descriptors`) overrides it.
+    fn use_descriptors(&mut self, preferred: Descriptors);
 }
 
 macro_rules! worker_machine {
@@ -121,6 +124,9 @@ macro_rules! worker_machine {
             fn connected_peers(&self) -> usize {
                 <$machine>::connected_peers(self)
             }
+            fn use_descriptors(&mut self, preferred: Descriptors) {
+                <$machine>::use_descriptors(self, preferred)
+            }
         }
     };
 }
@@ -141,7 +147,8 @@ pub struct WorkerDriver<M> {
 impl<M: WorkerMachine> WorkerDriver<M> {
     /// Runs `machine` over `transport`. With the `metrics` feature, the rank's metrics are
     /// registered here (see [`crate::metrics`]).
-    pub fn new(machine: M, transport: Box<dyn Transport>) -> Self {
+    pub fn new(mut machine: M, transport: Box<dyn Transport>) -> Self {
+        machine.use_descriptors(transport.descriptors());
         let agent = transport.agent();
         let metrics = WorkerMetrics::new(&agent.engine, agent.rank);
         WorkerDriver { machine, transport, in_flight: BTreeMap::new(), sizes: TransferSizes::default(), metrics }

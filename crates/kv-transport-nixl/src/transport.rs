@@ -10,9 +10,9 @@ use std::time::Duration;
 use kv_core::side::{ConnId, SideEvent, SideLimits};
 use kv_core::wire::MAX_MESSAGE_BYTES;
 use kv_core::{
-    AgentName, Clock, Handshake, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PollIntervals, PreparedId,
-    PreparedLists, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp, TransferRequest,
-    TransferStatus, Transport, TransportError,
+    AgentName, Clock, Descriptors, Handshake, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo,
+    PollIntervals, PreparedId, PreparedLists, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp,
+    TransferRequest, TransferStatus, Transport, TransportError,
 };
 use nixl_sys::{
     Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle,
@@ -175,6 +175,9 @@ pub struct NixlTransport {
     next_transfer: u64,
     events: VecDeque<PeerEvent>,
     poll_intervals: PollIntervals,
+    /// NIXL's UCX backend runs a thread pool (`num_threads` above 1), which splits a
+    /// transfer's descriptors across threads.
+    threaded: bool,
 }
 
 impl std::fmt::Debug for NixlTransport {
@@ -234,6 +237,7 @@ impl NixlTransport {
             next_transfer: 0,
             events: VecDeque::new(),
             poll_intervals: config.poll_intervals,
+            threaded: thread_pool(&config.ucx_params),
         })
     }
 
@@ -515,6 +519,21 @@ impl Transport for NixlTransport {
         self.poll_intervals
     }
 
+    /// Merged address pairs where prepared lists lose, else prepared lists. With NIXL's thread
+    /// pool, contiguous prepared entries are merged into one descriptor its threads cannot split
+    /// (16 cores: merged pairs 27.6 GB/s, prepared entries about 5); device memory moved at 0.61
+    /// to 0.68 of `cuMemcpy` as 128 prepared block descriptors and 0.83 to 0.97 as one
+    /// descriptor (an H100). On host memory without a thread pool the two ran alike (merged
+    /// 7.9 GB/s, prepared 7.7 on 2 cores), and prepared lists check descriptors once per peer.
+    fn descriptors(&self) -> Descriptors {
+        let device = self.regions.values().any(|(_, region)| matches!(region.kind, MemoryKind::Device(_)));
+        if self.threaded || device {
+            Descriptors::Pairs
+        } else {
+            Descriptors::Prepared
+        }
+    }
+
     fn poll_event(&mut self) -> Option<PeerEvent> {
         if self.events.is_empty() {
             self.pump_side_channel();
@@ -522,6 +541,11 @@ impl Transport for NixlTransport {
         }
         self.events.pop_front()
     }
+}
+
+/// Whether UCX backend parameters `params` start NIXL's thread pool: `num_threads` above 1.
+fn thread_pool(params: &[(String, String)]) -> bool {
+    params.iter().any(|(key, value)| key == "num_threads" && value.trim().parse::<u32>().is_ok_and(|n| n > 1))
 }
 
 impl NixlTransport {
@@ -557,5 +581,23 @@ impl NixlTransport {
                 self.events.push_back(event);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::thread_pool;
+
+    #[test]
+    fn a_thread_pool_is_num_threads_above_one() {
+        let params = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+        };
+        assert!(!thread_pool(&params(&[])));
+        assert!(!thread_pool(&params(&[("num_threads", "1")])));
+        assert!(!thread_pool(&params(&[("num_threads", "0"), ("split_batch_size", "8")])));
+        assert!(!thread_pool(&params(&[("num_threads", "many")])));
+        assert!(thread_pool(&params(&[("num_threads", "4")])));
+        assert!(thread_pool(&params(&[("split_batch_size", "4"), ("num_threads", " 8 ")])));
     }
 }

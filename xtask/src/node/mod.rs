@@ -331,8 +331,6 @@ trait Side: Sized {
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<Self::Worker>;
     /// Hands a worker a command of the scheduler.
     fn handle_command(worker: &mut Self::Worker, now: Time, command: Self::ToWorker);
-    /// Peers a worker has completed a handshake with.
-    fn connected_peers(worker: &Self::Worker) -> usize;
     /// Hands the scheduler a report of rank `rank`'s worker.
     fn handle_report(&mut self, rank: u32, report: <Self::Worker as WorkerMachine>::Report) -> Result<()>;
     /// Carries out what the scheduler asks until nothing is left.
@@ -361,7 +359,7 @@ impl<S: Side> Node<S> {
         for (rank, start) in (0u32..).zip(starts) {
             let worker = S::worker(config, &start.offer, start.pool).context("the connector")?;
             let driver = WorkerDriver::new(worker, Box::new(start.transport));
-            let hooks = rank::Hooks { handle: S::handle_command, connected: S::connected_peers };
+            let hooks = rank::Hooks { handle: S::handle_command };
             let clock: Arc<dyn Clock> = engine.clock.clone();
             ranks.push(rank::Rank::spawn(rank, driver, hooks, clock, tx.clone(), std::thread::current())?);
         }
@@ -490,10 +488,6 @@ impl Side for PrefillSide {
 
     fn handle_command(worker: &mut PrefillWorker, now: Time, command: PrefillCommand) {
         worker.handle_command(now, command);
-    }
-
-    fn connected_peers(worker: &PrefillWorker) -> usize {
-        worker.connected_peers()
     }
 
     fn handle_report(&mut self, rank: u32, report: PrefillReport) -> Result<()> {
@@ -651,10 +645,6 @@ impl Side for DecodeSide {
 
     fn handle_command(worker: &mut DecodeWorker, now: Time, command: DecodeCommand) {
         worker.handle_command(now, command);
-    }
-
-    fn connected_peers(worker: &DecodeWorker) -> usize {
-        worker.connected_peers()
     }
 
     fn handle_report(&mut self, rank: u32, report: DecodeReport) -> Result<()> {

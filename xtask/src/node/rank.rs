@@ -26,8 +26,6 @@ enum ToRank<C> {
 pub(super) struct Hooks<W: WorkerMachine, C> {
     /// Hands the worker a command of the scheduler.
     pub handle: fn(&mut W, Time, C),
-    /// Peers the worker has completed a handshake with.
-    pub connected: fn(&W) -> usize,
 }
 
 /// A rank's thread, seen from the engine's.
@@ -77,7 +75,7 @@ impl<C: Send + 'static> Rank<C> {
                     }
                     let now = clock.now();
                     send(driver.step(now));
-                    peers.store((hooks.connected)(driver.machine()), Ordering::Relaxed);
+                    peers.store(driver.machine_ref().connected_peers(), Ordering::Relaxed);
                     std::thread::park_timeout(driver.wait_time(now).map_or(IDLE_WAIT, |w| w.min(IDLE_WAIT)));
                 }
             })

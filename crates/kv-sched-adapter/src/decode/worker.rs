@@ -28,9 +28,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kv_core::{
-    check_compatible, AgentName, BlockId, DecodeRankPlan, EngineId, Granularity, Handshake, Initiator, LeaseState,
-    Message, Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer, PushRegistration,
-    RequestId, Role, Time, TpMapping, TransferOp, TransferPlan, TransferRequest, TransportError,
+    check_compatible, AgentName, BlockId, DecodeRankPlan, Descriptors, EngineId, Granularity, Handshake, Initiator,
+    LeaseState, Message, Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer,
+    PushRegistration, RequestId, Role, Time, TpMapping, TransferOp, TransferPlan, TransferRequest, TransportError,
 };
 use kv_lease::HeartbeatPlanner;
 
@@ -137,6 +137,9 @@ pub struct DecodeWorker {
     xfers: BTreeMap<XferToken, RequestId>,
     /// This rank's pool, prepared once; and each P rank's, prepared at its first read.
     lists: PreparedLists,
+    /// How transfers of whole blocks name their bytes: the configuration's choice, else the
+    /// transport's ([`WorkerDriver`](crate::driver::WorkerDriver) tells it).
+    descriptors: Descriptors,
     out: Outbox<DecodeReport>,
     counters: Counters,
 }
@@ -160,6 +163,7 @@ impl DecodeWorker {
             by_remote: BTreeMap::new(),
             xfers: BTreeMap::new(),
             lists: PreparedLists::default(),
+            descriptors: config.descriptors.unwrap_or(Descriptors::Prepared),
             out: Outbox::default(),
             counters: Counters::default(),
         })
@@ -168,6 +172,12 @@ impl DecodeWorker {
     /// What this rank counted.
     pub fn counters(&self) -> Counters {
         self.counters
+    }
+
+    /// How its transport moves whole blocks fastest; the configuration's `descriptors`, if
+    /// set, wins.
+    pub fn use_descriptors(&mut self, preferred: Descriptors) {
+        self.descriptors = self.config.descriptors.unwrap_or(preferred);
     }
 
     /// P ranks connected to this rank (handshake completed).
@@ -474,7 +484,7 @@ impl DecodeWorker {
                     return;
                 }
             };
-            if by_index(&p_shape, &self.pool.shape, slice) {
+            if self.descriptors == Descriptors::Prepared && by_index(&p_shape, &self.pool.shape, slice) {
                 if let Some((local, remote)) = self.lists.ready(&agent) {
                     let (local_indices, remote_indices) = block_indices(&self.pool.shape, d_blocks, &p_shape, p_blocks);
                     posts.push(ReadPost::Prepared(PreparedTransfer {

@@ -79,6 +79,7 @@ impl WorkerMachine for Script {
     fn connected_peers(&self) -> usize {
         0
     }
+    fn use_descriptors(&mut self, _: kv_core::Descriptors) {}
 }
 
 fn p0() -> AgentName {

@@ -26,9 +26,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kv_core::{
-    check_compatible, AgentName, BlockId, EngineId, Granularity, Handshake, Initiator, LeaseState, Message,
-    Notification, PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer, PushRegistration, RefusalCause,
-    Renewal, RequestId, Role, Time, TransferOp, TransferPlan, TransferRequest, TransportError,
+    check_compatible, AgentName, BlockId, Descriptors, EngineId, Granularity, Handshake, Initiator, LeaseState,
+    Message, Notification, PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer, PushRegistration,
+    RefusalCause, Renewal, RequestId, Role, Time, TransferOp, TransferPlan, TransferRequest, TransportError,
 };
 use kv_lease::LeaseTable;
 
@@ -158,6 +158,9 @@ pub struct PrefillWorker {
     writes: BTreeMap<XferToken, (RequestId, AgentName)>,
     /// Push: this rank's pool, prepared once, and each D rank's, prepared at its first write.
     lists: PreparedLists,
+    /// How transfers of whole blocks name their bytes: the configuration's choice, else the
+    /// transport's ([`WorkerDriver`](crate::driver::WorkerDriver) tells it).
+    descriptors: Descriptors,
     out: Outbox<PrefillReport>,
     counters: Counters,
     /// When each D engine incarnation connected to this rank was last heard from (for the
@@ -192,6 +195,7 @@ impl PrefillWorker {
             recent: Recent::new(RECENT_RELEASES),
             writes: BTreeMap::new(),
             lists: PreparedLists::default(),
+            descriptors: config.descriptors.unwrap_or(Descriptors::Prepared),
             out: Outbox::default(),
             counters: Counters::default(),
             heard: BTreeMap::new(),
@@ -212,6 +216,12 @@ impl PrefillWorker {
     /// What this rank counted.
     pub fn counters(&self) -> Counters {
         self.counters
+    }
+
+    /// How its transport moves whole blocks fastest; the configuration's `descriptors`, if
+    /// set, wins.
+    pub fn use_descriptors(&mut self, preferred: Descriptors) {
+        self.descriptors = self.config.descriptors.unwrap_or(preferred);
     }
 
     /// D ranks connected to this rank (handshake completed).
@@ -822,7 +832,7 @@ impl PrefillWorker {
         match (built, completion.encode()) {
             (Ok(plan), Ok(notification)) => {
                 let d_shape = d_shape.expect("the plan was built from it");
-                let indexed = by_index(&self.pool.shape, &d_shape, &slice);
+                let indexed = self.descriptors == Descriptors::Prepared && by_index(&self.pool.shape, &d_shape, &slice);
                 let token = match self.lists.ready(to).filter(|_| indexed) {
                     Some((local, remote)) => {
                         let (local_indices, remote_indices) =
