@@ -1,6 +1,9 @@
 //! The VRAM bench: a 256 MiB KV pool in device memory moved between two processes on one GPU
 //! over NIXL/UCX, against a plain device-to-device copy (`cuMemcpy` between two device regions of
-//! one process, through kv-cuda) of the same bytes, in the same run.
+//! one process, through kv-cuda) of the same bytes, in the same run. Beside one descriptor, 128
+//! prepared block descriptors and a write, it times the connectors' own path: D's read as
+//! kv-core plans it, posted as the transport says is faster for this memory
+//! (`Transport::descriptors`), against one descriptor and against the copy.
 //!
 //! The ways run round-robin, so that each sees the same stretch of the machine: one round to
 //! warm up (UCX maps the peer's memory on first use), then `--iters` rounds (20 by default); the
@@ -13,7 +16,10 @@
 use std::time::Duration;
 
 use clap::Parser;
-use kv_core::{Memory, MemoryKind, PreparedTransfer, Role, TransferOp, TransferRequest, Transport};
+use kv_core::{
+    BlockId, Descriptors, Granularity, HeadSlice, Initiator, Memory, MemoryKind, PlanInput, PoolSide, PreparedTransfer,
+    Role, TransferOp, TransferPlan, TransferRequest, Transport,
+};
 use kv_cuda::CudaMemory;
 use xtask::e2e::{
     completion, connect, expect_line, gbps, gpu_skip_reason, median, nixl_skip_reason, offer, pair, pattern,
@@ -101,14 +107,43 @@ fn main() {
         notification: Some(completion("bench")),
     };
 
+    // The connectors' own path: D's read of every block as kv-core plans it (merged pairs),
+    // posted the way the transport says is faster for this memory (`Transport::descriptors`),
+    // as a DecodeWorker with `kv_descriptors = "auto"` does.
+    let all: Vec<BlockId> = (0..BLOCKS).map(BlockId).collect();
+    let (local_bases, remote_bases) = ([kv_core::RegionBase { addr: pool.addr, len: POOL_BYTES }], [remote]);
+    let input = PlanInput {
+        prefill: PoolSide { shape: s, regions: &remote_bases, blocks: &all },
+        decode: PoolSide { shape: s, regions: &local_bases, blocks: &all },
+        slice: HeadSlice { prefill_rank: 0, prefill_head: 0, decode_head: 0, heads: s.heads },
+        initiator: Initiator::Decode,
+    };
+    let plan = TransferPlan::build(&input, Granularity::Merged).expect("the connectors' plan");
+    let choice = d.descriptors();
+    let ours = TransferRequest {
+        op: TransferOp::Read,
+        peer: info.agent.clone(),
+        pairs: plan.pairs().to_vec(),
+        notification: Some(completion("bench")),
+    };
+    let ours_name = format!("kvflow ({})", choice.as_str());
+    let ours_descriptors = if choice == Descriptors::Pairs { plan.len() } else { BLOCKS as usize };
+
     let copy_name = if host { "memcpy" } else { "cuMemcpy DtoD" };
-    let ways: [(&str, usize); 4] =
-        [(copy_name, 1), ("NIXL read", 1), ("NIXL read blocks", BLOCKS as usize), ("NIXL write", 1)];
+    let ways: [(&str, usize); 5] = [
+        (copy_name, 1),
+        ("NIXL read", 1),
+        ("NIXL read blocks", BLOCKS as usize),
+        ("NIXL write", 1),
+        (&ours_name, ours_descriptors),
+    ];
     let samples = round_robin(ways.len(), iters, |way| match way {
         0 => timed(|| memory.copy(pool.id, 0, source.id, 0, POOL_BYTES).expect("device copy")),
         1 => post_and_wait(&mut d, read.clone()).expect("read"),
         2 => post_prepared_and_wait(&mut d, blocks.clone()).expect("prepared read"),
-        _ => post_and_wait(&mut d, write.clone()).expect("write"),
+        3 => post_and_wait(&mut d, write.clone()).expect("write"),
+        _ if choice == Descriptors::Pairs => post_and_wait(&mut d, ours.clone()).expect("the connectors' read"),
+        _ => post_prepared_and_wait(&mut d, blocks.clone()).expect("the connectors' read"),
     });
     // What D's pool holds is P's pool, byte for byte (every way moved the same bytes).
     let mut back = vec![0u8; POOL_BYTES as usize];
@@ -129,6 +164,12 @@ fn main() {
         let ms = d.as_secs_f64() * 1e3;
         println!("{name:<18} {descriptors:>12} {ms:>10.3} {g:>10.1} {:>9.2}x", g / copy_gbps);
     }
+    let (single_gbps, ours_gbps) = (gbps(POOL_BYTES, results[1].2), gbps(POOL_BYTES, results[4].2));
+    println!(
+        "the connectors' path: {:.2} of one NIXL descriptor (target >= 0.9), {:.2} of the copy (target >= 0.8)",
+        ours_gbps / single_gbps,
+        ours_gbps / copy_gbps
+    );
     if flags.json {
         let mut fields = serde_json::Map::new();
         fields.insert("kind".into(), kind_name.into());
@@ -138,6 +179,14 @@ fn main() {
             let gbps = (gbps(POOL_BYTES, *d) * 1000.0).round() / 1000.0;
             fields.insert(name.replace(' ', "_"), serde_json::json!({ "descriptors": n, "gbps": gbps }));
         }
+        fields.insert(
+            "connectors".into(),
+            serde_json::json!({
+                "descriptors": choice.as_str(),
+                "over_single_descriptor": ours_gbps / single_gbps,
+                "over_copy": ours_gbps / copy_gbps,
+            }),
+        );
         println!("{}", serde_json::json!({ "vram": fields }));
     }
     drop(d);

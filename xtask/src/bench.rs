@@ -34,6 +34,11 @@ pub struct BenchArgs {
     /// The engines' shapes in the end-to-end runs.
     #[command(flatten)]
     topology: TopologyArgs,
+    /// Also runs the VRAM bench (xtask's `benches/vram.rs`, with `KVFLOW_GPU=1`): the
+    /// connectors' own VRAM-to-VRAM path against one NIXL descriptor and `cuMemcpy` device to
+    /// device, in one run. Without a GPU it says why it skipped.
+    #[arg(long)]
+    gpu: bool,
     /// Runs only these parts (a list: `in-flight,latency`); all of them by default.
     #[arg(long, value_enum, value_delimiter = ',', value_name = "PART[,PART...]")]
     only: Vec<Part>,
@@ -79,7 +84,7 @@ const COMPARISONS: &[Comparison] = &[Comparison {
 /// Runs every bench (or those `--only` names), then prints the tables (or one JSON object with
 /// `--json`). `--quick` measures less of each, to end within a few minutes once built.
 pub fn run(args: &BenchArgs) -> Result<()> {
-    let BenchArgs { json: json_out, quick, transport: kind, ref topology, ref only } = *args;
+    let BenchArgs { json: json_out, quick, transport: kind, ref topology, gpu, ref only } = *args;
     let runs = |part: Part| only.is_empty() || only.contains(&part);
     let root = workspace::root();
     // Build the engines first, so that building is not inside any measurement.
@@ -157,6 +162,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             let result = in_flight_bench(node.clone(), kind, topology, in_flight, quick, json_out)?;
             report.insert(format!("in_flight_{in_flight}"), result);
         }
+    }
+    if gpu {
+        let nixl = provision::ensure().context("the VRAM bench needs the NIXL runtime (see `cargo xtask setup`)")?;
+        let mut envs = nixl.envs();
+        envs.push(("KVFLOW_GPU".into(), "1".into()));
+        report.insert("vram".into(), vram_bench(&root, &envs, json_out, quick)?);
     }
     if runs(Part::Idle) {
         let idle = idle_bench(node, kind, topology, json_out)?;
@@ -375,6 +386,39 @@ fn transport_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick
     }
     let last = stdout.lines().rev().find(|l| l.starts_with('{')).context("the transport bench printed no JSON")?;
     serde_json::from_str(last).context("the transport bench's JSON does not parse")
+}
+
+/// Runs the VRAM bench (xtask's `benches/vram.rs`); prints its table, or returns its JSON
+/// object, or `{"skipped": why}` where it could not run (no GPU, say).
+fn vram_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick: bool) -> Result<Value> {
+    let mut args = vec!["bench", "--locked", "-p", "xtask", "--features", "nixl", "--bench", "vram", "--"];
+    if json_out {
+        args.push("--json");
+    }
+    if quick {
+        args.extend(["--iters", "5"]);
+    }
+    let output = cargo_command(root, &args, envs)
+        .output()
+        .with_context(|| format!("cannot start {}", workspace::cargo_bin()))?;
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    eprint!("{stderr}");
+    if !output.status.success() {
+        bail!("the VRAM bench failed ({}):\n{stdout}", output.status);
+    }
+    if let Some(line) = stderr.lines().find(|l| l.starts_with("vram bench skipped")) {
+        if !json_out {
+            println!("\n{line}: the GPU figures are pending (README, GPU)");
+        }
+        return Ok(json!({ "skipped": line.trim_start_matches("vram bench skipped: ") }));
+    }
+    if !json_out {
+        print!("{stdout}");
+        return Ok(Value::Null);
+    }
+    let last = stdout.lines().rev().find(|l| l.starts_with('{')).context("the VRAM bench printed no JSON")?;
+    let value: Value = serde_json::from_str(last).context("the VRAM bench's JSON does not parse")?;
+    Ok(value["vram"].clone())
 }
 
 fn print_table(c: &Comparison, rows: &[(&str, f64, f64)]) {
