@@ -216,24 +216,16 @@ fn latency_bench(
         // 256 tokens: 16 blocks of 2 MiB, 32 MiB of KV per request.
         min_tokens: 256,
         max_tokens: 256,
+        // Every request whole, none rejected, aborted, split into siblings or partly cached.
         kill: false,
         reject_rate: 0.0,
         abort_rate: 0.0,
         sibling_rate: 0.0,
+        partial_rate: 0.0,
         transport,
         ..DemoConfig::default()
     });
-    base.validate()?;
-    let mut results = serde_json::Map::new();
-    for push in [false, true] {
-        let config = DemoConfig { push, ..base.clone() };
-        let report = Demo::start(config, node.clone())?.run()?;
-        let failures = report.failures();
-        if !failures.is_empty() {
-            bail!("the {} run failed its checks: {}", if push { "push" } else { "pull" }, failures.join("; "));
-        }
-        results.insert(if push { "push" } else { "pull" }.into(), report.latency_json());
-    }
+    let mut results = pull_and_push(&node, &base, "one at a time")?;
     for mode in ["pull", "push"] {
         let kv = results[mode]["kv_latency_us"]["p50"].as_f64().unwrap_or(0.0);
         let transfer = results[mode]["transfer_latency_us"]["p50"].as_f64().unwrap_or(0.0);
@@ -265,6 +257,24 @@ fn latency_bench(
         }
     }
     Ok(Value::Object(results))
+}
+
+/// Runs `base` in pull mode, then in push mode, each on engines of its own; each mode's
+/// latencies (`Report::latency_json`) by its name. A run that fails its checks fails the bench
+/// (`what` says which runs these were).
+fn pull_and_push(node: &NodeBinary, base: &DemoConfig, what: &str) -> Result<serde_json::Map<String, Value>> {
+    base.validate()?;
+    let mut results = serde_json::Map::new();
+    for push in [false, true] {
+        let mode = if push { "push" } else { "pull" };
+        let report = Demo::start(DemoConfig { push, ..base.clone() }, node.clone())?.run()?;
+        let failures = report.failures();
+        if !failures.is_empty() {
+            bail!("the {mode} run ({what}) failed its checks: {}", failures.join("; "));
+        }
+        results.insert(mode.into(), report.latency_json());
+    }
+    Ok(results)
 }
 
 /// The loads of the in-flight bench: requests the router keeps in flight.
@@ -307,18 +317,7 @@ fn in_flight_bench(
         transport,
         ..DemoConfig::default()
     });
-    base.validate()?;
-    let mut results = serde_json::Map::new();
-    for push in [false, true] {
-        let config = DemoConfig { push, ..base.clone() };
-        let report = Demo::start(config, node.clone())?.run()?;
-        let failures = report.failures();
-        if !failures.is_empty() {
-            let mode = if push { "push" } else { "pull" };
-            bail!("the {mode} run with {in_flight} in flight failed its checks: {}", failures.join("; "));
-        }
-        results.insert(if push { "push" } else { "pull" }.into(), report.latency_json());
-    }
+    let mut results = pull_and_push(&node, &base, &format!("{in_flight} in flight"))?;
     let p50 = |mode: &str| results[mode]["submit_to_kv_us"]["p50"].as_f64().unwrap_or(0.0);
     let rps = |mode: &str| results[mode]["throughput_rps"].as_f64().unwrap_or(0.0);
     let (pull, push) = (p50("pull"), p50("push"));
