@@ -364,47 +364,18 @@ fn run_to_stderr(root: &Path, args: &[&str]) -> Result<()> {
 /// Runs the two-process transport bench (xtask's `benches/transport.rs`); prints its table, or
 /// returns its JSON object.
 fn transport_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick: bool) -> Result<Value> {
-    let mut args = vec!["bench", "--locked", "-p", "xtask", "--features", "nixl", "--bench", "transport", "--"];
-    if json_out {
-        args.push("--json");
-    }
-    if quick {
-        args.extend(["--iters", "11"]);
-    }
-    let output = cargo_command(root, &args, envs)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .with_context(|| format!("cannot start {}", workspace::cargo_bin()))?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    if !output.status.success() {
-        bail!("the transport bench failed ({}):\n{stdout}", output.status);
-    }
+    let (stdout, _) = bench_binary(root, envs, "transport", json_out, quick.then_some("11"))?;
     if !json_out {
         print!("{stdout}");
         return Ok(Value::Null);
     }
-    let last = stdout.lines().rev().find(|l| l.starts_with('{')).context("the transport bench printed no JSON")?;
-    serde_json::from_str(last).context("the transport bench's JSON does not parse")
+    last_json(&stdout, "transport")
 }
 
 /// Runs the VRAM bench (xtask's `benches/vram.rs`); prints its table, or returns its JSON
 /// object, or `{"skipped": why}` where it could not run (no GPU, say).
 fn vram_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick: bool) -> Result<Value> {
-    let mut args = vec!["bench", "--locked", "-p", "xtask", "--features", "nixl", "--bench", "vram", "--"];
-    if json_out {
-        args.push("--json");
-    }
-    if quick {
-        args.extend(["--iters", "5"]);
-    }
-    let output = cargo_command(root, &args, envs)
-        .output()
-        .with_context(|| format!("cannot start {}", workspace::cargo_bin()))?;
-    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
-    eprint!("{stderr}");
-    if !output.status.success() {
-        bail!("the VRAM bench failed ({}):\n{stdout}", output.status);
-    }
+    let (stdout, stderr) = bench_binary(root, envs, "vram", json_out, quick.then_some("5"))?;
     if let Some(line) = stderr.lines().find(|l| l.starts_with("vram bench skipped")) {
         if !json_out {
             println!("\n{line}: the GPU figures are pending (README, GPU)");
@@ -415,9 +386,44 @@ fn vram_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick: boo
         print!("{stdout}");
         return Ok(Value::Null);
     }
-    let last = stdout.lines().rev().find(|l| l.starts_with('{')).context("the VRAM bench printed no JSON")?;
-    let value: Value = serde_json::from_str(last).context("the VRAM bench's JSON does not parse")?;
-    Ok(value["vram"].clone())
+    Ok(last_json(&stdout, "vram")?["vram"].clone())
+}
+
+/// Runs xtask's two-process bench `name` (`benches/{name}.rs`) with `envs`, `--json` when
+/// asked and `--iters` as given; its stdout and stderr (which is passed on as well).
+fn bench_binary(
+    root: &Path,
+    envs: &[(String, String)],
+    name: &str,
+    json_out: bool,
+    iters: Option<&str>,
+) -> Result<(String, String)> {
+    let mut args = vec!["bench", "--locked", "-p", "xtask", "--features", "nixl", "--bench", name, "--"];
+    if json_out {
+        args.push("--json");
+    }
+    if let Some(iters) = iters {
+        args.extend(["--iters", iters]);
+    }
+    let output = cargo_command(root, &args, envs)
+        .output()
+        .with_context(|| format!("cannot start {}", workspace::cargo_bin()))?;
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    eprint!("{stderr}");
+    if !output.status.success() {
+        bail!("the {name} bench failed ({}):\n{stdout}", output.status);
+    }
+    Ok((stdout.into_owned(), stderr.into_owned()))
+}
+
+/// The JSON object a bench printed last on stdout.
+fn last_json(stdout: &str, name: &str) -> Result<Value> {
+    let last = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .with_context(|| format!("the {name} bench printed no JSON"))?;
+    serde_json::from_str(last).with_context(|| format!("the {name} bench's JSON does not parse"))
 }
 
 fn print_table(c: &Comparison, rows: &[(&str, f64, f64)]) {
