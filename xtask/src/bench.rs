@@ -209,22 +209,8 @@ fn latency_bench(
     json_out: bool,
 ) -> Result<Value> {
     let requests = if quick { 20 } else { 100 };
-    let base = topology.apply(DemoConfig {
-        decoders: 1,
-        requests,
-        concurrency: 1,
-        // 256 tokens: 16 blocks of 2 MiB, 32 MiB of KV per request.
-        min_tokens: 256,
-        max_tokens: 256,
-        // Every request whole, none rejected, aborted, split into siblings or partly cached.
-        kill: false,
-        reject_rate: 0.0,
-        abort_rate: 0.0,
-        sibling_rate: 0.0,
-        partial_rate: 0.0,
-        transport,
-        ..DemoConfig::default()
-    });
+    let base =
+        topology.apply(whole_requests(DemoConfig { requests, concurrency: 1, transport, ..DemoConfig::default() }));
     let mut results = pull_and_push(&node, &base, "one at a time")?;
     for mode in ["pull", "push"] {
         let kv = results[mode]["kv_latency_us"]["p50"].as_f64().unwrap_or(0.0);
@@ -257,6 +243,23 @@ fn latency_bench(
         }
     }
     Ok(Value::Object(results))
+}
+
+/// `config` with one D engine and requests of 256 tokens (16 blocks of 2 MiB, 32 MiB of KV),
+/// every one whole: none rejected, aborted, split into siblings or partly cached, and no
+/// engine killed.
+fn whole_requests(config: DemoConfig) -> DemoConfig {
+    DemoConfig {
+        decoders: 1,
+        min_tokens: 256,
+        max_tokens: 256,
+        kill: false,
+        reject_rate: 0.0,
+        abort_rate: 0.0,
+        sibling_rate: 0.0,
+        partial_rate: 0.0,
+        ..config
+    }
 }
 
 /// Runs `base` in pull mode, then in push mode, each on engines of its own; each mode's
@@ -300,23 +303,15 @@ fn in_flight_bench(
     // Enough requests that the p50 is a median of many (the first `in_flight` fill the pipe).
     let requests = in_flight * if quick { 4 } else { 12 };
     let blocks_per_request = 256 / DemoConfig::default().model.block_tokens;
-    let base = topology.apply(DemoConfig {
-        decoders: 1,
+    let base = topology.apply(whole_requests(DemoConfig {
         requests,
         concurrency: in_flight,
-        min_tokens: 256,
-        max_tokens: 256,
         prefill_us_per_token: PREFILL_US_PER_TOKEN,
         // Every request in flight holds its blocks on P and on D, with room to spare.
         blocks: (in_flight * blocks_per_request * 2).max(DemoConfig::default().blocks),
-        kill: false,
-        reject_rate: 0.0,
-        abort_rate: 0.0,
-        sibling_rate: 0.0,
-        partial_rate: 0.0,
         transport,
         ..DemoConfig::default()
-    });
+    }));
     let mut results = pull_and_push(&node, &base, &format!("{in_flight} in flight"))?;
     let p50 = |mode: &str| results[mode]["submit_to_kv_us"]["p50"].as_f64().unwrap_or(0.0);
     let rps = |mode: &str| results[mode]["throughput_rps"].as_f64().unwrap_or(0.0);
