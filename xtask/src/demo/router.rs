@@ -855,15 +855,10 @@ impl Demo {
                 anyhow!("engines did not report their counts: {:?}", live.iter().map(|l| &l.0).collect::<Vec<_>>())
             })?;
             match from {
-                FromNode::Event(Event::Stats { held_blocks, written_after_free, connected })
+                FromNode::Event(Event::Stats { held_blocks, written_after_free, .. })
                     if live.contains(&(name.clone(), instance)) =>
                 {
-                    let counts = json!({
-                        "held_blocks": held_blocks,
-                        "written_after_free": written_after_free,
-                        "connected": connected,
-                    });
-                    stats.insert(name, counts);
+                    stats.insert(name, json!({ "held_blocks": held_blocks, "written_after_free": written_after_free }));
                 }
                 other => self.on_event(&name, instance, other),
             }

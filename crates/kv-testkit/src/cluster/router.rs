@@ -122,6 +122,16 @@ impl Cluster {
         Ok(())
     }
 
+    /// P engine `engine` as D reaches it: its workers' addresses, TP and PP sizes.
+    fn reach(&self, engine: EngineId) -> kv_sched_adapter::PrefillEngine {
+        kv_sched_adapter::PrefillEngine {
+            addresses: (0..self.config.spec.workers(Role::Prefill)).map(|r| Self::address(&engine, r)).collect(),
+            engine,
+            tp_size: self.config.spec.prefill_tp,
+            pp_size: self.config.spec.prefill_pp,
+        }
+    }
+
     fn remote_for(
         &self,
         from: &str,
@@ -141,12 +151,13 @@ impl Cluster {
         if !self.prefill.contains_key(&engine) {
             return err(format!("no prefill engine {from}"));
         }
+        let kv_sched_adapter::PrefillEngine { engine, addresses, tp_size, pp_size } = self.reach(engine);
         Ok(RemoteRef {
-            engine: engine.clone(),
+            engine,
             request: remote_request.clone(),
-            addresses: (0..self.config.spec.workers(Role::Prefill)).map(|r| Self::address(&engine, r)).collect(),
-            tp_size: self.config.spec.prefill_tp,
-            pp_size: self.config.spec.prefill_pp,
+            addresses,
+            tp_size,
+            pp_size,
             // D comes first in push mode: it cannot know P's incarnation yet.
             instance: None,
             prompt_tokens,
@@ -186,12 +197,7 @@ impl Cluster {
         if !self.prefill.contains_key(&engine) {
             return err(format!("no prefill engine {from}"));
         }
-        let prefill = kv_sched_adapter::PrefillEngine {
-            addresses: (0..self.config.spec.workers(Role::Prefill)).map(|r| Self::address(&engine, r)).collect(),
-            engine,
-            tp_size: self.config.spec.prefill_tp,
-            pp_size: self.config.spec.prefill_pp,
-        };
+        let prefill = self.reach(engine);
         self.decode_engine(node)?.scheduler.handle_connect(prefill);
         self.record(format!("{node} connects ahead to {from}"));
         self.flush_decode(node)
