@@ -80,6 +80,8 @@
 //! |---|---|
 //! | start-up | the settings: `Config` from the engine's `kv_connector_extra_config` ([`ExtraConfig`], serde with the `serde` feature), validated; `PrefillScheduler::new(engine, instance, rank_addresses, config)?` |
 //! | start-up, per rank | the handshake offer from the rank's pool ([`LocalPool::offer`]), a transport with it; `PrefillWorker::new(offer, config, pool)?` (an offer that does not describe the pool, or unsound settings, fail here, naming the values); wrap both in a `WorkerDriver` |
+//! | a chunked prefill finishes a chunk (optional) | `PrefillScheduler::handle_progress(id, blocks_so_far, consumer)`: in push mode the workers write the finished blocks into those D registered while the rest computes; from then on the blocks are the connector's until the export or `Free` |
+//! | the engine gives such a request up before it finishes | `PrefillScheduler::handle_abandoned(id)`; free the blocks it reported at the `Free` that follows (reason `aborted`, once no write from them is in flight), the others at once |
 //! | a request finishes its prompt | `PrefillScheduler::handle_finished(now, id, blocks, prompt_tokens)`; hand the returned [`RemoteRef`] to the router |
 //! | every scheduler step | drain `PrefillScheduler::poll_event`: give `ToWorker` commands to the rank's worker (`handle_command`), free the blocks of `Free` |
 //! | every worker step, per rank | `WorkerDriver::step(now)`; give each report to `PrefillScheduler::handle_report(rank, report)` |

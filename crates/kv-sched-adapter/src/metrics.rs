@@ -78,6 +78,8 @@ pub const TRANSFERS_POSTED: &str = "kvflow_transfers_posted_total";
 pub const TRANSFERS_FAILED: &str = "kvflow_num_failed_transfers_total";
 /// Transfers posted by prepared-list indices.
 pub const PREPARED: &str = "kvflow_prepared_transfers_total";
+/// Push writes posted ahead of their export.
+pub const WRITES_AHEAD: &str = "kvflow_writes_ahead_total";
 /// Bytes per transfer (vLLM's `nixl_bytes_transferred`).
 pub const BYTES: &str = "kvflow_bytes_transferred";
 /// Post to completion, per transfer (vLLM's `nixl_xfer_time_seconds`).
@@ -111,6 +113,7 @@ pub const METRICS: &[MetricDoc] = &[
     doc(TRANSFERS_POSTED, "counter", &[], "transfers posted (reads on D, push writes on P)"),
     doc(TRANSFERS_FAILED, "counter", &[], "transfers that failed or were refused"),
     doc(PREPARED, "counter", &[], "transfers posted by prepared-list indices rather than address pairs"),
+    doc(WRITES_AHEAD, "counter", &[], "P, push: writes posted while the prompt still computed, from the blocks a chunked prefill had finished"),
     doc(BYTES, "histogram", &[], "bytes per completed transfer"),
     doc(XFER_TIME, "histogram", &[], "seconds from posting a transfer to seeing it complete"),
     doc(DESCRIPTORS, "histogram", &[], "descriptors per transfer, before the transport merges contiguous ones"),
@@ -415,7 +418,7 @@ mod imp {
                 l.push((key, value.to_owned()));
                 l
             };
-            let plain: [(&'static str, Field); 10] = [
+            let plain: [(&'static str, Field); 11] = [
                 (LEASES_RENEWED, |c| c.leases_renewed),
                 (AFTER_EXPIRY, |c| c.notifications_after_expiry),
                 (EARLY_STAGED, |c| c.early_staged),
@@ -425,6 +428,7 @@ mod imp {
                 (QUARANTINED, |c| c.quarantined),
                 (REJECTIONS_UNSENT, |c| c.rejections_unsent),
                 (PREPARED, |c| c.prepared_reads + c.prepared_writes),
+                (WRITES_AHEAD, |c| c.writes_ahead),
                 (PEERS_LOST, |c| c.peers_lost),
             ];
             Worker {

@@ -76,6 +76,21 @@ impl<T> EarlyStage<T> {
         chosen.into_iter().filter_map(|seq| self.remove(seq)).map(|s| (s.request, s.item)).collect()
     }
 
+    /// The entries about `request` exactly, or with `by_base` about any id of the same base
+    /// id, in arrival order.
+    pub fn about<'a>(
+        &'a self,
+        request: &'a RequestId,
+        by_base: bool,
+    ) -> impl Iterator<Item = (&'a RequestId, &'a T)> + 'a {
+        self.by_base
+            .get(&request.base())
+            .into_iter()
+            .flat_map(move |seqs| seqs.iter().map(move |seq| &self.entries[seq]))
+            .filter(move |s| by_base || s.request == *request)
+            .map(|s| (&s.request, &s.item))
+    }
+
     /// Whether an entry about `request` exactly satisfies `test`.
     pub fn any(&self, request: &RequestId, test: impl Fn(&T) -> bool) -> bool {
         self.by_base.get(&request.base()).is_some_and(|seqs| {

@@ -1,12 +1,13 @@
 //! P's scheduler side: exports finished requests and frees their blocks once every TP rank
-//! has released them.
+//! has released them. In push mode it also passes on a chunked prefill's progress, so that
+//! the workers write finished blocks while the rest of the prompt computes.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use kv_core::{BlockId, EngineId, PeerAddress, RequestId, Time};
 
 use crate::common::{Consumer, ExportInfo, RemoteRef};
-use crate::config::{Config, ConfigError, ReleaseReason};
+use crate::config::{Config, ConfigError, Mode, ReleaseReason};
 use crate::metrics::PrefillMetrics;
 
 /// What P's scheduler tells a worker rank.
@@ -22,6 +23,23 @@ pub enum PrefillCommand {
         deadline: Time,
         /// The D engine the router named, bound to the export (and its siblings) at once.
         consumer: Option<Consumer>,
+    },
+    /// Push: a request still computing has these blocks finished (the prompt's first ones, in
+    /// order); the worker may write them into the blocks D registered before the prompt ends.
+    Progress {
+        /// P's request id.
+        request: RequestId,
+        /// The blocks computed so far, in prompt order.
+        blocks: Vec<BlockId>,
+        /// The D engine the router named, if any: only its registrations are written ahead.
+        consumer: Option<Consumer>,
+    },
+    /// Push: the engine gave up a request it reported progress on, before finishing it. The
+    /// worker writes no more into D's blocks, tells D none will come, and releases the request
+    /// (reason `aborted`) once no write is in flight.
+    Abandon {
+        /// P's request id.
+        request: RequestId,
     },
 }
 
@@ -67,6 +85,19 @@ pub enum PrefillError {
     /// An export needs blocks.
     #[error("request {0} has no blocks to export")]
     NoBlocks(RequestId),
+    /// A progress report or export does not extend the blocks reported before.
+    #[error("request {request}: {blocks} blocks do not extend the {computed} reported computed before")]
+    ProgressMismatch {
+        /// P's request id.
+        request: RequestId,
+        /// The blocks in this call.
+        blocks: usize,
+        /// The blocks reported before.
+        computed: usize,
+    },
+    /// The request was not reported in progress.
+    #[error("request {0} is not computing")]
+    NotComputing(RequestId),
     /// A report named a rank outside the engine.
     #[error("rank {rank} is outside the engine's {tp} workers")]
     NoSuchRank {
@@ -95,6 +126,11 @@ pub struct PrefillScheduler {
     addresses: Vec<PeerAddress>,
     config: Config,
     exports: BTreeMap<RequestId, SchedulerExport>,
+    /// Requests reported in progress and not yet finished: their blocks so far, and the
+    /// consumer named. Bounded by the pool: each holds at least one block.
+    computing: BTreeMap<RequestId, Vec<BlockId>>,
+    /// Push: requests given up while computing, until every rank released them.
+    abandoned: BTreeMap<RequestId, SchedulerExport>,
     events: VecDeque<PrefillEvent>,
     metrics: PrefillMetrics,
 }
@@ -123,6 +159,8 @@ impl PrefillScheduler {
             addresses,
             config,
             exports: BTreeMap::new(),
+            computing: BTreeMap::new(),
+            abandoned: BTreeMap::new(),
             events: VecDeque::new(),
         })
     }
@@ -149,11 +187,18 @@ impl PrefillScheduler {
         prompt_tokens: u64,
         consumer: Option<Consumer>,
     ) -> Result<RemoteRef, PrefillError> {
-        if self.exports.contains_key(&request) {
+        if self.exports.contains_key(&request) || self.abandoned.contains_key(&request) {
             return Err(PrefillError::AlreadyExported(request));
         }
         if blocks.is_empty() {
             return Err(PrefillError::NoBlocks(request));
+        }
+        if let Some(computed) = self.computing.get(&request) {
+            if !blocks.starts_with(computed) {
+                let (blocks, computed) = (blocks.len(), computed.len());
+                return Err(PrefillError::ProgressMismatch { request, blocks, computed });
+            }
+            self.computing.remove(&request);
         }
         let deadline = now + self.config.kv_lease_duration;
         for rank in 0..self.workers {
@@ -183,12 +228,79 @@ impl PrefillScheduler {
         })
     }
 
+    /// A chunked prefill of `request` has computed `blocks` (all of them so far, in prompt
+    /// order; each call extends the last). In push mode the workers write them ahead into the
+    /// blocks D registered (the consumer's, when the router named one), so that at
+    /// [`PrefillScheduler::handle_finished`] only the rest is left to move. From the first call
+    /// until [`PrefillEvent::Free`] or the export, the blocks are the connector's: an engine
+    /// that gives the request up calls [`PrefillScheduler::handle_abandoned`] and frees them at
+    /// `Free`. Pull mode writes nothing ahead; the calls only keep that rule.
+    pub fn handle_progress(
+        &mut self,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        consumer: Option<Consumer>,
+    ) -> Result<(), PrefillError> {
+        if self.exports.contains_key(&request) || self.abandoned.contains_key(&request) {
+            return Err(PrefillError::AlreadyExported(request));
+        }
+        if blocks.is_empty() {
+            return Err(PrefillError::NoBlocks(request));
+        }
+        let before = self.computing.get(&request).map_or(&[][..], Vec::as_slice);
+        let computed = before.len();
+        if !blocks.starts_with(before) {
+            return Err(PrefillError::ProgressMismatch { request, blocks: blocks.len(), computed });
+        }
+        if self.config.mode == Mode::Push && blocks.len() > computed {
+            for rank in 0..self.workers {
+                let command = PrefillCommand::Progress {
+                    request: request.clone(),
+                    blocks: blocks.clone(),
+                    consumer: consumer.clone(),
+                };
+                self.events.push_back(PrefillEvent::ToWorker { rank, command });
+            }
+        }
+        self.computing.insert(request, blocks);
+        Ok(())
+    }
+
+    /// The engine gives up `request`, reported in progress and not finished (aborted,
+    /// preempted). Its blocks come back as [`PrefillEvent::Free`] (reason `aborted`) once no
+    /// worker writes from them: at once in pull mode, when every rank released it in push mode.
+    pub fn handle_abandoned(&mut self, request: RequestId) -> Result<(), PrefillError> {
+        let Some(blocks) = self.computing.remove(&request) else {
+            return Err(PrefillError::NotComputing(request));
+        };
+        let reason = ReleaseReason::Aborted;
+        if self.config.mode == Mode::Pull {
+            self.events.push_back(PrefillEvent::Free { request, blocks, reason });
+            return Ok(());
+        }
+        for rank in 0..self.workers {
+            let command = PrefillCommand::Abandon { request: request.clone() };
+            self.events.push_back(PrefillEvent::ToWorker { rank, command });
+        }
+        self.abandoned.insert(request, SchedulerExport { blocks, released: BTreeSet::new(), reason: Some(reason) });
+        Ok(())
+    }
+
     /// A worker rank's report.
     pub fn handle_report(&mut self, rank: u32, report: PrefillReport) -> Result<(), PrefillError> {
         if rank >= self.workers {
             return Err(PrefillError::NoSuchRank { rank, tp: self.workers });
         }
         let PrefillReport::Released { request, reason } = report;
+        if let Some(abandoned) = self.abandoned.get_mut(&request) {
+            abandoned.released.insert(rank);
+            if abandoned.released.len() as u32 == self.workers {
+                let abandoned = self.abandoned.remove(&request).expect("present");
+                let reason = ReleaseReason::Aborted;
+                self.events.push_back(PrefillEvent::Free { request, blocks: abandoned.blocks, reason });
+            }
+            return Ok(());
+        }
         let Some(export) = self.exports.get_mut(&request) else {
             tracing::debug!(%request, rank, "release of an export already freed");
             return Ok(());
@@ -223,5 +335,69 @@ impl PrefillScheduler {
     /// Workers: the TP size times the pipeline stages.
     pub fn workers(&self) -> u32 {
         self.workers
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scheduler(mode: Mode) -> PrefillScheduler {
+        let config = Config { mode, ..Config::default() };
+        let addresses = vec![PeerAddress("p0".into()), PeerAddress("p1".into())];
+        PrefillScheduler::new(EngineId::new("prefill0"), 1, addresses, config).expect("valid")
+    }
+
+    fn blocks(ids: &[u32]) -> Vec<BlockId> {
+        ids.iter().map(|&b| BlockId(b)).collect()
+    }
+
+    fn events(s: &mut PrefillScheduler) -> Vec<PrefillEvent> {
+        std::iter::from_fn(|| s.poll_event()).collect()
+    }
+
+    #[test]
+    fn progress_must_extend_what_was_reported() {
+        let mut s = scheduler(Mode::Push);
+        let r = RequestId::new("r1");
+        s.handle_progress(r.clone(), blocks(&[4, 5]), None).unwrap();
+        assert_eq!(events(&mut s).len(), 2, "one Progress command for each rank");
+        let err = s.handle_progress(r.clone(), blocks(&[4, 6, 7]), None).unwrap_err();
+        assert_eq!(err.to_string(), "request r1: 3 blocks do not extend the 2 reported computed before");
+        let err = s.handle_finished(Time::ZERO, r.clone(), blocks(&[5, 4, 6]), 48, None).unwrap_err();
+        assert!(matches!(err, PrefillError::ProgressMismatch { blocks: 3, computed: 2, .. }), "{err}");
+        s.handle_finished(Time::ZERO, r, blocks(&[4, 5, 6]), 48, None).unwrap();
+    }
+
+    #[test]
+    fn a_push_prompt_given_up_frees_when_every_rank_released_it() {
+        let mut s = scheduler(Mode::Push);
+        let r = RequestId::new("r1");
+        assert_eq!(s.handle_abandoned(r.clone()), Err(PrefillError::NotComputing(r.clone())));
+        s.handle_progress(r.clone(), blocks(&[4, 5]), None).unwrap();
+        s.handle_abandoned(r.clone()).unwrap();
+        let abandon = events(&mut s)
+            .into_iter()
+            .filter(|e| matches!(e, PrefillEvent::ToWorker { command: PrefillCommand::Abandon { .. }, .. }));
+        assert_eq!(abandon.count(), 2);
+        let released =
+            |request: &RequestId| PrefillReport::Released { request: request.clone(), reason: ReleaseReason::Aborted };
+        s.handle_report(0, released(&r)).unwrap();
+        assert!(events(&mut s).is_empty(), "rank 1 may still be writing from the blocks");
+        s.handle_report(1, released(&r)).unwrap();
+        let free = PrefillEvent::Free { request: r, blocks: blocks(&[4, 5]), reason: ReleaseReason::Aborted };
+        assert_eq!(events(&mut s), vec![free]);
+        assert_eq!(s.pending(), 0, "an abandoned prompt was never an export");
+    }
+
+    #[test]
+    fn a_pull_prompt_given_up_frees_at_once() {
+        let mut s = scheduler(Mode::Pull);
+        let r = RequestId::new("r1");
+        s.handle_progress(r.clone(), blocks(&[4, 5]), None).unwrap();
+        assert!(events(&mut s).is_empty(), "pull writes nothing ahead");
+        s.handle_abandoned(r.clone()).unwrap();
+        let free = PrefillEvent::Free { request: r, blocks: blocks(&[4, 5]), reason: ReleaseReason::Aborted };
+        assert_eq!(events(&mut s), vec![free]);
     }
 }

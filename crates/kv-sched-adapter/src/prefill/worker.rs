@@ -17,6 +17,17 @@
 //! anyway (its discovery registration lapsed while it ran) fails its loads rather than read
 //! what was released for it.
 //!
+//! Push mode with a chunked prefill: while P still computes a request, the blocks it has
+//! finished ([`PrefillCommand::Progress`]) are written ahead, without a notification, into the
+//! blocks its owner-to-be registered (the consumer the router named, else the engine of the
+//! first claim staged for it). The last write, at the export, moves the rest and carries the
+//! completion, and is posted only once the writes ahead into that D rank have completed (a
+//! completed NIXL write has been flushed to its target), so the completion never overtakes
+//! their bytes. Nothing tells D "no write will come" (an abort, a cancel's answer) while a
+//! write into its blocks is in flight, before or after the export. A request the engine gives
+//! up while computing ([`PrefillCommand::Abandon`]) is released, as `aborted`, once its writes
+//! ahead have ended.
+//!
 //! Messages about an export the worker does not know yet (a completion, a renewal, a push
 //! registration) are staged, bounded, and settled when it registers, in arrival order: a staged
 //! renewal claims the export then. Staged messages of an engine since gone are settled too (what
@@ -104,10 +115,15 @@ struct Export {
     /// the owner may be reading it.
     claimed: bool,
     completed: BTreeSet<AgentName>,
-    /// Push mode: D ranks' registrations, the writes in flight and those done.
+    /// Push mode: D ranks' registrations, the writes in flight (by D rank, with those
+    /// written ahead) and the D ranks whose last write is done.
     registrations: BTreeMap<AgentName, PushRegistration>,
-    writing: BTreeSet<AgentName>,
+    writing: BTreeMap<AgentName, usize>,
     written: BTreeSet<AgentName>,
+    /// Push mode: D blocks of each D rank's registration written ahead while P computed, and
+    /// the D ranks whose write ahead failed (they get an abort, never the completion).
+    ahead: BTreeMap<AgentName, usize>,
+    ahead_failed: BTreeSet<AgentName>,
     /// Push mode: the writes this rank owes, one per consumer D rank (known at the first registration).
     owed_writes: usize,
     /// A release that came while a write was reading these blocks; it happens when the write ends.
@@ -117,11 +133,41 @@ struct Export {
     cancels: BTreeMap<AgentName, RequestId>,
 }
 
+/// Push: a request P still computes, whose finished blocks it writes ahead.
+#[derive(Debug)]
+struct Computing {
+    /// The blocks computed so far, in prompt order.
+    blocks: Vec<BlockId>,
+    /// The D engine the router named, if any: the only one written ahead to.
+    consumer: Option<Consumer>,
+    /// D blocks of each D rank's registration written (or being written) so far.
+    ahead: BTreeMap<AgentName, usize>,
+    /// Writes in flight, by D rank.
+    writing: BTreeMap<AgentName, usize>,
+    /// D ranks written ahead to no more: a write failed, or D cancelled.
+    stopped: BTreeSet<AgentName>,
+    /// The engine gave the request up: released once no write is in flight.
+    abandoned: bool,
+}
+
+/// A write this rank posted.
+#[derive(Debug)]
+struct Write {
+    /// P's request id.
+    request: RequestId,
+    /// The D rank written to.
+    to: AgentName,
+    /// The write that carries the completion (not one ahead of it).
+    last: bool,
+}
+
 /// The sizes of a P rank's tables; each but `exports` (bounded by the pool) has a fixed bound.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct PrefillBook {
     /// Exports held.
     pub exports: usize,
+    /// Push: requests still computing with blocks written ahead (bounded by the pool).
+    pub computing: usize,
     /// Messages staged before their export (at most `early_notification_capacity`).
     pub staged: usize,
     /// Released ids remembered to tell late messages from early ones (at most 65 536, two leases each).
@@ -155,7 +201,12 @@ pub struct PrefillWorker {
     gone: GoneIncarnations,
     early: EarlyStage<Early>,
     recent: Recent,
-    writes: BTreeMap<XferToken, (RequestId, AgentName)>,
+    writes: BTreeMap<XferToken, Write>,
+    /// Push: requests still computing, whose finished blocks are written ahead.
+    computing: BTreeMap<RequestId, Computing>,
+    /// Push: "no write will come" answers held until the writes of a request (P's id) into
+    /// a D rank have ended, with who gets each; bounded by the writes in flight.
+    held_answers: BTreeMap<(RequestId, AgentName), Vec<(Claimant, RequestId)>>,
     /// Push: this rank's pool, prepared once, and each D rank's, prepared at its first write.
     lists: PreparedLists,
     /// How transfers of whole blocks name their bytes: the configuration's choice, else the
@@ -194,6 +245,8 @@ impl PrefillWorker {
             gone: GoneIncarnations::new(GONE_ENGINES),
             recent: Recent::new(RECENT_RELEASES),
             writes: BTreeMap::new(),
+            computing: BTreeMap::new(),
+            held_answers: BTreeMap::new(),
             lists: PreparedLists::default(),
             descriptors: config.descriptors.unwrap_or(Descriptors::Prepared),
             out: Outbox::default(),
@@ -237,13 +290,14 @@ impl PrefillWorker {
     /// Whether a peer's notification may change something now: a completion, renewal,
     /// rejection, abort or push registration for an export this rank holds.
     pub fn awaits_peers(&self) -> bool {
-        !self.exports.is_empty()
+        !self.exports.is_empty() || !self.computing.is_empty()
     }
 
     /// How much this rank keeps in its bounded tables, for metrics and bound checks.
     pub fn book(&self) -> PrefillBook {
         PrefillBook {
             exports: self.exports.len(),
+            computing: self.computing.len(),
             staged: self.early.len(),
             recent: self.recent.len(),
             pulled: self.pulled.len(),
@@ -277,7 +331,23 @@ impl PrefillWorker {
     pub fn handle_command(&mut self, now: Time, command: PrefillCommand) {
         self.reap_expired(now);
         self.forget_old(now);
-        let PrefillCommand::Export { request, blocks, deadline, consumer } = command;
+        match command {
+            PrefillCommand::Export { request, blocks, deadline, consumer } => {
+                self.on_export(now, request, blocks, deadline, consumer)
+            }
+            PrefillCommand::Progress { request, blocks, consumer } => self.on_progress(request, blocks, consumer),
+            PrefillCommand::Abandon { request } => self.on_abandon(now, request),
+        }
+    }
+
+    fn on_export(
+        &mut self,
+        now: Time,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        deadline: Time,
+        consumer: Option<Consumer>,
+    ) {
         let _span = request_span(&self.offer.engine, Some(self.offer.rank), &request).entered();
         tracing::debug!(blocks = blocks.len(), deadline_ns = deadline.as_nanos(), consumer = ?consumer, "export registered");
         if self.exports.contains_key(&request) || self.recent.contains(&request) {
@@ -285,14 +355,18 @@ impl PrefillWorker {
             return;
         }
         let family_id = request.parent().unwrap_or_else(|| request.clone());
+        // What was written ahead while it computed, and the writes still in flight, go with it.
+        let ahead = self.computing.remove(&request);
         let export = Export {
             blocks,
             family: family_id.clone(),
             claimed: false,
             completed: BTreeSet::new(),
             registrations: BTreeMap::new(),
-            writing: BTreeSet::new(),
+            writing: ahead.as_ref().map(|c| c.writing.clone()).unwrap_or_default(),
             written: BTreeSet::new(),
+            ahead: ahead.as_ref().map(|c| c.ahead.clone()).unwrap_or_default(),
+            ahead_failed: ahead.map(|c| c.stopped).unwrap_or_default(),
             owed_writes: 0,
             deferred: None,
             cancels: BTreeMap::new(),
@@ -438,16 +512,43 @@ impl PrefillWorker {
 
     /// A transfer this worker posted ended.
     pub fn handle_transfer(&mut self, now: Time, token: XferToken, ok: bool) {
-        let Some((request, to)) = self.writes.remove(&token) else { return };
-        let Some(export) = self.exports.get_mut(&request) else { return };
-        export.writing.remove(&to);
-        if ok {
-            export.written.insert(to);
-        } else {
-            // The write is never reported done. Tell D, which gives the load up and aborts.
+        let Some(Write { request, to, last }) = self.writes.remove(&token) else { return };
+        if !ok {
             self.counters.transfers_failed += 1;
-            if let Some(reg) = export.registrations.remove(&to) {
+        }
+        if let Some(computing) = self.computing.get_mut(&request) {
+            // A write ahead; the request still computes.
+            let idle = write_ended(&mut computing.writing, &to);
+            if !ok {
+                computing.stopped.insert(to.clone());
+            }
+            let abandoned = computing.abandoned && computing.writing.is_empty();
+            if idle {
+                self.release_answers(&request, &to);
+            }
+            if abandoned {
+                self.finish_abandon(now, &request);
+            }
+            return;
+        }
+        let Some(export) = self.exports.get_mut(&request) else { return };
+        let idle = write_ended(&mut export.writing, &to);
+        if last {
+            if ok {
+                export.written.insert(to.clone());
+            } else if let Some(reg) = export.registrations.remove(&to) {
+                // The write is never reported done. Tell D, which gives the load up and aborts.
                 self.out.send(&to, &Message::Abort { request: reg.request });
+            }
+        } else if !ok {
+            export.ahead_failed.insert(to.clone());
+        }
+        if idle {
+            self.release_answers(&request, &to);
+            let export = &self.exports[&request];
+            if !last && export.deferred.is_none() && export.registrations.contains_key(&to) {
+                // The writes ahead into that rank have completed: the last one may go.
+                self.write(&request, &to);
             }
         }
         self.settle_push(now, &request);
@@ -668,6 +769,12 @@ impl PrefillWorker {
             // for a registration that comes later. When it cannot (the record is full), D's
             // blocks wait out their quarantine instead.
             let agent = from.agent.clone();
+            // Written ahead to while P computes, perhaps: no more, and each answer waits for
+            // the writes in flight.
+            let computing = self.computing_for(&request);
+            if let Some(id) = &computing {
+                self.computing.get_mut(id).expect("found").stopped.insert(agent.clone());
+            }
             let promise = (agent.clone(), request.base());
             if !self.cancelled.is_full() || self.cancelled.contains(&promise) {
                 self.cancelled.insert(promise, now);
@@ -678,11 +785,11 @@ impl PrefillWorker {
                 for (_, early) in registrations {
                     if let Message::PushRegistration(reg) = early.message {
                         answered |= reg.request == request;
-                        self.answer(&from, &Message::Abort { request: reg.request });
+                        self.answer_abort(computing.as_ref(), &from, reg.request);
                     }
                 }
                 if !answered {
-                    self.answer(&from, &Message::Abort { request: request.clone() });
+                    self.answer_abort(computing.as_ref(), &from, request.clone());
                 }
             }
         }
@@ -708,7 +815,7 @@ impl PrefillWorker {
                     // Push: a write into that rank's blocks is in flight; "released" would tell
                     // D that none is, and D would free the blocks under it. The write's own
                     // completion answers.
-                    None if self.exports[&id].writing.contains(&from.agent) => LeaseState::Unknown,
+                    None if self.exports[&id].writing.contains_key(&from.agent) => LeaseState::Unknown,
                     // Expired and about to be reaped, or released while a write finishes.
                     None => LeaseState::Released,
                 },
@@ -767,13 +874,19 @@ impl PrefillWorker {
                 self.answer(&from, &Message::Abort { request: reg.request });
             } else {
                 let request = reg.request.clone();
-                self.stage(now, from, request, Message::PushRegistration(reg));
+                self.stage(now, from, request.clone(), Message::PushRegistration(reg));
+                if let Some(id) = self.computing_for(&request) {
+                    // P is computing it: the blocks finished so far can go now.
+                    self.write_ahead(&id);
+                }
             }
             return;
         };
         if !self.bind(&id, &from) {
+            // Written ahead to before the router's choice bound it elsewhere, perhaps: the
+            // answer waits for those writes.
             self.foreign();
-            self.answer(&from, &Message::Abort { request: reg.request });
+            self.answer_abort(Some(&id), &from, reg.request);
             return;
         }
         let export = self.exports.get_mut(&id).expect("resolved");
@@ -793,86 +906,301 @@ impl PrefillWorker {
         self.settle_push(now, &id);
     }
 
-    /// Posts the write of export `id` into the blocks D rank `to` registered.
+    /// Posts the last write of export `id` into the blocks D rank `to` registered: those not
+    /// written ahead, with the completion. It waits while writes ahead into that rank are in
+    /// flight ([`PrefillWorker::handle_transfer`] calls again when they end).
     fn write(&mut self, id: &RequestId, to: &AgentName) {
-        let peer = &self.peers[to];
-        let tp = peer.compat.tp;
-        let Ok(plan_d) = tp.decode_rank(to.rank) else { return };
         let export = self.exports.get_mut(id).expect("exists");
-        let reg = export.registrations[to].clone();
+        if export.writing.contains_key(to) || export.written.contains(to) {
+            return;
+        }
+        let Some(reg) = export.registrations.get(to).cloned() else { return };
+        if export.ahead_failed.contains(to) {
+            // A write ahead failed (or D cancelled while P computed): D cannot tell what
+            // landed, so it gets no completion; it gives the load up.
+            export.registrations.remove(to);
+            self.out.send(to, &Message::Abort { request: reg.request });
+            return;
+        }
+        let ahead = export.ahead.get(to).copied().unwrap_or(0);
+        let Ok(plan_d) = self.peers[to].compat.tp.decode_rank(to.rank) else { return };
         // D counts one write from each of the P ranks it maps to in every stage.
         let completion = Message::Completion {
             request: reg.request.clone(),
             expected_consumers: plan_d.completion_targets().count() as u32 * self.offer.pp_size,
         };
-        let rank = self.offer.tp_rank();
-        if plan_d.notify_only.contains(&rank) {
-            // MLA: D reads the latent from another rank; this one only says it is done.
+        if plan_d.notify_only.contains(&self.offer.tp_rank()) || (ahead > 0 && ahead >= reg.blocks.len()) {
+            // MLA: D reads the latent from another rank; this one only says it is done. Or every
+            // block went ahead, and those writes have completed (flushed to D).
             self.out.send(to, &completion);
             export.written.insert(to.clone());
             return;
         }
-        let Some(slice) = plan_d.reads.iter().find(|s| s.prefill_rank == rank).copied() else { return };
-        let d_shape = peer.shape(tp.decode_heads());
-        // A partial prefix hit: D registered its blocks from the prompt's `first_block` on, and
-        // D block `b` takes P's sub-blocks from `b * ratio` (the plan clips the last).
-        let ratio = d_shape.map_or(1, |d| (d.layout.block_tokens / self.pool.shape.layout.block_tokens.max(1)).max(1));
-        let skipped = (reg.first_block as usize).saturating_mul(ratio as usize);
-        let p_blocks = export.blocks.get(skipped..).unwrap_or(&[]);
-        let built = d_shape.ok_or_else(|| "peer layout".to_owned()).and_then(|d_shape| {
-            let input = PlanInput {
-                prefill: PoolSide { shape: self.pool.shape, regions: &self.pool.regions, blocks: p_blocks },
-                decode: PoolSide { shape: d_shape, regions: &peer.handshake.regions, blocks: &reg.blocks },
-                slice,
-                initiator: Initiator::Prefill,
-            };
-            // The plan also checks every block against both pools, whichever way is posted.
-            TransferPlan::build(&input, Granularity::Merged).map_err(|e| e.to_string())
-        });
-        match (built, completion.encode()) {
-            (Ok(plan), Ok(notification)) => {
-                let d_shape = d_shape.expect("the plan was built from it");
-                let indexed = self.descriptors == Descriptors::Prepared && by_index(&self.pool.shape, &d_shape, &slice);
-                let token = match self.lists.ready(to).filter(|_| indexed) {
-                    Some((local, remote)) => {
-                        let (local_indices, remote_indices) =
-                            block_indices(&self.pool.shape, p_blocks, &d_shape, &reg.blocks);
-                        self.counters.prepared_writes += 1;
-                        self.out.post_prepared(PreparedTransfer {
-                            op: TransferOp::Write,
-                            peer: to.clone(),
-                            local,
-                            local_indices,
-                            remote,
-                            remote_indices,
-                            notification: Some(notification),
-                        })
-                    }
-                    None => {
-                        if indexed {
-                            // Prepared once, at the first write to this peer; this one goes as pairs.
-                            let regions = peer.handshake.regions.clone();
-                            self.lists.want(&mut self.out, &self.pool, to, &d_shape, &regions);
-                        }
-                        let request = TransferRequest {
-                            op: TransferOp::Write,
-                            peer: to.clone(),
-                            pairs: plan.pairs().to_vec(),
-                            notification: Some(notification),
-                        };
-                        self.out.post(request)
-                    }
-                };
-                export.writing.insert(to.clone());
-                self.writes.insert(token, (id.clone(), to.clone()));
+        let notification = match completion.encode() {
+            Ok(notification) => notification,
+            Err(err) => return tracing::warn!(request = %id, %err, "completion does not encode"),
+        };
+        let blocks = export.blocks.clone();
+        match self.post_write(to, &reg, &blocks, ahead..reg.blocks.len(), Some(notification)) {
+            Ok(token) => {
+                let export = self.exports.get_mut(id).expect("exists");
+                *export.writing.entry(to.clone()).or_default() += 1;
+                self.writes.insert(token, Write { request: id.clone(), to: to.clone(), last: true });
             }
-            (Err(err), _) => {
+            Err(err) => {
                 tracing::warn!(request = %id, peer = %to, %err, "cannot write into the registered blocks");
-                export.registrations.remove(to);
+                self.exports.get_mut(id).expect("exists").registrations.remove(to);
                 self.counters.ignored(Ignored::Malformed);
                 self.out.send(to, &Message::Abort { request: reg.request });
             }
-            (_, Err(err)) => tracing::warn!(request = %id, %err, "completion does not encode"),
+        }
+    }
+
+    /// Posts a write of P's `blocks` into `d_range` of the blocks D rank `to` registered in
+    /// `reg`: D block `b` of the prompt (from `reg.first_block` on) takes P's sub-blocks from
+    /// `b * ratio`, and the plan clips the last and checks every block against both pools.
+    /// A write ahead (`d_range` short of the end) takes only the sub-blocks of its D blocks.
+    fn post_write(
+        &mut self,
+        to: &AgentName,
+        reg: &PushRegistration,
+        blocks: &[BlockId],
+        d_range: std::ops::Range<usize>,
+        notification: Option<Vec<u8>>,
+    ) -> Result<XferToken, String> {
+        let peer = &self.peers[to];
+        let tp = peer.compat.tp;
+        let plan_d = tp.decode_rank(to.rank).map_err(|e| e.to_string())?;
+        let rank = self.offer.tp_rank();
+        let slice = plan_d.reads.iter().find(|s| s.prefill_rank == rank).copied();
+        let slice = slice.ok_or_else(|| format!("no head slice of P rank {rank} for D rank {}", to.rank))?;
+        let d_shape = peer.shape(tp.decode_heads()).ok_or_else(|| "peer layout".to_owned())?;
+        let ratio = (d_shape.layout.block_tokens / self.pool.shape.layout.block_tokens.max(1)).max(1) as usize;
+        let first = reg.first_block as usize;
+        let d_blocks =
+            reg.blocks.get(d_range.clone()).ok_or_else(|| format!("D blocks {d_range:?} of {}", reg.blocks.len()))?;
+        let p_from = (first + d_range.start).saturating_mul(ratio).min(blocks.len());
+        let p_until =
+            if d_range.end < reg.blocks.len() { (first + d_range.end).saturating_mul(ratio) } else { blocks.len() };
+        let p_blocks = &blocks[p_from..p_until.clamp(p_from, blocks.len())];
+        let input = PlanInput {
+            prefill: PoolSide { shape: self.pool.shape, regions: &self.pool.regions, blocks: p_blocks },
+            decode: PoolSide { shape: d_shape, regions: &peer.handshake.regions, blocks: d_blocks },
+            slice,
+            initiator: Initiator::Prefill,
+        };
+        let plan = TransferPlan::build(&input, Granularity::Merged).map_err(|e| e.to_string())?;
+        let indexed = self.descriptors == Descriptors::Prepared && by_index(&self.pool.shape, &d_shape, &slice);
+        let token = match self.lists.ready(to).filter(|_| indexed) {
+            Some((local, remote)) => {
+                let (local_indices, remote_indices) = block_indices(&self.pool.shape, p_blocks, &d_shape, d_blocks);
+                self.counters.prepared_writes += 1;
+                self.out.post_prepared(PreparedTransfer {
+                    op: TransferOp::Write,
+                    peer: to.clone(),
+                    local,
+                    local_indices,
+                    remote,
+                    remote_indices,
+                    notification,
+                })
+            }
+            None => {
+                if indexed {
+                    // Prepared once, at the first write to this peer; this one goes as pairs.
+                    let regions = peer.handshake.regions.clone();
+                    self.lists.want(&mut self.out, &self.pool, to, &d_shape, &regions);
+                }
+                let request = TransferRequest {
+                    op: TransferOp::Write,
+                    peer: to.clone(),
+                    pairs: plan.pairs().to_vec(),
+                    notification,
+                };
+                self.out.post(request)
+            }
+        };
+        Ok(token)
+    }
+
+    /// Push: a request P computes has `blocks` finished.
+    fn on_progress(&mut self, request: RequestId, blocks: Vec<BlockId>, consumer: Option<Consumer>) {
+        if self.config.mode != Mode::Push || self.exports.contains_key(&request) || self.recent.contains(&request) {
+            return;
+        }
+        let computing = self.computing.entry(request.clone()).or_insert_with(|| Computing {
+            blocks: Vec::new(),
+            consumer: None,
+            ahead: BTreeMap::new(),
+            writing: BTreeMap::new(),
+            stopped: BTreeSet::new(),
+            abandoned: false,
+        });
+        if computing.abandoned {
+            return;
+        }
+        if blocks.len() > computing.blocks.len() {
+            computing.blocks = blocks;
+        }
+        if consumer.is_some() {
+            computing.consumer = consumer;
+        }
+        self.write_ahead(&request);
+    }
+
+    /// The request P computes that a D message about `request` names: exactly, else by base
+    /// id when that is unambiguous (no export and no other computing request shares it).
+    fn computing_for(&self, request: &RequestId) -> Option<RequestId> {
+        if self.computing.contains_key(request) {
+            return Some(request.clone());
+        }
+        if self.config.mode != Mode::Push || self.by_base.contains_key(&request.base()) {
+            return None;
+        }
+        let mut same = self.computing.keys().filter(|id| id.base() == request.base());
+        match (same.next(), same.next()) {
+            (Some(id), None) => Some(id.clone()),
+            _ => None,
+        }
+    }
+
+    /// Whether computing request `id` is the only request its base id names, so that push
+    /// registrations may name it by base id.
+    fn unique_base(&self, id: &RequestId) -> bool {
+        self.config.mode == Mode::Push
+            && !self.by_base.contains_key(&id.base())
+            && self.computing.keys().filter(|other| other.base() == id.base()).count() == 1
+    }
+
+    /// Push: writes the blocks computing request `id` has finished, past those written
+    /// already, into the blocks its owner-to-be registered: the consumer the router named, else
+    /// the engine of the first claim staged from a live engine (the one the export will be
+    /// bound to when it registers). Siblings are not written ahead: they share their blocks.
+    fn write_ahead(&mut self, id: &RequestId) {
+        let Some(computing) = self.computing.get(id) else { return };
+        if computing.abandoned || id.parent().is_some() {
+            return;
+        }
+        let by_base = self.unique_base(id);
+        let owner = computing.consumer.clone().or_else(|| {
+            self.early
+                .about(id, by_base)
+                .map(|(_, early)| early)
+                .find(|early| !self.gone.is_gone(&early.from.consumer) && self.claims(early))
+                .map(|early| early.from.consumer.clone())
+        });
+        let Some(owner) = owner else { return };
+        let mut targets: BTreeMap<AgentName, PushRegistration> = BTreeMap::new();
+        for (_, early) in self.early.about(id, by_base) {
+            if let Message::PushRegistration(reg) = &early.message {
+                if early.from.consumer == owner && self.live(&early.from) && self.claims(early) {
+                    targets.entry(early.from.agent.clone()).or_insert_with(|| reg.clone());
+                }
+            }
+        }
+        let rank = self.offer.tp_rank();
+        for (to, reg) in targets {
+            let peer = &self.peers[&to];
+            let tp = peer.compat.tp;
+            let Some(d_shape) = peer.shape(tp.decode_heads()) else { continue };
+            if tp.decode_rank(to.rank).map_or(true, |plan| plan.notify_only.contains(&rank)) {
+                continue;
+            }
+            let ratio = (d_shape.layout.block_tokens / self.pool.shape.layout.block_tokens.max(1)).max(1) as usize;
+            let computing = &self.computing[id];
+            if computing.stopped.contains(&to) {
+                continue;
+            }
+            let ready = (computing.blocks.len() / ratio).saturating_sub(reg.first_block as usize).min(reg.blocks.len());
+            let done = computing.ahead.get(&to).copied().unwrap_or(0);
+            if ready <= done {
+                continue;
+            }
+            let blocks = computing.blocks.clone();
+            let posted = self.post_write(&to, &reg, &blocks, done..ready, None);
+            let computing = self.computing.get_mut(id).expect("present");
+            match posted {
+                Ok(token) => {
+                    computing.ahead.insert(to.clone(), ready);
+                    *computing.writing.entry(to.clone()).or_default() += 1;
+                    self.counters.writes_ahead += 1;
+                    self.writes.insert(token, Write { request: id.clone(), to, last: false });
+                }
+                Err(err) => {
+                    // The last write, at the export, tries again and says why.
+                    tracing::debug!(request = %id, peer = %to, %err, "no write ahead");
+                    computing.stopped.insert(to);
+                }
+            }
+        }
+    }
+
+    /// Whether staged message `early` would claim its export when it registers: anything but a
+    /// push registration this rank would refuse.
+    fn claims(&self, early: &Early) -> bool {
+        match &early.message {
+            Message::PushRegistration(reg) => {
+                let agent = &early.from.agent;
+                self.config.mode == Mode::Push
+                    && reg.decode_engine == agent.engine
+                    && reg.decode_rank == agent.rank
+                    && reg.prefill_pp == self.offer.pp_size
+                    && !self.cancelled.contains(&(agent.clone(), reg.request.base()))
+            }
+            _ => true,
+        }
+    }
+
+    /// Push: the engine gave up computing request `id`.
+    fn on_abandon(&mut self, now: Time, id: RequestId) {
+        let Some(computing) = self.computing.get_mut(&id) else {
+            // Nothing was written ahead from this rank.
+            self.out.report(PrefillReport::Released { request: id, reason: ReleaseReason::Aborted });
+            return;
+        };
+        computing.abandoned = true;
+        if computing.writing.is_empty() {
+            self.finish_abandon(now, &id);
+        }
+    }
+
+    /// Releases abandoned request `id`, no write from it in flight: D ranks whose registrations
+    /// are staged for it learn at once that no write will come, and messages about it from
+    /// now on are late.
+    fn finish_abandon(&mut self, now: Time, id: &RequestId) {
+        let by_base = self.unique_base(id);
+        self.computing.remove(id);
+        self.recent.insert(id.clone(), now);
+        let staged = self.early.take(id, by_base, |_, early| matches!(early.message, Message::PushRegistration(_)));
+        for (_, early) in staged {
+            if let Message::PushRegistration(reg) = early.message {
+                self.answer(&early.from, &Message::Abort { request: reg.request });
+            }
+        }
+        let _span = request_span(&self.offer.engine, Some(self.offer.rank), id).entered();
+        tracing::debug!("abandoned while computing; released");
+        self.out.report(PrefillReport::Released { request: id.clone(), reason: ReleaseReason::Aborted });
+    }
+
+    /// Tells `from` that no write will come for its `request`: now, or, while writes of P's
+    /// request `id` into its blocks are in flight, when they have ended.
+    fn answer_abort(&mut self, id: Option<&RequestId>, from: &Claimant, request: RequestId) {
+        let busy = id.filter(|id| {
+            let in_export = self.exports.get(*id).is_some_and(|e| e.writing.contains_key(&from.agent));
+            in_export || self.computing.get(*id).is_some_and(|c| c.writing.contains_key(&from.agent))
+        });
+        match busy {
+            Some(id) => {
+                self.held_answers.entry((id.clone(), from.agent.clone())).or_default().push((from.clone(), request));
+            }
+            None => self.answer(from, &Message::Abort { request }),
+        }
+    }
+
+    /// The writes of P's request `id` into D rank `to` have ended: the answers held for them go.
+    fn release_answers(&mut self, id: &RequestId, to: &AgentName) {
+        for (from, request) in self.held_answers.remove(&(id.clone(), to.clone())).unwrap_or_default() {
+            self.answer(&from, &Message::Abort { request });
         }
     }
 
@@ -938,6 +1266,20 @@ impl PrefillWorker {
         }
         for sibling in siblings {
             self.release(now, &sibling, ReleaseReason::Sibling);
+        }
+    }
+}
+
+/// One write into `to` ended; whether none is in flight into it any more.
+fn write_ended(writing: &mut BTreeMap<AgentName, usize>, to: &AgentName) -> bool {
+    match writing.get_mut(to) {
+        Some(count) if *count > 1 => {
+            *count -= 1;
+            false
+        }
+        _ => {
+            writing.remove(to);
+            true
         }
     }
 }

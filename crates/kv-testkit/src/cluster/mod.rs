@@ -110,6 +110,20 @@ struct PrefillEngine {
     pool: BlockPool,
     handoff: VecDeque<(Time, u32, PrefillCommand)>,
     export_blocks: BTreeMap<RequestId, Vec<BlockId>>,
+    /// Prompts of a chunked prefill, computing.
+    computing: BTreeMap<RequestId, Prompt>,
+}
+
+/// A prompt P computed into its blocks, not yet exported.
+struct Prompt {
+    /// The exports it becomes: the request, or its parallel-sampling siblings.
+    ids: Vec<RequestId>,
+    blocks: Vec<BlockId>,
+    prompt_tokens: u64,
+    consumer: Option<kv_sched_adapter::Consumer>,
+    seed: u64,
+    /// Of its blocks, the first ones reported computed: the connector's until it frees them.
+    reported: usize,
 }
 
 struct DecodeEngine {
@@ -325,6 +339,7 @@ impl Cluster {
             pool: BlockPool::new(spec.prefill_num_blocks),
             handoff: VecDeque::new(),
             export_blocks: BTreeMap::new(),
+            computing: BTreeMap::new(),
         })
     }
 

@@ -7,7 +7,7 @@ use kv_core::{EngineId, RequestId, Role};
 use kv_sched_adapter::{Consumer, Mode, RemoteRef};
 
 use super::oracle::{self, Computed};
-use super::{err, fnv, Cluster, ClusterError, DecodeEngine, DecodeLoad, PrefillEngine};
+use super::{err, fnv, Cluster, ClusterError, DecodeEngine, DecodeLoad, PrefillEngine, Prompt};
 
 /// A call on an engine from outside it: the router's on a D engine (`Arrive`, `Schedule`,
 /// `Reject`, `Abort`), or discovery's word on any engine that incarnation `instance` of
@@ -58,7 +58,88 @@ impl Cluster {
         n: u32,
         consumer: Option<&str>,
     ) -> Result<(), ClusterError> {
-        let now = self.now();
+        let prompt = self.compute(node, request, prompt_tokens, n, consumer)?;
+        self.export(node, prompt)
+    }
+
+    /// P starts a chunked prefill of one prompt: it allocates the prompt's blocks and computes
+    /// into them as [`Cluster::progress`] says, and exports at [`Cluster::finish_prefill`] or
+    /// gives up at [`Cluster::abandon_prefill`]. In push mode the blocks it has finished are
+    /// written ahead into those D registered.
+    pub fn begin_prefill(
+        &mut self,
+        node: &str,
+        request: &RequestId,
+        prompt_tokens: u64,
+        consumer: Option<&str>,
+    ) -> Result<(), ClusterError> {
+        let prompt = self.compute(node, request, prompt_tokens, 1, consumer)?;
+        self.prefill_engine(node)?.computing.insert(request.clone(), prompt);
+        self.record(format!("{node} computes {request}"));
+        Ok(())
+    }
+
+    /// P's chunked prefill of `request` has computed its first `tokens` tokens (whole blocks
+    /// of them count).
+    pub fn progress(&mut self, node: &str, request: &RequestId, tokens: u64) -> Result<(), ClusterError> {
+        self.check_running(node)?;
+        let p_tokens = u64::from(self.config.spec.prefill_block_size);
+        let engine = self.prefill_engine(node)?;
+        let Some(prompt) = engine.computing.get_mut(request) else {
+            return err(format!("{node} is not computing {request}"));
+        };
+        let done = ((tokens / p_tokens) as usize).min(prompt.blocks.len());
+        if done > prompt.reported {
+            prompt.reported = done;
+            let (blocks, consumer) = (prompt.blocks[..done].to_vec(), prompt.consumer.clone());
+            engine
+                .scheduler
+                .handle_progress(request.clone(), blocks, consumer)
+                .map_err(|e| ClusterError(e.to_string()))?;
+        }
+        self.record(format!("{node} computed {done} blocks of {request}"));
+        self.flush_prefill(node)
+    }
+
+    /// P finishes the chunked prefill of `request` and exports it.
+    pub fn finish_prefill(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {
+        self.check_running(node)?;
+        let Some(prompt) = self.prefill_engine(node)?.computing.remove(request) else {
+            return err(format!("{node} is not computing {request}"));
+        };
+        self.export(node, prompt)
+    }
+
+    /// P gives up the chunked prefill of `request` before it finished: its blocks come back
+    /// once no write ahead from them is in flight.
+    pub fn abandon_prefill(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {
+        self.check_running(node)?;
+        let engine = self.prefill_engine(node)?;
+        let Some(prompt) = engine.computing.remove(request) else {
+            return err(format!("{node} is not computing {request}"));
+        };
+        if prompt.reported > 0 {
+            // Those blocks come back at the scheduler's `Free`.
+            engine.scheduler.handle_abandoned(request.clone()).map_err(|e| ClusterError(e.to_string()))?;
+        }
+        let (id, rest) = (engine.id.clone(), prompt.blocks[prompt.reported..].to_vec());
+        let mut engine = self.prefill.get_mut(&id).and_then(Option::take).expect("up");
+        self.free_blocks(&id, &mut engine.pool, &mut engine.ranks, &rest);
+        self.prefill.insert(id, Some(engine));
+        self.record(format!("{node} abandoned {request}"));
+        self.flush_prefill(node)
+    }
+
+    /// P allocates a prompt's blocks and computes into them (every block at once: a chunked
+    /// prefill only tells when each is finished).
+    fn compute(
+        &mut self,
+        node: &str,
+        request: &RequestId,
+        prompt_tokens: u64,
+        n: u32,
+        consumer: Option<&str>,
+    ) -> Result<Prompt, ClusterError> {
         self.check_running(node)?;
         let consumer = match consumer {
             Some(d) if self.decode.contains_key(&EngineId::new(d)) => {
@@ -87,7 +168,9 @@ impl Cluster {
         };
         let tp = self.config.spec.prefill_tp;
         let engine = self.prefill_engine(node)?;
-        if let Some(id) = ids.iter().find(|id| engine.export_blocks.contains_key(*id)) {
+        if let Some(id) =
+            ids.iter().find(|id| engine.export_blocks.contains_key(*id) || engine.computing.contains_key(*id))
+        {
             return err(format!("{node} already exports {id}"));
         }
         let Some(blocks) = engine.pool.allocate(count) else {
@@ -99,6 +182,15 @@ impl Cluster {
         for _ in 1..ids.len() {
             engine.pool.retain(&blocks);
         }
+        self.count_written_after_free(node, &dirty);
+        Ok(Prompt { ids, blocks, prompt_tokens, consumer, seed, reported: 0 })
+    }
+
+    /// P exports a computed prompt.
+    fn export(&mut self, node: &str, prompt: Prompt) -> Result<(), ClusterError> {
+        let now = self.now();
+        let Prompt { ids, blocks, prompt_tokens, consumer, seed, .. } = prompt;
+        let engine = self.prefill_engine(node)?;
         let mut refs = Vec::new();
         for id in &ids {
             let remote = engine
@@ -109,16 +201,26 @@ impl Cluster {
             refs.push((id.clone(), remote));
         }
         let engine_id = engine.id.clone();
-        let mut engine = self.prefill.get_mut(&engine_id).and_then(Option::take).expect("up");
-        self.drain_prefill(&mut engine, now);
-        self.prefill.insert(engine_id.clone(), Some(engine));
-        self.count_written_after_free(node, &dirty);
-        let tokens = count as u64 * u64::from(p_tokens);
+        let tokens = blocks.len() as u64 * u64::from(self.config.spec.prefill_block_size);
+        // Known before the exports reach the workers: a write they post verifies against it.
+        for id in &ids {
+            self.computed.insert((engine_id.clone(), id.clone()), Computed { seed, tokens });
+        }
+        self.flush_prefill(node)?;
         for (id, remote) in refs {
             self.record(format!("{node} exported {id}"));
-            self.computed.insert((engine_id.clone(), id.clone()), Computed { seed, tokens });
             self.exports.insert((engine_id.clone(), id), remote);
         }
+        Ok(())
+    }
+
+    /// Carries out at once what a call on P set off.
+    fn flush_prefill(&mut self, node: &str) -> Result<(), ClusterError> {
+        let id = EngineId::new(node);
+        let now = self.now();
+        let mut engine = self.prefill.get_mut(&id).and_then(Option::take).expect("checked up");
+        self.drain_prefill(&mut engine, now);
+        self.prefill.insert(id, Some(engine));
         Ok(())
     }
 
