@@ -10,7 +10,7 @@ use kv_testkit::random;
 pub fn run(seeds: Range<u64>, verbose: bool, trace: bool) -> Result<()> {
     let (from, to) = (seeds.start, seeds.end);
     let (mut passed, mut failed) = (0u64, 0u64);
-    let (mut loads, mut events, mut skipped, mut prepared) = (0u64, 0usize, 0usize, 0u64);
+    let (mut loads, mut events, mut skipped, mut prepared, mut ahead) = (0u64, 0usize, 0usize, 0u64, 0u64);
     let mut digest = 0xcbf2_9ce4_8422_2325u64;
     for seed in seeds {
         let outcome = if trace {
@@ -24,6 +24,7 @@ pub fn run(seeds: Range<u64>, verbose: bool, trace: bool) -> Result<()> {
         };
         loads += outcome.loads_ok;
         prepared += outcome.prepared;
+        ahead += outcome.writes_ahead;
         events += outcome.events;
         skipped += outcome.skipped;
         digest = (digest ^ outcome.digest).wrapping_mul(0x0100_0000_01b3);
@@ -42,7 +43,7 @@ pub fn run(seeds: Range<u64>, verbose: bool, trace: bool) -> Result<()> {
         }
     }
     println!(
-        "seeds {from}..{to}: {loads} loads verified byte for byte ({prepared} transfers by prepared indices), {events} events ({skipped} skipped as no longer applicable), digest {digest:016x}"
+        "seeds {from}..{to}: {loads} loads verified byte for byte ({prepared} transfers by prepared indices, {ahead} push writes ahead of the export), {events} events ({skipped} skipped as no longer applicable), digest {digest:016x}"
     );
     println!("{passed} passed, {failed} failed");
     if failed > 0 {

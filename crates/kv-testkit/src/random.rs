@@ -4,7 +4,8 @@
 //! A seed picks a cluster (pull or push; TP, block-size and MLA combinations; one or two P
 //! and D engines), a policy (short leases, so that expiry happens), network noise (drops,
 //! duplicates, reordering) and a workload: prompts of assorted lengths, parallel-sampling
-//! siblings, arrivals in push mode before P's prefill, prefix hits, rejections, aborts while
+//! siblings, chunked prefills (whose finished blocks push mode writes ahead, and which the
+//! engine sometimes gives up), arrivals in push mode before P's prefill, prefix hits, rejections, aborts while
 //! waiting and while loading, late schedules that the read fence must refuse, failed
 //! transfers, garbage, partitions, delays, crashes with and without detection followed by
 //! restarts, and discovery lapses of engines that are down (or, when an earlier crash's restart
@@ -44,6 +45,8 @@ pub struct RandomOutcome {
     pub loads_ok: u64,
     /// Transfers posted by prepared-list indices (D's reads and P's push writes).
     pub prepared: u64,
+    /// Push writes posted while P still computed the prompt.
+    pub writes_ahead: u64,
 }
 
 fn ms(v: u64) -> Duration {
@@ -53,6 +56,9 @@ fn ms(v: u64) -> Duration {
 /// The workload of `seed`, as a scenario (without expectations: random mode checks invariants).
 pub fn generate(seed: u64) -> Scenario {
     let mut rng = Rng::new(seed ^ 0x6b76_666c_6f77);
+    // Chunked prefills draw from their own stream, so that the rest of a seed's workload is
+    // what it was before they were added.
+    let mut chunks = Rng::new(seed ^ 0x6368_756e_6b73);
     let mode = if rng.chance(0.4) { Mode::Push } else { Mode::Pull };
     let mla = rng.chance(0.15);
     // (P TP, D TP) pairs that map onto 8 heads (and MLA), both directions.
@@ -135,17 +141,29 @@ pub fn generate(seed: u64) -> Scenario {
         let arrive_early = mode == Mode::Push && rng.chance(0.3);
         let named = rng.chance(0.3);
         let t_prefill = if arrive_early { t0 + rng.below(3000) } else { t0 };
-        push(
-            t_prefill,
-            // Sometimes the router has picked D already and names it to P.
-            Event::Prefill {
-                request: RequestId::new(p_id.clone()),
-                prompt_tokens,
-                n,
-                node: p,
-                consumer: named.then_some(d),
-            },
-        );
+        // Sometimes the router has picked D already and names it to P.
+        let consumer = named.then_some(d);
+        let request = RequestId::new(p_id.clone());
+        if n == 1 && chunks.chance(0.3) {
+            // A chunked prefill that ends when the plain one would have: in push mode, the
+            // blocks it finishes go ahead into D's registered blocks, if D came early.
+            let compute = 1 + chunks.below(400);
+            let begin = t_prefill.saturating_sub(compute);
+            push(begin, Event::BeginPrefill { request: request.clone(), prompt_tokens, node: p, consumer });
+            let parts = 1 + chunks.below(4);
+            for k in 1..=parts {
+                let tokens = (prompt_tokens * k / parts).max(1);
+                push(begin + compute * k / (parts + 1), Event::Progress { request: request.clone(), tokens, node: p });
+            }
+            if chunks.chance(0.1) {
+                // The engine gives it up (preempted, aborted) at some point of its compute.
+                push(begin + chunks.below(compute + 1), Event::AbandonPrefill { request, node: p });
+            } else {
+                push(t_prefill, Event::FinishPrefill { request, node: p });
+            }
+        } else {
+            push(t_prefill, Event::Prefill { request, prompt_tokens, n, node: p, consumer });
+        }
         let t_arrive = if arrive_early { t0 } else { t0 + rng.below(500) };
         let roll = rng.below(100);
         if roll < 8 {
@@ -284,7 +302,8 @@ pub fn run_with_trace(seed: u64) -> (RandomOutcome, Vec<String>) {
     let scenario = generate(seed);
     let mut trace = Vec::new();
     let events = scenario.steps.len();
-    let mut outcome = RandomOutcome { seed, failure: None, digest: 0, events, skipped: 0, loads_ok: 0, prepared: 0 };
+    let mut outcome =
+        RandomOutcome { seed, failure: None, digest: 0, events, skipped: 0, loads_ok: 0, prepared: 0, writes_ahead: 0 };
     let result = catch_unwind(AssertUnwindSafe(|| run_checked(&scenario, seed, &mut outcome, &mut trace)));
     match result {
         Ok(Ok(())) => {}
@@ -366,6 +385,7 @@ fn run_checked(
     outcome.loads_ok = cluster.loads_verified();
     let counters = cluster.counters();
     outcome.prepared = counters.prepared_reads + counters.prepared_writes;
+    outcome.writes_ahead = counters.writes_ahead;
     let held = cluster.held_everywhere();
     if !held.is_empty() {
         let list: Vec<String> = held.iter().map(|(n, h)| format!("{n} holds {h}")).collect();

@@ -6,11 +6,12 @@ use kv_testkit::random;
 #[test]
 fn a_thousand_random_workloads_keep_every_invariant() {
     let mut failures = Vec::new();
-    let (mut loads, mut prepared) = (0, 0);
+    let (mut loads, mut prepared, mut ahead) = (0, 0, 0);
     for seed in 0..1000 {
         let outcome = random::run(seed);
         loads += outcome.loads_ok;
         prepared += outcome.prepared;
+        ahead += outcome.writes_ahead;
         if let Some(failure) = outcome.failure {
             failures.push(format!(
                 "seed {seed}: {failure} (reproduce with: cargo xtask sim --random --seeds {seed}..{})",
@@ -23,6 +24,8 @@ fn a_thousand_random_workloads_keep_every_invariant() {
     assert!(loads > 5_000, "only {loads} loads were verified over 1000 seeds");
     // Both transfer paths are exercised: address pairs and prepared-list indices.
     assert!(prepared > 1_000, "only {prepared} transfers went by prepared indices over 1000 seeds");
+    // Push writes ahead of the export, from chunked prefills, under the same faults.
+    assert!(ahead > 100, "only {ahead} push writes went ahead of their export over 1000 seeds");
 }
 
 #[test]

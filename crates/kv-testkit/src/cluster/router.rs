@@ -10,16 +10,43 @@ use super::oracle::{self, Computed};
 use super::{err, fnv, Cluster, ClusterError, DecodeEngine, DecodeLoad, PrefillEngine, Prompt};
 
 /// A call on an engine from outside it: the router's on a D engine (`Arrive`, `Schedule`,
-/// `Reject`, `Abort`), or discovery's word on any engine that incarnation `instance` of
+/// `Reject`, `Abort`), a P engine's own chunked prefill going on (`Progress`, `FinishPrefill`,
+/// `AbandonPrefill`: a paused engine computes nothing), or discovery's word on any engine that incarnation `instance` of
 /// `engine`, and every older one, is gone (`EngineLost`). One that reaches a paused engine
 /// waits for its resume.
 #[derive(Clone, Debug)]
 pub(super) enum Call {
-    Arrive { request: RequestId, remote: RemoteRef },
-    Schedule { request: RequestId, prefix_hit: bool, cached_tokens: u64 },
-    Reject { request: RequestId, remote: RemoteRef },
-    Abort { request: RequestId },
-    EngineLost { engine: EngineId, instance: u64 },
+    Arrive {
+        request: RequestId,
+        remote: RemoteRef,
+    },
+    Schedule {
+        request: RequestId,
+        prefix_hit: bool,
+        cached_tokens: u64,
+    },
+    Reject {
+        request: RequestId,
+        remote: RemoteRef,
+    },
+    Abort {
+        request: RequestId,
+    },
+    EngineLost {
+        engine: EngineId,
+        instance: u64,
+    },
+    /// On a P engine: a chunked prefill's progress, end, or giving up.
+    Progress {
+        request: RequestId,
+        tokens: u64,
+    },
+    FinishPrefill {
+        request: RequestId,
+    },
+    AbandonPrefill {
+        request: RequestId,
+    },
 }
 
 impl Cluster {
@@ -82,7 +109,32 @@ impl Cluster {
     /// P's chunked prefill of `request` has computed its first `tokens` tokens (whole blocks
     /// of them count).
     pub fn progress(&mut self, node: &str, request: &RequestId, tokens: u64) -> Result<(), ClusterError> {
-        self.check_running(node)?;
+        self.prefill_call(node, Call::Progress { request: request.clone(), tokens })
+    }
+
+    /// P finishes the chunked prefill of `request` and exports it.
+    pub fn finish_prefill(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {
+        self.prefill_call(node, Call::FinishPrefill { request: request.clone() })
+    }
+
+    /// P gives up the chunked prefill of `request` before it finished: the blocks it reported
+    /// computed come back once no write ahead from them is in flight, the others at once.
+    pub fn abandon_prefill(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {
+        self.prefill_call(node, Call::AbandonPrefill { request: request.clone() })
+    }
+
+    /// Makes a call on P engine `node`: now, or when it resumes if it is paused.
+    fn prefill_call(&mut self, node: &str, call: Call) -> Result<(), ClusterError> {
+        self.prefill_engine(node)?;
+        if let Some((_, waiting)) = self.paused.get_mut(&EngineId::new(node)) {
+            waiting.push(call);
+            self.record(format!("{node} is paused; its prefill goes on when it resumes"));
+            return Ok(());
+        }
+        self.call_now(node, call)
+    }
+
+    fn progress_now(&mut self, node: &str, request: &RequestId, tokens: u64) -> Result<(), ClusterError> {
         let p_tokens = u64::from(self.config.spec.prefill_block_size);
         let engine = self.prefill_engine(node)?;
         let Some(prompt) = engine.computing.get_mut(request) else {
@@ -101,19 +153,14 @@ impl Cluster {
         self.flush_prefill(node)
     }
 
-    /// P finishes the chunked prefill of `request` and exports it.
-    pub fn finish_prefill(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {
-        self.check_running(node)?;
+    fn finish_now(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {
         let Some(prompt) = self.prefill_engine(node)?.computing.remove(request) else {
             return err(format!("{node} is not computing {request}"));
         };
         self.export(node, prompt)
     }
 
-    /// P gives up the chunked prefill of `request` before it finished: its blocks come back
-    /// once no write ahead from them is in flight.
-    pub fn abandon_prefill(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {
-        self.check_running(node)?;
+    fn abandon_now(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {
         let engine = self.prefill_engine(node)?;
         let Some(prompt) = engine.computing.remove(request) else {
             return err(format!("{node} is not computing {request}"));
@@ -289,6 +336,9 @@ impl Cluster {
             Call::Reject { request, remote } => self.reject_now(node, &request, remote),
             Call::Abort { request } => self.abort_now(node, &request),
             Call::EngineLost { engine, instance } => self.engine_lost_now(node, &engine, instance),
+            Call::Progress { request, tokens } => self.progress_now(node, &request, tokens),
+            Call::FinishPrefill { request } => self.finish_now(node, &request),
+            Call::AbandonPrefill { request } => self.abandon_now(node, &request),
         }
     }
 

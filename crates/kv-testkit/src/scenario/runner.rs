@@ -129,6 +129,13 @@ pub fn apply(cluster: &mut Cluster, event: &Event) -> Result<(), String> {
         }
         Event::Intrude { to, claimed } => cluster.intrude(&name(to), &name(claimed)),
         Event::Lapse { node } => cluster.lapse(&name(node)),
+        Event::BeginPrefill { request, prompt_tokens, node, consumer } => {
+            let consumer = consumer.as_ref().map(name);
+            cluster.begin_prefill(&name(node), request, *prompt_tokens, consumer.as_deref())
+        }
+        Event::Progress { request, tokens, node } => cluster.progress(&name(node), request, *tokens),
+        Event::FinishPrefill { request, node } => cluster.finish_prefill(&name(node), request),
+        Event::AbandonPrefill { request, node } => cluster.abandon_prefill(&name(node), request),
         Event::Arrive { request, node, from, remote_request, prompt_tokens, prefill_pp } => {
             cluster.arrive(&name(node), request, &name(from), remote_request, *prompt_tokens, *prefill_pp)
         }

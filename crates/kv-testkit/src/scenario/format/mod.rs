@@ -556,6 +556,46 @@ pub enum Event {
         #[serde(rename = "as")]
         claimed: Node,
     },
+    /// `begin_prefill` (the project's own event, `FORMAT-EXTENSIONS.md`): P starts a chunked
+    /// prefill of one prompt; it exports at `finish_prefill` or gives up at `abandon_prefill`.
+    BeginPrefill {
+        /// `request` (required).
+        request: RequestId,
+        /// `prompt_tokens` (required, at least 1).
+        prompt_tokens: u64,
+        /// `node` (prefill0): a prefill engine.
+        #[serde(default = "read::prefill0")]
+        node: Node,
+        /// `consumer` (none): the decode engine the router has already chosen.
+        consumer: Option<Node>,
+    },
+    /// `progress` (the project's own event): P's chunked prefill has computed the prompt's
+    /// first `tokens` tokens; in push mode the whole blocks among them are written ahead.
+    Progress {
+        /// `request` (required).
+        request: RequestId,
+        /// `tokens` (required, at least 1).
+        tokens: u64,
+        /// `node` (prefill0): a prefill engine.
+        #[serde(default = "read::prefill0")]
+        node: Node,
+    },
+    /// `finish_prefill` (the project's own event): P finishes the chunked prefill and exports.
+    FinishPrefill {
+        /// `request` (required).
+        request: RequestId,
+        /// `node` (prefill0): a prefill engine.
+        #[serde(default = "read::prefill0")]
+        node: Node,
+    },
+    /// `abandon_prefill` (the project's own event): P gives the chunked prefill up.
+    AbandonPrefill {
+        /// `request` (required).
+        request: RequestId,
+        /// `node` (prefill0): a prefill engine.
+        #[serde(default = "read::prefill0")]
+        node: Node,
+    },
     /// `lapse` (the project's own event, `FORMAT-EXTENSIONS.md`): the engine's discovery
     /// registration lapses, and every other running engine learns that its current
     /// incarnation is gone. It crashes and cuts off nothing by itself.
@@ -585,6 +625,10 @@ impl Event {
             Event::Forge { .. } => "forge",
             Event::Intrude { .. } => "intrude",
             Event::Lapse { .. } => "lapse",
+            Event::BeginPrefill { .. } => "begin_prefill",
+            Event::Progress { .. } => "progress",
+            Event::FinishPrefill { .. } => "finish_prefill",
+            Event::AbandonPrefill { .. } => "abandon_prefill",
         }
     }
 }

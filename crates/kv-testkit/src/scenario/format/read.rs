@@ -131,8 +131,10 @@ pub(super) fn utf8<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error>
 fn role_of(event: &str, key: &str, mode: Mode) -> (Option<Role>, String) {
     let context = format!(" for do = {event:?}");
     match (event, key) {
-        ("prefill", "node") | ("arrive" | "reject", "from") | ("forge", "to") => (Some(Role::Prefill), context),
-        ("prefill", "consumer") | ("arrive" | "schedule" | "reject", "node") | ("forge", "from") => {
+        ("prefill" | "begin_prefill" | "progress" | "finish_prefill" | "abandon_prefill", "node")
+        | ("arrive" | "reject", "from")
+        | ("forge", "to") => (Some(Role::Prefill), context),
+        ("prefill" | "begin_prefill", "consumer") | ("arrive" | "schedule" | "reject", "node") | ("forge", "from") => {
             (Some(Role::Decode), context)
         }
         // Only the side that posts transfers can have one fail: D's reads, or P's writes.
@@ -338,7 +340,7 @@ impl<'a> Source<'a> {
                                 return Err(self.about(span, format!("must be positive, not {text}")));
                             }
                         }
-                        "prompt_tokens" | "n" if *x.get_ref() < 1.0 => {
+                        "prompt_tokens" | "n" | "tokens" if *x.get_ref() < 1.0 => {
                             return Err(self.about(span, format!("must be at least 1, not {text}")));
                         }
                         "cached_tokens"

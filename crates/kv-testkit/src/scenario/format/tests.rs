@@ -327,7 +327,7 @@ fn the_new_event_keys_parse() {
 #[test]
 fn the_project_s_own_events_parse() {
     // `lapse`, beyond the shared format (`scenarios/FORMAT-EXTENSIONS.md`): any engine.
-    let events = events(
+    let lapses = events(
         r#"
         step = [
             { at_s = 0, do = "lapse", node = "decode1" },
@@ -335,8 +335,39 @@ fn the_project_s_own_events_parse() {
         ]
         "#,
     );
-    assert_eq!(events, vec![Some(Event::Lapse { node: Node::decode(1) }), Some(Event::Lapse { node: Node::PREFILL0 })]);
-    assert_eq!(events.iter().flatten().map(Event::name).collect::<Vec<_>>(), ["lapse", "lapse"]);
+    assert_eq!(lapses, vec![Some(Event::Lapse { node: Node::decode(1) }), Some(Event::Lapse { node: Node::PREFILL0 })]);
+    assert_eq!(lapses.iter().flatten().map(Event::name).collect::<Vec<_>>(), ["lapse", "lapse"]);
+
+    // A chunked prefill: P's node defaults to prefill0, the consumer is a decode engine.
+    let r1 = RequestId::new("r1");
+    let chunked = events(
+        r#"
+        step = [
+            { at_s = 0, do = "begin_prefill", request = "r1", prompt_tokens = 64, consumer = "decode0" },
+            { at_s = 0, do = "progress", request = "r1", tokens = 32 },
+            { at_s = 0, do = "finish_prefill", request = "r1" },
+            { at_s = 0, do = "abandon_prefill", request = "r1", node = "prefill0" },
+        ]
+        "#,
+    );
+    let (node, consumer) = (Node::PREFILL0, Some(Node::DECODE0));
+    assert_eq!(
+        chunked,
+        vec![
+            Some(Event::BeginPrefill { request: r1.clone(), prompt_tokens: 64, node, consumer }),
+            Some(Event::Progress { request: r1.clone(), tokens: 32, node }),
+            Some(Event::FinishPrefill { request: r1.clone(), node }),
+            Some(Event::AbandonPrefill { request: r1, node }),
+        ]
+    );
+    check(
+        &steps("[[step]]\nat_s = 0\ndo = \"progress\"\nrequest = \"r1\"\ntokens = 0"),
+        "step 1: tokens must be at least 1, not 0",
+    );
+    check(
+        &steps("[[step]]\nat_s = 0\ndo = \"finish_prefill\"\nrequest = \"r1\"\nnode = \"decode0\""),
+        "step 1: node \"decode0\" must be a prefill engine for do = \"finish_prefill\"",
+    );
 }
 
 #[test]
