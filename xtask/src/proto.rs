@@ -132,6 +132,12 @@ pub struct NodeConfig {
     /// meanwhile); 0 adds nothing to the filling.
     #[serde(default)]
     pub prefill_us_per_token: u64,
+    /// With simulated compute, P computes a prompt in chunks of this many tokens and tells
+    /// its connector as each ends (`PrefillScheduler::handle_progress`): in push mode the
+    /// finished blocks are written into D's while the rest computes. 0: no chunks (the export
+    /// at the end moves everything).
+    #[serde(default)]
+    pub prefill_chunk_tokens: u64,
 }
 
 /// Where the run's etcd is and how long an engine's registration outlives its last renewal.

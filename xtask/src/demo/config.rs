@@ -45,6 +45,11 @@ pub struct DemoArgs {
     /// one prompt at a time (0: none beyond filling the blocks).
     #[arg(long, value_name = "US", default_value_t = DemoConfig::default().prefill_us_per_token)]
     prefill_us_per_token: u64,
+    /// With simulated compute, P computes each prompt in chunks of this many tokens and
+    /// reports each as it ends; in push mode P writes a chunk's blocks into D's while it
+    /// computes the next (0: no chunks).
+    #[arg(long, value_name = "TOKENS", default_value_t = DemoConfig::default().prefill_chunk_tokens)]
+    prefill_chunk_tokens: u64,
     /// The model's layers (8 KV heads of 128, bf16; or, with --mla, one latent of 576).
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().model.layers)]
     layers: u32,
@@ -181,6 +186,7 @@ impl DemoArgs {
             max_tokens: self.max_tokens,
             partial_rate: self.partial_rate,
             prefill_us_per_token: self.prefill_us_per_token,
+            prefill_chunk_tokens: self.prefill_chunk_tokens,
             model: Model { layers: self.layers, ..defaults.model },
             blocks: self.blocks,
             lease_ms: self.lease_ms,
@@ -220,6 +226,8 @@ pub struct DemoConfig {
     pub max_tokens: u64,
     /// P's simulated prefill compute, microseconds per prompt token (see `NodeConfig`).
     pub prefill_us_per_token: u64,
+    /// Tokens per chunk of P's simulated compute (see `NodeConfig`).
+    pub prefill_chunk_tokens: u64,
     /// The model, with P's block size.
     pub model: Model,
     /// D's block size.
@@ -276,6 +284,7 @@ impl Default for DemoConfig {
             min_tokens: 16,
             max_tokens: 512,
             prefill_us_per_token: 0,
+            prefill_chunk_tokens: 64,
             // A Llama-3-8B-like layout: 32 layers, 8 KV heads of 128, bf16, 16-token blocks (2 MiB).
             model: Model::llama3_8b(16),
             d_block_tokens: 16,
@@ -416,6 +425,7 @@ impl DemoConfig {
             discovery: None,
             metrics_addr: None,
             prefill_us_per_token: self.prefill_us_per_token,
+            prefill_chunk_tokens: self.prefill_chunk_tokens,
         }
     }
 

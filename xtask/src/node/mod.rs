@@ -159,9 +159,12 @@ struct Prompt {
     n: u32,
     consumer: Option<Consumer>,
     blocks: Vec<BlockId>,
-    /// When P's one GPU is done computing it (`prefill_us_per_token`); its export waits for
-    /// this and for its blocks' filling, whichever ends last.
+    /// When P's one GPU starts and is done computing it (`prefill_us_per_token`); its export
+    /// waits for the end and for its blocks' filling, whichever ends last.
+    start: Instant,
     due: Instant,
+    /// Of its blocks, the first ones reported computed to the connector (chunked prefill).
+    reported: usize,
 }
 
 /// What both engine kinds have: the clock, the pool (every rank's part) and its blocks, the
@@ -468,6 +471,26 @@ struct PrefillSide {
     gpu_free: Instant,
     /// Prompts whose blocks are filled, waiting for their compute to end, soonest first.
     computing: Vec<Prompt>,
+    /// Tokens per chunk of the simulated compute, each reported as it ends (`None`: no chunks).
+    chunk: Option<u64>,
+}
+
+impl PrefillSide {
+    /// The tokens of `prompt` computed by `now`, in whole chunks (all of them once it is due).
+    fn chunked_tokens(&self, prompt: &Prompt, now: Instant) -> u64 {
+        let Some(chunk) = self.chunk else { return 0 };
+        let per_token = self.per_token.as_nanos().max(1);
+        let tokens = (now.saturating_duration_since(prompt.start).as_nanos() / per_token) as u64;
+        (tokens / chunk * chunk).min(prompt.prompt_tokens)
+    }
+
+    /// When the next chunk of `prompt` ends (its compute's end at the latest).
+    fn next_chunk(&self, prompt: &Prompt, now: Instant) -> Instant {
+        let Some(chunk) = self.chunk else { return prompt.due };
+        let next = self.chunked_tokens(prompt, now) + chunk;
+        let at = prompt.start + self.per_token.saturating_mul(u32::try_from(next).unwrap_or(u32::MAX));
+        at.min(prompt.due)
+    }
 }
 
 impl Side for PrefillSide {
@@ -479,7 +502,8 @@ impl Side for PrefillSide {
         let engine = EngineId::new(config.name.clone());
         let scheduler = PrefillScheduler::new(engine, config.instance, addresses, config.connector())?;
         let per_token = Duration::from_micros(config.prefill_us_per_token);
-        Ok(PrefillSide { scheduler, per_token, gpu_free: Instant::now(), computing: Vec::new() })
+        let chunk = (config.prefill_chunk_tokens > 0 && !per_token.is_zero()).then_some(config.prefill_chunk_tokens);
+        Ok(PrefillSide { scheduler, per_token, gpu_free: Instant::now(), computing: Vec::new(), chunk })
     }
 
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<PrefillWorker> {
@@ -500,11 +524,13 @@ impl Side for PrefillSide {
             let prompt = node.side.computing.remove(0);
             node.computed(prompt)?;
         }
+        node.progress(now)?;
         node.drain()
     }
 
     fn next_due(&self) -> Option<Instant> {
-        self.computing.first().map(|p| p.due)
+        let now = Instant::now();
+        self.computing.iter().map(|p| self.next_chunk(p, now)).min()
     }
 
     fn handle(node: &mut Node<Self>, command: Command) -> Result<()> {
@@ -549,10 +575,29 @@ impl Node<PrefillSide> {
         let work = Work::Fill { seed, blocks: blocks.clone(), freed };
         // One GPU, one prompt at a time: this one starts when the GPU is done with those before.
         let compute = self.side.per_token.saturating_mul(u32::try_from(prompt_tokens).unwrap_or(u32::MAX));
-        let due = self.side.gpu_free.max(Instant::now()) + compute;
+        let start = self.side.gpu_free.max(Instant::now());
+        let due = start + compute;
         self.side.gpu_free = due;
-        let prompt = Prompt { id, prompt_tokens, n, consumer, blocks, due };
+        let prompt = Prompt { id, prompt_tokens, n, consumer, blocks, start, due, reported: 0 };
         self.engine.payload.submit(Tag::Prefill(prompt), work);
+        Ok(())
+    }
+
+    /// Tells the connector the blocks of the chunks computed by `now`, of the prompts whose
+    /// blocks are filled (a prompt of siblings is not written ahead: it exports at its end).
+    fn progress(&mut self, now: Instant) -> Result<()> {
+        let block_tokens = u64::from(self.engine.shape().layout.block_tokens.max(1));
+        for i in 0..self.side.computing.len() {
+            let prompt = &self.side.computing[i];
+            let blocks = (self.side.chunked_tokens(prompt, now) / block_tokens) as usize;
+            if prompt.n != 1 || blocks <= prompt.reported {
+                continue;
+            }
+            let (id, done, consumer) =
+                (RequestId::new(prompt.id.clone()), prompt.blocks[..blocks].to_vec(), prompt.consumer.clone());
+            self.side.computing[i].reported = blocks;
+            self.side.scheduler.handle_progress(id, done, consumer)?;
+        }
         Ok(())
     }
 
