@@ -55,6 +55,8 @@ enum Part {
     Latency,
     /// Pull against push with 8 and 32 requests in flight and simulated prefill compute.
     InFlight,
+    /// Pull against push with requests arriving at a fixed rate (open loop).
+    OpenLoop,
     /// The CPU an idle engine uses.
     Idle,
 }
@@ -162,6 +164,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             let result = in_flight_bench(node.clone(), kind, topology, in_flight, quick, json_out)?;
             report.insert(format!("in_flight_{in_flight}"), result);
         }
+    }
+    if runs(Part::OpenLoop) {
+        report.insert("open_loop".into(), open_loop_bench(node.clone(), kind, topology, quick, json_out)?);
     }
     if gpu {
         let nixl = provision::ensure().context("the VRAM bench needs the NIXL runtime (see `cargo xtask setup`)")?;
@@ -302,17 +307,63 @@ fn in_flight_bench(
 ) -> Result<Value> {
     // Enough requests that the p50 is a median of many (the first `in_flight` fill the pipe).
     let requests = in_flight * if quick { 4 } else { 12 };
+    let what = format!("{in_flight} in flight");
+    under_load(node, transport, topology, requests, in_flight, None, &what, json_out)
+}
+
+/// The open-loop arrival rate: a request of 256 tokens every 125 ms, a fifth of what the
+/// simulated GPU computes ([`PREFILL_US_PER_TOKEN`]: 39 a second) and well under what this
+/// 2-core machine moves and checks, so that submit to KV is the time one request takes, with
+/// little queueing.
+const OPEN_LOOP_RATE: f64 = 8.0;
+
+/// Pull against push at a fixed arrival rate ([`OPEN_LOOP_RATE`]), whether or not earlier
+/// requests have ended (at most 64 in flight): what time to first token feels below
+/// saturation, where push's overlap of compute and transfer shortens every request. In a
+/// closed loop the requests in flight over the throughput fix the mean latency (Little's
+/// law), so there push can only gain what it gains in throughput.
+fn open_loop_bench(
+    node: NodeBinary,
+    transport: TransportKind,
+    topology: &TopologyArgs,
+    quick: bool,
+    json_out: bool,
+) -> Result<Value> {
+    let requests = if quick { 24 } else { 80 };
+    let what = format!("{OPEN_LOOP_RATE} requests a second");
+    let mut results = under_load(node, transport, topology, requests, 64, Some(OPEN_LOOP_RATE), &what, json_out)?;
+    if let Value::Object(map) = &mut results {
+        map.insert("rate_per_s".into(), json!(OPEN_LOOP_RATE));
+    }
+    Ok(results)
+}
+
+/// Runs `requests` of 256 tokens at most `in_flight` at once (and at `rate` a second if
+/// given) in pull mode, then push mode; prints the table (`what` names the load).
+#[allow(clippy::too_many_arguments)]
+fn under_load(
+    node: NodeBinary,
+    transport: TransportKind,
+    topology: &TopologyArgs,
+    requests: u32,
+    in_flight: u32,
+    rate: Option<f64>,
+    what: &str,
+    json_out: bool,
+) -> Result<Value> {
     let blocks_per_request = 256 / DemoConfig::default().model.block_tokens;
     let base = topology.apply(whole_requests(DemoConfig {
         requests,
         concurrency: in_flight,
+        rate,
         prefill_us_per_token: PREFILL_US_PER_TOKEN,
         // Every request in flight holds its blocks on P and on D, with room to spare.
         blocks: (in_flight * blocks_per_request * 2).max(DemoConfig::default().blocks),
         transport,
         ..DemoConfig::default()
     }));
-    let mut results = pull_and_push(&node, &base, &format!("{in_flight} in flight"))?;
+    let chunk = base.prefill_chunk_tokens;
+    let mut results = pull_and_push(&node, &base, what)?;
     let p50 = |mode: &str| results[mode]["submit_to_kv_us"]["p50"].as_f64().unwrap_or(0.0);
     let rps = |mode: &str| results[mode]["throughput_rps"].as_f64().unwrap_or(0.0);
     let (pull, push) = (p50("pull"), p50("push"));
@@ -321,10 +372,11 @@ fn in_flight_bench(
     let throughput = if pull_rps > 0.0 { push_rps / pull_rps } else { 0.0 };
     results.insert("push_over_pull_throughput".into(), json!(throughput));
     results.insert("prefill_us_per_token".into(), json!(PREFILL_US_PER_TOKEN));
+    results.insert("prefill_chunk_tokens".into(), json!(chunk));
     results.insert("requests".into(), json!(requests));
     if !json_out {
         println!(
-            "\npull vs push over {}: {in_flight} in flight, {requests} requests of 32 MiB, prefill {PREFILL_US_PER_TOKEN} us/token",
+            "\npull vs push over {}: {what}, {requests} requests of 32 MiB, prefill {PREFILL_US_PER_TOKEN} us/token in chunks of {chunk}",
             transport.name()
         );
         println!(

@@ -26,9 +26,14 @@ pub struct DemoArgs {
     /// The workload's seed.
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().seed)]
     seed: u64,
-    /// Requests in flight at once.
+    /// Requests in flight at once (with --rate, at most).
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().concurrency)]
     concurrency: u32,
+    /// Open loop: requests arrive at this many a second, evenly spaced, whether or not
+    /// earlier ones have ended (up to --concurrency in flight); without it the router sends
+    /// a request whenever one ends (closed loop).
+    #[arg(long, value_name = "PER_S")]
+    rate: Option<f64>,
     /// The shortest prompt, in tokens (lengths are drawn log-uniformly).
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().min_tokens)]
     min_tokens: u64,
@@ -182,6 +187,7 @@ impl DemoArgs {
             requests: self.requests,
             seed: self.seed,
             concurrency: self.concurrency,
+            rate: self.rate,
             min_tokens: self.min_tokens,
             max_tokens: self.max_tokens,
             partial_rate: self.partial_rate,
@@ -218,8 +224,10 @@ pub struct DemoConfig {
     pub requests: u32,
     /// The workload's seed.
     pub seed: u64,
-    /// Requests in flight at once.
+    /// Requests in flight at once (with `rate`, at most).
     pub concurrency: u32,
+    /// Open loop: requests a second, evenly spaced (`None`: closed loop).
+    pub rate: Option<f64>,
     /// Prompt lengths are drawn log-uniformly from this range.
     pub min_tokens: u64,
     /// See `min_tokens`.
@@ -281,6 +289,7 @@ impl Default for DemoConfig {
             requests: 200,
             seed: 1,
             concurrency: 8,
+            rate: None,
             min_tokens: 16,
             max_tokens: 512,
             prefill_us_per_token: 0,
@@ -322,6 +331,9 @@ impl DemoConfig {
                 self.concurrency,
                 self.model.layers
             );
+        }
+        if let Some(rate) = self.rate.filter(|r| !(r.is_finite() && *r > 0.0)) {
+            bail!("--rate {rate} must be a positive number of requests a second");
         }
         if !(0.0..=1.0).contains(&self.partial_rate) {
             bail!("--partial-rate {} is out of range: it is a fraction, 0 to 1", self.partial_rate);
@@ -498,6 +510,10 @@ mod tests {
         assert_eq!(parse(&["--partial-rate", "0"]).unwrap().partial_rate, 0.0);
         assert_eq!(parse(&["--prefill-us-per-token", "100"]).unwrap().prefill_us_per_token, 100);
         assert_eq!(parse(&[]).unwrap().prefill_us_per_token, 0, "no simulated compute by default");
+        assert_eq!(parse(&["--prefill-chunk-tokens", "32"]).unwrap().prefill_chunk_tokens, 32);
+        assert_eq!(parse(&["--rate", "12.5"]).unwrap().rate, Some(12.5));
+        assert_eq!(parse(&[]).unwrap().rate, None, "closed loop by default");
+        assert_eq!(parse(&["--rate", "0"]), Err("--rate 0 must be a positive number of requests a second".into()));
         let c = parse(&["--no-kill", "--pause-decode", "2", "--pause-prefill", "--metrics"]).unwrap();
         assert_eq!((c.kill, c.pause_decode, c.pause_prefill, c.print_metrics), (false, 2, true, true));
     }

@@ -432,6 +432,13 @@ impl Demo {
             self.dispatch(&export, &parent, remote, fate);
         }
         while self.open.len() < self.config.concurrency as usize {
+            if let Some(rate) = self.config.rate {
+                // Open loop: the i-th request arrives i / rate seconds after traffic began.
+                let due = self.started + Duration::from_secs_f64(f64::from(self.issued) / rate);
+                if now < due {
+                    return;
+                }
+            }
             let Some(request) = self.queue.pop_front() else { return };
             self.issued += 1;
             let (id, tokens, n) = (request.id.clone(), request.prompt_tokens, request.n);

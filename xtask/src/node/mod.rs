@@ -141,8 +141,8 @@ struct RankStart {
 
 /// Payload work the engine handed over, as it will take it back.
 enum Tag {
-    /// P filled a prompt's blocks.
-    Prefill(Prompt),
+    /// P filled part `part` of prompt `id`'s blocks.
+    Filled { id: String, part: usize },
     /// D's blocks for a waiting request hold their scrub, and those of its prefix its own
     /// cache holds are filled: the load can start.
     Prepared { id: RequestId, blocks: Vec<BlockId>, cached: usize },
@@ -163,8 +163,24 @@ struct Prompt {
     /// waits for the end and for its blocks' filling, whichever ends last.
     start: Instant,
     due: Instant,
+    /// Blocks per part of the filling (a chunk's; all of them when it is not chunked), and
+    /// which parts are filled.
+    part_blocks: usize,
+    filled: Vec<bool>,
     /// Of its blocks, the first ones reported computed to the connector (chunked prefill).
     reported: usize,
+}
+
+impl Prompt {
+    /// Its first blocks whose parts are all filled.
+    fn filled_blocks(&self) -> usize {
+        let parts = self.filled.iter().take_while(|f| **f).count();
+        (parts * self.part_blocks).min(self.blocks.len())
+    }
+
+    fn is_filled(&self) -> bool {
+        self.filled.iter().all(|f| *f)
+    }
 }
 
 /// What both engine kinds have: the clock, the pool (every rank's part) and its blocks, the
@@ -469,8 +485,8 @@ struct PrefillSide {
     per_token: Duration,
     /// When the GPU is done with the prompts it was given.
     gpu_free: Instant,
-    /// Prompts whose blocks are filled, waiting for their compute to end, soonest first.
-    computing: Vec<Prompt>,
+    /// Prompts on the GPU or being filled, not yet exported, in the GPU's order.
+    prompts: Vec<Prompt>,
     /// Tokens per chunk of the simulated compute, each reported as it ends (`None`: no chunks).
     chunk: Option<u64>,
 }
@@ -503,7 +519,7 @@ impl Side for PrefillSide {
         let scheduler = PrefillScheduler::new(engine, config.instance, addresses, config.connector())?;
         let per_token = Duration::from_micros(config.prefill_us_per_token);
         let chunk = (config.prefill_chunk_tokens > 0 && !per_token.is_zero()).then_some(config.prefill_chunk_tokens);
-        Ok(PrefillSide { scheduler, per_token, gpu_free: Instant::now(), computing: Vec::new(), chunk })
+        Ok(PrefillSide { scheduler, per_token, gpu_free: Instant::now(), prompts: Vec::new(), chunk })
     }
 
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<PrefillWorker> {
@@ -520,9 +536,15 @@ impl Side for PrefillSide {
 
     fn settle(node: &mut Node<Self>) -> Result<()> {
         let now = Instant::now();
-        while node.side.computing.first().is_some_and(|p| p.due <= now) {
-            let prompt = node.side.computing.remove(0);
-            node.computed(prompt)?;
+        let mut i = 0;
+        while i < node.side.prompts.len() {
+            let prompt = &node.side.prompts[i];
+            if prompt.due <= now && prompt.is_filled() {
+                let prompt = node.side.prompts.remove(i);
+                node.computed(prompt)?;
+            } else {
+                i += 1;
+            }
         }
         node.progress(now)?;
         node.drain()
@@ -530,7 +552,9 @@ impl Side for PrefillSide {
 
     fn next_due(&self) -> Option<Instant> {
         let now = Instant::now();
-        self.computing.iter().map(|p| self.next_chunk(p, now)).min()
+        // One computed but not yet filled waits for its filling, which wakes the loop.
+        let waiting = self.prompts.iter().filter(|p| p.due > now || p.is_filled());
+        waiting.map(|p| self.next_chunk(p, now)).min()
     }
 
     fn handle(node: &mut Node<Self>, command: Command) -> Result<()> {
@@ -546,10 +570,11 @@ impl Side for PrefillSide {
 
     fn handle_done(node: &mut Node<Self>, tag: Tag, _took: Duration, _intact: bool) -> Result<()> {
         match tag {
-            Tag::Prefill(prompt) if prompt.due <= Instant::now() => node.computed(prompt),
-            Tag::Prefill(prompt) => {
-                let at = node.side.computing.partition_point(|p| p.due <= prompt.due);
-                node.side.computing.insert(at, prompt);
+            Tag::Filled { id, part } => {
+                let prompt = node.side.prompts.iter_mut().find(|p| p.id == id);
+                let filled = prompt.and_then(|p| p.filled.get_mut(part));
+                let filled = filled.ok_or_else(|| anyhow!("filled part {part} of {id}, which P does not compute"))?;
+                *filled = true;
                 Ok(())
             }
             _ => Err(anyhow!("a prefill engine handed over work it does not do")),
@@ -567,35 +592,53 @@ impl Node<PrefillSide> {
             self.engine.emit(&Event::Error { message });
             return Ok(());
         }
+        if self.side.prompts.iter().any(|p| p.id == id) {
+            self.engine.emit(&Event::Error { message: format!("prefill of {id}: P is computing it already") });
+            return Ok(());
+        }
         let Some((blocks, freed)) = self.engine.allocate(count) else {
             self.engine.emit(&Event::Busy { id });
             return Ok(());
         };
         let seed = pattern::seed(&self.engine.name, &id);
-        let work = Work::Fill { seed, blocks: blocks.clone(), freed };
+        // A prompt computed in chunks is filled chunk by chunk, each part on its own payload
+        // thread, so that the first chunks are ready for their writes ahead early.
+        let block_tokens = u64::from(self.engine.shape().layout.block_tokens.max(1));
+        let part_blocks = match self.side.chunk {
+            Some(chunk) if n == 1 => usize::try_from(chunk / block_tokens).unwrap_or(usize::MAX).max(1),
+            _ => count,
+        };
+        let parts = blocks.len().div_ceil(part_blocks);
+        for (part, part_of) in blocks.chunks(part_blocks).enumerate() {
+            let freed = freed.iter().copied().filter(|b| part_of.contains(b)).collect();
+            let work = Work::Fill { seed, blocks: part_of.to_vec(), freed, first: part * part_blocks };
+            self.engine.payload.submit(Tag::Filled { id: id.clone(), part }, work);
+        }
         // One GPU, one prompt at a time: this one starts when the GPU is done with those before.
         let compute = self.side.per_token.saturating_mul(u32::try_from(prompt_tokens).unwrap_or(u32::MAX));
         let start = self.side.gpu_free.max(Instant::now());
         let due = start + compute;
         self.side.gpu_free = due;
-        let prompt = Prompt { id, prompt_tokens, n, consumer, blocks, start, due, reported: 0 };
-        self.engine.payload.submit(Tag::Prefill(prompt), work);
+        let filled = vec![false; parts];
+        let prompt = Prompt { id, prompt_tokens, n, consumer, blocks, start, due, part_blocks, filled, reported: 0 };
+        self.side.prompts.push(prompt);
         Ok(())
     }
 
-    /// Tells the connector the blocks of the chunks computed by `now`, of the prompts whose
-    /// blocks are filled (a prompt of siblings is not written ahead: it exports at its end).
+    /// Tells the connector the blocks of the chunks computed by `now` and filled (a prompt
+    /// of siblings is not written ahead: it exports at its end).
     fn progress(&mut self, now: Instant) -> Result<()> {
         let block_tokens = u64::from(self.engine.shape().layout.block_tokens.max(1));
-        for i in 0..self.side.computing.len() {
-            let prompt = &self.side.computing[i];
-            let blocks = (self.side.chunked_tokens(prompt, now) / block_tokens) as usize;
+        for i in 0..self.side.prompts.len() {
+            let prompt = &self.side.prompts[i];
+            let computed = (self.side.chunked_tokens(prompt, now) / block_tokens) as usize;
+            let blocks = computed.min(prompt.filled_blocks());
             if prompt.n != 1 || blocks <= prompt.reported {
                 continue;
             }
             let (id, done, consumer) =
                 (RequestId::new(prompt.id.clone()), prompt.blocks[..blocks].to_vec(), prompt.consumer.clone());
-            self.side.computing[i].reported = blocks;
+            self.side.prompts[i].reported = blocks;
             self.side.scheduler.handle_progress(id, done, consumer)?;
         }
         Ok(())
@@ -814,7 +857,7 @@ impl Node<DecodeSide> {
             // D's prefix cache holds the KV P computed for its first `cached` blocks: the same
             // bytes. The check at `Ready` then finds them intact and the read's in the blocks
             // after.
-            let work = Work::Fill { seed, blocks: blocks[..cached].to_vec(), freed };
+            let work = Work::Fill { seed, blocks: blocks[..cached].to_vec(), freed, first: 0 };
             self.engine.payload.submit(Tag::Prepared { id, blocks, cached }, work);
         }
         Ok(())

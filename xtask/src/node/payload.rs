@@ -102,9 +102,9 @@ impl PoolBytes {
     }
 
     /// Fills `blocks`, in prompt order, with the prompt's bytes on every rank.
-    fn fill(&self, chunk: &mut [u8], seed: u64, blocks: &[BlockId]) -> Result<()> {
+    fn fill(&self, chunk: &mut [u8], seed: u64, blocks: &[BlockId], first: usize) -> Result<()> {
         let plane_bytes = self.shape().plane_bytes() as usize;
-        for (position, &block) in blocks.iter().enumerate() {
+        for (position, &block) in (first..).zip(blocks) {
             for (rank, layer, region, at) in self.parts(block) {
                 for (i, c) in self.chunks(rank, layer, position).enumerate() {
                     pattern::fill(&mut chunk[i * plane_bytes..(i + 1) * plane_bytes], seed, &c);
@@ -162,8 +162,9 @@ impl PoolBytes {
 /// Payload work on blocks the engine holds.
 pub(super) enum Work {
     /// Checks the scrub of `freed` (blocks freed before, allocated again), then fills
-    /// `blocks`, in prompt order, with the bytes of the prompt `seed` names.
-    Fill { seed: u64, blocks: Vec<BlockId>, freed: Vec<BlockId> },
+    /// `blocks`, in prompt order from the prompt's block `first`, with the bytes of the prompt
+    /// `seed` names.
+    Fill { seed: u64, blocks: Vec<BlockId>, freed: Vec<BlockId>, first: usize },
     /// Checks `blocks`, in prompt order, against the bytes of the prompt of `tokens` tokens
     /// `seed` names.
     Check { seed: u64, blocks: Vec<BlockId>, tokens: u64 },
@@ -264,9 +265,9 @@ fn lower_priority() {
 fn run<T>(pool: &PoolBytes, chunk: &mut [u8], tag: T, work: Work, handed: Instant) -> Done<T> {
     let (mut written_after_free, mut intact) = (0, true);
     let result = match work {
-        Work::Fill { seed, blocks, freed } => pool.written_after_free(chunk, &freed).and_then(|written| {
+        Work::Fill { seed, blocks, freed, first } => pool.written_after_free(chunk, &freed).and_then(|written| {
             written_after_free = written;
-            pool.fill(chunk, seed, &blocks)
+            pool.fill(chunk, seed, &blocks, first)
         }),
         Work::Check { seed, blocks, tokens } => pool.check(chunk, seed, &blocks, tokens).map(|all| intact = all),
         Work::Scrub { blocks } => pool.scrub(chunk, &blocks),
