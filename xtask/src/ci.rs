@@ -50,15 +50,16 @@ pub fn run() -> Result<()> {
     // checks every row by layer, plane, head and token. The namespaces' run finds engines
     // through a real etcd, and one D dies silently there (its veth deleted, then SIGKILLed):
     // P must release its exports within the etcd lease TTL plus 1 s, by the lapse alone (the
-    // KV lease is longer).
+    // KV lease is longer). Two push runs compute their prompts on a simulated GPU, in chunks
+    // whose blocks P writes into D's before the export.
     let short = ["--requests", "40", "--layers", "4", "--max-tokens", "256"];
     let topologies: [&[&str]; 9] = [
         &["--transport", "nixl", "--mode", "pull"],
         &["--transport", "nixl", "--mode", "push"],
         &["--transport", "tcp", "--mode", "pull"],
-        &["--transport", "tcp", "--mode", "push"],
+        &["--transport", "tcp", "--mode", "push", "--prefill-us-per-token", "100"],
         &["--p-tp", "2", "--d-tp", "4"],
-        &["--p-tp", "4", "--d-tp", "2", "--mode", "push"],
+        &["--p-tp", "4", "--d-tp", "2", "--mode", "push", "--prefill-us-per-token", "100"],
         &["--mla", "--p-tp", "2", "--d-tp", "1"],
         &["--p-block-tokens", "16", "--d-block-tokens", "32"],
         &[

@@ -416,6 +416,9 @@ pub enum Event {
         /// Peers each rank has completed a handshake with, by rank.
         #[serde(default)]
         connected: Vec<u64>,
+        /// P, push: writes its ranks posted while a prompt still computed.
+        #[serde(default)]
+        writes_ahead: u64,
     },
     /// Something went wrong that the report must show.
     Error {

@@ -488,6 +488,10 @@ pub trait Transport: Send {
     /// Posts a transfer between entries of two prepared lists.
     fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError>;
     /// Where a transfer stands; `Done` and `Failed` are reported once, then the id is unknown.
+    /// A write is `Done` only once its bytes are in the peer's memory (NIXL flushes the
+    /// endpoint first; the TCP transport waits for the peer's acknowledgement): a notification
+    /// sent after it, on a later transfer or alone, never overtakes them. Push writes ahead
+    /// of their export rely on it.
     fn poll_transfer(&mut self, id: TransferId) -> TransferStatus;
     /// Sends a notification to a connected peer.
     fn send_notification(&mut self, peer: &AgentName, payload: &[u8]) -> Result<(), TransportError>;

@@ -110,6 +110,8 @@ pub struct Report {
     partial: PartialHits,
     corrupt_reads: u64,
     written_after_free: u64,
+    /// P's push writes posted while a prompt still computed (chunked prefill).
+    writes_ahead: u64,
     held_after_drain: BTreeMap<String, u64>,
     unreleased_exports: usize,
     /// Each incarnation's scraped metrics (`decode1#2`), by sample (`name{labels}`): counters,
@@ -188,10 +190,11 @@ impl Report {
             }
         }
         let mut held_after_drain = BTreeMap::new();
-        let (mut written_after_free, mut corrupt_reads) = (0, 0);
+        let (mut written_after_free, mut corrupt_reads, mut writes_ahead) = (0, 0, 0);
         for (name, s) in &stats {
             held_after_drain.insert(name.clone(), s["held_blocks"].as_u64().unwrap_or(0));
             written_after_free += s["written_after_free"].as_u64().unwrap_or(0);
+            writes_ahead += s["writes_ahead"].as_u64().unwrap_or(0);
         }
         let metrics = demo.scrapes.iter().map(|s| (s.incarnation.clone(), s.exposition.flat())).collect();
         let metrics_summary = demo.scrapes.iter().map(|s| (s.incarnation.clone(), summary(&s.exposition))).collect();
@@ -251,6 +254,7 @@ impl Report {
             partial: PartialHits::new(demo),
             corrupt_reads,
             written_after_free,
+            writes_ahead,
             unreleased_exports: demo
                 .tracks
                 .values()
@@ -404,6 +408,7 @@ impl Report {
             },
             "corrupt_reads": self.corrupt_reads,
             "written_after_free": self.written_after_free,
+            "writes_ahead": self.writes_ahead,
             "held_after_drain": self.held_after_drain,
             "unreleased_exports": self.unreleased_exports,
             "metrics": metrics,
@@ -511,6 +516,12 @@ impl Report {
         println!("  released, D alive    {}", self.released_for_live_engines);
         println!("  corrupt reads        {}", self.corrupt_reads);
         println!("  written after free   {}", self.written_after_free);
+        if self.writes_ahead > 0 {
+            println!(
+                "  writes ahead         {} (push writes from chunks P had computed, before the export)",
+                self.writes_ahead
+            );
+        }
         println!("  held after drain     {}", list(&self.held_after_drain));
         for (which, summary) in &self.metrics_summary {
             println!("  metrics {which:<12} {summary}");

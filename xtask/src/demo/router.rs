@@ -862,10 +862,15 @@ impl Demo {
                 anyhow!("engines did not report their counts: {:?}", live.iter().map(|l| &l.0).collect::<Vec<_>>())
             })?;
             match from {
-                FromNode::Event(Event::Stats { held_blocks, written_after_free, .. })
+                FromNode::Event(Event::Stats { held_blocks, written_after_free, writes_ahead, .. })
                     if live.contains(&(name.clone(), instance)) =>
                 {
-                    stats.insert(name, json!({ "held_blocks": held_blocks, "written_after_free": written_after_free }));
+                    let counts = json!({
+                        "held_blocks": held_blocks,
+                        "written_after_free": written_after_free,
+                        "writes_ahead": writes_ahead,
+                    });
+                    stats.insert(name, counts);
                 }
                 other => self.on_event(&name, instance, other),
             }

@@ -306,11 +306,12 @@ impl Engine {
     }
 
     /// Reports the demo's own checks of the pool, and the peers each rank is connected to.
-    fn stats(&mut self, connected: Vec<u64>) {
+    fn stats(&mut self, connected: Vec<u64>, writes_ahead: u64) {
         let event = Event::Stats {
             held_blocks: self.blocks.held() as u64,
             written_after_free: self.written_after_free,
             connected,
+            writes_ahead,
         };
         self.emit(&event);
     }
@@ -461,7 +462,8 @@ impl<S: Side> Node<S> {
         match command {
             Command::Stats => {
                 let connected = self.ranks.iter().map(|r| r.connected() as u64).collect();
-                self.engine.stats(connected);
+                let writes_ahead = self.ranks.iter().map(|r| r.writes_ahead()).sum();
+                self.engine.stats(connected, writes_ahead);
             }
             Command::Shutdown => return Ok(false),
             other => S::handle(self, other)?,

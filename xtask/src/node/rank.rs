@@ -3,7 +3,7 @@
 //! its own wake-ups (its deadlines, its transport's waker), and trades commands and reports
 //! with the engine's thread, which keeps the scheduler side and the pool's memory.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::thread::{JoinHandle, Thread};
@@ -33,6 +33,8 @@ pub(super) struct Rank<C> {
     tx: Option<Sender<ToRank<C>>>,
     /// Peers the rank's worker has completed a handshake with, as of its last step.
     connected: Arc<AtomicUsize>,
+    /// Writes ahead of their export its worker posted, as of its last step.
+    writes_ahead: Arc<AtomicU64>,
     thread: Thread,
     join: Option<JoinHandle<()>>,
 }
@@ -55,6 +57,8 @@ impl<C: Send + 'static> Rank<C> {
         let (tx, rx) = mpsc::channel::<ToRank<C>>();
         let connected = Arc::new(AtomicUsize::new(0));
         let peers = connected.clone();
+        let writes_ahead = Arc::new(AtomicU64::new(0));
+        let ahead = writes_ahead.clone();
         let join = std::thread::Builder::new()
             .name(format!("kvflow-rank{rank}"))
             .spawn(move || {
@@ -76,16 +80,22 @@ impl<C: Send + 'static> Rank<C> {
                     let now = clock.now();
                     send(driver.step(now));
                     peers.store(driver.machine_ref().connected_peers(), Ordering::Relaxed);
+                    ahead.store(driver.machine_ref().counters().writes_ahead, Ordering::Relaxed);
                     std::thread::park_timeout(driver.wait_time(now).map_or(IDLE_WAIT, |w| w.min(IDLE_WAIT)));
                 }
             })
             .with_context(|| format!("the thread of rank {rank}"))?;
-        Ok(Rank { tx: Some(tx), connected, thread: join.thread().clone(), join: Some(join) })
+        Ok(Rank { tx: Some(tx), connected, writes_ahead, thread: join.thread().clone(), join: Some(join) })
     }
 
     /// Peers the rank's worker has completed a handshake with.
     pub(super) fn connected(&self) -> usize {
         self.connected.load(Ordering::Relaxed)
+    }
+
+    /// Writes ahead of their export the rank's worker posted.
+    pub(super) fn writes_ahead(&self) -> u64 {
+        self.writes_ahead.load(Ordering::Relaxed)
     }
 
     /// Hands the rank's worker a command of the scheduler.
