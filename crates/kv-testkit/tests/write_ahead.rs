@@ -165,6 +165,27 @@ fn a_cancel_while_p_writes_ahead_is_answered_after_the_write() {
     assert_clean(&mut cluster);
 }
 
+/// D sends cancel after cancel, each naming the request by another suffixed id, while a
+/// write ahead into its blocks is in flight: P holds at most 8 answers for that write, and
+/// answers them when it ends.
+#[test]
+fn the_answers_held_for_a_write_in_flight_are_bounded() {
+    let mut cluster = computing_r1("transfer_latency_ms = 40", 128);
+    cluster.progress("prefill0", &r1(), 64).unwrap();
+    later(&mut cluster, 15);
+    for i in 0..100 {
+        let abort = kv_core::Message::Abort { request: RequestId::new(format!("r1-{i:08x}")) };
+        cluster.send_as("decode0", "prefill0", &abort).unwrap();
+    }
+    later(&mut cluster, 5);
+    let book = cluster.prefill_book("prefill0", 0).expect("prefill0 is up");
+    assert_eq!(book.held_answers, 8, "{book:?}");
+    later(&mut cluster, 100);
+    assert_eq!(cluster.prefill_book("prefill0", 0).expect("up").held_answers, 0, "answered once the write ended");
+    cluster.abandon_prefill("prefill0", &r1()).unwrap();
+    assert_clean(&mut cluster);
+}
+
 /// A write ahead fails: D cannot tell what landed, so it never gets the completion; at the
 /// export P tells it no write will come, and D applies its load-failure policy.
 #[test]

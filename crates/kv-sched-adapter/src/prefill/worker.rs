@@ -59,6 +59,9 @@ const PULLED_PARENTS: usize = 8192;
 const RECENT_RELEASES: usize = 65_536;
 /// At most this many D engines' gone incarnations are remembered.
 const GONE_ENGINES: usize = 4096;
+/// At most this many "no write will come" answers are held for one D rank while P's writes
+/// into it for one request are in flight; past that, D's quarantine ends the wait.
+const HELD_ANSWERS: usize = 8;
 
 /// Who sent a message about an export, as its handshake fixed it.
 #[derive(Clone, Debug)]
@@ -168,6 +171,9 @@ pub struct PrefillBook {
     pub exports: usize,
     /// Push: requests still computing with blocks written ahead (bounded by the pool).
     pub computing: usize,
+    /// Push: "no write will come" answers held while writes into their D rank are in flight
+    /// (at most 8 for each D rank and request written to).
+    pub held_answers: usize,
     /// Messages staged before their export (at most `early_notification_capacity`).
     pub staged: usize,
     /// Released ids remembered to tell late messages from early ones (at most 65 536, two leases each).
@@ -205,7 +211,8 @@ pub struct PrefillWorker {
     /// Push: requests still computing, whose finished blocks are written ahead.
     computing: BTreeMap<RequestId, Computing>,
     /// Push: "no write will come" answers held until the writes of a request (P's id) into
-    /// a D rank have ended, with who gets each; bounded by the writes in flight.
+    /// a D rank have ended, with who gets each: one entry per write in flight, at most
+    /// [`HELD_ANSWERS`] distinct answers in each.
     held_answers: BTreeMap<(RequestId, AgentName), Vec<(Claimant, RequestId)>>,
     /// Push: this rank's pool, prepared once, and each D rank's, prepared at its first write.
     lists: PreparedLists,
@@ -298,6 +305,7 @@ impl PrefillWorker {
         PrefillBook {
             exports: self.exports.len(),
             computing: self.computing.len(),
+            held_answers: self.held_answers.values().map(Vec::len).sum(),
             staged: self.early.len(),
             recent: self.recent.len(),
             pulled: self.pulled.len(),
@@ -1191,7 +1199,14 @@ impl PrefillWorker {
         });
         match busy {
             Some(id) => {
-                self.held_answers.entry((id.clone(), from.agent.clone())).or_default().push((from.clone(), request));
+                let held = self.held_answers.entry((id.clone(), from.agent.clone())).or_default();
+                if held.iter().any(|(_, r)| *r == request) {
+                    self.counters.duplicate_messages += 1;
+                } else if held.len() >= HELD_ANSWERS {
+                    self.counters.early_evicted += 1;
+                } else {
+                    held.push((from.clone(), request));
+                }
             }
             None => self.answer(from, &Message::Abort { request }),
         }

@@ -33,6 +33,12 @@ impl Cluster {
         0
     }
 
+    /// The sizes of the tables of P engine `node`'s worker `rank`; `None` when it is down.
+    pub fn prefill_book(&self, node: &str, rank: usize) -> Option<kv_sched_adapter::PrefillBook> {
+        let engine = self.prefill.get(&EngineId::new(node))?.as_ref()?;
+        Some(engine.workers.get(rank)?.machine_ref().book())
+    }
+
     /// Exports a P engine has not freed.
     pub fn pending_exports(&self, node: &str) -> u64 {
         match self.prefill.get(&EngineId::new(node)) {
