@@ -109,29 +109,18 @@ impl Cluster {
     /// P's chunked prefill of `request` has computed its first `tokens` tokens (whole blocks
     /// of them count).
     pub fn progress(&mut self, node: &str, request: &RequestId, tokens: u64) -> Result<(), ClusterError> {
-        self.prefill_call(node, Call::Progress { request: request.clone(), tokens })
+        self.call(node, Call::Progress { request: request.clone(), tokens })
     }
 
     /// P finishes the chunked prefill of `request` and exports it.
     pub fn finish_prefill(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {
-        self.prefill_call(node, Call::FinishPrefill { request: request.clone() })
+        self.call(node, Call::FinishPrefill { request: request.clone() })
     }
 
     /// P gives up the chunked prefill of `request` before it finished: the blocks it reported
     /// computed come back once no write ahead from them is in flight, the others at once.
     pub fn abandon_prefill(&mut self, node: &str, request: &RequestId) -> Result<(), ClusterError> {
-        self.prefill_call(node, Call::AbandonPrefill { request: request.clone() })
-    }
-
-    /// Makes a call on P engine `node`: now, or when it resumes if it is paused.
-    fn prefill_call(&mut self, node: &str, call: Call) -> Result<(), ClusterError> {
-        self.prefill_engine(node)?;
-        if let Some((_, waiting)) = self.paused.get_mut(&EngineId::new(node)) {
-            waiting.push(call);
-            self.record(format!("{node} is paused; its prefill goes on when it resumes"));
-            return Ok(());
-        }
-        self.call_now(node, call)
+        self.call(node, Call::AbandonPrefill { request: request.clone() })
     }
 
     fn progress_now(&mut self, node: &str, request: &RequestId, tokens: u64) -> Result<(), ClusterError> {
@@ -315,12 +304,20 @@ impl Cluster {
         })
     }
 
-    /// Makes a router call on D engine `node`: now, or when it resumes if it is paused.
+    /// Makes a call on engine `node` (a router call on D, or P's own chunked prefill going
+    /// on): now, or when it resumes if it is paused.
     fn call(&mut self, node: &str, call: Call) -> Result<(), ClusterError> {
-        self.decode_engine(node)?;
+        let on_prefill =
+            matches!(call, Call::Progress { .. } | Call::FinishPrefill { .. } | Call::AbandonPrefill { .. });
+        if on_prefill {
+            self.prefill_engine(node)?;
+        } else {
+            self.decode_engine(node)?;
+        }
         if let Some((_, waiting)) = self.paused.get_mut(&EngineId::new(node)) {
             waiting.push(call);
-            self.record(format!("{node} is paused; the router's call waits"));
+            let line = if on_prefill { "its prefill goes on when it resumes" } else { "the router's call waits" };
+            self.record(format!("{node} is paused; {line}"));
             return Ok(());
         }
         self.call_now(node, call)
