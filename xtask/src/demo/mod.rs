@@ -68,6 +68,9 @@ pub fn attack() -> Result<()> {
             lease_ms: 2000,
             pause_decode: if push { 0 } else { 3 },
             pause_prefill: push,
+            // Push computes on the simulated GPU, in chunks written ahead: P is stopped with
+            // those writes in flight too.
+            prefill_us_per_token: if push { 50 } else { 0 },
             attack: true,
             ..DemoConfig::default()
         };

@@ -53,7 +53,8 @@ use crate::e2e::ProcessClock;
 use crate::pattern;
 use crate::proto::{from_json, wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Remote, TransportKind};
 use payload::{PoolBytes, RankPool, Work, Workers};
-use transport::{transport, Ended, TimedTransport};
+use rank::WritesAhead;
+use transport::{transport, AheadOf, Ended, TimedTransport};
 
 /// The model name every demo engine serves.
 pub const MODEL: &str = "kvflow-demo";
@@ -136,6 +137,7 @@ struct RankStart {
     offer: Handshake,
     pool: LocalPool,
     transport: TimedTransport,
+    ahead_of: AheadOf,
     port: u16,
 }
 
@@ -221,9 +223,10 @@ impl Engine {
             let offer = pool.offer(&agent, tp, config.instance, role, MODEL);
             let (mut inner, port) = transport(config, &offer, clock.clone())?;
             inner.register(&region).with_context(|| format!("registering rank {rank}'s KV pool"))?;
-            let transport = TimedTransport::new(inner, tx.clone());
+            let ahead_of = AheadOf::default();
+            let transport = TimedTransport::new(inner, tx.clone(), ahead_of.clone());
             ranks.push(RankPool { region, shape, first_head: layout.first_head(rank, tp) });
-            starts.push(RankStart { offer, pool, transport, port });
+            starts.push(RankStart { offer, pool, transport, ahead_of, port });
         }
         let pool = Arc::new(PoolBytes::new(memory, ranks));
         let engine = Engine {
@@ -351,6 +354,11 @@ trait Side: Sized {
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<Self::Worker>;
     /// Hands a worker a command of the scheduler.
     fn handle_command(worker: &mut Self::Worker, now: Time, command: Self::ToWorker);
+    /// What a command says of the request the worker writes ahead for (P's chunked prefill).
+    fn writes_ahead(command: &Self::ToWorker) -> WritesAhead {
+        let _ = command;
+        WritesAhead::Same
+    }
     /// Hands the scheduler a report of rank `rank`'s worker.
     fn handle_report(&mut self, rank: u32, report: <Self::Worker as WorkerMachine>::Report) -> Result<()>;
     /// Carries out what the scheduler asks until nothing is left.
@@ -379,7 +387,8 @@ impl<S: Side> Node<S> {
         for (rank, start) in (0u32..).zip(starts) {
             let worker = S::worker(config, &start.offer, start.pool).context("the connector")?;
             let driver = WorkerDriver::new(worker, Box::new(start.transport));
-            let hooks = rank::Hooks { handle: S::handle_command };
+            let hooks =
+                rank::Hooks { handle: S::handle_command, writes_ahead: S::writes_ahead, ahead_of: start.ahead_of };
             let clock: Arc<dyn Clock> = engine.clock.clone();
             ranks.push(rank::Rank::spawn(rank, driver, hooks, clock, tx.clone(), std::thread::current())?);
         }
@@ -530,6 +539,15 @@ impl Side for PrefillSide {
 
     fn handle_command(worker: &mut PrefillWorker, now: Time, command: PrefillCommand) {
         worker.handle_command(now, command);
+    }
+
+    fn writes_ahead(command: &PrefillCommand) -> WritesAhead {
+        match command {
+            PrefillCommand::Progress { request, .. } => WritesAhead::For(request.as_str().to_owned()),
+            PrefillCommand::Export { request, .. } | PrefillCommand::Abandon { request } => {
+                WritesAhead::Ended(request.as_str().to_owned())
+            }
+        }
     }
 
     fn handle_report(&mut self, rank: u32, report: PrefillReport) -> Result<()> {

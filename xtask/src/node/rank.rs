@@ -12,6 +12,7 @@ use anyhow::{Context, Result};
 use kv_core::{Clock, EngineId, Time};
 use kv_sched_adapter::driver::{thread_waker, WorkerDriver, WorkerMachine};
 
+use super::transport::AheadOf;
 use super::IDLE_WAIT;
 
 /// What the engine's thread asks of a rank's.
@@ -26,6 +27,20 @@ enum ToRank<C> {
 pub(super) struct Hooks<W: WorkerMachine, C> {
     /// Hands the worker a command of the scheduler.
     pub handle: fn(&mut W, Time, C),
+    /// What a command says of the request the worker writes ahead for.
+    pub writes_ahead: fn(&C) -> WritesAhead,
+    /// Where the rank's transport reads that request.
+    pub ahead_of: AheadOf,
+}
+
+/// What a command says of the request a P worker writes ahead for (its chunked prefill).
+pub(super) enum WritesAhead {
+    /// Nothing.
+    Same,
+    /// This request computes: writes without a notification from now on are its own.
+    For(String),
+    /// This request is exported or given up: none of its writes go ahead any more.
+    Ended(String),
 }
 
 /// A rank's thread, seen from the engine's.
@@ -139,6 +154,11 @@ fn drain<W: WorkerMachine, C>(
         match rx.try_recv() {
             Ok(ToRank::Command(command)) => {
                 let now = clock.now();
+                match (hooks.writes_ahead)(&command) {
+                    WritesAhead::Same => {}
+                    WritesAhead::For(request) => hooks.ahead_of.set(Some(request)),
+                    WritesAhead::Ended(request) => hooks.ahead_of.clear(&request),
+                }
                 (hooks.handle)(driver.machine(), now, command);
                 batch.extend(driver.flush(now));
             }

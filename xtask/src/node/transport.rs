@@ -1,17 +1,19 @@
 //! A rank's transport as the engine's configuration says (NIXL or TCP), wrapped to time each
 //! transfer it posts from post to completion, and to name the request its notification
-//! completes, for the router's report.
+//! completes, for the router's report. A push write ahead of its export carries no
+//! notification: it is named for the request P's rank is writing ahead for
+//! ([`AheadOf`], which the rank's thread sets from the commands it hands its worker).
 
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use kv_core::{
     AgentName, Handshake, Message, PeerAddress, PeerEvent, PollIntervals, PreparedId, PreparedTransfer, Region,
-    RegionId, TransferId, TransferRequest, TransferSizes, TransferStatus, Transport, TransportError,
+    RegionId, TransferId, TransferOp, TransferRequest, TransferSizes, TransferStatus, Transport, TransportError,
 };
 use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
 use kv_transport_tcp::{TcpConfig, TcpTransport};
@@ -22,6 +24,31 @@ use crate::proto::{NodeConfig, TransportKind, CLUSTER_KEY_ENV};
 /// A transfer that ended: bytes, post-to-end time, success, and the request its notification
 /// completes (P's request id for D's reads), if it carries a completion.
 pub(super) type Ended = (u64, Duration, bool, Option<String>);
+
+/// The request a P rank is computing in chunks, whose blocks it writes ahead (none between
+/// prompts): shared by the rank's thread, which sets it, and its transport, which names the
+/// writes without a notification for it.
+#[derive(Clone, Default)]
+pub(super) struct AheadOf(Arc<Mutex<Option<String>>>);
+
+impl AheadOf {
+    /// From now on, writes ahead are for `request` (`None`: for no request).
+    pub(super) fn set(&self, request: Option<String>) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = request;
+    }
+
+    /// `request`'s writes go ahead no more (another's may have begun already).
+    pub(super) fn clear(&self, request: &str) {
+        let mut current = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if current.as_deref() == Some(request) {
+            *current = None;
+        }
+    }
+
+    fn get(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+}
 
 /// A transfer in flight: when it was posted, its bytes, and the request it completes.
 struct Posted {
@@ -36,12 +63,24 @@ pub(super) struct TimedTransport {
     posted: HashMap<TransferId, Posted>,
     sizes: TransferSizes,
     ended: Sender<Ended>,
+    ahead_of: AheadOf,
 }
 
 impl TimedTransport {
-    /// `inner`, reporting each transfer that ends to `ended`.
-    pub(super) fn new(inner: Box<dyn Transport>, ended: Sender<Ended>) -> Self {
-        TimedTransport { inner, posted: HashMap::new(), sizes: TransferSizes::default(), ended }
+    /// `inner`, reporting each transfer that ends to `ended`; writes without a notification
+    /// are named for the request `ahead_of` holds when they are posted.
+    pub(super) fn new(inner: Box<dyn Transport>, ended: Sender<Ended>, ahead_of: AheadOf) -> Self {
+        TimedTransport { inner, posted: HashMap::new(), sizes: TransferSizes::default(), ended, ahead_of }
+    }
+
+    /// The request a transfer is for: the one its notification completes, else, for a write
+    /// ahead, the one its rank is writing ahead for.
+    fn request_of(&self, op: TransferOp, notification: Option<&[u8]>) -> Option<String> {
+        match notification {
+            Some(_) => completed_request(notification),
+            None if op == TransferOp::Write => self.ahead_of.get(),
+            None => None,
+        }
     }
 
     /// Starts timing a transfer from `start`, taken before the post: UCX may move the bytes
@@ -72,7 +111,7 @@ impl Transport for TimedTransport {
     }
     fn post(&mut self, request: TransferRequest) -> Result<TransferId, TransportError> {
         let bytes = request.bytes();
-        let completes = completed_request(request.notification.as_deref());
+        let completes = self.request_of(request.op, request.notification.as_deref());
         let start = Instant::now();
         let id = self.inner.post(request)?;
         Ok(self.posted(id, start, bytes, completes))
@@ -84,7 +123,7 @@ impl Transport for TimedTransport {
     }
     fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError> {
         let bytes = self.sizes.of_prepared(&request);
-        let completes = completed_request(request.notification.as_deref());
+        let completes = self.request_of(request.op, request.notification.as_deref());
         let start = Instant::now();
         let id = self.inner.post_prepared(request)?;
         Ok(self.posted(id, start, bytes, completes))
