@@ -15,6 +15,12 @@ use kv_testkit::scenario::Scenario;
 /// A push cluster of `cluster` keys (TOML) in which decode0 has scheduled r1, a prompt of
 /// `tokens`, which P has started computing but not finished: D's registration waits at P.
 fn computing_r1(cluster: &str, tokens: u64) -> Cluster {
+    computing_r1_cached(cluster, tokens, 0)
+}
+
+/// As [`computing_r1`], with D's own prefix cache holding the prompt's first `cached` tokens:
+/// D registers only the blocks after them.
+fn computing_r1_cached(cluster: &str, tokens: u64, cached: u64) -> Cluster {
     let toml = format!(
         r#"
         name = "D registers r1 while P computes it"
@@ -30,6 +36,7 @@ fn computing_r1(cluster: &str, tokens: u64) -> Cluster {
         at_s = 0.1
         do = "schedule"
         request = "r1"
+        cached_tokens = {cached}
         "#
     );
     let scenario = Scenario::from_toml_str(&toml).unwrap_or_else(|e| panic!("{e}"));
@@ -99,6 +106,25 @@ fn finished_blocks_are_written_while_p_computes_and_the_load_ends_ready() {
         "mla = true\nprefill_tp = 2\ndecode_tp = 1",
     ] {
         check_written_ahead(cluster, 128);
+    }
+}
+
+/// D's own prefix cache holds the prompt's first 2 blocks, so it registers the 6 after them:
+/// P writes ahead the finished ones among those (D block `b` of the prompt from P's blocks
+/// from `b`), never a cached one, and the load is ready with P's bytes.
+#[test]
+fn a_partial_prefix_hit_is_written_ahead_from_its_first_uncached_block() {
+    for keys in ["", "decode_block_size = 32"] {
+        let mut cluster = computing_r1_cached(keys, 128, 32);
+        cluster.progress("prefill0", &r1(), 96).unwrap();
+        later(&mut cluster, 50);
+        assert!(writes_ahead(&cluster) > 0, "{keys:?}: the finished uncached blocks go ahead");
+        cluster.progress("prefill0", &r1(), 128).unwrap();
+        cluster.finish_prefill("prefill0", &r1()).unwrap();
+        later(&mut cluster, 100);
+        assert_eq!(state(&cluster, "decode0"), Some("ready"), "{keys:?}: {}", cluster.trace().join("\n"));
+        assert_eq!(cluster.release_reason("prefill0", &r1()), Some(ReleaseReason::Transferred));
+        assert_clean(&mut cluster);
     }
 }
 

@@ -121,7 +121,6 @@ struct Prompt {
     blocks: Vec<BlockId>,
     prompt_tokens: u64,
     consumer: Option<kv_sched_adapter::Consumer>,
-    seed: u64,
     /// Of its blocks, the first ones reported computed: the connector's until it frees them.
     reported: usize,
 }

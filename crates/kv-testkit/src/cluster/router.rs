@@ -219,13 +219,19 @@ impl Cluster {
             engine.pool.retain(&blocks);
         }
         self.count_written_after_free(node, &dirty);
-        Ok(Prompt { ids, blocks, prompt_tokens, consumer, seed, reported: 0 })
+        // What P computed, known from now on: a D whose own prefix cache holds the prompt's
+        // first blocks holds the same bytes, and every load is checked against it.
+        let (engine_id, tokens) = (EngineId::new(node), count as u64 * u64::from(p_tokens));
+        for id in &ids {
+            self.computed.insert((engine_id.clone(), id.clone()), Computed { seed, tokens });
+        }
+        Ok(Prompt { ids, blocks, prompt_tokens, consumer, reported: 0 })
     }
 
     /// P exports a computed prompt.
     fn export(&mut self, node: &str, prompt: Prompt) -> Result<(), ClusterError> {
         let now = self.now();
-        let Prompt { ids, blocks, prompt_tokens, consumer, seed, .. } = prompt;
+        let Prompt { ids, blocks, prompt_tokens, consumer, .. } = prompt;
         let engine = self.prefill_engine(node)?;
         let mut refs = Vec::new();
         for id in &ids {
@@ -237,11 +243,6 @@ impl Cluster {
             refs.push((id.clone(), remote));
         }
         let engine_id = engine.id.clone();
-        let tokens = blocks.len() as u64 * u64::from(self.config.spec.prefill_block_size);
-        // Known before the exports reach the workers: a write they post verifies against it.
-        for id in &ids {
-            self.computed.insert((engine_id.clone(), id.clone()), Computed { seed, tokens });
-        }
         self.flush_prefill(node)?;
         for (id, remote) in refs {
             self.record(format!("{node} exported {id}"));
