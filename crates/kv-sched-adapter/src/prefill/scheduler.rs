@@ -126,8 +126,8 @@ pub struct PrefillScheduler {
     addresses: Vec<PeerAddress>,
     config: Config,
     exports: BTreeMap<RequestId, SchedulerExport>,
-    /// Requests reported in progress and not yet finished: their blocks so far, and the
-    /// consumer named. Bounded by the pool: each holds at least one block.
+    /// Requests reported in progress and not yet finished, with their blocks so far. Bounded
+    /// by the pool: each holds at least one block.
     computing: BTreeMap<RequestId, Vec<BlockId>>,
     /// Push: requests given up while computing, until every rank released them.
     abandoned: BTreeMap<RequestId, SchedulerExport>,
@@ -267,8 +267,10 @@ impl PrefillScheduler {
     }
 
     /// The engine gives up `request`, reported in progress and not finished (aborted,
-    /// preempted). Its blocks come back as [`PrefillEvent::Free`] (reason `aborted`) once no
-    /// worker writes from them: at once in pull mode, when every rank released it in push mode.
+    /// preempted). The blocks it reported come back as [`PrefillEvent::Free`] (reason
+    /// `aborted`) once no worker writes from them: at once in pull mode, when every rank
+    /// released it in push mode; the engine frees the others itself. A request never reported
+    /// in progress is [`PrefillError::NotComputing`]: all its blocks are still the engine's.
     pub fn handle_abandoned(&mut self, request: RequestId) -> Result<(), PrefillError> {
         let Some(blocks) = self.computing.remove(&request) else {
             return Err(PrefillError::NotComputing(request));
