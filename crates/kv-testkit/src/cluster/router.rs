@@ -10,10 +10,10 @@ use super::oracle::{self, Computed};
 use super::{err, fnv, Cluster, ClusterError, DecodeEngine, DecodeLoad, PrefillEngine, Prompt};
 
 /// A call on an engine from outside it: the router's on a D engine (`Arrive`, `Schedule`,
-/// `Reject`, `Abort`), a P engine's own chunked prefill going on (`Progress`, `FinishPrefill`,
-/// `AbandonPrefill`: a paused engine computes nothing), or discovery's word on any engine that incarnation `instance` of
-/// `engine`, and every older one, is gone (`EngineLost`). One that reaches a paused engine
-/// waits for its resume.
+/// `Reject`, `Abort`), a P engine's own chunked prefill going on (`Progress`,
+/// `FinishPrefill`, `AbandonPrefill`: a paused engine computes nothing), or discovery's word
+/// on any engine that incarnation `instance` of `engine`, and every older one, is gone
+/// (`EngineLost`). One that reaches a paused engine waits for its resume.
 #[derive(Clone, Debug)]
 pub(super) enum Call {
     Arrive {
