@@ -931,7 +931,8 @@ impl PrefillWorker {
             return;
         }
         let ahead = export.ahead.get(to).copied().unwrap_or(0);
-        let Ok(plan_d) = self.peers[to].compat.tp.decode_rank(to.rank) else { return };
+        // A rank no longer connected gets nothing: its loss releases the export.
+        let Some(Ok(plan_d)) = self.peers.get(to).map(|p| p.compat.tp.decode_rank(to.rank)) else { return };
         // D counts one write from each of the P ranks it maps to in every stage.
         let completion = Message::Completion {
             request: reg.request.clone(),
@@ -976,7 +977,7 @@ impl PrefillWorker {
         d_range: std::ops::Range<usize>,
         notification: Option<Vec<u8>>,
     ) -> Result<XferToken, String> {
-        let peer = &self.peers[to];
+        let peer = self.peers.get(to).ok_or_else(|| format!("{to} is not connected"))?;
         let tp = peer.compat.tp;
         let plan_d = tp.decode_rank(to.rank).map_err(|e| e.to_string())?;
         let rank = self.offer.tp_rank();
@@ -1108,7 +1109,7 @@ impl PrefillWorker {
         }
         let rank = self.offer.tp_rank();
         for (to, reg) in targets {
-            let peer = &self.peers[&to];
+            let Some(peer) = self.peers.get(&to) else { continue };
             let tp = peer.compat.tp;
             let Some(d_shape) = peer.shape(tp.decode_heads()) else { continue };
             if tp.decode_rank(to.rank).map_or(true, |plan| plan.notify_only.contains(&rank)) {
