@@ -466,7 +466,7 @@ impl DecodeWorker {
             };
             // A partial prefix hit reads only the blocks after the cached ones: D block `b` takes
             // P's sub-blocks from `b * ratio` on (the plan clips the last to the prompt).
-            let ratio = (self.pool.shape.layout.block_tokens / p_shape.layout.block_tokens.max(1)).max(1) as usize;
+            let ratio = peer.compat.blocks.ratio() as usize;
             let d_blocks = &load.blocks[load.cached..];
             let p_blocks = export.blocks.get(load.cached * ratio..).unwrap_or(&[]);
             let input = PlanInput {

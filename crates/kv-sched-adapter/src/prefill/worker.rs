@@ -984,7 +984,7 @@ impl PrefillWorker {
         let slice = plan_d.reads.iter().find(|s| s.prefill_rank == rank).copied();
         let slice = slice.ok_or_else(|| format!("no head slice of P rank {rank} for D rank {}", to.rank))?;
         let d_shape = peer.shape(tp.decode_heads()).ok_or_else(|| "peer layout".to_owned())?;
-        let ratio = (d_shape.layout.block_tokens / self.pool.shape.layout.block_tokens.max(1)).max(1) as usize;
+        let ratio = peer.compat.blocks.ratio() as usize;
         let first = reg.first_block as usize;
         let d_blocks =
             reg.blocks.get(d_range.clone()).ok_or_else(|| format!("D blocks {d_range:?} of {}", reg.blocks.len()))?;
@@ -1111,11 +1111,12 @@ impl PrefillWorker {
         for (to, reg) in targets {
             let Some(peer) = self.peers.get(&to) else { continue };
             let tp = peer.compat.tp;
-            let Some(d_shape) = peer.shape(tp.decode_heads()) else { continue };
-            if tp.decode_rank(to.rank).map_or(true, |plan| plan.notify_only.contains(&rank)) {
+            if peer.shape(tp.decode_heads()).is_none()
+                || tp.decode_rank(to.rank).map_or(true, |plan| plan.notify_only.contains(&rank))
+            {
                 continue;
             }
-            let ratio = (d_shape.layout.block_tokens / self.pool.shape.layout.block_tokens.max(1)).max(1) as usize;
+            let ratio = peer.compat.blocks.ratio() as usize;
             let computing = &self.computing[id];
             if computing.stopped.contains(&to) {
                 continue;
