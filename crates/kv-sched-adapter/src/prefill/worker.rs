@@ -364,17 +364,18 @@ impl PrefillWorker {
         }
         let family_id = request.parent().unwrap_or_else(|| request.clone());
         // What was written ahead while it computed, and the writes still in flight, go with it.
-        let ahead = self.computing.remove(&request);
+        let (writing, ahead, ahead_failed) =
+            self.computing.remove(&request).map(|c| (c.writing, c.ahead, c.stopped)).unwrap_or_default();
         let export = Export {
             blocks,
             family: family_id.clone(),
             claimed: false,
             completed: BTreeSet::new(),
             registrations: BTreeMap::new(),
-            writing: ahead.as_ref().map(|c| c.writing.clone()).unwrap_or_default(),
+            writing,
             written: BTreeSet::new(),
-            ahead: ahead.as_ref().map(|c| c.ahead.clone()).unwrap_or_default(),
-            ahead_failed: ahead.map(|c| c.stopped).unwrap_or_default(),
+            ahead,
+            ahead_failed,
             owed_writes: 0,
             deferred: None,
             cancels: BTreeMap::new(),
