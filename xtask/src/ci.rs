@@ -43,6 +43,9 @@ pub fn run() -> Result<()> {
     let package =
         ["package", "--workspace", "--exclude", "xtask", "--locked", "--allow-dirty", "--target-dir", &verify];
     cargo_env(&root, &package, &envs)?;
+    // A second build of every library and its dependencies: gone once verified, since CI's
+    // disk is not ours to fill.
+    let _ = std::fs::remove_dir_all(&verify);
     // Short demos, real processes: each mode over each transport, then P at TP 2 into D at TP 4
     // and back, MLA from TP 2 into TP 1, P's 16-token blocks into D's 32-token ones, and every
     // engine in a network namespace of its own with UCX over TCP (root only, as CI is). Any
