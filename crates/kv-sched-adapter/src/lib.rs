@@ -135,6 +135,12 @@
 //!   lease (scenario `pulled-parent-remembered-one-lease`). Time-bounded memories are pruned
 //!   before every registration as well as at wake-ups, so a worker that slept through the
 //!   horizon does not act on them.
+//! - A request id names one export. P's workers remember a released id for two leases, to
+//!   tell late messages about it from early ones, so [`PrefillScheduler::handle_finished`]
+//!   and [`PrefillScheduler::handle_progress`] refuse an id whose export (or push prompt
+//!   given up) was freed, among the last 65 536 ([`PrefillError::Reused`]); a worker handed
+//!   one all the same releases it at once (`aborted`), so its blocks never strand. A pull
+//!   prompt given up reached no worker, and may be computed again under its id.
 //! - Push registrations that come before P's prefill stay staged until
 //!   `push_registration_timeout`, when D's watchdog gives up on them anyway.
 

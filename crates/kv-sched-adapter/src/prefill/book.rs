@@ -122,6 +122,10 @@ impl<T> EarlyStage<T> {
     }
 }
 
+/// At most this many released ids are remembered (by each worker, each for two leases, to tell
+/// late messages from early ones; by the scheduler, to refuse an id that named an export).
+pub(crate) const RECENT_RELEASES: usize = 65_536;
+
 /// Keys remembered until a horizon, at most `capacity` of them (the oldest forgotten first).
 #[derive(Debug)]
 pub(crate) struct Recent<K = RequestId> {

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use kv_core::{BlockId, EngineId, PeerAddress, RequestId, Time};
 
+use super::book::{Recent, RECENT_RELEASES};
 use crate::common::{Consumer, ExportInfo, RemoteRef};
 use crate::config::{Config, ConfigError, Mode, ReleaseReason};
 use crate::metrics::PrefillMetrics;
@@ -82,6 +83,10 @@ pub enum PrefillError {
     /// The request is already exported.
     #[error("request {0} is already exported")]
     AlreadyExported(RequestId),
+    /// The id named an export, or a push prompt given up, that is freed now: the workers still
+    /// take late messages for it as the old export's, so it cannot name another.
+    #[error("request {0} was exported or given up before; a request id names one export")]
+    Reused(RequestId),
     /// An export needs blocks.
     #[error("request {0} has no blocks to export")]
     NoBlocks(RequestId),
@@ -131,6 +136,10 @@ pub struct PrefillScheduler {
     computing: BTreeMap<RequestId, Vec<BlockId>>,
     /// Push: requests given up while computing, until every rank released them.
     abandoned: BTreeMap<RequestId, SchedulerExport>,
+    /// Ids of exports (and push prompts given up) freed on every rank, the newest
+    /// `RECENT_RELEASES` of them: as many as each worker remembers, which also forgets them
+    /// two leases on (reports carry no time, so this forgets by count alone).
+    freed: Recent,
     events: VecDeque<PrefillEvent>,
     metrics: PrefillMetrics,
 }
@@ -161,6 +170,7 @@ impl PrefillScheduler {
             exports: BTreeMap::new(),
             computing: BTreeMap::new(),
             abandoned: BTreeMap::new(),
+            freed: Recent::new(RECENT_RELEASES),
             events: VecDeque::new(),
         })
     }
@@ -187,9 +197,7 @@ impl PrefillScheduler {
         prompt_tokens: u64,
         consumer: Option<Consumer>,
     ) -> Result<RemoteRef, PrefillError> {
-        if self.exports.contains_key(&request) || self.abandoned.contains_key(&request) {
-            return Err(PrefillError::AlreadyExported(request));
-        }
+        self.check_new(&request)?;
         if blocks.is_empty() {
             return Err(PrefillError::NoBlocks(request));
         }
@@ -228,6 +236,17 @@ impl PrefillScheduler {
         })
     }
 
+    /// Refuses an id that names an export, or a prompt given up, now or recently.
+    fn check_new(&self, request: &RequestId) -> Result<(), PrefillError> {
+        if self.exports.contains_key(request) || self.abandoned.contains_key(request) {
+            return Err(PrefillError::AlreadyExported(request.clone()));
+        }
+        if self.freed.contains(request) {
+            return Err(PrefillError::Reused(request.clone()));
+        }
+        Ok(())
+    }
+
     /// A chunked prefill of `request` has computed `blocks` (all of them so far, in prompt
     /// order; each call extends the last). In push mode the workers write them ahead into the
     /// blocks D registered (the consumer's, when the router named one), so that at
@@ -241,9 +260,7 @@ impl PrefillScheduler {
         blocks: Vec<BlockId>,
         consumer: Option<Consumer>,
     ) -> Result<(), PrefillError> {
-        if self.exports.contains_key(&request) || self.abandoned.contains_key(&request) {
-            return Err(PrefillError::AlreadyExported(request));
-        }
+        self.check_new(&request)?;
         if blocks.is_empty() {
             return Err(PrefillError::NoBlocks(request));
         }
@@ -299,6 +316,7 @@ impl PrefillScheduler {
             if abandoned.released.len() as u32 == self.workers {
                 let abandoned = self.abandoned.remove(&request).expect("present");
                 let reason = ReleaseReason::Aborted;
+                self.freed.insert(request.clone(), Time::ZERO);
                 self.events.push_back(PrefillEvent::Free { request, blocks: abandoned.blocks, reason });
             }
             return Ok(());
@@ -314,6 +332,7 @@ impl PrefillScheduler {
             let _span = crate::common::request_span(&self.engine, None, &request).entered();
             tracing::debug!(%reason, blocks = export.blocks.len(), "export freed on every rank");
             self.metrics.freed(&export.blocks, reason);
+            self.freed.insert(request.clone(), Time::ZERO);
             self.events.push_back(PrefillEvent::Free { request, blocks: export.blocks, reason });
         }
         Ok(())

@@ -43,7 +43,7 @@ use kv_core::{
 };
 use kv_lease::LeaseTable;
 
-use super::book::{EarlyStage, GoneIncarnations, Recent};
+use super::book::{EarlyStage, GoneIncarnations, Recent, RECENT_RELEASES};
 use super::scheduler::{PrefillCommand, PrefillReport};
 use crate::common::{
     block_indices, by_index, request_span, Action, Consumer, Counters, Ignored, LocalPool, Outbox, Peer, PreparedLists,
@@ -54,9 +54,6 @@ use crate::config::{Config, ConfigError, Mode, ReleaseReason};
 /// At most this many parents whose sibling was transferred are remembered (seed 002's bound),
 /// each for one lease; a sibling that registers later than that is held by its own lease.
 const PULLED_PARENTS: usize = 8192;
-/// At most this many released ids are remembered, each for two leases, to tell late messages
-/// from early ones.
-const RECENT_RELEASES: usize = 65_536;
 /// At most this many D engines' gone incarnations are remembered.
 const GONE_ENGINES: usize = 4096;
 /// At most this many "no write will come" answers are held for one D rank while P's writes
@@ -358,8 +355,17 @@ impl PrefillWorker {
     ) {
         let _span = request_span(&self.offer.engine, Some(self.offer.rank), &request).entered();
         tracing::debug!(blocks = blocks.len(), deadline_ns = deadline.as_nanos(), consumer = ?consumer, "export registered");
-        if self.exports.contains_key(&request) || self.recent.contains(&request) {
+        if self.exports.contains_key(&request) {
             self.counters.duplicate_messages += 1;
+            return;
+        }
+        if self.recent.contains(&request) {
+            // The id named an export this rank released: late messages for that one would be
+            // taken as this one's, so it is refused, and released at once rather than left to
+            // strand in the scheduler (which refuses such ids itself while it remembers them).
+            self.counters.duplicate_messages += 1;
+            tracing::warn!("export under an id released before; released at once");
+            self.out.report(PrefillReport::Released { request, reason: ReleaseReason::Aborted });
             return;
         }
         let family_id = request.parent().unwrap_or_else(|| request.clone());
@@ -1301,3 +1307,6 @@ fn write_ended(writing: &mut BTreeMap<AgentName, usize>, to: &AgentName) -> bool
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,94 @@
+//! Unit tests of the prefill worker; the scenarios and random seeds of kv-testkit drive the rest of it.
+
+use kv_core::{EngineId, KvLayout, PeerAddress, PoolShape, RegionBase, Role, Time};
+
+use crate::{PrefillError, PrefillEvent, PrefillScheduler};
+
+use super::*;
+
+fn worker() -> PrefillWorker {
+    let layout = KvLayout::split_kv(2, 16, 4, 8, 2);
+    let shape = PoolShape::new(layout, layout.kv_heads, 8).unwrap();
+    let pool = LocalPool { shape, regions: vec![RegionBase { addr: 0x10_0000, len: shape.pool_bytes() }] };
+    let offer = pool.offer(&AgentName::new(EngineId::new("prefill0"), 0), 1, 1, Role::Prefill, "m");
+    PrefillWorker::new(offer, Config::default(), pool).unwrap()
+}
+
+fn reports(worker: &mut PrefillWorker) -> Vec<PrefillReport> {
+    std::iter::from_fn(|| worker.poll_action())
+        .filter_map(|a| match a {
+            Action::Report(report) => Some(report),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn an_id_named_by_a_freed_export_is_refused_and_a_worker_that_still_remembers_it_releases_it_at_once() {
+    let config = Config::default();
+    let mut scheduler =
+        PrefillScheduler::new(EngineId::new("prefill0"), 1, vec![PeerAddress("p0".into())], config).unwrap();
+    let mut worker = worker();
+    let r1 = RequestId::new("r1");
+    let carry = |scheduler: &mut PrefillScheduler, worker: &mut PrefillWorker, now: Time| {
+        while let Some(event) = scheduler.poll_event() {
+            match event {
+                PrefillEvent::ToWorker { command, .. } => worker.handle_command(now, command),
+                PrefillEvent::Free { request, blocks, reason } => return Some((request, blocks, reason)),
+            }
+        }
+        None
+    };
+    scheduler.handle_finished(Time::ZERO, r1.clone(), vec![BlockId(1), BlockId(2)], 32, None).unwrap();
+    assert_eq!(carry(&mut scheduler, &mut worker, Time::ZERO), None);
+    // Nobody claims it: the lease runs out and every rank (the one) releases it.
+    let expiry = Time::ZERO + config.kv_lease_duration;
+    worker.handle_timeout(expiry);
+    for report in reports(&mut worker) {
+        scheduler.handle_report(0, report).unwrap();
+    }
+    let freed = carry(&mut scheduler, &mut worker, expiry);
+    assert_eq!(freed, Some((r1.clone(), vec![BlockId(1), BlockId(2)], ReleaseReason::Expired)));
+
+    // The scheduler refuses the id: the engine keeps its blocks and hears why.
+    let again = scheduler.handle_finished(expiry, r1.clone(), vec![BlockId(3)], 16, None).unwrap_err();
+    assert_eq!(again.to_string(), "request r1 was exported or given up before; a request id names one export");
+    assert_eq!(scheduler.handle_progress(r1.clone(), vec![BlockId(3)], None), Err(PrefillError::Reused(r1.clone())));
+    assert_eq!(scheduler.pending(), 0);
+
+    // A worker that is handed such an export anyway (a scheduler that forgot the id first)
+    // releases it at once instead of dropping it: the scheduler would wait for ever.
+    let deadline = expiry + config.kv_lease_duration;
+    let export = PrefillCommand::Export { request: r1.clone(), blocks: vec![BlockId(3)], deadline, consumer: None };
+    worker.handle_command(expiry, export);
+    assert_eq!(reports(&mut worker), vec![PrefillReport::Released { request: r1, reason: ReleaseReason::Aborted }]);
+    assert_eq!(worker.book().exports, 0);
+}
+
+#[test]
+fn a_push_prompt_given_up_keeps_its_id_but_a_pull_one_does_not() {
+    for mode in [Mode::Push, Mode::Pull] {
+        let config = Config { mode, ..Config::default() };
+        let mut scheduler =
+            PrefillScheduler::new(EngineId::new("prefill0"), 1, vec![PeerAddress("p0".into())], config).unwrap();
+        let mut worker = worker();
+        let r1 = RequestId::new("r1");
+        scheduler.handle_progress(r1.clone(), vec![BlockId(1)], None).unwrap();
+        scheduler.handle_abandoned(r1.clone()).unwrap();
+        while let Some(event) = scheduler.poll_event() {
+            if let PrefillEvent::ToWorker { command, .. } = event {
+                worker.handle_command(Time::ZERO, command);
+            }
+        }
+        for report in reports(&mut worker) {
+            scheduler.handle_report(0, report).unwrap();
+        }
+        let again = scheduler.handle_finished(Time::ZERO, r1.clone(), vec![BlockId(1), BlockId(2)], 32, None);
+        match mode {
+            // The workers told D none will come and take late messages for the old attempt.
+            Mode::Push => assert_eq!(again, Err(PrefillError::Reused(r1))),
+            // Nothing reached a worker: the engine may compute the prompt again under its id.
+            Mode::Pull => assert!(again.is_ok(), "{again:?}"),
+        }
+    }
+}
