@@ -193,8 +193,8 @@ pub fn generate(seed: u64) -> Scenario {
             push(t_arrive + rng.below(200), Event::Abort { request: d_request.clone(), node: d });
             continue;
         }
-        // Sometimes D's own prefix cache holds the first blocks (pull only: push loads whole
-        // prompts), and it reads the rest.
+        // Sometimes D's own prefix cache holds the first blocks, and it reads (or is pushed)
+        // the rest.
         let d_blocks = prompt_tokens.div_ceil(u64::from(p_block * ratio));
         if roll < 8 {
             let failing = if mode == Mode::Push { p } else { d };
@@ -202,11 +202,7 @@ pub fn generate(seed: u64) -> Scenario {
             let from_block = rng.chance(0.5).then(|| rng.below(d_blocks + 1) as u32);
             push(t_schedule, Event::FailTransfer { request: remote_request.clone(), node: failing, from_block });
         }
-        let cached_tokens = if mode == Mode::Pull && rng.chance(0.1) {
-            rng.below(d_blocks + 1) * u64::from(p_block * ratio)
-        } else {
-            0
-        };
+        let cached_tokens = if rng.chance(0.1) { rng.below(d_blocks + 1) * u64::from(p_block * ratio) } else { 0 };
         push(
             t_schedule,
             Event::Schedule { request: d_request.clone(), node: d, prefix_hit: rng.chance(0.05), cached_tokens },

@@ -147,6 +147,9 @@ struct DecodeLoad {
     blocks: Vec<BlockId>,
     /// The first `cached` of `blocks` the engine's own prefix cache held.
     cached: usize,
+    /// Its cached blocks wait for the bytes P computes: D scheduled it (push) before P's
+    /// prefill began, and its prefix cache holds what P will compute.
+    cache_pending: bool,
 }
 
 impl DecodeLoad {

@@ -9,6 +9,7 @@
 use std::collections::BTreeSet;
 
 use kv_core::{BlockId, EngineId, Memory, PoolShape, Region, RequestId};
+use kv_sched_adapter::RemoteRef;
 
 use super::{Cluster, DecodeEngine};
 use crate::{BlockPool, InMemoryMemory};
@@ -154,23 +155,34 @@ impl Cluster {
     /// Compares the first `kept` blocks of a request that ended (all of them when it is ready,
     /// the intact prefix D keeps when it recomputes the rest) on every D rank with what P
     /// computed.
-    pub(super) fn verify(&mut self, engine: &DecodeEngine, request: &RequestId, kept: usize) {
-        let Some(load) = engine.loads.get(request) else { return };
-        if load.prefix_hit() || kept == 0 {
-            return;
-        }
-        let key = (load.remote.engine.clone(), load.remote.request.clone());
-        // Push mode matches by base id when the engines' suffixes differ; so does the oracle.
-        let by_base = || {
+    /// What P computed for the export `remote` names. Push mode matches by base id when the
+    /// engines' suffixes differ; so does the oracle, when one computed request has that base.
+    pub(super) fn computed_for(&self, remote: &RemoteRef) -> Option<Computed> {
+        let key = (remote.engine.clone(), remote.request.clone());
+        self.computed.get(&key).copied().or_else(|| {
             let base = key.1.base();
             let mut matches = self.computed.iter().filter(|((e, r), _)| *e == key.0 && r.base() == base);
             match (matches.next(), matches.next()) {
                 (Some((_, c)), None) => Some(*c),
                 _ => None,
             }
-        };
-        let Some(computed) = self.computed.get(&key).copied().or_else(by_base) else {
-            self.violation(format!("{}: {request} is ready, but its P never computed {}", engine.id, key.1));
+        })
+    }
+
+    pub(super) fn verify(&mut self, engine: &DecodeEngine, request: &RequestId, kept: usize) {
+        let Some(load) = engine.loads.get(request) else { return };
+        if load.prefix_hit() || kept == 0 {
+            return;
+        }
+        let Some(computed) = self.computed_for(&load.remote) else {
+            if load.cache_pending {
+                // P has computed nothing for it yet: nothing reached its blocks, and the ones D
+                // keeps are its own prefix cache's.
+                return;
+            }
+            let message =
+                format!("{}: {request} is ready, but its P never computed {}", engine.id, load.remote.request);
+            self.violation(message);
             return;
         };
         let d_tokens = u64::from(self.config.spec.decode_block_size);

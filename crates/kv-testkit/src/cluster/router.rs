@@ -225,6 +225,7 @@ impl Cluster {
         for id in &ids {
             self.computed.insert((engine_id.clone(), id.clone()), Computed { seed, tokens });
         }
+        self.fill_pending_caches(&engine_id);
         Ok(Prompt { ids, blocks, prompt_tokens, consumer, reported: 0 })
     }
 
@@ -372,7 +373,9 @@ impl Cluster {
     fn arrive_now(&mut self, node: &str, request: &RequestId, remote: RemoteRef) -> Result<(), ClusterError> {
         let engine = self.decode_engine(node)?;
         engine.scheduler.handle_arrive(request.clone(), remote.clone()).map_err(|e| ClusterError(e.to_string()))?;
-        engine.loads.insert(request.clone(), DecodeLoad { remote, blocks: Vec::new(), cached: 0 });
+        engine
+            .loads
+            .insert(request.clone(), DecodeLoad { remote, blocks: Vec::new(), cached: 0, cache_pending: false });
         self.record(format!("{node} arrived {request}"));
         self.flush_decode(node)
     }
@@ -380,6 +383,30 @@ impl Cluster {
     /// D allocates blocks for a waiting request and starts its load.
     pub fn schedule(&mut self, node: &str, request: &RequestId, prefix_hit: bool) -> Result<(), ClusterError> {
         self.call(node, Call::Schedule { request: request.clone(), prefix_hit, cached_tokens: 0 })
+    }
+
+    /// Fills the cached blocks of D's loads from P engine `from` that were scheduled before
+    /// its prefill began, now that what it computes is known.
+    fn fill_pending_caches(&mut self, from: &EngineId) {
+        let tp = self.config.spec.decode_tp;
+        let d_tokens = self.config.spec.decode_block_size;
+        let mut pending = Vec::new();
+        for (id, engine) in &self.decode {
+            let Some(engine) = engine else { continue };
+            for (request, load) in &engine.loads {
+                if load.cache_pending && load.remote.engine == *from {
+                    if let Some(computed) = self.computed_for(&load.remote) {
+                        pending.push((id.clone(), request.clone(), computed));
+                    }
+                }
+            }
+        }
+        for (id, request, computed) in pending {
+            let Some(Some(engine)) = self.decode.get_mut(&id) else { continue };
+            let load = engine.loads.get_mut(&request).expect("listed above");
+            load.cache_pending = false;
+            oracle::fill(&mut engine.ranks, tp, &load.blocks[..load.cached], computed.seed, d_tokens);
+        }
     }
 
     /// D allocates blocks for a waiting request whose first `cached_tokens` tokens (whole D
@@ -397,9 +424,8 @@ impl Cluster {
     ) -> Result<(), ClusterError> {
         let d_tokens = self.config.spec.decode_block_size;
         let tp = self.config.spec.decode_tp;
-        let key =
-            self.decode_engine(node)?.loads.get(request).map(|l| (l.remote.engine.clone(), l.remote.request.clone()));
-        let computed = key.and_then(|key| self.computed.get(&key).copied());
+        let remote = self.decode_engine(node)?.loads.get(request).map(|l| l.remote.clone());
+        let computed = remote.and_then(|remote| self.computed_for(&remote));
         let engine = self.decode_engine(node)?;
         let Some(load) = engine.loads.get(request) else {
             return err(format!("{request} is not waiting on {node}"));
@@ -415,16 +441,17 @@ impl Cluster {
             let _ = engine.pool.release(&blocks);
             return Err(ClusterError(e.to_string()));
         }
-        if cached < blocks.len() {
-            // D's own prefix cache computed the same KV for the cached blocks: they hold what P
-            // computed for them, and the load must leave them so.
-            if let Some(computed) = computed {
-                oracle::fill(&mut engine.ranks, tp, &blocks[..cached], computed.seed, d_tokens);
-            }
+        // D's own prefix cache computed the same KV for the cached blocks: they hold what P
+        // computed for them (or, pushed to before P's prefill began, will compute), and the
+        // load must leave them so.
+        let partial = cached > 0 && cached < blocks.len();
+        if let Some(computed) = computed.filter(|_| partial) {
+            oracle::fill(&mut engine.ranks, tp, &blocks[..cached], computed.seed, d_tokens);
         }
         let load = engine.loads.get_mut(request).expect("present");
         load.blocks = blocks;
         load.cached = cached;
+        load.cache_pending = partial && computed.is_none();
         self.arm_spoil(node, request);
         self.count_written_after_free(node, &dirty);
         self.record(format!("{node} scheduled {request}"));
