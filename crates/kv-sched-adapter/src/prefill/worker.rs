@@ -114,7 +114,11 @@ struct Export {
     /// Its owner claimed this very export: a sibling's completion does not release it, since
     /// the owner may be reading it.
     claimed: bool,
+    /// Consumer ranks done with the blocks: completed, or (pull) aborted.
     completed: BTreeSet<AgentName>,
+    /// Pull: a consumer rank aborted. The release waits until every consumer rank is done, as
+    /// for completions: the owner's other ranks may still be reading the blocks.
+    aborted: bool,
     /// Push mode: D ranks' registrations, the writes in flight (by D rank, with those
     /// written ahead) and the D ranks whose last write is done.
     registrations: BTreeMap<AgentName, PushRegistration>,
@@ -377,6 +381,7 @@ impl PrefillWorker {
             family: family_id.clone(),
             claimed: false,
             completed: BTreeSet::new(),
+            aborted: false,
             registrations: BTreeMap::new(),
             writing,
             written: BTreeSet::new(),
@@ -753,7 +758,8 @@ impl PrefillWorker {
             return;
         }
         if export.completed.len() >= from.expected {
-            self.release(now, &id, ReleaseReason::Transferred);
+            let reason = if export.aborted { ReleaseReason::Aborted } else { ReleaseReason::Transferred };
+            self.release(now, &id, reason);
         }
     }
 
@@ -763,9 +769,22 @@ impl PrefillWorker {
             if !self.bind(&id, &from) {
                 return self.foreign();
             }
+            let export = self.exports.get_mut(&id).expect("resolved");
             if push {
                 // D asks P to cancel; P says so once no write can come (at release).
-                self.exports.get_mut(&id).expect("resolved").cancels.insert(from.agent.clone(), request);
+                export.cancels.insert(from.agent.clone(), request);
+            } else if reason == ReleaseReason::Aborted {
+                // One rank gave its load up (a read failed, say): the owner's other ranks that
+                // read from this one may still be reading, so the blocks go when every consumer
+                // rank is done, as with completions.
+                export.aborted = true;
+                if !export.completed.insert(from.agent.clone()) {
+                    self.counters.duplicate_messages += 1;
+                    return;
+                }
+                if export.completed.len() < from.expected {
+                    return;
+                }
             }
             self.release(now, &id, reason);
             return;
