@@ -17,6 +17,11 @@
 //! then the connection waits, up to the side channel's `auth_timeout`. An engine that runs
 //! `WorkerDriver::step` as it should does this every step.
 //!
+//! Each pair of a read lands in order, so a read that fails part-way (its data connection
+//! broke, or P refused a range it withdrew) reports the local ranges that had not arrived
+//! whole as [`kv_core::TransportError::PartlyFailed`], and D keeps the blocks before them; a
+//! read of which nothing arrived whole fails with the cause itself.
+//!
 //! Two agents in one process: D reads P's 4 KiB over loopback.
 //!
 //! ```

@@ -46,8 +46,8 @@ pub(crate) struct Flight {
     /// The outgoing data connection that carries it.
     pub(crate) conn: u64,
     pub(crate) pairs: Arc<[Pair]>,
-    /// Reads: bytes arrived per pair, and whether the pair is settled (all there, or refused).
-    received: Vec<(u64, bool)>,
+    /// Reads: how far each pair got.
+    received: Vec<PairProgress>,
     /// Replies still to come: a read's unsettled pairs, or a write's acknowledgement.
     unsettled: usize,
     /// The first thing that went wrong; the transfer fails with it once settled.
@@ -66,11 +66,44 @@ impl Flight {
         notification: Option<Vec<u8>>,
     ) -> Self {
         let (received, unsettled) = match op {
-            TransferOp::Read => (vec![(0, false); pairs.len()], pairs.len()),
+            TransferOp::Read => (vec![PairProgress::default(); pairs.len()], pairs.len()),
             TransferOp::Write => (Vec::new(), 1),
         };
         Flight { op, peer, conn, pairs, received, unsettled, error: None, notification, outcome: None }
     }
+}
+
+impl Flight {
+    /// How the transfer ends, failed with `error`. A read says which local ranges may hold bad
+    /// bytes when some of its bytes arrived whole ([`TransportError::PartlyFailed`]): each
+    /// pair's bytes land in order, so what arrived of a pair before the failure is whole,
+    /// unless its local range was withdrawn and they were dropped. Otherwise it fails whole.
+    fn failed(&self, error: TransportError) -> TransferStatus {
+        if self.op == TransferOp::Read {
+            let spoiled: Vec<(u64, u64)> = (self.pairs.iter().zip(&self.received))
+                .filter_map(|(p, r)| {
+                    let whole = if r.dropped { 0 } else { r.arrived };
+                    (whole < p.len).then_some((p.local + whole, p.len - whole))
+                })
+                .collect();
+            let total: u64 = self.pairs.iter().map(|p| p.len).sum();
+            if spoiled.iter().map(|&(_, len)| len).sum::<u64>() < total {
+                return TransferStatus::Failed(TransportError::PartlyFailed { reason: error.to_string(), spoiled });
+            }
+        }
+        TransferStatus::Failed(error)
+    }
+}
+
+/// How far a read's pair got.
+#[derive(Clone, Copy, Default)]
+struct PairProgress {
+    /// Bytes arrived, in order from the pair's start.
+    arrived: u64,
+    /// All there, or refused: no more replies come for it.
+    settled: bool,
+    /// Its local range was withdrawn while it was read: what arrived was dropped.
+    dropped: bool,
 }
 
 /// What settling a reply did to its transfer.
@@ -273,7 +306,7 @@ impl Shared {
     fn settle_outcome(flight: &mut Flight) {
         if flight.outcome.is_none() {
             flight.outcome = Some(match flight.error.take() {
-                Some(e) => TransferStatus::Failed(e),
+                Some(e) => flight.failed(e),
                 None => TransferStatus::Done,
             });
         }
@@ -298,7 +331,7 @@ impl Shared {
     pub(crate) fn fail_flights(&self, conn: u64, why: &TransportError) {
         let mut failed = 0;
         for flight in lock(&self.transfers).values_mut().filter(|f| f.conn == conn && f.outcome.is_none()) {
-            flight.outcome = Some(TransferStatus::Failed(why.clone()));
+            flight.outcome = Some(flight.failed(why.clone()));
             failed += 1;
         }
         if failed > 0 {
@@ -308,8 +341,8 @@ impl Shared {
     }
 
     /// Where the bytes of a DATA frame go: `Ok(Some(local address))`, `Ok(None)` to drop
-    /// them (the transfer failed already), or `Err` when the frame does not fit the transfer
-    /// it names (the peer broke the protocol).
+    /// them (the transfer's outcome is out: the engine may have reused the memory), or `Err`
+    /// when the frame does not fit the transfer it names (the peer broke the protocol).
     pub(crate) fn read_target(
         &self,
         conn: u64,
@@ -323,7 +356,7 @@ impl Shared {
             .get(&id)
             .filter(|f| f.conn == conn && f.op == TransferOp::Read)
             .ok_or_else(|| format!("DATA for {id:?}, which is no read in flight on this connection"))?;
-        let (p, &(received, settled)) = flight
+        let (p, &PairProgress { arrived: received, settled, .. }) = flight
             .pairs
             .get(pair as usize)
             .zip(flight.received.get(pair as usize))
@@ -336,21 +369,24 @@ impl Shared {
                 if settled { ", settled" } else { "" }
             ));
         }
-        Ok((flight.error.is_none() && flight.outcome.is_none()).then_some(*p))
+        // Until the outcome is out, the rest of a read that failed in part still lands: the
+        // engine keeps what arrived whole (`PartlyFailed`).
+        Ok(flight.outcome.is_none().then_some(*p))
     }
 
     /// `len` bytes of a read's pair arrived (or were dropped, with `error`).
     pub(crate) fn read_progress(&self, id: TransferId, pair: u32, len: u64, error: Option<TransportError>) -> Settled {
         let mut transfers = lock(&self.transfers);
         let Some(flight) = transfers.get_mut(&id) else { return Settled::Finished };
-        if let Some(error) = error {
-            flight.error.get_or_insert(error);
-        }
         let p_len = flight.pairs[pair as usize].len;
         let entry = &mut flight.received[pair as usize];
-        entry.0 += len;
-        if entry.0 == p_len && !entry.1 {
-            entry.1 = true;
+        if let Some(error) = error {
+            entry.dropped = true;
+            flight.error.get_or_insert(error);
+        }
+        entry.arrived += len;
+        if entry.arrived == p_len && !entry.settled {
+            entry.settled = true;
             flight.unsettled -= 1;
         }
         Self::read_settled(flight)
@@ -372,9 +408,9 @@ impl Shared {
         let entry = flight
             .received
             .get_mut(pair as usize)
-            .filter(|e| !e.1)
+            .filter(|e| !e.settled)
             .ok_or_else(|| format!("RANGE_ERROR for pair {pair} of {id:?}, which is not a pair in flight"))?;
-        entry.1 = true;
+        entry.settled = true;
         flight.unsettled -= 1;
         flight.error.get_or_insert(error);
         Ok(Self::read_settled(flight))

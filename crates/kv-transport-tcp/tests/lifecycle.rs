@@ -44,15 +44,24 @@ fn dropping_a_transport_makes_its_peer_report_lost_at_once_and_fail_its_transfer
         status = d.poll_transfer(id);
         status != TransferStatus::InProgress
     });
-    assert!(d.data_status().bytes_received < len as u64, "the read finished before P was dropped");
+    let arrived = d.data_status().bytes_received;
+    assert!(arrived < len as u64, "the read finished before P was dropped");
     // The data connection breaks first; its transfers fail as the peer's loss once the side
     // channel confirms it, which takes milliseconds, or as the broken connection if this
     // engine did not take the side channel's news in within CLOSE_GRACE (a loaded machine).
-    match &status {
-        TransferStatus::Failed(TransportError::PeerLost(who)) => assert_eq!(*who, agent("prefill")),
-        TransferStatus::Failed(TransportError::TransferFailed(why)) => assert!(why.contains("prefill"), "{why}"),
+    // What arrived before the break is whole: only the rest is spoiled.
+    let why = match &status {
+        TransferStatus::Failed(TransportError::PartlyFailed { reason, spoiled }) => {
+            assert_eq!(*spoiled, vec![(d_pool.addr(arrived as usize), len as u64 - arrived)]);
+            reason.clone()
+        }
+        TransferStatus::Failed(whole @ (TransportError::PeerLost(_) | TransportError::TransferFailed(_))) => {
+            assert_eq!(arrived, 0, "bytes arrived, but the read does not say they are whole");
+            whole.to_string()
+        }
         other => panic!("the read to a dropped peer ended {other:?}"),
-    }
+    };
+    assert!(why.contains("prefill"), "{why}");
     assert_eq!(d.post(read(d_pool.addr(0), 0, 8)), Err(TransportError::UnknownPeer(agent("prefill"))));
 }
 
@@ -73,8 +82,16 @@ fn a_disconnected_peer_is_lost_at_once_and_its_data_connections_end_both_ways() 
     let id = d.post(read(d_pool.addr(0), p_pool.addr(0), len)).unwrap();
     d.disconnect(&agent("prefill"));
     assert_eq!(d.poll_event(), Some(PeerEvent::Lost(agent("prefill"))), "no grace: it is gone now");
-    let ended = d.poll_transfer(id);
-    assert_eq!(ended, TransferStatus::Failed(TransportError::PeerLost(agent("prefill"))), "the read in flight");
+    // The read in flight fails as the loss, whole, or saying that only its tail is spoiled.
+    let lost = TransportError::PeerLost(agent("prefill"));
+    match d.poll_transfer(id) {
+        TransferStatus::Failed(TransportError::PartlyFailed { reason, spoiled }) => {
+            assert_eq!(reason, lost.to_string());
+            let &[(at, n)] = &spoiled[..] else { panic!("spoiled {spoiled:?}") };
+            assert!(at > d_pool.addr(0) && at + n == d_pool.addr(len), "spoiled {spoiled:?}");
+        }
+        ended => assert_eq!(ended, TransferStatus::Failed(lost), "the read in flight"),
+    }
     until(Duration::from_secs(1), "D's data connections to end", || {
         (status(&d).incoming, status(&d).outgoing) == (0, 0)
     });

@@ -251,6 +251,32 @@ fn ranges_outside_the_registrations_are_refused_on_both_sides() {
 }
 
 #[test]
+fn a_read_refused_in_part_names_the_local_ranges_it_spoiled_and_the_rest_arrives_whole() {
+    let p_kept = Pool::patterned(1, 2 * BLOCK, 5);
+    let p_withdrawn = Pool::patterned(3, 2 * BLOCK, 9);
+    let d_pool = Pool::new(2, 4 * BLOCK);
+    let mut duo = common::duo_of(&[&p_kept, &p_withdrawn], &d_pool, common::config(), common::config());
+    // P withdraws one region after the handshake: D's view of P still holds it.
+    duo.p.deregister(RegionId(3)).unwrap();
+    let pairs = vec![
+        pair(d_pool.addr(0), p_kept.addr(0), BLOCK),
+        pair(d_pool.addr(BLOCK), p_withdrawn.addr(0), 2 * BLOCK),
+        pair(d_pool.addr(3 * BLOCK), p_kept.addr(BLOCK), BLOCK),
+    ];
+    let read = TransferRequest { op: TransferOp::Read, peer: agent("prefill"), pairs, notification: None };
+    let id = duo.d.post(read).unwrap();
+    let status = settle(&mut duo.d, id, &mut duo.p, &mut duo.p_events);
+    let TransferStatus::Failed(TransportError::PartlyFailed { reason, spoiled }) = status else {
+        panic!("a read refused in part ended {status:?}");
+    };
+    assert_eq!(spoiled, vec![(d_pool.addr(BLOCK), 2 * BLOCK as u64)], "only the refused pair's range");
+    assert!(reason.contains("not registered") || reason.contains("remote"), "{reason}");
+    assert_eq!(d_pool.bytes()[..BLOCK], p_kept.bytes()[..BLOCK]);
+    assert_eq!(d_pool.bytes()[3 * BLOCK..], p_kept.bytes()[BLOCK..]);
+    assert!(d_pool.bytes()[BLOCK..3 * BLOCK].iter().all(|&b| b == 0), "no bytes of the refused range arrive");
+}
+
+#[test]
 fn plain_notifications_arrive_in_order_and_a_waiting_engine_is_woken_at_once() {
     let p_pool = Pool::new(1, BLOCK);
     let d_pool = Pool::new(2, BLOCK);

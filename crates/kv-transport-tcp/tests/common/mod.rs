@@ -124,9 +124,16 @@ pub fn duo(p_pool: &Pool, d_pool: &Pool) -> Duo {
 }
 
 pub fn duo_with(p_pool: &Pool, d_pool: &Pool, p_config: TcpConfig, d_config: TcpConfig) -> Duo {
+    duo_of(&[p_pool], d_pool, p_config, d_config)
+}
+
+/// As [`duo_with`], with several regions registered on P before the handshake.
+pub fn duo_of(p_pools: &[&Pool], d_pool: &Pool, p_config: TcpConfig, d_config: TcpConfig) -> Duo {
     let mut p = TcpTransport::new(offer("prefill", Role::Prefill, 1), &p_config, clock()).unwrap();
     let mut d = TcpTransport::new(offer("decode", Role::Decode, 2), &d_config, clock()).unwrap();
-    p.register(&p_pool.region()).unwrap();
+    for pool in p_pools {
+        p.register(&pool.region()).unwrap();
+    }
     d.register(&d_pool.region()).unwrap();
     d.connect(&PeerAddress(p.side_channel_addr().to_string())).unwrap();
     let (mut p_events, mut d_events) = (Vec::new(), Vec::new());
