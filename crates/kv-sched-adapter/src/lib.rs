@@ -135,6 +135,13 @@
 //!   lease (scenario `pulled-parent-remembered-one-lease`). Time-bounded memories are pruned
 //!   before every registration as well as at wake-ups, so a worker that slept through the
 //!   horizon does not act on them.
+//! - In pull mode an abort from one of the owner's D ranks counts as that rank being done
+//!   with the blocks, as its completion would: P frees them once every consumer rank is
+//!   done, since the owner's other ranks may still be reading them (one rank's read failed
+//!   part-way while the others read on: random seed 58401 read freed blocks before).
+//! - A push "no write will come" that D did not ask for fails the load but does not end its
+//!   quarantine: it may answer an earlier cancel of the same id, taken in late. D cancels and
+//!   waits for the answer to that (scenario `push-stale-no-write-answer-is-not-trusted`).
 //! - A request id names one export. P's workers remember a released id for two leases, to
 //!   tell late messages about it from early ones, so [`PrefillScheduler::handle_finished`]
 //!   and [`PrefillScheduler::handle_progress`] refuse an id whose export (or push prompt

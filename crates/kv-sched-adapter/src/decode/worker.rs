@@ -22,8 +22,11 @@
 //! the load up when no write comes. A push given up (by the watchdog, an abort, or a P rank
 //! that will not write) asks P to cancel and keeps its blocks in quarantine until every P rank
 //! has said no write is or will be in flight, or is seen gone, or `push_quarantine` passes:
-//! only then can they go back to the pool. A write stalled longer than the quarantine is the
-//! one hazard no one-sided transport can fence.
+//! only then can they go back to the pool. A P rank's "no write will come" that D did not ask
+//! for fails the load but vouches for nothing: it may answer an earlier cancel of the same id,
+//! taken in after this registration went out, so D asks that rank to cancel too and waits for
+//! the answer. A write stalled longer than the quarantine is the one hazard no one-sided
+//! transport can fence.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -845,7 +848,11 @@ impl DecodeWorker {
             return self.settle_cancel(now, &request);
         }
         if !written && !load.failed && !load.aborted {
-            // One P rank will not write: the load cannot complete; stop the others too.
+            // One P rank will not write: the load cannot complete; stop the others too. D did
+            // not ask, so the answer may be a stale one (to a cancel of the same id, taken in
+            // after this registration went out) and cannot vouch that no write is in flight:
+            // D cancels that rank too, and its blocks wait in quarantine for the answer.
+            load.declined.remove(&from.rank);
             self.fail(now, &request);
             return;
         }
