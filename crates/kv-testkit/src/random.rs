@@ -285,7 +285,31 @@ pub fn generate(seed: u64) -> Scenario {
         }
     }
     steps.sort_by_key(|s| s.at);
+    bound_prefill_stalls(&mut steps, ms(lease_s * 1900));
     Scenario { name: format!("random seed {seed}"), cluster, policy, steps }
+}
+
+/// Clips P's pauses, in time order, so that pauses that overlap (a second one extends the
+/// first) stall a P for at most `longest` in a row, as one pause alone may.
+fn bound_prefill_stalls(steps: &mut [Step], longest: Duration) {
+    let mut stalls: BTreeMap<u32, (Time, Time)> = BTreeMap::new();
+    for step in steps {
+        let Some(Event::Pause { node, for_ }) = &mut step.event else { continue };
+        if node.role != Role::Prefill {
+            continue;
+        }
+        let at = step.at;
+        match stalls.get_mut(&node.index) {
+            Some((since, until)) if at <= *until => {
+                let end = (at + *for_).min(*since + longest).max(at);
+                *for_ = end.saturating_since(at);
+                *until = (*until).max(end);
+            }
+            _ => {
+                stalls.insert(node.index, (at, at + *for_));
+            }
+        }
+    }
 }
 
 /// Generates the workload of `seed` and runs it, checking the invariants all the time.
