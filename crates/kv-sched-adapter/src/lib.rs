@@ -138,7 +138,7 @@
 //! - In pull mode an abort from one of the owner's D ranks counts as that rank being done
 //!   with the blocks, as its completion would: P frees them once every consumer rank is
 //!   done, since the owner's other ranks may still be reading them (one rank's read failed
-//!   part-way while the others read on: random seed 58401 read freed blocks before).
+//!   part-way while the others read on: scenario `one-rank-aborts-while-the-others-read`).
 //! - A push "no write will come" that D did not ask for fails the load but does not end its
 //!   quarantine: it may answer an earlier cancel of the same id, taken in late. D cancels and
 //!   waits for the answer to that (scenario `push-stale-no-write-answer-is-not-trusted`).
