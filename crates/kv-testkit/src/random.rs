@@ -118,10 +118,13 @@ pub fn generate(seed: u64) -> Scenario {
         Role::Decode => ms(1 + rng.below(lease_s * 2500)),
         Role::Prefill => ms(1 + rng.below(lease_s * 1900)),
     };
+    // The D engine each request goes to.
+    let mut goes_to = Vec::with_capacity(requests as usize);
     for i in 0..requests {
         let t0 = rng.below(horizon_ms);
         let p = node(&mut rng, true);
         let d = node(&mut rng, false);
+        goes_to.push(d);
         let prompt_tokens = 1 + rng.below(200);
         let n = if rng.chance(0.15) { 2 + rng.below(3) as u32 } else { 1 };
         let base = format!("r{i}");
@@ -275,8 +278,17 @@ pub fn generate(seed: u64) -> Scenario {
                 let messages =
                     [ForgedMessage::Completion, ForgedMessage::Abort, ForgedMessage::Heartbeat, ForgedMessage::Reject];
                 let message = messages[rng.below(4) as usize];
-                let request = RequestId::new(format!("r{}", rng.below(requests)));
-                push(t, Event::Forge { from: d, to: p, message, request, consumers: 1 + rng.below(4) as u32 });
+                let index = rng.below(requests);
+                let request = RequestId::new(format!("r{index}"));
+                let consumers = 1 + rng.below(4) as u32;
+                // From a D the request does not go to: the request's own D saying it is done
+                // with the export is its owner's word, not an attack, and a real D never says
+                // so and then reads (or registers) for it all the same.
+                let owner = goes_to[index as usize];
+                let from = if owner == d { Node::decode((d.index + 1) % decoders) } else { d };
+                if from != owner {
+                    push(t, Event::Forge { from, to: p, message, request, consumers });
+                }
             }
             _ => {
                 let (to, claimed) = if rng.chance(0.5) { (p, d) } else { (d, p) };

@@ -40,19 +40,12 @@ fn a_seed_replays_exactly() {
 
 #[test]
 fn seeds_that_found_bugs_keep_every_invariant() {
-    // Each failed before the change named, as the workloads were generated then; the generator
-    // may since have moved them elsewhere, but each stays a workload worth running.
+    // Each failed before the change named, as the workloads are generated now.
     let found = [
         // Pull, P at TP 1 into D at TP 4: one D rank's read failed part-way and its abort freed
-        // P's blocks while the other three still read them (P now waits for every rank).
+        // P's blocks while the other three still read them (P now waits for every rank; the
+        // scenario one-rank-aborts-while-the-others-read is the same case by hand).
         58401,
-        // Push: P's answer to decode0's own early abort of r9 waited in decode0's inbox through
-        // a pause and was taken as the answer to its later registration (D now cancels and
-        // quarantines on a "no write will come" it did not ask for).
-        23974,
-        // Two overlapping pauses stalled P past the push quarantine, the one hazard the
-        // generator keeps out (P's stalls are now bounded together).
-        19917,
     ];
     for seed in found {
         let outcome = random::run(seed);
