@@ -5,9 +5,12 @@
 //! and D engines), a policy (short leases, so that expiry happens), network noise (drops,
 //! duplicates, reordering) and a workload: prompts of assorted lengths, parallel-sampling
 //! siblings, chunked prefills (whose finished blocks push mode writes ahead, and which the
-//! engine sometimes gives up), arrivals in push mode before P's prefill, prefix hits, rejections, aborts while
-//! waiting and while loading, late schedules that the read fence must refuse, failed
-//! transfers, garbage, partitions, delays, crashes with and without detection followed by
+//! engine sometimes gives up), arrivals in push mode before P's prefill, prefix hits (whole,
+//! and partial in both modes), rejections, aborts while waiting and while loading, late
+//! schedules that the read fence must refuse, failed transfers, garbage, partitions, delays,
+//! pauses (P's stall, overlapping pauses together, stays under the push quarantine, the one
+//! hazard no one-sided transport fences), messages forged by a handshaked D engine about an
+//! export that is not going to it, intruders, crashes with and without detection followed by
 //! restarts, and discovery lapses of engines that are down (or, when an earlier crash's restart
 //! came first, running again). Events that no longer apply (a schedule on an engine that
 //! crashed) are skipped, as a router would. After every step the cluster's invariants are
