@@ -175,7 +175,9 @@ pub struct Counters {
     pub late_messages: u64,
     /// Early messages staged until their export registered.
     pub early_staged: u64,
-    /// Staged early messages evicted because the stage was full, or never settled.
+    /// Staged early messages evicted because the stage was full, or never settled; also push
+    /// "no write will come" answers dropped past the bound held for one D rank while P writes
+    /// into it (D's quarantine then ends its wait).
     pub early_evicted: u64,
     /// Transfers that failed.
     pub transfers_failed: u64,

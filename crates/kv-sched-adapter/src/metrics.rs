@@ -60,7 +60,7 @@ pub const LEASES_RENEWED: &str = "kvflow_leases_renewed_total";
 pub const AFTER_EXPIRY: &str = "kvflow_num_notifications_after_expiry_total";
 /// Messages staged before their export.
 pub const EARLY_STAGED: &str = "kvflow_early_staged_total";
-/// Staged messages evicted or never settled.
+/// Staged messages evicted or never settled, and held push answers dropped past their bound.
 pub const EARLY_EVICTED: &str = "kvflow_early_evicted_total";
 /// Block-seconds held for a silent or gone owner.
 pub const STRANDED: &str = "kvflow_stranded_block_seconds_total";
@@ -104,7 +104,7 @@ pub const METRICS: &[MetricDoc] = &[
     doc(LEASES_RENEWED, "counter", &[], "P: lease renewals granted (one per export a heartbeat renewed)"),
     doc(AFTER_EXPIRY, "counter", &[], "P: completions for exports P no longer had"),
     doc(EARLY_STAGED, "counter", &[], "P: messages that came before their export and were staged"),
-    doc(EARLY_EVICTED, "counter", &[], "P: staged messages evicted because the stage was full, or never settled"),
+    doc(EARLY_EVICTED, "counter", &[], "P: staged messages evicted because the stage was full, or never settled, and push answers dropped past the bound held while P writes"),
     doc(STRANDED, "counter", &[], "P: block-seconds held for an owner that is silent (nothing from it for two heartbeat intervals) or never claimed the export, each rank's blocks counted"),
     doc(READS_FENCED, "counter", &[], "D: loads not started because P's lease could end before the read"),
     doc(LATE_READS, "counter", &[], "D: reads that ended after P's acknowledged deadline, less the margin (failed loads)"),
