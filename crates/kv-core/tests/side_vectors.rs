@@ -23,6 +23,9 @@ use kv_core::{
 };
 use sha2::{Digest, Sha256};
 
+/// Where the listener says the initiator connects from (the vectors do not depend on it).
+const SOURCE: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
 const FENCE: &str = "```vectors";
 
 fn doc_path() -> std::path::PathBuf {
@@ -249,7 +252,7 @@ fn the_documented_handshake_replays_byte_for_byte() {
 
     // The listener answers the recorded HELLO with its CHALLENGE.
     let mut listener = SideEndpoint::new(SideConfig::new(key()), offer_l.clone()).unwrap();
-    listener.handle_accept(t_l_accept, ConnId(1), nonce_l);
+    listener.handle_accept(t_l_accept, ConnId(1), SOURCE, nonce_l);
     listener.handle_bytes(t_l_hello, ConnId(1), &bytes_or("hello", &hello));
     let (frames, _) = drain(&mut listener);
     let challenge = frames[0].clone();
@@ -294,13 +297,27 @@ fn the_documented_handshake_replays_byte_for_byte() {
     salt.extend_from_slice(&nonce_l);
     let mut info = b"kvflow-side-v1 session".to_vec();
     info.extend_from_slice(&transcript_hash);
-    let mut okm = [0u8; 128];
+    let mut okm = [0u8; 160];
     Hkdf::<Sha256>::new(Some(&salt), &key_bytes).expand(&info, &mut okm).unwrap();
     block.bytes("transcript_sha256", &transcript_hash);
     block.bytes("mac_l", &mac_l);
     block.bytes("mac_i", &mac_i);
-    for (i, name) in ["k_seal_i2l", "k_seal_l2i", "k_tag_i2l", "k_tag_l2i"].iter().enumerate() {
+    for (i, name) in ["k_seal_i2l", "k_seal_l2i", "k_tag_i2l", "k_tag_l2i", "k_export"].iter().enumerate() {
         block.bytes(name, &okm[32 * i..32 * (i + 1)]);
+    }
+    // The TCP transport's data links: both ends derive one secret from k_export.
+    let link = hmac(&okm[128..], &[b"kvflow-export-v1", b"kvflow-tcp-data-v2"]);
+    block.bytes("link_tcp_data", &link);
+    let link_mac = hmac(&link, &[b"kvflow-link-v1 listener", b"example transcript"]);
+    for (end, peer) in [
+        (&listener, AgentName::new(offer_i.engine.clone(), 1)),
+        (&initiator, AgentName::new(offer_l.engine.clone(), 1)),
+    ] {
+        let secret = end.link_secret(&peer, "kvflow-tcp-data-v2");
+        check(
+            secret.is_some_and(|s| s.listener_mac(b"example transcript") == link_mac),
+            "both ends derive link_tcp_data",
+        );
     }
     let plain_i = open(&okm[..32], 0, &offer_i_sealed);
     let plain_l = open(&okm[32..64], 0, &offer_l_sealed);
@@ -335,7 +352,7 @@ fn the_documented_handshake_replays_byte_for_byte() {
         initiator.open_notification(&agent_l, &bytes_or("notify_l2i", &notify_l2i)) == Ok(ack.clone()),
         "the initiator opens notify_l2i",
     );
-    for (sealed, key, payload) in [(&notify_i2l, &okm[64..96], &completion), (&notify_l2i, &okm[96..], &ack)] {
+    for (sealed, key, payload) in [(&notify_i2l, &okm[64..96], &completion), (&notify_l2i, &okm[96..128], &ack)] {
         let mut expected = b"KT".to_vec();
         expected.extend_from_slice(&0u64.to_be_bytes());
         expected.extend_from_slice(payload);
@@ -365,7 +382,7 @@ fn the_documented_handshake_replays_byte_for_byte() {
     let mut hello_v3 = hello.clone();
     hello_v3[9..11].copy_from_slice(&3u16.to_be_bytes());
     let mut refusing = SideEndpoint::new(SideConfig::new(key()), offer_l.clone()).unwrap();
-    refusing.handle_accept(t_l_accept, ConnId(2), nonce_l);
+    refusing.handle_accept(t_l_accept, ConnId(2), SOURCE, nonce_l);
     refusing.handle_bytes(t_l_hello, ConnId(2), &bytes_or("hello_v3", &hello_v3));
     let (frames, _) = drain(&mut refusing);
     block.bytes("hello_v3", &hello_v3);

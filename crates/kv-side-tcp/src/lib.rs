@@ -54,7 +54,23 @@
 mod channel;
 mod key;
 
-pub use channel::{nonce, Item, SideChannel, SideStatus};
+pub use channel::{nonce, Item, SideChannel, SideProbe, SideStatus};
+
+/// How many connections the kernel queues for a listener of [`listen`] before it accepts them
+/// (the kernel caps it at `net.core.somaxconn`, 4096 by default).
+pub const LISTEN_BACKLOG: i32 = 4096;
+
+/// A TCP listener bound to `addr` with an accept queue [`LISTEN_BACKLOG`] deep. std's 128 is
+/// shallow enough for a flood of connections to fill between two accepts: the kernel then drops
+/// the SYNs behind them, a real engine's among them, and its connect waits a second to retry.
+pub fn listen(addr: std::net::SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
+    // As std's listeners do, so that a restarted engine can take its port back at once.
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(LISTEN_BACKLOG)?;
+    Ok(socket.into())
+}
 
 /// The process's monotonic clock, reading zero when it was made: what a transport's side
 /// channel stamps its offers with, for engines and tests that have no clock of their own.

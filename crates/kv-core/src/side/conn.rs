@@ -25,6 +25,8 @@ pub(super) struct Session {
     pub(super) open: Direction,
     pub(super) tag_out: [u8; 32],
     pub(super) tag_in: [u8; 32],
+    /// The secret links bound to this session derive their keys from.
+    pub(super) export: [u8; 32],
 }
 
 impl Session {
@@ -35,6 +37,7 @@ impl Session {
                 open: Direction::new(&keys.seal_l2i),
                 tag_out: keys.tag_i2l,
                 tag_in: keys.tag_l2i,
+                export: keys.export,
             }
         } else {
             Session {
@@ -42,6 +45,7 @@ impl Session {
                 open: Direction::new(&keys.seal_i2l),
                 tag_out: keys.tag_l2i,
                 tag_in: keys.tag_i2l,
+                export: keys.export,
             }
         }
     }

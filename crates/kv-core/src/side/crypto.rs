@@ -25,6 +25,8 @@ pub(crate) const INITIATOR_LABEL: &[u8] = b"kvflow-side-v1 initiator";
 pub(crate) const SESSION_LABEL: &[u8] = b"kvflow-side-v1 session";
 /// Prefix of a notification tag's MAC input.
 pub(crate) const NOTIFY_LABEL: &[u8] = b"kvflow-notify-v1";
+/// Prefix of a link secret's MAC input (see `link`).
+pub(crate) const EXPORT_LABEL: &[u8] = b"kvflow-export-v1";
 
 fn hmac(key: &[u8], parts: &[&[u8]]) -> HmacSha256 {
     // HMAC accepts keys of any length, so this cannot fail.
@@ -55,7 +57,7 @@ pub(crate) fn sha256(bytes: &[u8]) -> [u8; 32] {
     Sha256::digest(bytes).into()
 }
 
-/// The four keys of one session, as HKDF-SHA256 derives them.
+/// The keys of one session, as HKDF-SHA256 derives them.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub(crate) struct SessionKeys {
     /// AEAD key, initiator to listener.
@@ -66,21 +68,24 @@ pub(crate) struct SessionKeys {
     pub(crate) tag_i2l: [u8; 32],
     /// Notification tag key, listener to initiator.
     pub(crate) tag_l2i: [u8; 32],
+    /// The secret both sides derive links of their own from (`link::LinkSecret`).
+    pub(crate) export: [u8; 32],
 }
 
 /// HKDF-SHA256(salt = `nonce_i ‖ nonce_l`, ikm = the cluster key,
-/// info = `"kvflow-side-v1 session" ‖ SHA-256(transcript)`), 128 bytes, split in four.
+/// info = `"kvflow-side-v1 session" ‖ SHA-256(transcript)`), 160 bytes, split in five. HKDF's
+/// output is a stream: the first 128 bytes are those a 128-byte expansion gives.
 pub(crate) fn derive(key: &[u8], nonce_i: &[u8; 32], nonce_l: &[u8; 32], transcript: &[u8]) -> SessionKeys {
     let mut salt = [0u8; 64];
     salt[..32].copy_from_slice(nonce_i);
     salt[32..].copy_from_slice(nonce_l);
     let mut info = SESSION_LABEL.to_vec();
     info.extend_from_slice(&sha256(transcript));
-    let mut okm = [0u8; 128];
-    // 128 bytes is far below HKDF-SHA256's limit of 255 * 32.
-    Hkdf::<Sha256>::new(Some(&salt), key).expand(&info, &mut okm).expect("HKDF-SHA256 yields 128 bytes");
+    let mut okm = [0u8; 160];
+    // 160 bytes is far below HKDF-SHA256's limit of 255 * 32.
+    Hkdf::<Sha256>::new(Some(&salt), key).expand(&info, &mut okm).expect("HKDF-SHA256 yields 160 bytes");
     let part = |i: usize| -> [u8; 32] { okm[32 * i..32 * (i + 1)].try_into().expect("32-byte slice") };
-    SessionKeys { seal_i2l: part(0), seal_l2i: part(1), tag_i2l: part(2), tag_l2i: part(3) }
+    SessionKeys { seal_i2l: part(0), seal_l2i: part(1), tag_i2l: part(2), tag_l2i: part(3), export: part(4) }
 }
 
 /// One direction's AEAD: its cipher and the counter that makes each record's nonce.

@@ -38,8 +38,8 @@
 //! # fn read_some() -> Option<(ConnId, Vec<u8>)> { None }
 //! let key = ClusterKey::from_hex("000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f")?;
 //! let mut side = SideEndpoint::new(SideConfig::new(key), offer())?;
-//! // Our listener accepted a TCP connection:
-//! side.handle_accept(now(), ConnId(1), random_nonce());
+//! // Our listener accepted a TCP connection from 10.0.0.7:
+//! side.handle_accept(now(), ConnId(1), [10, 0, 0, 7].into(), random_nonce());
 //! while let Some((conn, bytes)) = read_some() {
 //!     side.handle_bytes(now(), conn, &bytes);
 //!     while let Some(t) = side.poll_transmit() {
@@ -57,15 +57,18 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod admission;
 mod conn;
 mod crypto;
 mod frame;
 mod key;
+pub mod link;
 mod notify;
 mod steps;
 #[cfg(test)]
 mod tests;
 
+use core::net::IpAddr;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::time::Duration;
@@ -76,6 +79,7 @@ use crate::ports::{PeerAddress, PeerInfo, TransportError};
 use crate::time::Time;
 use crate::wire::{Handshake, Role, WireError, MAX_HANDSHAKE_BYTES};
 
+use admission::{Admission, AdmissionLimits, Evicted, Stage};
 use conn::{feed, Conn, Failure, Feed, Session, Side, State};
 use crypto::{derive, mac, verify, Direction, SessionKeys, AEAD_TAG_BYTES, INITIATOR_LABEL, LISTENER_LABEL, MAC_BYTES};
 use frame::{
@@ -86,6 +90,7 @@ use notify::Tags;
 
 pub use frame::MAX_ENGINE_NAME_BYTES;
 pub use key::{ClusterKey, KeyError, CLUSTER_KEY_BYTES};
+pub use link::{FrameTags, LinkRole, LinkSecret, LINK_MAC_BYTES, LINK_TAG_BYTES};
 pub use notify::{NotifyError, NOTIFICATION_OVERHEAD, REPLAY_WINDOW};
 
 /// The side protocol version this build speaks (HELLO and CHALLENGE carry it).
@@ -107,8 +112,13 @@ pub const MAX_REFUSE_TEXT: usize = 1024;
 /// The bounds on what peers can make an endpoint hold (DESIGN.md rule 12).
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct SideLimits {
-    /// Accepted connections that have not completed the handshake; one more evicts the oldest.
+    /// Accepted connections waiting in each stage of the handshake ([`Stage`]: for HELLO, for
+    /// PROOF, for the OFFER), from all sources; one more in a stage displaces the oldest of that
+    /// stage, never a connection that got further (see [`admission`]).
     pub max_unauthenticated: usize,
+    /// Accepted connections waiting in each stage from one source address; one more displaces
+    /// that source's oldest of the stage.
+    pub max_unauthenticated_per_source: usize,
     /// How long a connection, accepted or our own, may take to complete the handshake.
     pub auth_timeout: Duration,
     /// Established peers; a handshake beyond them is refused.
@@ -122,7 +132,8 @@ pub struct SideLimits {
 impl Default for SideLimits {
     fn default() -> Self {
         SideLimits {
-            max_unauthenticated: 64,
+            max_unauthenticated: 512,
+            max_unauthenticated_per_source: 256,
             auth_timeout: Duration::from_secs(5),
             max_peers: 1024,
             max_gone_remembered: 4096,
@@ -312,8 +323,11 @@ pub struct SideEndpoint {
     gone_order: VecDeque<AgentName>,
     /// Handshake deadlines of connections not yet established.
     deadlines: BTreeSet<(Time, ConnId)>,
-    /// Accepted connections not yet established, oldest first.
-    accepted: VecDeque<ConnId>,
+    /// Accepted connections not yet established, by stage and source.
+    admission: Admission<ConnId>,
+    /// Accepted connections refused (evictions included), by cause ([`RefusalCause::index`]),
+    /// whether or not their event was queued.
+    refused: [u64; RefusalCause::ALL.len()],
     transmits: VecDeque<Transmit>,
     closes: VecDeque<ConnId>,
     events: VecDeque<SideEvent>,
@@ -325,6 +339,7 @@ struct Peer {
     incarnation: u64,
     role: Role,
     tags: Tags,
+    export: [u8; 32],
 }
 
 fn check_offer(offer: &Handshake) -> Result<(), ConfigError> {
@@ -342,6 +357,7 @@ fn check_offer(offer: &Handshake) -> Result<(), ConfigError> {
 fn check_limits(limits: &SideLimits) -> Result<(), ConfigError> {
     for (name, value) in [
         ("max_unauthenticated", limits.max_unauthenticated),
+        ("max_unauthenticated_per_source", limits.max_unauthenticated_per_source),
         ("max_peers", limits.max_peers),
         ("auth_timeout", usize::from(!limits.auth_timeout.is_zero())),
     ] {
@@ -350,6 +366,15 @@ fn check_limits(limits: &SideLimits) -> Result<(), ConfigError> {
         }
     }
     Ok(())
+}
+
+/// What a connection in `stage` waits for, for a refusal's text.
+fn stage_name(stage: Stage) -> &'static str {
+    match stage {
+        Stage::Accepted => "for HELLO",
+        Stage::Greeted => "for PROOF",
+        Stage::Proven => "for the OFFER",
+    }
 }
 
 fn describe(identity: &Identity) -> String {
@@ -362,6 +387,10 @@ impl SideEndpoint {
     pub fn new(config: SideConfig, offer: Handshake) -> Result<Self, ConfigError> {
         check_limits(&config.limits)?;
         check_offer(&offer)?;
+        let admission = Admission::new(AdmissionLimits {
+            per_stage: config.limits.max_unauthenticated,
+            per_source: config.limits.max_unauthenticated_per_source,
+        });
         Ok(SideEndpoint {
             config,
             offer,
@@ -370,7 +399,8 @@ impl SideEndpoint {
             gone: HashMap::new(),
             gone_order: VecDeque::new(),
             deadlines: BTreeSet::new(),
-            accepted: VecDeque::new(),
+            admission,
+            refused: [0; RefusalCause::ALL.len()],
             transmits: VecDeque::new(),
             closes: VecDeque::new(),
             events: VecDeque::new(),
@@ -408,23 +438,37 @@ impl SideEndpoint {
         self.insert(now, conn, Side::Initiator { address }, state);
     }
 
-    /// Our listener accepted a connection. At most [`SideLimits::max_unauthenticated`] wait
-    /// for their handshake: one more evicts the oldest. `nonce` must be fresh random bytes.
-    pub fn handle_accept(&mut self, now: Time, conn: ConnId, nonce: [u8; 32]) {
+    /// Our listener accepted a connection from `source`. Pending connections are kept by
+    /// stage and source ([`SideLimits::max_unauthenticated`] and
+    /// [`SideLimits::max_unauthenticated_per_source`]): one more displaces the oldest of its
+    /// stage, never one that got further. `nonce` must be fresh random bytes.
+    pub fn handle_accept(&mut self, now: Time, conn: ConnId, source: IpAddr, nonce: [u8; 32]) {
         self.expire(now);
         if self.conns.contains_key(&conn) {
             return;
         }
-        while self.accepted.len() >= self.config.limits.max_unauthenticated {
-            let Some(oldest) = self.accepted.pop_front() else { break };
-            let reason = format!(
-                "too many unauthenticated connections ({}); the oldest is dropped",
-                self.config.limits.max_unauthenticated
-            );
-            self.fail(oldest, Failure::new(RefusalCause::Overloaded, reason).told());
-        }
         self.insert(now, conn, Side::Listener, State::Accepted { nonce_l: nonce });
-        self.accepted.push_back(conn);
+        let evicted = self.admission.accept(conn, source);
+        self.evict(evicted);
+    }
+
+    /// Fails a connection the admission book displaced.
+    pub(super) fn evict(&mut self, evicted: Option<Evicted<ConnId>>) {
+        let Some(e) = evicted else { return };
+        let reason = if e.per_source {
+            format!(
+                "too many connections from one address waiting {} ({}); the oldest is dropped",
+                stage_name(e.stage),
+                self.config.limits.max_unauthenticated_per_source
+            )
+        } else {
+            format!(
+                "too many connections waiting {} ({}); the oldest is dropped",
+                stage_name(e.stage),
+                self.config.limits.max_unauthenticated
+            )
+        };
+        self.fail(e.conn, Failure::new(RefusalCause::Overloaded, reason).told());
     }
 
     /// Bytes arrived on a connection, in any chunking. Bytes for a connection the endpoint
@@ -514,6 +558,17 @@ impl SideEndpoint {
         self.conns.len() - self.peers.len()
     }
 
+    /// Accepted connections waiting in `stage` of the handshake.
+    pub fn pending_in(&self, stage: Stage) -> usize {
+        self.admission.count(stage)
+    }
+
+    /// Accepted connections refused so far, displaced ones included, by cause (indexed as
+    /// [`RefusalCause::ALL`]); counted whether or not their event found room in the queue.
+    pub fn refused_by_cause(&self) -> [u64; RefusalCause::ALL.len()] {
+        self.refused
+    }
+
     /// Refusals that were not queued because the event queue was full.
     pub fn refusals_dropped(&self) -> u64 {
         self.refusals_dropped
@@ -562,7 +617,7 @@ impl SideEndpoint {
     fn fail(&mut self, id: ConnId, failure: Failure) {
         let Some(mut c) = self.conns.remove(&id) else { return };
         self.deadlines.remove(&(c.deadline, id));
-        self.accepted.retain(|&a| a != id);
+        self.admission.remove(id);
         if let Some(text) = &failure.tell {
             let bytes = c.state.tell(text);
             self.transmits.push_back(Transmit { conn: id, bytes });
@@ -576,6 +631,7 @@ impl SideEndpoint {
                 self.events.push_back(SideEvent::ConnectFailed { conn: id, address, error });
             }
             Side::Listener => {
+                self.refused[failure.cause.index()] += 1;
                 let event =
                     SideEvent::Refused { conn: id, claimed: c.claimed, cause: failure.cause, reason: failure.reason };
                 if self.events.len() >= self.config.limits.max_queued_events {

@@ -25,6 +25,7 @@ impl SideEndpoint {
             incarnation: offer.instance,
             role: offer.role,
             tags: Tags::new(session.tag_out, session.tag_in),
+            export: session.export,
         };
         self.peers.insert(agent.clone(), peer);
         let info = PeerInfo { agent, handshake: offer, sent_at, received_at: now, dialed };
@@ -50,11 +51,22 @@ impl SideEndpoint {
         let Some(c) = self.conns.get_mut(&id) else { return };
         match result {
             Ok(Some(next)) => {
+                let stage = match next {
+                    State::Challenged { .. } => Some(Stage::Greeted),
+                    State::Proven { .. } => Some(Stage::Proven),
+                    _ => None,
+                };
                 let established = matches!(next, State::Established { .. });
                 c.state = next;
                 if established {
                     self.deadlines.remove(&(c.deadline, id));
-                    self.accepted.retain(|&a| a != id);
+                    self.admission.remove(id);
+                }
+                // Only a listener's connections are in the book; a stage further displaces at
+                // most one connection of that stage, never this one.
+                if let Some(stage) = stage {
+                    let evicted = self.admission.advance(id, stage);
+                    self.evict(evicted);
                 }
             }
             Ok(None) => c.state = state,

@@ -68,7 +68,8 @@ impl Net {
         let nonce = self.nonce();
         let Some(agent) = self.agent_mut(to) else { return };
         agent.conns.insert(listener, Conn { peer: from.clone(), peer_conn: initiator, peer_closed: false });
-        agent.side.handle_accept(at, listener, nonce);
+        // The simulated cluster lives on one host, as the demo's engines do on loopback.
+        agent.side.handle_accept(at, listener, std::net::Ipv4Addr::LOCALHOST.into(), nonce);
         self.pump_side(to, at);
     }
 

@@ -30,7 +30,7 @@ fn a_peer_without_the_key_learns_no_metadata_and_is_refused_once() {
 #[test]
 fn a_wrong_proof_is_refused_with_an_error_frame_and_nothing_else() {
     let mut p = prefill();
-    p.handle_accept(T0, ConnId(1), nonce(1));
+    p.handle_accept(T0, ConnId(1), SOURCE, nonce(1));
     let rogue = Rogue::new([9; 32], &d_offer(5), 2);
     p.handle_bytes(T0, ConnId(1), &rogue.hello);
     let challenge = drain(&mut p).transmits.remove(0).bytes;
@@ -63,7 +63,7 @@ fn a_replayed_hello_and_proof_from_an_earlier_session_fail() {
     // The attacker replays D's whole stream to a fresh P connection: P's new nonce makes the
     // old PROOF wrong.
     let mut p = prefill();
-    p.handle_accept(T0, ConnId(1), nonce(99));
+    p.handle_accept(T0, ConnId(1), SOURCE, nonce(99));
     p.handle_bytes(T0, ConnId(1), &recorded_d);
     let out = drain(&mut p);
     assert_eq!(refusal(&out.events).0, RefusalCause::Unauthenticated);
@@ -86,7 +86,7 @@ fn a_replayed_hello_and_proof_from_an_earlier_session_fail() {
 fn a_4_gib_length_prefix_is_refused_at_once_in_every_stage() {
     // Before authentication.
     let mut p = prefill();
-    p.handle_accept(T0, ConnId(1), nonce(1));
+    p.handle_accept(T0, ConnId(1), SOURCE, nonce(1));
     p.handle_bytes(T0, ConnId(1), &[0xff, 0xff, 0xff, 0xff]);
     let out = drain(&mut p);
     let (cause, reason) = refusal(&out.events);
@@ -97,7 +97,7 @@ fn a_4_gib_length_prefix_is_refused_at_once_in_every_stage() {
 
     // After the proof: the limit is the handshake's, and 4 GiB is still refused at once.
     let mut p = prefill();
-    p.handle_accept(T0, ConnId(1), nonce(1));
+    p.handle_accept(T0, ConnId(1), SOURCE, nonce(1));
     let rogue = Rogue::new([7; 32], &d_offer(5), 2);
     p.handle_bytes(T0, ConnId(1), &rogue.hello);
     let challenge = drain(&mut p).transmits.remove(0).bytes;
@@ -113,7 +113,7 @@ fn a_4_gib_length_prefix_is_refused_at_once_in_every_stage() {
 
     // A claimed length within the limit buffers only what arrived.
     let mut p = prefill();
-    p.handle_accept(T0, ConnId(1), nonce(1));
+    p.handle_accept(T0, ConnId(1), SOURCE, nonce(1));
     p.handle_bytes(T0, ConnId(1), &rogue.hello);
     let challenge = drain(&mut p).transmits.remove(0).bytes;
     let (proof, _) = rogue.answer(&challenge, &d_offer(5));
@@ -127,7 +127,7 @@ fn a_4_gib_length_prefix_is_refused_at_once_in_every_stage() {
 #[test]
 fn a_slowloris_times_out_and_is_reported_once() {
     let mut p = prefill();
-    p.handle_accept(T0, ConnId(1), nonce(1));
+    p.handle_accept(T0, ConnId(1), SOURCE, nonce(1));
     assert_eq!(p.poll_timeout(), Some(T0 + Duration::from_secs(5)));
     let hello = Rogue::new([7; 32], &d_offer(5), 2).hello;
     for (i, byte) in hello.iter().take(20).enumerate() {
@@ -156,32 +156,127 @@ fn a_slowloris_times_out_and_is_reported_once() {
     );
 }
 
-#[test]
-fn the_65th_pending_connection_evicts_the_oldest_and_real_engines_still_get_in() {
-    let mut net = Net::new(vec![prefill(), decode(5)]);
-    for i in 0..64 {
-        net.eps[0].handle_accept(T0, ConnId(1000 + i), nonce(1000 + i));
-    }
-    assert_eq!(net.eps[0].pending_count(), 64);
-    assert!(drain(&mut net.eps[0]).events.is_empty());
-    net.eps[0].handle_accept(T0, ConnId(2000), nonce(2000));
-    let out = drain(&mut net.eps[0]);
-    assert_eq!(
-        refusal(&out.events),
-        (RefusalCause::Overloaded, "too many unauthenticated connections (64); the oldest is dropped".into())
-    );
-    assert!(matches!(out.events[0], SideEvent::Refused { conn: ConnId(1000), .. }), "the oldest goes first");
-    assert_eq!(out.closes, vec![ConnId(1000)]);
-    assert_eq!(net.eps[0].pending_count(), 64);
+/// A P whose pending connections are kept `per_stage` a stage, `per_source` a stage from one
+/// address (an eighth of each for the proven).
+fn prefill_keeping(per_stage: usize, per_source: usize) -> SideEndpoint {
+    let limits = SideLimits {
+        max_unauthenticated: per_stage,
+        max_unauthenticated_per_source: per_source,
+        ..SideLimits::default()
+    };
+    SideEndpoint::new(SideConfig { key: key(), limits }, p_offer()).unwrap()
+}
 
-    // With the flood holding every slot, a real engine's connection evicts one and completes.
-    let (_, p_conn) = net.connect(1, 0);
-    net.run();
-    let p_events = net.take(0);
-    assert_eq!(connected(&p_events), vec![(p_conn, d_agent(), 5)]);
-    assert_eq!(p_events.len(), 2, "one eviction, one connection: {p_events:#?}");
-    assert!(matches!(p_events[0], SideEvent::Refused { conn: ConnId(1001), cause: RefusalCause::Overloaded, .. }));
-    assert_eq!(net.eps[0].pending_count(), 63);
+/// 4 a stage, 3 from one address.
+fn small_prefill() -> SideEndpoint {
+    prefill_keeping(4, 3)
+}
+
+/// A flood connection `id` from `source` that sent a HELLO (anyone can: it proves nothing).
+fn greet(p: &mut SideEndpoint, id: u64, source: core::net::IpAddr) {
+    p.handle_accept(T0, ConnId(id), source, nonce(id));
+    let hello = Rogue::new([0; 32], &d_offer(id), id).hello;
+    p.handle_bytes(T0, ConnId(id), &hello);
+}
+
+fn refused_conns(events: &[SideEvent]) -> Vec<u64> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            SideEvent::Refused { conn, cause: RefusalCause::Overloaded, .. } => Some(conn.0),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_flood_displaces_only_connections_that_proved_no_more_than_it() {
+    let mut net = Net::new(vec![small_prefill(), decode(5)]);
+    let mut refused = Vec::new();
+    let mut take = |p: &mut SideEndpoint| -> Out {
+        let out = drain(p);
+        refused.extend(refused_conns(&out.events));
+        out
+    };
+    let flood = core::net::IpAddr::from([10, 9, 9, 9]);
+    for id in 1000..1004 {
+        net.eps[0].handle_accept(T0, ConnId(id), flood, nonce(id));
+    }
+    assert_eq!(net.eps[0].pending_in(Stage::Accepted), 3, "3 a stage from one address");
+    let out = take(&mut net.eps[0]);
+    assert_eq!(refused_conns(&out.events), vec![1000], "the address's oldest goes first");
+    assert_eq!(
+        refusal(&out.events).1,
+        "too many connections from one address waiting for HELLO (3); the oldest is dropped"
+    );
+
+    // A real engine's connection is accepted and sends its HELLO: it is greeted now, and a
+    // flood of connections that send nothing never displaces it.
+    let d_conn = ConnId(1);
+    net.eps[1].handle_connect(T0, d_conn, PeerAddress("ep0".into()), nonce(1));
+    let hello = drain(&mut net.eps[1]).bytes();
+    net.eps[0].handle_accept(T0, ConnId(2), SOURCE, nonce(2));
+    net.eps[0].handle_bytes(T0, ConnId(2), &hello);
+    let challenge = take(&mut net.eps[0]).bytes();
+    for id in 2000..2100 {
+        net.eps[0].handle_accept(T0, ConnId(id), SOURCE, nonce(id));
+    }
+    let flood_out = refused_conns(&take(&mut net.eps[0]).events);
+    assert_eq!(flood_out.len(), 99, "each newcomer past the budget displaces one: {flood_out:?}");
+    assert!(!flood_out.contains(&2), "the greeted connection stays");
+
+    // Greeted flood connections displace greeted ones, from the crowded address first.
+    for id in 3000..3002 {
+        greet(&mut net.eps[0], id, SOURCE);
+    }
+    greet(&mut net.eps[0], 3100, flood);
+    assert_eq!(net.eps[0].pending_in(Stage::Greeted), 4);
+    assert!(!refused_conns(&take(&mut net.eps[0]).events).contains(&2));
+    // The real engine answers its CHALLENGE within its round trip, and gets in.
+    net.eps[1].handle_bytes(T0, d_conn, &challenge);
+    let answer = drain(&mut net.eps[1]).bytes();
+    net.eps[0].handle_bytes(T0, ConnId(2), &answer);
+    let p_out = take(&mut net.eps[0]);
+    assert_eq!(connected(&p_out.events), vec![(ConnId(2), d_agent(), 5)]);
+    for t in p_out.transmits.iter().filter(|t| t.conn == ConnId(2)) {
+        net.eps[1].handle_bytes(T0, d_conn, &t.bytes);
+    }
+    assert_eq!(connected(&drain(&mut net.eps[1]).events), vec![(d_conn, p_agent(), 1)]);
+
+    // Had it waited: more greetings from SOURCE displace SOURCE's oldest greeted, never the
+    // other address's.
+    for id in 3200..3203 {
+        greet(&mut net.eps[0], id, SOURCE);
+    }
+    let greeted_out: Vec<u64> =
+        refused_conns(&take(&mut net.eps[0]).events).into_iter().filter(|&c| c >= 3000).collect();
+    assert_eq!(greeted_out, vec![3000, 3001]);
+    assert_eq!(net.eps[0].refused_by_cause()[RefusalCause::Overloaded.index()], refused.len() as u64);
+}
+
+#[test]
+fn a_key_holder_that_proved_the_key_is_displaced_only_by_another() {
+    // The proven stage holds an eighth: 4 in all, 3 from one address.
+    let mut p = prefill_keeping(32, 24);
+    // Four key holders prove the key and stall before their offers.
+    let mut rogues = Vec::new();
+    for id in 1..=4u64 {
+        p.handle_accept(T0, ConnId(id), SOURCE, nonce(id));
+        let rogue = Rogue::new(*key().bytes(), &d_offer(id), id);
+        p.handle_bytes(T0, ConnId(id), &rogue.hello);
+        let challenge = drain(&mut p).bytes();
+        let (proof, _) = rogue.answer(&challenge, &d_offer(id));
+        p.handle_bytes(T0, ConnId(id), &proof);
+        rogues.push(rogue);
+    }
+    assert_eq!(p.pending_in(Stage::Proven), 3, "3 a stage from one address");
+    assert_eq!(refused_conns(&drain(&mut p).events), vec![1]);
+    // No number of keyless connections, greeted or not, displaces them.
+    for id in 100..200 {
+        greet(&mut p, id, SOURCE);
+    }
+    assert_eq!(p.pending_in(Stage::Proven), 3);
+    assert!(refused_conns(&drain(&mut p).events).iter().all(|&c| c >= 100));
 }
 
 #[test]
@@ -254,7 +349,7 @@ fn closing_a_refused_or_pending_impostor_leaves_the_live_peer_alone() {
 
     // An attacker claims the live name in HELLO, then closes without proof.
     let p = &mut net.eps[0];
-    p.handle_accept(T0, ConnId(500), nonce(500));
+    p.handle_accept(T0, ConnId(500), SOURCE, nonce(500));
     p.handle_bytes(T0, ConnId(500), &Rogue::new([0; 32], &d_offer(5), 501).hello);
     p.handle_closed(T0, ConnId(500));
     let out = drain(p);
@@ -266,7 +361,7 @@ fn closing_a_refused_or_pending_impostor_leaves_the_live_peer_alone() {
 
     // An engine with the key claims the live name in full, is refused, and its connection closes.
     let rogue = Rogue::new([7; 32], &d_offer(5), 502);
-    p.handle_accept(T0, ConnId(501), nonce(503));
+    p.handle_accept(T0, ConnId(501), SOURCE, nonce(503));
     p.handle_bytes(T0, ConnId(501), &rogue.hello);
     let challenge = drain(p).transmits.remove(0).bytes;
     let (proof, sealed) = rogue.answer(&challenge, &d_offer(5));
@@ -284,7 +379,7 @@ fn closing_a_refused_or_pending_impostor_leaves_the_live_peer_alone() {
 #[test]
 fn an_offer_that_contradicts_its_hello_is_impersonation() {
     let mut p = prefill();
-    p.handle_accept(T0, ConnId(1), nonce(1));
+    p.handle_accept(T0, ConnId(1), SOURCE, nonce(1));
     // HELLO as decode0 rank 0; the sealed offer says rank 1.
     let rogue = Rogue::new([7; 32], &d_offer(5), 2);
     p.handle_bytes(T0, ConnId(1), &rogue.hello);
@@ -311,18 +406,18 @@ fn an_offer_that_contradicts_its_hello_is_impersonation() {
 fn every_connection_that_ends_unestablished_is_reported_exactly_once() {
     let mut p = prefill();
     // Closed before sending anything.
-    p.handle_accept(T0, ConnId(1), nonce(1));
+    p.handle_accept(T0, ConnId(1), SOURCE, nonce(1));
     p.handle_closed(T0, ConnId(1));
     // Closed halfway through HELLO.
-    p.handle_accept(T0, ConnId(2), nonce(2));
+    p.handle_accept(T0, ConnId(2), SOURCE, nonce(2));
     p.handle_bytes(T0, ConnId(2), &Rogue::new([7; 32], &d_offer(5), 3).hello[..10]);
     p.handle_closed(T0, ConnId(2));
     // Closed after HELLO.
-    p.handle_accept(T0, ConnId(3), nonce(3));
+    p.handle_accept(T0, ConnId(3), SOURCE, nonce(3));
     p.handle_bytes(T0, ConnId(3), &Rogue::new([7; 32], &d_offer(5), 3).hello);
     p.handle_closed(T0, ConnId(3));
     // Garbage, then closed.
-    p.handle_accept(T0, ConnId(4), nonce(4));
+    p.handle_accept(T0, ConnId(4), SOURCE, nonce(4));
     p.handle_bytes(T0, ConnId(4), b"GET / HTTP/1.1\r\n\r\n");
     p.handle_closed(T0, ConnId(4));
     // Closed twice, and a close of a connection never seen.
@@ -366,7 +461,7 @@ fn the_event_queue_is_bounded_and_counts_the_refusals_it_drops() {
     let limits = SideLimits { max_queued_events: 3, ..SideLimits::default() };
     let mut p = SideEndpoint::new(SideConfig { key: key(), limits }, p_offer()).unwrap();
     for i in 0..10 {
-        p.handle_accept(T0, ConnId(i), nonce(i));
+        p.handle_accept(T0, ConnId(i), SOURCE, nonce(i));
         p.handle_closed(T0, ConnId(i));
     }
     assert_eq!(p.refusals_dropped(), 7);
@@ -391,7 +486,7 @@ fn an_established_peer_that_sends_anything_more_is_lost() {
 #[test]
 fn a_version_mismatch_names_both_versions() {
     let mut p = prefill();
-    p.handle_accept(T0, ConnId(1), nonce(1));
+    p.handle_accept(T0, ConnId(1), SOURCE, nonce(1));
     let body = Identity::of(&d_offer(5)).body(3, &nonce(2));
     p.handle_bytes(T0, ConnId(1), &frame(Kind::Hello, &body));
     let out = drain(&mut p);

@@ -15,11 +15,14 @@ use crate::plan::RegionBase;
 use crate::wire::{compatibility_hash, Message, PROTOCOL_VERSION};
 
 mod hostile;
+mod links;
 mod streams;
 
 const P_META: &[u8] = b"P-AGENT-METADATA: a capability to prefill0's KV pool";
 const D_META: &[u8] = b"D-AGENT-METADATA: a capability to decode0's KV pool";
 const T0: Time = Time::from_millis(1_000);
+/// Where the tests' connections come from.
+const SOURCE: core::net::IpAddr = core::net::IpAddr::V4(core::net::Ipv4Addr::LOCALHOST);
 
 fn layout(order: MemoryOrder) -> KvLayout {
     KvLayout {
@@ -148,7 +151,7 @@ impl Net {
         self.next += 2;
         let address = PeerAddress(format!("ep{to}"));
         self.eps[from].handle_connect(self.now, a, address, nonce(a.0));
-        self.eps[to].handle_accept(self.now, b, nonce(b.0));
+        self.eps[to].handle_accept(self.now, b, SOURCE, nonce(b.0));
         self.links.insert((from, a), (to, b));
         self.links.insert((to, b), (from, a));
         a_b(a, b)
@@ -372,7 +375,7 @@ fn chunking_does_not_change_the_outcome() {
 
     // The same nonces and stream, one byte at a time, give the same frames and events.
     let mut p = prefill();
-    p.handle_accept(T0, ConnId(2), nonce(2));
+    p.handle_accept(T0, ConnId(2), SOURCE, nonce(2));
     for byte in &d_stream {
         p.handle_bytes(T0, ConnId(2), std::slice::from_ref(byte));
     }

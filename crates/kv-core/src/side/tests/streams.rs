@@ -10,7 +10,7 @@ fn at_stage(stage: u8) -> SideEndpoint {
     match stage {
         // Listener waiting for HELLO, for PROOF, for the initiator's OFFER, and established.
         0..=3 => {
-            p.handle_accept(T0, ConnId(1), nonce(1));
+            p.handle_accept(T0, ConnId(1), SOURCE, nonce(1));
             if stage >= 1 {
                 p.handle_bytes(T0, ConnId(1), &rogue.hello);
                 let challenge = drain(&mut p).transmits.remove(0).bytes;
@@ -29,7 +29,7 @@ fn at_stage(stage: u8) -> SideEndpoint {
             d.handle_connect(T0, ConnId(1), PeerAddress("p".into()), nonce(1));
             let hello = drain(&mut d).transmits.remove(0).bytes;
             if stage >= 5 {
-                p.handle_accept(T0, ConnId(9), nonce(9));
+                p.handle_accept(T0, ConnId(9), SOURCE, nonce(9));
                 p.handle_bytes(T0, ConnId(9), &hello);
                 let challenge = drain(&mut p).transmits.remove(0).bytes;
                 d.handle_bytes(T0, ConnId(1), &challenge);
@@ -113,7 +113,7 @@ proptest! {
     fn altered_handshakes_leak_nothing(flips in prop::collection::vec((any::<prop::sample::Index>(), 1u8..), 1..4)) {
         let rogue = Rogue::new([7; 32], &d_offer(5), 2);
         let mut p = prefill();
-        p.handle_accept(T0, ConnId(1), nonce(1));
+        p.handle_accept(T0, ConnId(1), SOURCE, nonce(1));
         p.handle_bytes(T0, ConnId(1), &rogue.hello);
         let challenge = drain(&mut p).transmits.remove(0).bytes;
         let (proof, sealed) = rogue.answer(&challenge, &d_offer(5));
