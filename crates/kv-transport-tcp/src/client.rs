@@ -1,7 +1,9 @@
-//! The outgoing data connection to one peer: everything this agent originates toward it (READ
-//! requests, WRITE chunks, notifications) goes out in order on one TCP connection, written by
-//! one thread from a queue; a second thread reads the peer's replies (DATA straight into local
-//! memory, RANGE_ERROR, WRITE_ACK) and settles the transfers they belong to.
+//! The outgoing data connection to one peer: it proves, by the link handshake, that it belongs
+//! to this agent's side-channel session with the peer (and makes the listener prove the same),
+//! then everything this agent originates toward the peer (READ requests, WRITE chunks,
+//! notifications) goes out in order on it, tagged, written by one thread from a queue; a second
+//! thread reads the peer's replies (DATA straight into local memory, RANGE_ERROR, WRITE_ACK),
+//! checks each one's tag before acting on it, and settles the transfers they belong to.
 
 use std::collections::VecDeque;
 use std::io;
@@ -10,10 +12,12 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use kv_core::side::{FrameTags, LinkRole};
 use kv_core::{AgentName, TransferId, TransferStatus, TransportError};
 
-use crate::frame::{self, AckStatus, Kind, CHUNK_PREFIX, HEADER_BYTES, MAX_CHUNK, STALL_TIMEOUT, TO_CONNECTOR};
-use crate::metadata::TOKEN_BYTES;
+use crate::frame::{
+    self, AckStatus, Hello, Kind, Refused, CHUNK_PREFIX, HEADER_BYTES, LINK_LABEL, MAX_CHUNK, NONCE_BYTES, TO_CONNECTOR,
+};
 use crate::shared::{lock, Counters, Pair, Settled, Shared};
 
 /// What the writer thread sends.
@@ -88,7 +92,8 @@ pub(crate) struct Target {
     pub(crate) peer: AgentName,
     pub(crate) peer_incarnation: u64,
     pub(crate) addr: SocketAddr,
-    pub(crate) token: [u8; TOKEN_BYTES],
+    /// Whether this side asks for tags on the payloads the peer sends it (DATA).
+    pub(crate) payload_tags: bool,
     pub(crate) me: AgentName,
     pub(crate) incarnation: u64,
 }
@@ -220,55 +225,135 @@ fn connect(
         slot.stream = Some(stream.clone());
     }
     shared.counters.outgoing_open.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let hello = frame::hello(&target.token, &target.me, target.incarnation);
+    let link = prove(shared, target, &stream, queue)?;
     let (sh, st, q) = (shared.clone(), stream.clone(), queue.clone());
+    let (mut out, tag_writes) = (link.out, link.tag_out_payloads);
     *writer = Some(
         std::thread::Builder::new()
             .name("kvflow-tcp-send".into())
             .spawn(move || {
-                if let Err(e) = send_loop(&sh, &st, &q, &hello) {
+                if let Err(e) = send_loop(&sh, &st, &q, &mut out, tag_writes) {
                     tracing::debug!(error = %e, "data connection writer ended");
                     let _ = st.shutdown(Shutdown::Both);
                 }
             })
             .map_err(io::Error::other)?,
     );
-    receive_loop(shared, id, &stream, queue)
+    let mut incoming = link.incoming;
+    match receive_loop(shared, id, &stream, queue, &mut incoming, target.payload_tags) {
+        Err(Refused::Forged(reason)) => {
+            Counters::add(&shared.counters.frames_forged, 1);
+            tracing::warn!(peer = %target.peer, %reason, "data connection closed");
+            Err(protocol(reason))
+        }
+        Err(Refused::Malformed(reason)) => {
+            Counters::add(&shared.counters.frames_refused, 1);
+            Err(protocol(reason))
+        }
+        Err(Refused::Io(e)) => Err(e),
+        Ok(()) => Ok(()),
+    }
 }
 
-/// Writes the queued jobs in order.
-fn send_loop(shared: &Shared, stream: &TcpStream, queue: &Queue, hello: &[u8]) -> io::Result<()> {
+/// A proven link's tags, each way, and whether the listener wants its WRITE payloads tagged.
+struct Proven {
+    out: FrameTags,
+    incoming: FrameTags,
+    tag_out_payloads: bool,
+}
+
+/// The link handshake, connector's side: HELLO, the listener's CHALLENGE (it must prove the
+/// session first), PROOF.
+fn prove(shared: &Shared, target: &Target, stream: &TcpStream, queue: &Queue) -> io::Result<Proven> {
+    let stop = |_: usize| shared.stopping() || queue.is_closed();
+    let deadline = Some(Instant::now() + shared.limits.auth_timeout);
+    let secret = shared
+        .side
+        .link_secret(&target.peer, LINK_LABEL)
+        .filter(|s| s.incarnation() == target.peer_incarnation)
+        .ok_or_else(|| {
+            protocol(format!("no side-channel session with {} incarnation {}", target.peer, target.peer_incarnation))
+        })?;
+    let mut nonce_c = [0u8; NONCE_BYTES];
+    getrandom::fill(&mut nonce_c).map_err(|e| io::Error::other(format!("no randomness for a nonce: {e}")))?;
+    let hello = Hello {
+        agent: target.me.clone(),
+        incarnation: target.incarnation,
+        nonce: nonce_c,
+        payload_tags: target.payload_tags,
+    };
+    let mut transcript = frame::hello(&hello);
+    frame::write_full(stream, &transcript, &|| shared.stopping())?;
+    let mut head = [0u8; HEADER_BYTES];
+    frame::read_full(stream, &mut head, deadline, &stop)?;
+    let header = frame::parse_header(head, &[Kind::Challenge]).map_err(protocol)?;
+    let mut body = vec![0u8; header.len];
+    frame::read_full(stream, &mut body, deadline, &stop)?;
+    let challenge = frame::parse_challenge(&body).map_err(protocol)?;
+    transcript.extend_from_slice(&head);
+    transcript.extend_from_slice(&body[..body.len() - challenge.mac.len()]);
+    if !secret.verify_listener_mac(&transcript, &challenge.mac) {
+        return Err(protocol(format!(
+            "the data listener at {} did not prove {}'s side-channel session",
+            target.addr, target.peer
+        )));
+    }
+    let mac_c = secret.connector_mac(&transcript, &challenge.mac);
+    frame::write_full(stream, &frame::proof(&mac_c), &|| shared.stopping())?;
+    let (out, incoming) = secret.frame_tags(LinkRole::Connector, &nonce_c, &challenge.nonce, &transcript);
+    Ok(Proven { out, incoming, tag_out_payloads: challenge.payload_tags })
+}
+
+/// Writes the queued jobs in order, tagged.
+fn send_loop(
+    shared: &Shared,
+    stream: &TcpStream,
+    queue: &Queue,
+    tags: &mut FrameTags,
+    tag_writes: bool,
+) -> io::Result<()> {
     let stop = || shared.stopping();
-    frame::write_full(stream, hello, &stop)?;
     while let Some(job) = queue.next() {
         match job {
-            Job::Notify(sealed) => frame::write_full(stream, &frame::notify(&sealed), &stop)?,
+            Job::Notify(sealed) => frame::write_full(stream, &frame::notify(tags, &sealed), &stop)?,
             Job::Read { id, pairs } => {
                 let ranges: Vec<(u64, u64)> = pairs.iter().map(|p| (p.remote, p.len)).collect();
-                frame::write_full(stream, &frame::reads(id.0, &ranges), &stop)?;
+                frame::write_full(stream, &frame::reads(tags, id.0, &ranges), &stop)?;
             }
             Job::Write { id, pairs, sealed } => {
-                let aborted = send_chunks(shared, stream, id, &pairs)?;
+                let aborted = send_chunks(shared, stream, id, &pairs, tags, tag_writes)?;
                 let sealed = if aborted { &[][..] } else { sealed.as_deref().unwrap_or_default() };
-                frame::write_full(stream, &frame::write_end(id.0, aborted, sealed), &stop)?;
+                frame::write_full(stream, &frame::write_end(tags, id.0, aborted, sealed), &stop)?;
             }
         }
     }
     Ok(())
 }
 
-/// Writes a write's chunks straight from local memory; `Ok(true)` when a local range was
-/// deregistered since the post (the transfer fails, the listener is told to drop it).
-fn send_chunks(shared: &Shared, stream: &TcpStream, id: TransferId, pairs: &[Pair]) -> io::Result<bool> {
+/// Writes a write's chunks straight from local memory, tagged (their bytes too when the
+/// listener asked); `Ok(true)` when a local range was deregistered since the post (the transfer
+/// fails, the listener is told to drop it).
+fn send_chunks(
+    shared: &Shared,
+    stream: &TcpStream,
+    id: TransferId,
+    pairs: &[Pair],
+    tags: &mut FrameTags,
+    tag_writes: bool,
+) -> io::Result<bool> {
     let stop = || shared.stopping();
     for (i, p) in pairs.iter().enumerate() {
         let mut offset = 0u64;
         while offset < p.len {
             let n = (p.len - offset).min(MAX_CHUNK as u64) as usize;
-            let head = frame::chunk_head(Kind::Write, id.0, i as u32, p.remote + offset, n);
             let sent = shared.registry.with_bytes(p.local + offset, n, |bytes| {
+                let head = frame::chunk_head(tags, Kind::Write, id.0, i as u32, p.remote + offset, n);
                 frame::write_full(stream, &head, &stop)?;
-                frame::write_full(stream, bytes, &stop)
+                frame::write_full(stream, bytes, &stop)?;
+                if tag_writes {
+                    frame::write_full(stream, &tags.tag(bytes), &stop)?;
+                }
+                Ok::<(), io::Error>(())
             });
             match sent {
                 Some(result) => result?,
@@ -289,55 +374,57 @@ fn protocol(reason: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, reason)
 }
 
-/// Reads the peer's replies until the connection ends.
-fn receive_loop(shared: &Shared, conn: u64, stream: &TcpStream, queue: &Queue) -> io::Result<()> {
+/// Reads the peer's replies until the connection ends, each taken only once its tag checks
+/// out (and its bytes', with `tag_data`).
+fn receive_loop(
+    shared: &Shared,
+    conn: u64,
+    stream: &TcpStream,
+    queue: &Queue,
+    tags: &mut FrameTags,
+    tag_data: bool,
+) -> Result<(), Refused> {
     let stop = |_: usize| shared.stopping() || queue.is_closed();
     loop {
-        let mut head = [0u8; HEADER_BYTES];
-        frame::read_full(stream, &mut head, None, &stop)?;
-        let header = frame::parse_header(head, TO_CONNECTOR).map_err(protocol)?;
-        let deadline = Some(Instant::now() + STALL_TIMEOUT);
+        let control = frame::read_control(stream, TO_CONNECTOR, tags, &stop)?;
+        let (header, body, deadline) = (control.header, control.body, control.deadline);
         match header.kind {
             Kind::Data => {
-                let mut prefix = [0u8; CHUNK_PREFIX];
-                frame::read_full(stream, &mut prefix, deadline, &stop)?;
-                let id = TransferId(frame::u64_at(&prefix, 0));
-                let (pair, offset) = (frame::u32_at(&prefix, 8), frame::u64_at(&prefix, 12));
+                let id = TransferId(frame::u64_at(&body, 0));
+                let (pair, offset) = (frame::u32_at(&body, 8), frame::u64_at(&body, 12));
                 let n = header.len - CHUNK_PREFIX;
-                let target = shared.read_target(conn, id, pair, offset, n as u64).map_err(protocol)?;
+                let target = shared.read_target(conn, id, pair, offset, n as u64).map_err(Refused::Malformed)?;
                 let mut error = None;
                 match target {
                     Some(p) => {
                         let filled = shared.registry.with_bytes_mut(p.local + offset, n, |bytes| {
-                            frame::read_full(stream, bytes, deadline, &stop)
+                            frame::read_full(stream, bytes, Some(deadline), &stop)?;
+                            frame::check_payload(stream, tag_data.then_some(&mut *tags), bytes, deadline, &stop)
                         });
                         match filled {
                             Some(result) => result?,
                             None => {
-                                frame::discard(stream, n, &stop)?;
+                                frame::discard(stream, n, tag_data.then_some(&mut *tags), &stop)?;
                                 error =
                                     Some(TransportError::NotRegistered { side: "local", addr: p.local, len: p.len });
                             }
                         }
                     }
-                    None => frame::discard(stream, n, &stop)?,
+                    None => frame::discard(stream, n, tag_data.then_some(&mut *tags), &stop)?,
                 }
                 Counters::add(&shared.counters.bytes_received, n as u64);
                 let settled = shared.read_progress(id, pair, n as u64, error);
                 settle(shared, queue, id, settled);
             }
             Kind::RangeError => {
-                let mut body = [0u8; 28];
-                frame::read_full(stream, &mut body, deadline, &stop)?;
                 let id = TransferId(frame::u64_at(&body, 0));
                 let (addr, len) = (frame::u64_at(&body, 12), frame::u64_at(&body, 20));
                 let error = TransportError::NotRegistered { side: "remote", addr, len };
-                let settled = shared.range_refused(conn, id, frame::u32_at(&body, 8), error).map_err(protocol)?;
+                let settled =
+                    shared.range_refused(conn, id, frame::u32_at(&body, 8), error).map_err(Refused::Malformed)?;
                 settle(shared, queue, id, settled);
             }
             Kind::WriteAck => {
-                let mut body = [0u8; 29];
-                frame::read_full(stream, &mut body, deadline, &stop)?;
                 let id = TransferId(frame::u64_at(&body, 0));
                 let error = match body[8] {
                     s if s == AckStatus::Written as u8 => None,
@@ -349,11 +436,11 @@ fn receive_loop(shared: &Shared, conn: u64, stream: &TcpStream, queue: &Queue) -
                     s if s == AckStatus::Aborted as u8 => {
                         Some(TransportError::TransferFailed("the write was aborted by this side".into()))
                     }
-                    s => return Err(protocol(format!("WRITE_ACK status {s} is not one this side knows"))),
+                    s => return Err(Refused::Malformed(format!("WRITE_ACK status {s} is not one this side knows"))),
                 };
-                shared.write_acked(conn, id, error).map_err(protocol)?;
+                shared.write_acked(conn, id, error).map_err(Refused::Malformed)?;
             }
-            kind => return Err(protocol(format!("{kind:?} is not a reply"))),
+            kind => return Err(Refused::Malformed(format!("{kind:?} is not a reply"))),
         }
     }
 }

@@ -6,10 +6,13 @@
 //! channel as kv-transport-nixl's ([`kv_side_tcp::SideChannel`], port
 //! [`DEFAULT_SIDE_CHANNEL_PORT`] by default, loopback unless configured): kv-core's
 //! authenticated handshake, whose loss is how a peer is seen gone. The handshake's
-//! `agent_metadata` carries what NIXL's metadata carries for NIXL, and is as much a
-//! capability: the address of this transport's data listener, a random 32-byte token that
-//! the listener wants from whoever connects, and the table of registered regions (layout in
-//! `src/metadata.rs`). Register every region before peers connect, as with NIXL.
+//! `agent_metadata` carries the address of this transport's data listener and the table of
+//! registered regions (layout in `src/metadata.rs`). Register every region before peers
+//! connect, as with NIXL. Unlike NIXL's metadata it is no capability: a data connection is
+//! served only once it proved, by a challenge answered under a key derived from its own
+//! side-channel session ([`kv_core::side::link`]), that it belongs to that session's peer, and
+//! every frame it carries bears that session's next tag, so what an eavesdropper records on
+//! the data network (names, addresses, nonces, frames) lets it read or write nothing.
 //!
 //! Unlike NIXL, whose UCX serves a peer's reads with no help from the engine, an agent serves
 //! a peer's data connection only once its own engine has taken in that peer's handshake (any
@@ -88,26 +91,45 @@
 //! on it. Every frame is
 //!
 //! ```text
-//! kind u8 | length u32 | body (length bytes)
+//! kind u8 | length u32 | body (length bytes)                      HELLO, CHALLENGE, PROOF
+//! kind u8 | length u32 | control | tag [16] | data [| tag [16]]   every frame after them
 //! ```
 //!
 //! with integers little-endian. Each kind has bounds on its body length (below); a frame of a
 //! kind the receiver does not accept there, or outside its bounds, closes the connection, and so
-//! does a body that contradicts itself. From the connecting agent to the listener:
+//! does a body that contradicts itself. The link handshake comes first, untagged (version 2;
+//! version 1 sent a static capability token in clear, and is refused):
 //!
-//! | kind | frame | body | body bytes |
+//! | kind | frame | direction | body | body bytes |
+//! |---|---|---|---|---|
+//! | 0x01 | HELLO | connector to listener | `"KVTD"`, version u8 = 2, flags u8 (bit 0: tag the payloads you send me), `nonce_c` \[32\], the sender's incarnation u64, its rank u32, its engine name (UTF-8, the rest of the body) | 51..=114 |
+//! | 0x84 | CHALLENGE | listener to connector | `nonce_l` \[32\], flags u8 (as HELLO's), `mac_l` \[32\] | 65 |
+//! | 0x06 | PROOF | connector to listener | `mac_c` \[32\] | 32 |
+//!
+//! Both ends hold the secret of links bound to their side-channel session,
+//! `link = HMAC-SHA256(k_export, "kvflow-export-v1" ‖ "kvflow-tcp-data-v2")`, and with the
+//! transcript `HELLO ‖ CHALLENGE⁻` (both whole frames, headers included, CHALLENGE without its
+//! MAC) compute `mac_l`, `mac_c` and one tag key per direction as [`kv_core::side::link`]
+//! lays out (`docs/side-channel.md` has `k_export` and a test vector of `link`). Afterwards
+//! every frame carries a 16-byte tag, the next of its direction (each direction counts from
+//! 0), over its header and control bytes: the whole body, except for WRITE and DATA, whose 20
+//! bytes of transfer, pair and address or offset are covered and whose data follows the tag.
+//! When the receiver's flags asked for payload tags, the data is followed by a tag of its own
+//! (the next count). A frame whose tag does not verify is counted (`frames_forged`) and ends
+//! the connection before any of it is acted on. From the connector:
+//!
+//! | kind | frame | control, then data | body bytes |
 //! |---|---|---|---|
-//! | 0x01 | HELLO | `"KVTD"`, version u8 = 1, the listener's token \[32\], the sender's incarnation u64, its rank u32, its engine name (UTF-8, the rest of the body) | 50..=113 |
 //! | 0x02 | READ | transfer u64, index of the first pair u32, count u32, count x (listener's address u64, length u64): pairs first, first + 1, ... | 16 + 16 x count, count 1..=4096 |
-//! | 0x03 | WRITE | transfer u64, pair index u32, listener's address u64, the data for that address | 21..=20 + 1 MiB |
+//! | 0x03 | WRITE | transfer u64, pair index u32, listener's address u64; then the data for that address | 21..=20 + 1 MiB |
 //! | 0x04 | WRITE_END | transfer u64, flags u8 (bit 0: the sender aborted; others 0), the sealed notification (empty: none) | 9..=9 + 65562 |
 //! | 0x05 | NOTIFY | a sealed notification | 1..=65562 |
 //!
 //! From the listener back:
 //!
-//! | kind | frame | body | body bytes |
+//! | kind | frame | control, then data | body bytes |
 //! |---|---|---|---|
-//! | 0x81 | DATA | transfer u64, pair index u32, offset in the pair u64, the pair's bytes from that offset | 21..=20 + 1 MiB |
+//! | 0x81 | DATA | transfer u64, pair index u32, offset in the pair u64; then the pair's bytes from that offset | 21..=20 + 1 MiB |
 //! | 0x82 | RANGE_ERROR | transfer u64, pair index u32, address u64, length u64: that pair of the read is refused | 28 |
 //! | 0x83 | WRITE_ACK | transfer u64, status u8 (0 written, 1 a range refused, 2 aborted by the sender), pair u32, address u64, length u64 (the first refused chunk; zeros otherwise) | 29 |
 //!
@@ -115,11 +137,21 @@
 //! payload of at most `MAX_MESSAGE_BYTES` = 64 KiB, and a tag made with the side-channel
 //! session: [`kv_core::side::SideEndpoint::seal_notification`]), hence the 65562-byte bound.
 //!
-//! - HELLO comes first, whole, within the side channel's `auth_timeout` of the accept. The
-//!   listener compares the token in constant time and serves only an agent that is an
-//!   established side-channel peer of that name and incarnation whose side channel is open
-//!   (waiting until the same deadline for a handshake this engine has not taken in yet);
-//!   otherwise it closes the connection and counts it ([`DataStatus`]). HELLO has no reply.
+//! - The handshake must end within the side channel's `auth_timeout` of the accept. HELLO
+//!   must name an established side-channel peer of that name and incarnation (the listener
+//!   waits until the deadline for a handshake its side channel has not finished yet); the
+//!   listener answers CHALLENGE, which the connector checks before it sends anything more (so
+//!   an impostor listening at the peer's address learns no request), and PROOF must verify.
+//!   The listener then serves the link once its engine has taken the peer in, on a thread of
+//!   its own. Otherwise it closes the connection and counts it by cause ([`DataStatus`]).
+//!   Nothing in the handshake is worth anything in a later connection: the other side's
+//!   fresh nonce changes the transcript, the MACs and the tag keys.
+//! - Pending connections are kept by stage (waiting for HELLO; greeted, waiting for PROOF)
+//!   in kv-core's admission book, at most `max_unauthenticated` a stage and
+//!   `max_unauthenticated_per_source` a stage from one address; one more displaces the oldest
+//!   of its stage (from the crowded address), never one that got further. All of them share
+//!   one thread. A peer session keeps at most [`MAX_LINKS_PER_PEER`] links; a newer one closes
+//!   its oldest.
 //! - READ: the listener answers each range in order. It checks that the range lies inside one
 //!   of its registrations at that moment, then sends the range's bytes as DATA frames of at
 //!   most 1 MiB, in order of offset, straight from memory; or one RANGE_ERROR if the range is
@@ -144,10 +176,14 @@
 //!   peer's side channel closes within those 500 ms, else `TransferFailed`), and the next
 //!   transfer to that peer opens a new one.
 //!
-//! Bounds (DESIGN.md rule 12): at most [`TcpConfig::max_data_connections`] incoming data
-//! connections at once (one more is closed at accept and counted); frame bodies as above; at
+//! Bounds (DESIGN.md rule 12): pending connections as above; at most
+//! [`TcpConfig::max_data_connections`] authenticated incoming data connections at once (one
+//! more is refused and counted); frame bodies as above; at
 //! most `max_queued_events` received notifications wait for `poll_event` (more are counted and
-//! dropped); the rest of a frame must arrive, and a blocked write make progress, within
+//! dropped), and at most [`MAX_QUEUED_NOTIFICATION_BYTES_PER_PEER`] of one peer's notification
+//! bytes and [`MAX_QUEUED_NOTIFICATION_BYTES`] of all peers' (past them the connection is not
+//! read until the engine takes some in: TCP's flow control holds the peer back, and nothing
+//! is dropped); the rest of a frame must arrive, and a blocked write make progress, within
 //! [`STALL_TIMEOUT`] of the frame's start, which bounds how long a region is held against
 //! `deregister`.
 //!
@@ -165,8 +201,10 @@ mod transport;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 pub use frame::{MAX_CHUNK, MAX_RANGES_PER_READ, MAX_SEALED_NOTIFICATION, STALL_TIMEOUT};
-pub use kv_side_tcp::{KeySource, SideStatus};
-pub use transport::TcpTransport;
+pub use kv_side_tcp::{KeySource, SideProbe, SideStatus};
+pub use server::MAX_LINKS_PER_PEER;
+pub use shared::{MAX_QUEUED_NOTIFICATION_BYTES, MAX_QUEUED_NOTIFICATION_BYTES_PER_PEER};
+pub use transport::{TcpProbe, TcpTransport};
 
 /// The side channel's default port: kv-transport-nixl's plus 100, so both can run on one host.
 pub const DEFAULT_SIDE_CHANNEL_PORT: u16 = 5700;
@@ -186,9 +224,14 @@ pub struct TcpConfig {
     /// data connection has to send HELLO, and `max_queued_events` how many received
     /// notifications may wait for `poll_event`.
     pub side_limits: kv_core::side::SideLimits,
-    /// Incoming data connections held at once, authenticated or not; one more is closed at
-    /// accept and counted.
+    /// Authenticated incoming data connections held at once (each has a thread); one more is
+    /// refused and counted. Pending ones are bounded by the side limits' admission budgets.
     pub max_data_connections: usize,
+    /// Ask peers to tag the payload bytes they send this transport too (DATA for its reads,
+    /// WRITE for writes into it), so that bytes altered on the way are refused; frame heads,
+    /// addresses and acknowledgements are always tagged. Off by default: it costs a Poly1305
+    /// pass over every byte on each side (`cargo xtask bench` shows how much).
+    pub payload_tags: bool,
 }
 
 impl Default for TcpConfig {
@@ -198,8 +241,9 @@ impl Default for TcpConfig {
             bind: SocketAddr::from((Ipv4Addr::LOCALHOST, DEFAULT_SIDE_CHANNEL_PORT)),
             data_bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
             key: KeySource::None,
-            max_data_connections: side_limits.max_peers + side_limits.max_unauthenticated,
+            max_data_connections: side_limits.max_peers * server::MAX_LINKS_PER_PEER,
             side_limits,
+            payload_tags: false,
         }
     }
 }
@@ -207,21 +251,34 @@ impl Default for TcpConfig {
 /// What the data path holds now and has refused: what a test of the bounds checks.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct DataStatus {
-    /// Incoming data connections open, authenticated or not.
+    /// Authenticated incoming data connections open.
     pub incoming: usize,
+    /// Incoming data connections still proving themselves, by stage (waiting for HELLO,
+    /// greeted, proven and waiting for the engine to take the peer in), indexed as
+    /// [`kv_core::side::admission::Stage::ALL`].
+    pub pending_by_stage: [usize; 3],
     /// Outgoing data connections open.
     pub outgoing: usize,
-    /// Incoming connections closed before they authenticated: over the bound, no HELLO in
-    /// time, a malformed HELLO, a wrong token, or an agent that is no established peer.
+    /// Incoming connections closed before they authenticated, or displaced: all causes.
     pub connections_refused: u64,
+    /// The same by cause, indexed as [`kv_core::RefusalCause::ALL`]: `overloaded` (displaced
+    /// by a newcomer of the same stage, or over a bound), `timeout` (no handshake within
+    /// `auth_timeout`), `unauthenticated` (a PROOF that does not verify), `malformed`,
+    /// `version`, `stale` (an incarnation older than the established one).
+    pub refused_by_cause: [u64; kv_core::RefusalCause::ALL.len()],
     /// Frames that broke the protocol (a kind not accepted there, a length outside its bound,
     /// a malformed body); each closed its connection.
     pub frames_refused: u64,
+    /// Frames whose tag was not the one the link's session makes next (forged, replayed,
+    /// reordered or altered), on either side of a link; each closed its connection.
+    pub frames_forged: u64,
     /// READ and WRITE ranges outside this transport's registrations, answered with an error
     /// and never touched.
     pub ranges_refused: u64,
     /// Received notifications and refusals dropped because `max_queued_events` waited already.
     pub events_dropped: u64,
+    /// Bytes of received notifications waiting for the engine.
+    pub queued_notification_bytes: usize,
     /// Data bytes this transport sent: its writes, and what it served to peers' reads.
     pub bytes_sent: u64,
     /// Data bytes this transport received: its reads, and peers' writes.

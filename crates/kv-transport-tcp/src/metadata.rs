@@ -2,14 +2,15 @@
 //! `agent_metadata`, which only a peer that proved the cluster key ever sees:
 //!
 //! ```text
-//! "KVTC" | version u8 = 1 | family u8 (4 or 6) | IP (4 or 16 bytes) | port u16
-//!        | token [32] | count u32 | count x (addr u64, len u64, kind u8)
+//! "KVTC" | version u8 = 2 | family u8 (4 or 6) | IP (4 or 16 bytes) | port u16
+//!        | count u32 | count x (addr u64, len u64, kind u8)
 //! ```
 //!
-//! Integers are little-endian. The address is where the data listener listens; the token is
-//! the capability a data connection must present in its HELLO; the table lists the sender's
-//! registered regions (kind 0: pageable host memory, 1: pinned host memory), so that a peer
-//! refuses a remote range outside them before it posts.
+//! Integers are little-endian. The address is where the data listener listens; the table lists
+//! the sender's registered regions (kind 0: pageable host memory, 1: pinned host memory), so
+//! that a peer refuses a remote range outside them before it posts. Version 1 also carried a
+//! capability token that data connections presented in clear; version 2 has none: a data
+//! connection proves the side-channel session it belongs to instead (see `frame`).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -18,11 +19,9 @@ use kv_core::MemoryKind;
 /// The first bytes of this transport's agent metadata.
 const MAGIC: &[u8; 4] = b"KVTC";
 /// The layout this module writes.
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 /// Bytes of one table entry.
 const ENTRY_BYTES: usize = 8 + 8 + 1;
-/// Bytes of the capability token.
-pub(crate) const TOKEN_BYTES: usize = 32;
 
 /// A registered range of memory, local or a peer's.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -50,14 +49,12 @@ impl Registration {
 pub(crate) struct PeerMetadata {
     /// Where its data listener listens.
     pub(crate) data: SocketAddr,
-    /// The token its data listener wants in HELLO.
-    pub(crate) token: [u8; TOKEN_BYTES],
     /// Its registered regions.
     pub(crate) memory: Vec<Registration>,
 }
 
 /// Encodes the metadata of a transport whose data listener is `data`.
-pub(crate) fn encode(data: SocketAddr, token: &[u8; TOKEN_BYTES], memory: &[Registration]) -> Vec<u8> {
+pub(crate) fn encode(data: SocketAddr, memory: &[Registration]) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + memory.len() * ENTRY_BYTES);
     out.extend_from_slice(MAGIC);
     out.push(VERSION);
@@ -72,7 +69,6 @@ pub(crate) fn encode(data: SocketAddr, token: &[u8; TOKEN_BYTES], memory: &[Regi
         }
     }
     out.extend_from_slice(&data.port().to_le_bytes());
-    out.extend_from_slice(token);
     out.extend_from_slice(&(memory.len() as u32).to_le_bytes());
     for r in memory {
         out.extend_from_slice(&r.addr.to_le_bytes());
@@ -125,8 +121,6 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<PeerMetadata, String> {
     };
     let port = take(&mut rest, 2, "port")?;
     let data = SocketAddr::new(ip, u16::from_le_bytes([port[0], port[1]]));
-    let mut token = [0u8; TOKEN_BYTES];
-    token.copy_from_slice(take(&mut rest, TOKEN_BYTES, "token")?);
     let count = take(&mut rest, 4, "registration count")?;
     let count = u32::from_le_bytes([count[0], count[1], count[2], count[3]]) as usize;
     if count.checked_mul(ENTRY_BYTES) != Some(rest.len()) {
@@ -141,7 +135,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<PeerMetadata, String> {
         };
         memory.push(Registration { addr: u64_at(entry, 0), len: u64_at(entry, 8), kind });
     }
-    Ok(PeerMetadata { data, token, memory })
+    Ok(PeerMetadata { data, memory })
 }
 
 #[cfg(test)]
@@ -157,26 +151,26 @@ mod tests {
         let memory = [reg(0x1000, 4096, MemoryKind::Host), reg(0x7f00_0000_0000, 1 << 30, MemoryKind::PinnedHost)];
         for data in ["127.0.0.1:4242", "[fe80::1]:7"] {
             let data: SocketAddr = data.parse().unwrap();
-            let bytes = encode(data, &[7; TOKEN_BYTES], &memory);
+            let bytes = encode(data, &memory);
             let decoded = decode(&bytes).unwrap();
-            assert_eq!(decoded, PeerMetadata { data, token: [7; TOKEN_BYTES], memory: memory.to_vec() });
+            assert_eq!(decoded, PeerMetadata { data, memory: memory.to_vec() });
         }
-        let empty = encode("10.0.0.1:1".parse().unwrap(), &[0; TOKEN_BYTES], &[]);
+        let empty = encode("10.0.0.1:1".parse().unwrap(), &[]);
         assert!(decode(&empty).unwrap().memory.is_empty());
     }
 
     #[test]
     fn bad_metadata_is_an_error_that_says_why() {
-        let good = encode("127.0.0.1:9".parse().unwrap(), &[1; TOKEN_BYTES], &[reg(0, 8, MemoryKind::Host)]);
+        let good = encode("127.0.0.1:9".parse().unwrap(), &[reg(0, 8, MemoryKind::Host)]);
         let check = |bytes: &[u8], expected: &str| {
             let err = decode(bytes).unwrap_err();
             assert!(err.contains(expected), "{err:?} does not say {expected:?}");
         };
         check(b"KVNX\x01", "is not kv-transport-tcp's");
         check(b"KVTC", "ends before its version");
-        check(b"KVTC\x02", "version 2, this side reads version 1");
-        check(b"KVTC\x01\x05", "address family 5");
-        check(b"KVTC\x01\x04\x7f\x00", "ends before its IPv4 address");
+        check(b"KVTC\x01", "version 1, this side reads version 2");
+        check(b"KVTC\x02\x05", "address family 5");
+        check(b"KVTC\x02\x04\x7f\x00", "ends before its IPv4 address");
         check(&good[..good.len() - 1], "lists 1 registrations in 16 bytes");
         let mut extra = good.clone();
         extra.push(0);

@@ -3,7 +3,8 @@
 //! notifications, the engine's waker and the counters.
 //!
 //! Lock order, where two are held at once: `transfers`, then a connection's queue, then the
-//! side channel's own lock; `peers`, then a connection's slot. No lock is held while a socket
+//! side channel's own lock; `inbox`, then the side channel's own lock; `peers`, then a
+//! connection's slot. No lock is held while a socket
 //! blocks, except a region's copy lock (see `memory`), and the waker is woken with no lock held.
 
 use std::collections::{HashMap, VecDeque};
@@ -15,16 +16,34 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kv_core::side::SideLimits;
-use kv_core::{AgentName, Notification, PeerEvent, TransferId, TransferOp, TransferStatus, TransportError};
+use kv_core::{
+    AgentName, Notification, PeerEvent, RefusalCause, TransferId, TransferOp, TransferStatus, TransportError,
+};
 use kv_side_tcp::SideChannel;
 
 use crate::memory::Registry;
-use crate::metadata::TOKEN_BYTES;
 use crate::DataStatus;
 
 /// How long a peer whose side channel closed may go on sending on its data connections
 /// before its loss is reported: what it sent before it closed is taken in first.
 pub(crate) const CLOSE_GRACE: Duration = Duration::from_millis(500);
+
+/// At most this many bytes of one peer's notifications wait for the engine: past it, the
+/// peer's data connection is not read until the engine takes some in, so TCP's flow control
+/// holds the peer back (a D renews and completes in notifications of a few hundred bytes to
+/// 64 KiB, which its engine takes in as they come).
+pub const MAX_QUEUED_NOTIFICATION_BYTES_PER_PEER: usize = 4 << 20;
+/// At most this many bytes of all peers' notifications wait for the engine, likewise.
+pub const MAX_QUEUED_NOTIFICATION_BYTES: usize = 16 << 20;
+
+/// What the data connections took in for the engine, and the bytes of notifications in it.
+#[derive(Default)]
+struct Inbox {
+    events: VecDeque<PeerEvent>,
+    /// Bytes of queued notifications, by peer (no entry at zero).
+    bytes: HashMap<AgentName, usize>,
+    total: usize,
+}
 
 /// Locks a mutex, taking over the data of a thread that panicked while holding it.
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -126,8 +145,10 @@ pub(crate) struct Established {
     pub(crate) incoming: usize,
 }
 
-/// An accepted data connection's socket and thread.
+/// An authenticated data connection's socket and serving thread.
 pub(crate) struct Incoming {
+    /// Whose session it proved: agent and incarnation.
+    pub(crate) peer: (AgentName, u64),
     pub(crate) stream: Arc<TcpStream>,
     pub(crate) thread: JoinHandle<()>,
 }
@@ -136,9 +157,11 @@ pub(crate) struct Incoming {
 #[derive(Default)]
 pub(crate) struct Counters {
     pub(crate) incoming_open: AtomicUsize,
+    pub(crate) pending: [AtomicUsize; 3],
     pub(crate) outgoing_open: AtomicUsize,
-    pub(crate) connections_refused: AtomicU64,
+    pub(crate) refused: [AtomicU64; RefusalCause::ALL.len()],
     pub(crate) frames_refused: AtomicU64,
+    pub(crate) frames_forged: AtomicU64,
     pub(crate) ranges_refused: AtomicU64,
     pub(crate) events_dropped: AtomicU64,
     pub(crate) bytes_sent: AtomicU64,
@@ -155,34 +178,45 @@ impl Counters {
 pub(crate) struct Shared {
     pub(crate) side: SideChannel,
     pub(crate) registry: Registry,
-    pub(crate) token: [u8; TOKEN_BYTES],
     pub(crate) limits: SideLimits,
+    /// Authenticated incoming data connections held at once.
     pub(crate) max_incoming: usize,
+    /// Whether this transport asks peers to tag the payloads they send it.
+    pub(crate) payload_tags: bool,
     stop: AtomicBool,
     pub(crate) peers: Mutex<HashMap<AgentName, Established>>,
-    pub(crate) peers_changed: Condvar,
+    peers_changed: Condvar,
+    /// Bumped whenever `peers` changes, for the data listener's pending connections, which
+    /// wait on the listener's runtime rather than block a thread.
+    peers_version: tokio::sync::watch::Sender<u64>,
     pub(crate) transfers: Mutex<HashMap<TransferId, Flight>>,
-    inbox: Mutex<VecDeque<PeerEvent>>,
+    inbox: Mutex<Inbox>,
+    /// Signalled when the engine takes the inbox in: connections waiting for room go on.
+    inbox_room: Condvar,
     waker: Mutex<Option<Waker>>,
     pub(crate) incoming: Mutex<HashMap<u64, Incoming>>,
+    next_incoming: AtomicU64,
     pub(crate) counters: Counters,
 }
 
 impl Shared {
-    pub(crate) fn new(side: SideChannel, token: [u8; TOKEN_BYTES], limits: SideLimits, max_incoming: usize) -> Self {
+    pub(crate) fn new(side: SideChannel, limits: SideLimits, max_incoming: usize, payload_tags: bool) -> Self {
         Shared {
             side,
             registry: Registry::default(),
-            token,
             limits,
             max_incoming,
+            payload_tags,
             stop: AtomicBool::new(false),
             peers: Mutex::new(HashMap::new()),
             peers_changed: Condvar::new(),
+            peers_version: tokio::sync::watch::Sender::new(0),
             transfers: Mutex::new(HashMap::new()),
-            inbox: Mutex::new(VecDeque::new()),
+            inbox: Mutex::new(Inbox::default()),
+            inbox_room: Condvar::new(),
             waker: Mutex::new(None),
             incoming: Mutex::new(HashMap::new()),
+            next_incoming: AtomicU64::new(0),
             counters: Counters::default(),
         }
     }
@@ -190,7 +224,18 @@ impl Shared {
     /// Wakes every thread waiting for the established peers to change.
     pub(crate) fn peers_changed_notify(&self) {
         let _peers = lock(&self.peers);
+        self.peers_changed_locked();
+    }
+
+    /// As [`Shared::peers_changed_notify`], for a caller that holds the `peers` lock.
+    pub(crate) fn peers_changed_locked(&self) {
         self.peers_changed.notify_all();
+        self.peers_version.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// A receiver that sees every change of `peers` from now on.
+    pub(crate) fn watch_peers(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.peers_version.subscribe()
     }
 
     /// Waits up to [`CLOSE_GRACE`] for `agent` at `incarnation` to be seen gone (its side
@@ -235,7 +280,7 @@ impl Shared {
 
     /// Whether something waits for the engine: a received event, or a settled transfer.
     pub(crate) fn has_ready(&self) -> bool {
-        !lock(&self.inbox).is_empty() || lock(&self.transfers).values().any(|f| f.outcome.is_some())
+        !lock(&self.inbox).events.is_empty() || lock(&self.transfers).values().any(|f| f.outcome.is_some())
     }
 
     /// Queues an event from a data connection, or counts it dropped when the queue holds
@@ -243,35 +288,70 @@ impl Shared {
     pub(crate) fn queue_event(&self, event: PeerEvent) {
         {
             let mut inbox = lock(&self.inbox);
-            if inbox.len() >= self.limits.max_queued_events {
+            if inbox.events.len() >= self.limits.max_queued_events {
                 Counters::add(&self.counters.events_dropped, 1);
                 tracing::warn!(bound = self.limits.max_queued_events, "data-path event queue full; event dropped");
                 return;
             }
-            inbox.push_back(event);
+            inbox.events.push_back(event);
         }
         self.wake();
     }
 
     /// Opens a sealed notification that a data connection authenticated as `from` carried,
-    /// and queues it, or its refusal when it does not open.
-    pub(crate) fn deliver(&self, from: &AgentName, sealed: &[u8]) {
+    /// and queues it, or its refusal when it does not open. Past the bounds on queued
+    /// notification bytes it first waits for the engine to take some in (the connection is not
+    /// read meanwhile, which holds the peer back), for as long as `go_on` says; a connection
+    /// that ends meanwhile leaves its notification undelivered.
+    pub(crate) fn deliver(&self, from: &AgentName, sealed: &[u8], go_on: &dyn Fn() -> bool) {
+        let len = sealed.len();
+        let mut inbox = lock(&self.inbox);
+        loop {
+            let queued = inbox.bytes.get(from).copied().unwrap_or(0);
+            // One notification always fits an empty queue, whatever its size.
+            let peer_fits = queued == 0 || queued + len <= MAX_QUEUED_NOTIFICATION_BYTES_PER_PEER;
+            let all_fit = inbox.total == 0 || inbox.total + len <= MAX_QUEUED_NOTIFICATION_BYTES;
+            if peer_fits && all_fit {
+                break;
+            }
+            if !go_on() {
+                return;
+            }
+            inbox = self.inbox_room.wait_timeout(inbox, crate::frame::TICK).unwrap_or_else(|e| e.into_inner()).0;
+        }
         let event = match self.side.open(from, sealed) {
             Ok(payload) => PeerEvent::Notification(Notification { from: from.clone(), payload }),
             Err(e) => PeerEvent::Refused { peer: Some(from.clone()), cause: e.cause(), reason: e.to_string() },
         };
-        self.queue_event(event);
+        if inbox.events.len() >= self.limits.max_queued_events {
+            Counters::add(&self.counters.events_dropped, 1);
+            tracing::warn!(bound = self.limits.max_queued_events, "data-path event queue full; event dropped");
+            return;
+        }
+        if matches!(event, PeerEvent::Notification(_)) {
+            *inbox.bytes.entry(from.clone()).or_default() += len;
+            inbox.total += len;
+        }
+        inbox.events.push_back(event);
+        drop(inbox);
+        self.wake();
     }
 
-    /// Every event the data connections queued, oldest first.
+    /// Every event the data connections queued, oldest first; connections waiting for room go on.
     pub(crate) fn take_inbox(&self) -> VecDeque<PeerEvent> {
-        std::mem::take(&mut *lock(&self.inbox))
+        let mut inbox = lock(&self.inbox);
+        let events = std::mem::take(&mut inbox.events);
+        inbox.bytes.clear();
+        inbox.total = 0;
+        drop(inbox);
+        self.inbox_room.notify_all();
+        events
     }
 
-    /// Counts an incoming connection closed before it authenticated.
-    pub(crate) fn refuse_connection(&self, reason: &str) {
-        Counters::add(&self.counters.connections_refused, 1);
-        tracing::debug!(reason, "data connection refused");
+    /// Counts an incoming connection closed before it authenticated (or displaced), by cause.
+    pub(crate) fn refuse_connection(&self, cause: RefusalCause, reason: &str) {
+        Counters::add(&self.counters.refused[cause.index()], 1);
+        tracing::debug!(cause = cause.as_str(), reason, "data connection refused");
     }
 
     /// Whether a data connection of `agent` at `incarnation` may go on: the transport runs,
@@ -457,6 +537,11 @@ impl Shared {
         }
     }
 
+    /// A fresh id for an authenticated incoming connection; later ones have larger ids.
+    pub(crate) fn next_incoming(&self) -> u64 {
+        self.next_incoming.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
     /// Joins the threads of incoming connections that ended, closing their sockets.
     pub(crate) fn reap_incoming(&self) {
         let done: Vec<Incoming> = {
@@ -472,13 +557,18 @@ impl Shared {
     /// What the data path holds and has refused.
     pub(crate) fn status(&self) -> DataStatus {
         let c = &self.counters;
+        let refused_by_cause = std::array::from_fn(|i| c.refused[i].load(Ordering::Relaxed));
         DataStatus {
             incoming: c.incoming_open.load(Ordering::Relaxed),
+            pending_by_stage: std::array::from_fn(|i| c.pending[i].load(Ordering::Relaxed)),
             outgoing: c.outgoing_open.load(Ordering::Relaxed),
-            connections_refused: c.connections_refused.load(Ordering::Relaxed),
+            connections_refused: refused_by_cause.iter().sum(),
+            refused_by_cause,
             frames_refused: c.frames_refused.load(Ordering::Relaxed),
+            frames_forged: c.frames_forged.load(Ordering::Relaxed),
             ranges_refused: c.ranges_refused.load(Ordering::Relaxed),
             events_dropped: c.events_dropped.load(Ordering::Relaxed),
+            queued_notification_bytes: lock(&self.inbox).total,
             bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
             bytes_received: c.bytes_received.load(Ordering::Relaxed),
         }

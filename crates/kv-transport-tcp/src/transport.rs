@@ -1,11 +1,11 @@
 //! [`TcpTransport`]: kv-core's [`Transport`] over TCP sockets, for one TP rank.
 
 use std::collections::{HashMap, VecDeque};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::task::Waker;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kv_core::side::{ConnId, SideEvent};
 use kv_core::wire::MAX_MESSAGE_BYTES;
@@ -17,9 +17,36 @@ use kv_core::{
 use kv_side_tcp::{Item, SideChannel, SideStatus};
 
 use crate::client::{Job, OutConn, Target};
-use crate::metadata::{self, PeerMetadata, TOKEN_BYTES};
+use crate::metadata::{self, PeerMetadata};
+use crate::server::Listener;
 use crate::shared::{lock, Established, Flight, Pair, Shared, CLOSE_GRACE};
-use crate::{server, DataStatus, TcpConfig, TcpError};
+use crate::{DataStatus, TcpConfig, TcpError};
+
+/// Reads a [`TcpTransport`]'s side-channel and data-path status from any thread (see
+/// [`TcpTransport::status_probe`]); it keeps the transport's shared state, not its threads.
+#[derive(Clone)]
+pub struct TcpProbe {
+    side: kv_side_tcp::SideProbe,
+    data: Arc<Shared>,
+}
+
+impl std::fmt::Debug for TcpProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpProbe").finish_non_exhaustive()
+    }
+}
+
+impl TcpProbe {
+    /// What the side channel holds and refused.
+    pub fn side(&self) -> SideStatus {
+        self.side.status()
+    }
+
+    /// What the data path holds and refused.
+    pub fn data(&self) -> DataStatus {
+        self.data.status()
+    }
+}
 
 /// A connected peer: its side-channel connection, what its metadata says, and the data
 /// connection that carries what this agent sends it.
@@ -38,7 +65,7 @@ pub struct TcpTransport {
     incarnation: u64,
     shared: Arc<Shared>,
     data_addr: SocketAddr,
-    accept: Option<JoinHandle<()>>,
+    listener: Option<Listener>,
     peers: HashMap<AgentName, Peer>,
     /// Each prepared list's `(address, length)` ranges.
     prepared: PreparedLists<Vec<(u64, u64)>>,
@@ -85,8 +112,8 @@ fn check_config(config: &TcpConfig, key: &kv_core::side::ClusterKey) -> Result<(
 
 impl TcpTransport {
     /// Starts the data listener and the side channel of the rank that `offer` describes; the
-    /// listener's address, its token and the (empty) registration table become the offer's
-    /// agent metadata.
+    /// listener's address and the (empty) registration table become the offer's agent
+    /// metadata.
     ///
     /// Safe to call, use and drop inside or outside a tokio runtime: the sockets run on
     /// threads of their own, which `Drop` stops and joins.
@@ -95,26 +122,21 @@ impl TcpTransport {
         check_config(config, &key)?;
         let name = AgentName::new(offer.engine.clone(), offer.rank);
         let bind = SocketAddr::new(config.data_bind, 0);
-        let listener = TcpListener::bind(bind).map_err(|e| TcpError::Listen { addr: bind, reason: e.to_string() })?;
+        let listener = kv_side_tcp::listen(bind).map_err(|e| TcpError::Listen { addr: bind, reason: e.to_string() })?;
         let data_addr = listener.local_addr().map_err(|e| TcpError::Listen { addr: bind, reason: e.to_string() })?;
-        let mut token = [0u8; TOKEN_BYTES];
-        getrandom::fill(&mut token).map_err(|e| TcpError::Start(format!("no randomness for the data token: {e}")))?;
-        offer.agent_metadata = metadata::encode(data_addr, &token, &[]);
+        offer.agent_metadata = metadata::encode(data_addr, &[]);
         let incarnation = offer.instance;
         let side = SideChannel::start(config.bind, key, config.side_limits.clone(), offer, clock)?;
-        let shared = Arc::new(Shared::new(side, token, config.side_limits.clone(), config.max_data_connections));
-        let serving = shared.clone();
-        let accept = std::thread::Builder::new()
-            .name("kvflow-tcp-accept".into())
-            .spawn(move || server::accept_loop(&serving, &listener))
-            .map_err(|e| TcpError::Start(format!("data listener thread: {e}")))?;
+        let limits = config.side_limits.clone();
+        let shared = Arc::new(Shared::new(side, limits, config.max_data_connections, config.payload_tags));
+        let listener = Listener::start(shared.clone(), listener)?;
         tracing::debug!(agent = %name, %data_addr, side = %shared.side.local_addr(), "TCP transport listening");
         Ok(TcpTransport {
             name,
             incarnation,
             shared,
             data_addr,
-            accept: Some(accept),
+            listener: Some(listener),
             peers: HashMap::new(),
             prepared: PreparedLists::default(),
             events: VecDeque::new(),
@@ -145,10 +167,15 @@ impl TcpTransport {
         self.shared.status()
     }
 
+    /// A handle that reads both statuses from another thread (an engine's metrics endpoint).
+    pub fn status_probe(&self) -> TcpProbe {
+        TcpProbe { side: self.shared.side.status_probe(), data: self.shared.clone() }
+    }
+
     /// Hands the side channel the metadata peers handshaking from now on learn.
     fn publish_metadata(&self) -> Result<(), TransportError> {
         let mut offer = self.shared.side.offer();
-        offer.agent_metadata = metadata::encode(self.data_addr, &self.shared.token, &self.shared.registry.table());
+        offer.agent_metadata = metadata::encode(self.data_addr, &self.shared.registry.table());
         self.shared.side.set_offer(offer)
     }
 
@@ -164,7 +191,7 @@ impl TcpTransport {
             peer: peer.clone(),
             peer_incarnation: incarnation,
             addr: meta.data,
-            token: meta.token,
+            payload_tags: self.shared.payload_tags,
             me: self.name.clone(),
             incarnation: self.incarnation,
         };
@@ -193,7 +220,7 @@ impl TcpTransport {
                             lock(&self.shared.peers).get_mut(&agent).filter(|e| e.incarnation == incarnation)
                         {
                             e.closing_since.get_or_insert(now);
-                            self.shared.peers_changed.notify_all();
+                            self.shared.peers_changed_locked();
                         }
                         self.closing.push((conn, agent, incarnation, now));
                     }
@@ -213,7 +240,7 @@ impl TcpTransport {
                         let mut peers = lock(&self.shared.peers);
                         if peers.get(&agent).is_some_and(|e| e.incarnation == instance) {
                             peers.remove(&agent);
-                            self.shared.peers_changed.notify_all();
+                            self.shared.peers_changed_locked();
                         }
                         drop(peers);
                         if let Some(peer) = self.peers.remove(&agent) {
@@ -264,7 +291,7 @@ impl TcpTransport {
                 }
                 let mut peers = lock(&self.shared.peers);
                 peers.insert(agent, Established { incarnation, closing_since: None, incoming: 0 });
-                self.shared.peers_changed.notify_all();
+                self.shared.peers_changed_locked();
                 drop(peers);
                 self.events.push_back(PeerEvent::Connected(info));
             }
@@ -485,16 +512,8 @@ impl Drop for TcpTransport {
         for thread in self.retired.drain(..) {
             let _ = thread.join();
         }
-        if let Some(accept) = self.accept.take() {
-            // The accept thread blocks in accept(): a connection of our own wakes it to stop.
-            match TcpStream::connect_timeout(&self.data_addr, Duration::from_secs(1)) {
-                Ok(_) => {
-                    let _ = accept.join();
-                }
-                // It stays blocked holding only the listener; it spawns nothing once stopping.
-                Err(e) => tracing::warn!(error = %e, "cannot wake the data listener thread; left to end on its own"),
-            }
-        }
+        // Stops accepting and ends every pending handshake; no new serving thread starts after.
+        drop(self.listener.take());
         let incoming: Vec<_> = lock(&self.shared.incoming).drain().map(|(_, c)| c).collect();
         for conn in &incoming {
             let _ = conn.stream.shutdown(std::net::Shutdown::Both);

@@ -9,8 +9,9 @@ use std::sync::Arc;
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
+use kv_core::side::{ClusterKey, ConnId, FrameTags, LinkRole, SideConfig, SideEndpoint, SideEvent};
 use kv_core::{
-    AgentName, Clock, EngineId, Handshake, KvLayout, MemoryKind, PeerAddress, PeerEvent, Region, RegionId, Role,
+    AgentName, Clock, EngineId, Handshake, KvLayout, MemoryKind, PeerAddress, PeerEvent, Region, RegionId, Role, Time,
     TransferId, TransferStatus, Transport,
 };
 use kv_transport_tcp::{TcpConfig, TcpTransport};
@@ -181,15 +182,13 @@ impl Flag {
     }
 }
 
-/// The data address and token in a peer's agent metadata, read by hand from the layout
-/// the crate documents: "KVTC" | version | family | IP | port u16 | token [32] | ...
-pub fn data_capability(metadata: &[u8]) -> (SocketAddr, [u8; 32]) {
-    assert_eq!(&metadata[..6], b"KVTC\x01\x04", "an IPv4 data address");
+/// The data address in a peer's agent metadata, read by hand from the layout the crate
+/// documents: "KVTC" | version | family | IP | port u16 | ...
+pub fn data_address(metadata: &[u8]) -> SocketAddr {
+    assert_eq!(&metadata[..6], b"KVTC\x02\x04", "an IPv4 data address");
     let ip = std::net::Ipv4Addr::new(metadata[6], metadata[7], metadata[8], metadata[9]);
     let port = u16::from_le_bytes([metadata[10], metadata[11]]);
-    let mut token = [0u8; 32];
-    token.copy_from_slice(&metadata[12..44]);
-    (SocketAddr::from((ip, port)), token)
+    SocketAddr::from((ip, port))
 }
 
 /// A frame: kind, little-endian length, body.
@@ -201,9 +200,10 @@ pub fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
 }
 
 /// HELLO as the crate docs lay it out.
-pub fn hello(token: &[u8; 32], engine: &str, rank: u32, incarnation: u64) -> Vec<u8> {
-    let mut body = b"KVTD\x01".to_vec();
-    body.extend_from_slice(token);
+pub fn hello(engine: &str, rank: u32, incarnation: u64, nonce: [u8; 32], flags: u8) -> Vec<u8> {
+    let mut body = b"KVTD\x02".to_vec();
+    body.push(flags);
+    body.extend_from_slice(&nonce);
     body.extend_from_slice(&incarnation.to_le_bytes());
     body.extend_from_slice(&rank.to_le_bytes());
     body.extend_from_slice(engine.as_bytes());
@@ -229,11 +229,131 @@ pub fn closed_by_peer(stream: &mut TcpStream) -> bool {
     }
 }
 
-/// Reads one frame: kind and body.
+/// Reads one untagged frame: kind and body.
 pub fn read_frame(stream: &mut TcpStream) -> (u8, Vec<u8>) {
     let mut head = [0u8; 5];
     stream.read_exact(&mut head).unwrap();
     let mut body = vec![0u8; u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize];
     stream.read_exact(&mut body).unwrap();
     (head[0], body)
+}
+
+/// A key holder written from the documents alone: kv-core's side-channel endpoint over a plain
+/// socket as decode agent `engine`, then data links it builds frame by frame.
+pub struct RawPeer {
+    pub side: SideEndpoint,
+    /// The P agent it handshook with, and P's offer.
+    pub p: AgentName,
+    pub p_offer: Handshake,
+    /// Its side-channel socket, kept open: its close is the peer's loss.
+    pub socket: TcpStream,
+}
+
+impl RawPeer {
+    /// Handshakes with the side channel at `addr` under the zero key the tests' transports use.
+    pub fn handshake(addr: SocketAddr, engine: &str, incarnation: u64) -> RawPeer {
+        // Metadata as the crate lays it out: a data address where nothing listens, no regions.
+        let mut my_offer = offer(engine, Role::Decode, incarnation);
+        my_offer.agent_metadata = b"KVTC\x02\x04\x7f\x00\x00\x01\x09\x00\x00\x00\x00\x00".to_vec();
+        let mut side = SideEndpoint::new(SideConfig::new(ClusterKey::none()), my_offer).unwrap();
+        let mut socket = TcpStream::connect(addr).unwrap();
+        socket.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        side.handle_connect(Time::ZERO, ConnId(1), PeerAddress(addr.to_string()), [incarnation as u8; 32]);
+        let mut buf = [0u8; 64 * 1024];
+        loop {
+            while let Some(t) = side.poll_transmit() {
+                socket.write_all(&t.bytes).unwrap();
+            }
+            match side.poll_event() {
+                Some(SideEvent::Connected { info, .. }) => {
+                    return RawPeer { side, p: info.agent.clone(), p_offer: info.handshake, socket };
+                }
+                Some(other) => panic!("the raw peer's handshake failed: {other:?}"),
+                None => {}
+            }
+            let n = socket.read(&mut buf).unwrap();
+            assert!(n > 0, "P closed the side channel");
+            side.handle_bytes(Time::ZERO, ConnId(1), &buf[..n]);
+        }
+    }
+
+    /// Opens a data link to P's listener: HELLO, P's CHALLENGE (checked), PROOF.
+    pub fn link(&self, payload_tags: bool) -> RawLink {
+        let secret = self.side.link_secret(&self.p, "kvflow-tcp-data-v2").expect("a session with P");
+        let me = self.side.offer();
+        let nonce_c = [0x5a; 32];
+        let mut transcript = hello(me.engine.as_str(), me.rank, me.instance, nonce_c, u8::from(payload_tags));
+        let mut stream = raw(data_address(&self.p_offer.agent_metadata), &transcript);
+        let (kind, body) = read_frame(&mut stream);
+        assert_eq!(kind, 0x84, "P answers HELLO with CHALLENGE");
+        let (nonce_l, mac_l) = (body[..32].try_into().unwrap(), &body[33..]);
+        transcript.extend_from_slice(&frame(kind, &body)[..5 + 33]);
+        assert!(secret.verify_listener_mac(&transcript, mac_l), "P proved the session");
+        stream.write_all(&frame(0x06, &secret.connector_mac(&transcript, mac_l))).unwrap();
+        let (out, incoming) = secret.frame_tags(LinkRole::Connector, &nonce_c, &nonce_l, &transcript);
+        RawLink { stream, out, incoming, tagged_writes: body[32] & 1 == 1, tagged_data: payload_tags }
+    }
+}
+
+/// An authenticated data link, frames built by hand.
+pub struct RawLink {
+    pub stream: TcpStream,
+    pub out: FrameTags,
+    pub incoming: FrameTags,
+    /// P asked for WRITE payloads to be tagged.
+    pub tagged_writes: bool,
+    /// This side asked for DATA payloads to be tagged.
+    pub tagged_data: bool,
+}
+
+impl RawLink {
+    /// Sends a frame whose body is all control, with its tag.
+    pub fn send(&mut self, kind: u8, body: &[u8]) {
+        let mut bytes = frame(kind, body);
+        let tag = self.out.tag(&bytes);
+        bytes.extend_from_slice(&tag);
+        self.stream.write_all(&bytes).unwrap();
+    }
+
+    /// Sends a WRITE chunk: transfer, pair, P's address, then the data (tagged if P asked).
+    pub fn write_chunk(&mut self, transfer: u64, pair: u32, addr: u64, data: &[u8]) {
+        let mut head = vec![0x03];
+        head.extend_from_slice(&((20 + data.len()) as u32).to_le_bytes());
+        head.extend_from_slice(&transfer.to_le_bytes());
+        head.extend_from_slice(&pair.to_le_bytes());
+        head.extend_from_slice(&addr.to_le_bytes());
+        let tag = self.out.tag(&head);
+        head.extend_from_slice(&tag);
+        head.extend_from_slice(data);
+        if self.tagged_writes {
+            let tag = self.out.tag(data);
+            head.extend_from_slice(&tag);
+        }
+        self.stream.write_all(&head).unwrap();
+    }
+
+    /// Reads one frame and checks its tag (and DATA's payload tag if asked for): kind and body.
+    pub fn recv(&mut self) -> (u8, Vec<u8>) {
+        let mut head = [0u8; 5];
+        self.stream.read_exact(&mut head).unwrap();
+        let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
+        let control = if head[0] == 0x81 { 20 } else { len };
+        let mut covered = head.to_vec();
+        covered.resize(5 + control, 0);
+        self.stream.read_exact(&mut covered[5..]).unwrap();
+        let mut tag = [0u8; 16];
+        self.stream.read_exact(&mut tag).unwrap();
+        assert!(self.incoming.verify(&covered, &tag), "P's frame carries the link's next tag");
+        let mut body = covered.split_off(5);
+        if control < len {
+            let mut data = vec![0u8; len - control];
+            self.stream.read_exact(&mut data).unwrap();
+            if self.tagged_data {
+                self.stream.read_exact(&mut tag).unwrap();
+                assert!(self.incoming.verify(&data, &tag), "DATA's bytes carry their tag");
+            }
+            body.extend_from_slice(&data);
+        }
+        (head[0], body)
+    }
 }
