@@ -29,6 +29,13 @@
 //! ```
 //! Anything else that should wake the engine (its own input) unparks the thread too; a
 //! spurious wake-up costs one step that finds nothing to do.
+//!
+//! A step feeds the machine at most [`MAX_EVENTS_PER_STEP`] of the transport's events and
+//! carries out what they asked for before it returns; the rest wait for the next step, which
+//! [`WorkerDriver::wait_time`] and [`WorkerDriver::poll_timeout`] then say is due at once. So a
+//! peer that floods the transport (a key holder's heartbeats naming ids by the million) can
+//! neither grow the machine's pending actions without bound nor keep the engine's thread in one
+//! step, away from its scheduler's commands.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -45,6 +52,21 @@ use crate::common::{Action, Counters, XferToken};
 use crate::decode::{DecodeReport, DecodeWorker};
 use crate::metrics::{InFlight, WorkerMetrics};
 use crate::prefill::{PrefillReport, PrefillWorker};
+
+/// At most this many of the transport's events (peer events and notifications) are fed to the
+/// machine in one [`WorkerDriver::step`], and between the actions carried out in
+/// [`WorkerDriver::engine_lost`]: the machine's pending actions are then the effects of at most
+/// this many inputs (a notification is at most 64 KiB, and a heartbeat's acknowledgement about
+/// as big, so about 8 MiB at worst). Before this bound, a key holder's heartbeat flood (250
+/// distinct 240-byte ids a heartbeat, about 16 MB/s) kept a P rank in one step for as long as
+/// it lasted, and every acknowledgement waited in the machine, none of them ever sent: P grew
+/// by 907 MiB in 30 s.
+pub const MAX_EVENTS_PER_STEP: usize = 64;
+
+/// At most this many batches of [`MAX_EVENTS_PER_STEP`] events are taken in before a loss
+/// that discovery reports ([`WorkerDriver::engine_lost`]): far more than an engine queues
+/// between two steps, and a bound for a flood that never lets the queue run dry.
+const MAX_BATCHES_BEFORE_LOSS: usize = 256;
 
 /// A worker machine the driver can run: P's or D's.
 pub trait WorkerMachine {
@@ -142,6 +164,9 @@ pub struct WorkerDriver<M> {
     /// The bytes of each transfer posted, for its metrics.
     sizes: TransferSizes,
     metrics: WorkerMetrics,
+    /// The last step stopped at [`MAX_EVENTS_PER_STEP`] events, at this time: the transport
+    /// may hold more, so the next step is due at once.
+    backlog: Option<Time>,
 }
 
 impl<M: WorkerMachine> WorkerDriver<M> {
@@ -151,7 +176,14 @@ impl<M: WorkerMachine> WorkerDriver<M> {
         machine.use_descriptors(transport.descriptors());
         let agent = transport.agent();
         let metrics = WorkerMetrics::new(&agent.engine, agent.rank);
-        WorkerDriver { machine, transport, in_flight: BTreeMap::new(), sizes: TransferSizes::default(), metrics }
+        WorkerDriver {
+            machine,
+            transport,
+            in_flight: BTreeMap::new(),
+            sizes: TransferSizes::default(),
+            metrics,
+            backlog: None,
+        }
     }
 
     /// The machine, for commands from its scheduler (call [`WorkerDriver::flush`] after).
@@ -169,14 +201,15 @@ impl<M: WorkerMachine> WorkerDriver<M> {
         self.transport.as_mut()
     }
 
-    /// Feeds the machine everything the transport has, wakes it, and carries out its actions;
-    /// returns its reports for the scheduler.
+    /// Feeds the machine what the transport has (at most [`MAX_EVENTS_PER_STEP`] events),
+    /// wakes it, and carries out its actions; returns its reports for the scheduler.
     pub fn step(&mut self, now: Time) -> Vec<M::Report> {
         // Every event of this step carries the rank's engine and TP rank.
         let agent = self.transport.agent();
         let span = tracing::debug_span!("step", engine = %agent.engine, rank = agent.rank);
         let _entered = span.enter();
-        self.take_events(now);
+        let more = self.take_events(now, MAX_EVENTS_PER_STEP);
+        self.backlog = more.then_some(now);
         let ids: Vec<TransferId> = self.in_flight.keys().copied().collect();
         for id in ids {
             match self.transport.poll_transfer(id) {
@@ -203,12 +236,15 @@ impl<M: WorkerMachine> WorkerDriver<M> {
         self.flush(now)
     }
 
-    /// Feeds the machine the transport's events: one ordered stream, in which a lost peer's
-    /// notifications come before its loss.
-    fn take_events(&mut self, now: Time) {
-        while let Some(event) = self.transport.poll_event() {
+    /// Feeds the machine up to `limit` of the transport's events: one ordered stream, in which
+    /// a lost peer's notifications come before its loss. Whether it stopped at the limit (the
+    /// transport may hold more).
+    fn take_events(&mut self, now: Time, limit: usize) -> bool {
+        for _ in 0..limit {
+            let Some(event) = self.transport.poll_event() else { return false };
             self.machine.handle_peer_event(now, event);
         }
+        true
     }
 
     /// Discovery says incarnation `instance` of `engine`, and every older one, is gone (its
@@ -219,9 +255,24 @@ impl<M: WorkerMachine> WorkerDriver<M> {
         let span =
             tracing::debug_span!("engine_lost", engine = %agent.engine, rank = agent.rank, lost = %engine, instance);
         let _entered = span.enter();
-        self.take_events(now);
+        // What was queued before the loss, a batch at a time, each batch's actions carried out
+        // before the next, so that they never pile up in the machine; at most
+        // `MAX_BATCHES_BEFORE_LOSS` batches, so that a peer flooding the transport cannot keep
+        // the rank from the loss (what it sent after that comes after the loss, and is taken as
+        // from a peer gone: counted and ignored).
+        let mut reports = Vec::new();
+        let mut more = true;
+        for _ in 0..MAX_BATCHES_BEFORE_LOSS {
+            more = self.take_events(now, MAX_EVENTS_PER_STEP);
+            reports.extend(self.carry_out(now));
+            if !more {
+                break;
+            }
+        }
+        self.backlog = more.then_some(now);
         self.machine.handle_engine_lost(now, engine, instance);
-        self.flush(now)
+        reports.extend(self.flush(now));
+        reports
     }
 
     /// Carries out the machine's pending actions; returns its reports.
@@ -229,6 +280,13 @@ impl<M: WorkerMachine> WorkerDriver<M> {
         let agent = self.transport.agent();
         let span = tracing::debug_span!("flush", engine = %agent.engine, rank = agent.rank);
         let _entered = span.enter();
+        let reports = self.carry_out(now);
+        self.metrics.update(&self.machine.counters(), self.machine.connected_peers());
+        reports
+    }
+
+    /// Carries out the machine's pending actions, in order; returns its reports.
+    fn carry_out(&mut self, now: Time) -> Vec<M::Report> {
         let mut reports = Vec::new();
         while let Some(action) = self.machine.poll_action() {
             match action {
@@ -264,7 +322,6 @@ impl<M: WorkerMachine> WorkerDriver<M> {
                 Action::Report(report) => reports.push(report),
             }
         }
-        self.metrics.update(&self.machine.counters(), self.machine.connected_peers());
         reports
     }
 
@@ -284,8 +341,13 @@ impl<M: WorkerMachine> WorkerDriver<M> {
     }
 
     /// When the machine next wants a [`WorkerDriver::step`]; transport activity may come sooner.
+    /// After a step that left events in the transport ([`MAX_EVENTS_PER_STEP`]), that step's time.
     pub fn poll_timeout(&mut self) -> Option<Time> {
-        self.machine.poll_timeout()
+        let machine = self.machine.poll_timeout();
+        match self.backlog {
+            Some(at) => Some(machine.map_or(at, |t| t.min(at))),
+            None => machine,
+        }
     }
 
     /// Hands the transport the waker that ends an engine's wait when the transport's own
@@ -297,13 +359,23 @@ impl<M: WorkerMachine> WorkerDriver<M> {
     /// How long the engine may wait from `now` before its next [`WorkerDriver::step`]: until
     /// the machine's next deadline, and no longer than the transport's poll interval while
     /// transfers are in flight or the machine awaits a peer; `None` when nothing is due and
-    /// only the waker (or the engine's own input) can bring work.
+    /// only the waker (or the engine's own input) can bring work. Zero after a step that left
+    /// events in the transport ([`MAX_EVENTS_PER_STEP`]).
     pub fn wait_time(&mut self, now: Time) -> Option<Duration> {
+        if self.backlog.is_some() {
+            return Some(Duration::ZERO);
+        }
         let intervals = self.transport.poll_intervals();
         let deadline = self.machine.poll_timeout().map(|at| at.saturating_since(now));
         let transfers = if self.in_flight.is_empty() { None } else { intervals.transfers };
         let peers = if self.machine.awaits_peers() { intervals.notifications } else { None };
         [deadline, transfers, peers].into_iter().flatten().min()
+    }
+
+    /// Whether the last step stopped at [`MAX_EVENTS_PER_STEP`] events, so that the transport
+    /// may hold more and the next step is due at once.
+    pub fn backlogged(&self) -> bool {
+        self.backlog.is_some()
     }
 
     /// Transfers posted and not yet ended.

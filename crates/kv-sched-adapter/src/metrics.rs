@@ -52,7 +52,8 @@ pub const LOADS: &str = "kvflow_loads_total";
 pub const KV_READY_LATENCY: &str = "kvflow_kv_ready_latency_seconds";
 /// Messages counted and dropped, by cause.
 pub const IGNORED: &str = "kvflow_ignored_messages_total";
-/// Handshakes (and notifications) the side channel refused, by cause.
+/// Handshakes (and notifications) the side channel refused, and notifications a transport
+/// dropped unread past its queue's bounds, by cause.
 pub const REFUSED: &str = "kvflow_handshakes_refused_total";
 /// Lease renewals P granted.
 pub const LEASES_RENEWED: &str = "kvflow_leases_renewed_total";
@@ -100,7 +101,7 @@ pub const METRICS: &[MetricDoc] = &[
     doc(LOADS, "counter", &["outcome"], "D: requests with P's transfer parameters that reached their final state, by state (ready, failed, recompute, gone: aborted or rejected)"),
     doc(KV_READY_LATENCY, "histogram", &[], "D: seconds from P finishing the prompt to D holding its KV on every rank (P's clock mapped by the handshake's offset)"),
     doc(IGNORED, "counter", &["cause"], "messages counted and dropped, by cause: malformed, unknown (a kind or sender this side never takes), foreign (about an export bound to another engine), unauthenticated, refused (the side channel refused the peer), late (about a request already gone), duplicate"),
-    doc(REFUSED, "counter", &["cause"], "handshakes and notifications the side channel refused, by cause (malformed, unauthenticated, version, incompatible, impersonation, stale, overloaded, timeout)"),
+    doc(REFUSED, "counter", &["cause"], "handshakes and notifications the side channel refused, by cause (malformed, unauthenticated, version, incompatible, impersonation, stale, overloaded, timeout); overloaded also counts each batch of a peer's notifications that a transport dropped unread because its engine took them in slower than they came"),
     doc(LEASES_RENEWED, "counter", &[], "P: lease renewals granted (one per export a heartbeat renewed)"),
     doc(AFTER_EXPIRY, "counter", &[], "P: completions for exports P no longer had"),
     doc(EARLY_STAGED, "counter", &[], "P: messages that came before their export and were staged"),

@@ -47,13 +47,16 @@
 //! side builds the peer's descriptor lists with the peer's true memory type (DRAM or VRAM) and
 //! device id, and refuses a remote range outside them before NIXL sees it.
 
+mod inbox;
 mod metadata;
 pub mod runtime;
 mod transport;
 
 use std::path::PathBuf;
 
-pub use kv_side_tcp::{KeySource, SideStatus};
+pub use kv_side_tcp::{KeySource, SideProbe, SideStatus};
+
+pub use inbox::{MAX_QUEUED_EVENTS, MAX_QUEUED_NOTIFICATION_BYTES, MAX_QUEUED_NOTIFICATION_BYTES_PER_PEER};
 
 /// The NIXL part of a handshake's agent metadata (after kvflow's registration table), for
 /// tools that drive NIXL themselves, such as `cargo xtask attack`. Never panics.

@@ -1,7 +1,7 @@
 //! [`NixlTransport`]: one NIXL agent with the UCX backend, for one TP rank.
 #![allow(unsafe_code)] // NIXL's descriptor trait hands out raw pointers: see RawRegion.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::task::Waker;
@@ -19,8 +19,9 @@ use nixl_sys::{
     XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
 
+use crate::inbox::Inbox;
 use crate::metadata::{self, mem_type, Registration, TypedRanges};
-use kv_side_tcp::{Item, KeySource, SideChannel, SideStatus};
+use kv_side_tcp::{Item, KeySource, SideChannel, SideProbe, SideStatus};
 
 use crate::{runtime, NixlError};
 
@@ -176,7 +177,8 @@ pub struct NixlTransport {
     peers: BTreeMap<AgentName, Peer>,
     transfers: BTreeMap<TransferId, Pending>,
     next_transfer: u64,
-    events: VecDeque<PeerEvent>,
+    /// What the engine has not polled yet, with the bounds on notifications.
+    events: Inbox,
     poll_intervals: PollIntervals,
     /// NIXL's UCX backend runs a thread pool (`num_threads` above 1), which splits a
     /// transfer's descriptors across threads.
@@ -238,7 +240,7 @@ impl NixlTransport {
             peers: BTreeMap::new(),
             transfers: BTreeMap::new(),
             next_transfer: 0,
-            events: VecDeque::new(),
+            events: Inbox::default(),
             poll_intervals: config.poll_intervals,
             threaded: thread_pool(&config.ucx_params),
         })
@@ -253,6 +255,11 @@ impl NixlTransport {
     /// and what its bounds turned away.
     pub fn side_status(&self) -> SideStatus {
         self.side.status()
+    }
+
+    /// A handle that reads [`NixlTransport::side_status`] from another thread.
+    pub fn side_probe(&self) -> SideProbe {
+        self.side.status_probe()
     }
 
     fn opt_args(&self) -> Result<OptArgs, TransportError> {
@@ -285,10 +292,10 @@ impl NixlTransport {
                 }
                 Item::Event(SideEvent::Connected { conn, info }) => self.connected(conn, info),
                 Item::Event(SideEvent::ConnectFailed { address, error, .. }) => {
-                    self.events.push_back(PeerEvent::ConnectFailed { address, error });
+                    self.events.push(PeerEvent::ConnectFailed { address, error });
                 }
                 Item::Event(SideEvent::Refused { claimed, cause, reason, .. }) => {
-                    self.events.push_back(PeerEvent::Refused { peer: claimed, cause, reason });
+                    self.events.push(PeerEvent::Refused { peer: claimed, cause, reason });
                 }
                 Item::Event(SideEvent::Lost { conn, agent, .. }) => {
                     // Only the connection's own peer goes: a newer incarnation may hold the name.
@@ -296,7 +303,7 @@ impl NixlTransport {
                         if let Some(peer) = self.peers.remove(&agent) {
                             let _ = self.agent.invalidate_remote_md(&peer.nixl);
                         }
-                        self.events.push_back(PeerEvent::Lost(agent));
+                        self.events.push(PeerEvent::Lost(agent));
                     }
                 }
             }
@@ -332,7 +339,7 @@ impl NixlTransport {
                     // A newer incarnation replaced it (its loss may still be on the way).
                     let _ = self.agent.invalidate_remote_md(&old.nixl);
                 }
-                self.events.push_back(PeerEvent::Connected(info));
+                self.events.push(PeerEvent::Connected(info));
             }
             Err(error) => {
                 tracing::warn!(peer = %agent, %error, "peer dropped: its metadata does not load");
@@ -347,7 +354,7 @@ impl NixlTransport {
                         reason: error.to_string(),
                     },
                 };
-                self.events.push_back(event);
+                self.events.push(event);
             }
         }
     }
@@ -537,12 +544,12 @@ impl Transport for NixlTransport {
         }
     }
 
+    /// Fetches at every call, so that NIXL's own list holds only what came since the last one
+    /// and the bounds of [`crate::inbox`] apply to the rest.
     fn poll_event(&mut self) -> Option<PeerEvent> {
-        if self.events.is_empty() {
-            self.pump_side_channel();
-            self.fetch_notifications();
-        }
-        self.events.pop_front()
+        self.pump_side_channel();
+        self.fetch_notifications();
+        self.events.pop()
     }
 }
 
@@ -552,7 +559,8 @@ fn thread_pool(params: &[(String, String)]) -> bool {
 }
 
 impl NixlTransport {
-    /// Queues every notification NIXL holds, behind the peer events already queued. Each must
+    /// Queues every notification NIXL holds, behind the peer events already queued, within the
+    /// bounds of [`crate::inbox`] (beyond them one is dropped unread, and counted). Each must
     /// carry the tag of its sender's side-channel session; one that does not (a sender without
     /// a handshake, a forged name, a replay) is reported refused, never delivered.
     fn fetch_notifications(&mut self) {
@@ -566,7 +574,7 @@ impl NixlTransport {
             let from = self.peers.iter().find(|(_, peer)| peer.nixl == remote).map(|(a, _)| a.clone());
             let count = map.get_notifications_size(&remote).unwrap_or(0);
             let Some(from) = from else {
-                self.events.push_back(PeerEvent::Refused {
+                self.events.push(PeerEvent::Refused {
                     peer: None,
                     cause: RefusalCause::Unauthenticated,
                     reason: format!(
@@ -577,13 +585,19 @@ impl NixlTransport {
             };
             for i in 0..count {
                 let Ok(sealed) = map.get_notification_bytes(&remote, i) else { continue };
-                let event = match self.side.open(&from, &sealed) {
-                    Ok(payload) => PeerEvent::Notification(Notification { from: from.clone(), payload }),
-                    Err(e) => PeerEvent::Refused { peer: Some(from.clone()), cause: e.cause(), reason: e.to_string() },
-                };
-                self.events.push_back(event);
+                if !self.events.admit(&from, sealed.len()) {
+                    continue;
+                }
+                match self.side.open(&from, &sealed) {
+                    Ok(payload) => self.events.push_notification(Notification { from: from.clone(), payload }),
+                    Err(e) => {
+                        let cause = e.cause();
+                        self.events.push(PeerEvent::Refused { peer: Some(from.clone()), cause, reason: e.to_string() })
+                    }
+                }
             }
         }
+        self.events.end_fetch();
     }
 }
 

@@ -2,7 +2,8 @@
 //! notification, remote ranges checked against the peer's registrations, handshake refusals on
 //! both sides, bad handshake bytes, a killed peer (reported lost within a second, waking the
 //! engine parked on the transport's waker), the cluster key (only its holders handshake, and
-//! their notifications open), a transport made, used and dropped inside a tokio runtime and on
+//! their notifications open), a peer that sends faster than the engine takes in (dropped beyond
+//! the bound, and told), a transport made, used and dropped inside a tokio runtime and on
 //! a plain thread, and one made before the runtime was prepared.
 //!
 //! Each test runs as the parent; it starts this test binary again as the child (selected by
@@ -49,7 +50,13 @@ fn listener_child(role: Role) {
     while Instant::now() < deadline {
         while let Some(event) = t.poll_event() {
             match event {
-                PeerEvent::Connected(info) => println!("CONNECTED {}", info.agent),
+                PeerEvent::Connected(info) => {
+                    println!("CONNECTED {}", info.agent);
+                    // An engine busy elsewhere: NIXL takes in what the peer sends meanwhile.
+                    if let Ok(nap) = std::env::var("KVFLOW_TEST_NAP_MS") {
+                        std::thread::sleep(Duration::from_millis(nap.parse().unwrap()));
+                    }
+                }
                 PeerEvent::Refused { peer, cause, reason } => {
                     println!("REFUSED {}: {cause:?} {reason}", peer.map_or_else(|| "?".to_owned(), |p| p.to_string()))
                 }
@@ -397,6 +404,49 @@ fn a_killed_p_wakes_the_parked_engine_and_is_reported_lost_within_a_second() {
         Some(PeerEvent::Lost(agent)) => assert_eq!(agent, info.agent),
         other => panic!("woken, but the next event is {other:?}, not the peer lost"),
     }
+}
+
+#[test]
+fn a_peer_that_sends_faster_than_the_engine_takes_in_is_dropped_beyond_the_bound_and_told() {
+    const NAME: &str = "a_peer_that_sends_faster_than_the_engine_takes_in_is_dropped_beyond_the_bound_and_told";
+    if child_main() || !nixl_or_skip(NAME) {
+        return;
+    }
+    let _serial = serial();
+    // P naps for 5 s after the handshake while D sends 200 notifications of 60 000 bytes
+    // (12 MB): P's engine then takes in what fits its per-peer bound, and hears of the rest.
+    let (mut child, mut out, port) = start_listener(NAME, Role::Prefill, &[("KVFLOW_TEST_NAP_MS", "5000".into())]);
+    let pool = HostPool::new(4);
+    let mut d = transport(offer("decode0", Role::Decode, 1, 16, &pool, 4), &pool);
+    let info = connect(&mut d, port);
+    assert_eq!(expect_line(&mut out, "CONNECTED"), "decode0/tp0");
+    let (sent, len) = (200, 60_000);
+    let start = Instant::now();
+    for i in 0..sent {
+        d.send_notification(&info.agent, &vec![i as u8; len]).unwrap();
+    }
+    assert!(start.elapsed() < Duration::from_secs(4), "sending took {:?}, not within P's nap", start.elapsed());
+    let bound = kv_transport_nixl::MAX_QUEUED_NOTIFICATION_BYTES_PER_PEER / len;
+    let mut delivered = 0;
+    let refused = loop {
+        let line = expect_line(&mut out, "");
+        if line.starts_with("NOTIFIED") {
+            delivered += 1;
+            assert!(delivered <= bound, "{delivered} notifications of {len} bytes queued at once");
+        } else if let Some(refused) = line.strip_prefix("REFUSED ") {
+            break refused.to_owned();
+        }
+    };
+    assert_eq!(delivered, bound, "the first {bound} fit the bound, and came first");
+    let dropped = format!("decode0/tp0: Overloaded {} notifications from decode0/tp0 dropped unread", sent - bound);
+    assert!(refused.starts_with(&dropped), "{refused}");
+    // Taken in, they make room: the next one is delivered.
+    let completion = Message::Completion { request: RequestId::new("r1"), expected_consumers: 1 }.encode().unwrap();
+    d.send_notification(&info.agent, &completion).unwrap();
+    let note = expect_line(&mut out, "NOTIFIED");
+    assert!(note.starts_with("decode0/tp0 Completion"), "{note}");
+    child.kill().ok();
+    child.wait().ok();
 }
 
 /// A key file in a fresh temporary folder, readable by its owner only.

@@ -470,7 +470,7 @@ impl Cluster {
             let (_, rank, command) = engine.handoff.pop_front().expect("due");
             engine.workers[rank as usize].machine().handle_command(now, command);
         }
-        let step = |w: &mut WorkerDriver<_>| w.step(now);
+        let step = |w: &mut WorkerDriver<_>| step_through(w, now);
         self.drive_ranks(id, now, &mut engine.workers, step, |rank, report| {
             engine.scheduler.handle_report(rank, report)
         });
@@ -480,7 +480,7 @@ impl Cluster {
 
     fn step_decode(&mut self, id: &EngineId, now: Time) {
         let Some(mut engine) = self.decode.get_mut(id).and_then(Option::take) else { return };
-        let step = |w: &mut WorkerDriver<_>| w.step(now);
+        let step = |w: &mut WorkerDriver<_>| step_through(w, now);
         self.drive_ranks(id, now, &mut engine.workers, step, |rank, report| {
             engine.scheduler.handle_report(rank, report)
         });
@@ -604,6 +604,17 @@ impl Cluster {
     pub fn trace(&self) -> &[String] {
         &self.trace
     }
+}
+
+/// Steps a rank as an engine's thread does: again at once while a step leaves events in the
+/// transport (the driver takes at most `MAX_EVENTS_PER_STEP` a step), so that a burst is taken in
+/// at one simulated instant.
+fn step_through<M: WorkerMachine>(worker: &mut WorkerDriver<M>, now: Time) -> Vec<M::Report> {
+    let mut reports = worker.step(now);
+    while worker.backlogged() {
+        reports.extend(worker.step(now));
+    }
+    reports
 }
 
 /// FNV-1a's offset basis and prime (64-bit).
