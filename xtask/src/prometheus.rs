@@ -1,12 +1,18 @@
 //! Prometheus's text exposition format (version 0.0.4), as the demo's engines serve it and the
 //! router reads it: [`Exposition::parse`] reads one scrape into samples, [`Exposition::sum`]
 //! adds up a metric over the samples whose labels match; [`serve`] answers scrapes on a
-//! listener of its own (one connection at a time, every request bounded in size and time), and
-//! [`scrape`] fetches one over plain HTTP/1.1.
+//! listener of its own (up to [`MAX_CONNECTIONS`] at once, each on a worker thread, every
+//! request and answer bounded in size and time, idle connections evicted past the bound), and
+//! [`scrape`] fetches one over plain HTTP/1.1. [`idle_connections_then_scrape`] is the attack
+//! that an endpoint serving one connection at a time fails: idle connections, then a scrape.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::Scope;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -210,28 +216,291 @@ fn parse_labels<'a>(mut rest: &'a str, labels: &mut Vec<(String, String)>) -> Re
 
 // ---------------------------------------------------------------------------------------------
 // HTTP: the engines' endpoint and the router's scrape
+//
+// The endpoint used to answer one connection at a time and wait up to REQUEST_TIMEOUT for each
+// request, so 20 silent connections held a scrape for 40 s (issue 29, item 5). Now every held
+// connection has a worker thread of its own, at most MAX_CONNECTIONS of them, and a connection
+// past the bound evicts the oldest one that has not sent a whole request.
 
-/// Answers scrapes on `listener`, one connection at a time, until the listener fails for good:
-/// `GET /metrics` (or `HEAD`) with `render()`'s text, 404 for another path, 405 for another
-/// method. A request is read for at most [`REQUEST_TIMEOUT`] and [`REQUEST_LIMIT`] bytes, so
-/// that a peer can hold the endpoint for no longer and grow nothing.
-pub fn serve(listener: TcpListener, mut render: impl FnMut() -> String) {
-    let mut failures = 0u32;
-    for stream in listener.incoming() {
-        match stream {
-            Ok(stream) => {
-                failures = 0;
-                let _ = answer(stream, &mut render);
-            }
-            Err(_) => {
-                // Out of file descriptors, say: give it a moment instead of spinning.
-                failures += 1;
-                if failures > 1000 {
-                    return;
+/// How many connections [`serve`] holds at once, each with a worker thread of its own; a
+/// connection past it evicts the oldest held one that has not sent a whole request (else the
+/// oldest still taking its answer), so that idle peers can delay no scrape.
+pub const MAX_CONNECTIONS: usize = 8;
+
+/// How long [`serve`] takes to write one answer before it drops the connection.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What became of one connection to [`serve`]: the causes [`ConnectionCounts`] counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// It sent a whole request and took its whole answer (a scrape's, or an error's).
+    Answered,
+    /// It sent no whole request within [`REQUEST_TIMEOUT`].
+    TimedOut,
+    /// The peer closed or reset it before its whole request.
+    Closed,
+    /// Its answer could not be written whole within [`ANSWER_TIMEOUT`], or the peer went away.
+    AnswerFailed,
+    /// Dropped past [`MAX_CONNECTIONS`] as the oldest one that had not sent a whole request.
+    EvictedIdle,
+    /// Dropped past [`MAX_CONNECTIONS`] as the oldest one still taking its answer, when every
+    /// held connection had sent its request.
+    EvictedAnswering,
+    /// Not served at all: the process could not duplicate its socket or start a worker for it
+    /// (out of file descriptors or threads).
+    Refused,
+}
+
+impl Outcome {
+    /// Every outcome, in the order [`ConnectionCounts`] keeps them.
+    pub const ALL: [Outcome; 7] = [
+        Outcome::Answered,
+        Outcome::TimedOut,
+        Outcome::Closed,
+        Outcome::AnswerFailed,
+        Outcome::EvictedIdle,
+        Outcome::EvictedAnswering,
+        Outcome::Refused,
+    ];
+}
+
+/// The connections of one [`serve_counting`] by [`Outcome`], and how many it holds: shared with
+/// whoever wants to read them while it serves (a test, or an engine's own metrics).
+#[derive(Debug, Default)]
+pub struct ConnectionCounts {
+    /// Connections by outcome, indexed as [`Outcome::ALL`].
+    outcomes: [AtomicU64; Outcome::ALL.len()],
+    /// Connections held now.
+    held: AtomicUsize,
+    /// The most connections held at once so far.
+    most_held: AtomicUsize,
+}
+
+impl ConnectionCounts {
+    /// How many connections ended with `outcome`.
+    pub fn get(&self, outcome: Outcome) -> u64 {
+        self.outcomes[outcome as usize].load(Ordering::Relaxed)
+    }
+
+    /// How many connections the endpoint holds now.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Relaxed)
+    }
+
+    /// The most connections the endpoint has held at once; never above [`MAX_CONNECTIONS`].
+    pub fn most_held(&self) -> usize {
+        self.most_held.load(Ordering::Relaxed)
+    }
+
+    fn count(&self, outcome: Outcome) {
+        self.outcomes[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Answers scrapes on `listener` until the listener fails for good: `GET /metrics` (or `HEAD`)
+/// with `render()`'s text, 404 for another path, 405 for another method.
+///
+/// It holds at most [`MAX_CONNECTIONS`] connections, each served by a worker thread of its own
+/// (started as connections come, kept for the next ones), and past that bound evicts the oldest
+/// connection that has not sent a whole request, so a new scrape is never locked out by idle
+/// peers. A request is read for at most [`REQUEST_TIMEOUT`] and [`REQUEST_LIMIT`] bytes, and an
+/// answer written for at most [`ANSWER_TIMEOUT`], so that a peer can hold a worker for no longer
+/// and grow nothing: the endpoint holds at most [`MAX_CONNECTIONS`] requests of
+/// [`REQUEST_LIMIT`] bytes and answers. `render` runs on one worker at a time.
+pub fn serve(listener: TcpListener, render: impl FnMut() -> String + Send) {
+    serve_counting(listener, render, &ConnectionCounts::default());
+}
+
+/// [`serve`], counting its connections by [`Outcome`] into `counts`.
+pub fn serve_counting(listener: TcpListener, render: impl FnMut() -> String + Send, counts: &ConnectionCounts) {
+    let endpoint =
+        Endpoint { table: Mutex::new(Table::default()), wake: Condvar::new(), render: Mutex::new(render), counts };
+    std::thread::scope(|scope| {
+        let mut failures = 0u32;
+        for stream in listener.incoming() {
+            match stream {
+                Ok(stream) => {
+                    failures = 0;
+                    endpoint.admit(scope, stream);
                 }
-                std::thread::sleep(Duration::from_millis(10));
+                Err(_) => {
+                    // Out of file descriptors, say: give it a moment instead of spinning.
+                    failures += 1;
+                    if failures > 1000 {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
             }
         }
+        endpoint.stop();
+    });
+}
+
+/// What the acceptor and the workers of one [`serve_counting`] share.
+struct Endpoint<'c, F> {
+    table: Mutex<Table>,
+    /// Wakes an idle worker when a connection is queued, or every worker to stop.
+    wake: Condvar,
+    render: Mutex<F>,
+    counts: &'c ConnectionCounts,
+}
+
+/// The connections held and the workers that serve them.
+#[derive(Default)]
+struct Table {
+    /// Every held connection by number; numbers grow with each accepted one, so the first
+    /// entries are the oldest. An evicted connection leaves at once.
+    held: BTreeMap<u64, Held>,
+    /// Queued connections (in `held` as [`Phase::Queued`]) for the next idle worker, oldest first.
+    queue: VecDeque<u64>,
+    /// The next connection's number.
+    next: u64,
+    /// Worker threads started, and how many of them wait for a connection.
+    workers: usize,
+    idle_workers: usize,
+    /// Set when the listener failed for good: workers finish what they hold and end.
+    stopping: bool,
+}
+
+/// One held connection.
+struct Held {
+    /// A duplicate of its socket, to shut it down on eviction while a worker blocks on it.
+    socket: TcpStream,
+    phase: Phase,
+}
+
+/// Where a held connection is.
+enum Phase {
+    /// Accepted and waiting for a worker, which takes this end of it.
+    Queued(TcpStream),
+    /// A worker is reading its request.
+    Reading,
+    /// Its request is read; a worker renders and writes its answer.
+    Answering,
+}
+
+impl Table {
+    /// Drops the oldest held connection that has not sent a whole request, else the oldest one
+    /// being answered; shutting its socket down wakes the worker that blocks on it.
+    fn evict_one(&mut self, counts: &ConnectionCounts) {
+        let idle = self.held.iter().find(|(_, h)| !matches!(h.phase, Phase::Answering)).map(|(&n, _)| n);
+        let Some(number) = idle.or_else(|| self.held.keys().next().copied()) else { return };
+        let Some(held) = self.held.remove(&number) else { return };
+        self.queue.retain(|&q| q != number);
+        let _ = held.socket.shutdown(Shutdown::Both);
+        counts.count(match held.phase {
+            Phase::Queued(_) | Phase::Reading => Outcome::EvictedIdle,
+            Phase::Answering => Outcome::EvictedAnswering,
+        });
+    }
+
+    fn note_held(&self, counts: &ConnectionCounts) {
+        counts.held.store(self.held.len(), Ordering::Relaxed);
+        counts.most_held.fetch_max(self.held.len(), Ordering::Relaxed);
+    }
+}
+
+impl<F: FnMut() -> String + Send> Endpoint<'_, F> {
+    fn table(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queues an accepted connection for a worker, evicting one past [`MAX_CONNECTIONS`] and
+    /// starting a worker if none is idle and fewer than the bound run.
+    fn admit<'s>(&'s self, scope: &'s Scope<'s, '_>, stream: TcpStream) {
+        let Ok(socket) = stream.try_clone() else {
+            self.counts.count(Outcome::Refused);
+            return;
+        };
+        let mut table = self.table();
+        let number = table.next;
+        table.next += 1;
+        table.held.insert(number, Held { socket, phase: Phase::Queued(stream) });
+        table.queue.push_back(number);
+        if table.held.len() > MAX_CONNECTIONS {
+            table.evict_one(self.counts);
+        }
+        table.note_held(self.counts);
+        if table.queue.len() > table.idle_workers && table.workers < MAX_CONNECTIONS {
+            let name = format!("kvflow-scrape-{}", table.workers);
+            match std::thread::Builder::new().name(name).spawn_scoped(scope, || self.work()) {
+                Ok(_) => table.workers += 1,
+                // The workers that run take it in turn; if none does, a later connection evicts it.
+                Err(_) if table.workers > 0 => {}
+                Err(_) => {
+                    if table.held.remove(&number).is_some() {
+                        table.queue.retain(|&q| q != number);
+                        self.counts.count(Outcome::Refused);
+                        table.note_held(self.counts);
+                    }
+                }
+            }
+        }
+        drop(table);
+        self.wake.notify_one();
+    }
+
+    /// A worker: takes queued connections one after another until the endpoint stops.
+    fn work(&self) {
+        loop {
+            let (number, stream) = {
+                let mut table = self.table();
+                table.idle_workers += 1;
+                while table.queue.is_empty() && !table.stopping {
+                    table = self.wake.wait(table).unwrap_or_else(PoisonError::into_inner);
+                }
+                table.idle_workers -= 1;
+                let Some(number) = table.queue.pop_front() else { return };
+                // Eviction takes a connection off the queue too, so a queued one is held.
+                let held = table.held.get_mut(&number).map(|held| std::mem::replace(&mut held.phase, Phase::Reading));
+                let Some(Phase::Queued(stream)) = held else { continue };
+                (number, stream)
+            };
+            let outcome = self.answer(number, stream);
+            let mut table = self.table();
+            // An evicted connection was counted when it was evicted.
+            if table.held.remove(&number).is_some() {
+                self.counts.count(outcome);
+                table.note_held(self.counts);
+            }
+        }
+    }
+
+    /// Answers connection `number`.
+    fn answer(&self, number: u64, mut stream: TcpStream) -> Outcome {
+        let head = match read_head(&mut stream) {
+            Ok(head) => head,
+            Err(e) if matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {
+                return Outcome::TimedOut
+            }
+            Err(_) => return Outcome::Closed,
+        };
+        match self.table().held.get_mut(&number) {
+            Some(held) => held.phase = Phase::Answering,
+            None => return Outcome::Closed, // Evicted as it finished its request: counted then.
+        }
+        let response = respond(head, || {
+            let mut render = self.render.lock().unwrap_or_else(PoisonError::into_inner);
+            // A render that panics answers 500 and leaves the worker serving.
+            std::panic::catch_unwind(AssertUnwindSafe(|| (*render)())).ok()
+        });
+        match write_within(&mut stream, &response, Instant::now() + ANSWER_TIMEOUT) {
+            Ok(()) => Outcome::Answered,
+            Err(_) => Outcome::AnswerFailed,
+        }
+    }
+
+    /// Ends the workers once they finish what they hold, and drops what is queued.
+    fn stop(&self) {
+        let mut table = self.table();
+        table.stopping = true;
+        while let Some(number) = table.queue.pop_front() {
+            table.held.remove(&number);
+        }
+        table.note_held(self.counts);
+        drop(table);
+        self.wake.notify_all();
     }
 }
 
@@ -254,7 +523,10 @@ fn read_head(stream: &mut TcpStream) -> io::Result<Head> {
             return Err(io::ErrorKind::TimedOut.into());
         }
         stream.set_read_timeout(Some(left))?;
-        let n = stream.read(&mut buf)?;
+        let n = match stream.read(&mut buf) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            n => n?,
+        };
         if n == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
@@ -270,10 +542,8 @@ fn read_head(stream: &mut TcpStream) -> io::Result<Head> {
     }
 }
 
-/// Answers one connection.
-fn answer(mut stream: TcpStream, render: &mut impl FnMut() -> String) -> io::Result<()> {
-    stream.set_write_timeout(Some(Duration::from_secs(5)))?;
-    let head = read_head(&mut stream)?;
+/// The whole answer to `head`; `render` gives the metrics' text, or `None` if it failed.
+fn respond(head: Head, render: impl FnOnce() -> Option<String>) -> Vec<u8> {
     let (status, content_type, body, send_body) = match head {
         Head::TooLarge => ("431 Request Header Fields Too Large", "text/plain", "request too large\n".into(), true),
         Head::Request(line) => {
@@ -288,7 +558,10 @@ fn answer(mut stream: TcpStream, render: &mut impl FnMut() -> String) -> io::Res
                     } else if path != PATH {
                         ("404 Not Found", "text/plain", format!("not found; the metrics are at {PATH}\n"), !head_only)
                     } else {
-                        ("200 OK", CONTENT_TYPE, render(), !head_only)
+                        match render() {
+                            Some(text) => ("200 OK", CONTENT_TYPE, text, !head_only),
+                            None => ("500 Internal Server Error", "text/plain", "cannot render\n".into(), !head_only),
+                        }
                     }
                 }
                 _ => ("400 Bad Request", "text/plain", "bad request\n".into(), true),
@@ -303,9 +576,50 @@ fn answer(mut stream: TcpStream, render: &mut impl FnMut() -> String) -> io::Res
     if send_body {
         response.extend_from_slice(body.as_bytes());
     }
-    stream.write_all(&response)?;
-    stream.flush()?;
-    stream.shutdown(std::net::Shutdown::Write)
+    response
+}
+
+/// Writes all of `bytes` before `deadline` and shuts the writing side down, so that a peer that
+/// reads slowly holds the worker no longer.
+fn write_within(stream: &mut TcpStream, mut bytes: &[u8], deadline: Instant) -> io::Result<()> {
+    while !bytes.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        stream.set_write_timeout(Some(left))?;
+        match stream.write(bytes) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    stream.shutdown(Shutdown::Write)
+}
+
+/// Opens `idle` connections to the metrics endpoint at `addr` that each send the start of a
+/// request line and then nothing (a slow peer, as a silent one would be), keeps them open while
+/// it scrapes `addr` with `timeout`, and returns how long the scrape took.
+///
+/// An attack on the endpoint: one that serves a connection at a time behind a per-request
+/// timeout takes `idle` times that timeout to answer; [`serve`] answers at once, evicting idle
+/// connections past [`MAX_CONNECTIONS`]. An error names the connection or the scrape that failed;
+/// an idle connection the endpoint drops early is not one.
+pub fn idle_connections_then_scrape(addr: SocketAddr, idle: usize, timeout: Duration) -> Result<Duration> {
+    let mut held = Vec::with_capacity(idle);
+    for i in 0..idle {
+        let mut stream = TcpStream::connect_timeout(&addr, timeout)
+            .with_context(|| format!("idle connection {i} of {idle} to {addr}"))?;
+        // The endpoint may already have dropped it (evicted for a newer one): that is its defence.
+        let _ = stream.write_all(b"GET /metr");
+        held.push(stream);
+    }
+    let started = Instant::now();
+    scrape(addr, timeout).with_context(|| format!("with {idle} idle connections open"))?;
+    let took = started.elapsed();
+    drop(held);
+    Ok(took)
 }
 
 /// `GET /metrics` from `addr` over plain HTTP/1.1, with `timeout` to connect and for each read
@@ -344,6 +658,8 @@ pub fn scrape(addr: SocketAddr, timeout: Duration) -> Result<String> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
 
     fn sample(name: &str, labels: &[(&str, &str)], value: f64) -> Sample {
@@ -527,6 +843,75 @@ odd_bucket 4
         assert!(started.elapsed() < REQUEST_TIMEOUT + Duration::from_secs(3), "{:?}", started.elapsed());
         // ... and the endpoint goes on answering.
         assert_eq!(scrape(addr, Duration::from_secs(5)).unwrap(), "up 1\n");
+    }
+
+    /// A listener on loopback serving `body` and counting its connections, on a thread of its own.
+    fn counted_endpoint(body: &'static str) -> (SocketAddr, Arc<ConnectionCounts>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let counts = Arc::new(ConnectionCounts::default());
+        let served = Arc::clone(&counts);
+        std::thread::spawn(move || serve_counting(listener, || body.to_owned(), &served));
+        (addr, counts)
+    }
+
+    /// Whether `done` comes true within 5 s.
+    fn within_5s(done: impl Fn() -> bool) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !done() {
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        true
+    }
+
+    #[test]
+    fn idle_connections_do_not_delay_a_scrape() {
+        // Issue 29, item 5: with 20 idle connections queued, a scrape took 40.3 s.
+        let (addr, counts) = counted_endpoint("up 1\n");
+        let took = idle_connections_then_scrape(addr, 20, Duration::from_secs(5)).unwrap();
+        eprintln!("a scrape with 20 idle connections open took {took:?}");
+        assert!(took < Duration::from_secs(1), "a scrape with 20 idle connections open took {took:?}");
+        // The scrape evicted the oldest idle connection, as each one past the bound had.
+        assert_eq!(counts.get(Outcome::EvictedIdle), (20 + 1 - MAX_CONNECTIONS) as u64, "{counts:?}");
+        assert!(within_5s(|| counts.get(Outcome::Answered) == 1), "{counts:?}");
+        assert!(counts.most_held() <= MAX_CONNECTIONS, "{counts:?}");
+    }
+
+    #[test]
+    fn past_the_bound_the_oldest_idle_connection_is_dropped() {
+        let (addr, counts) = counted_endpoint("up 1\n");
+        let mut silent: Vec<TcpStream> = (0..2 * MAX_CONNECTIONS).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        assert!(within_5s(|| counts.get(Outcome::EvictedIdle) == MAX_CONNECTIONS as u64), "{counts:?}");
+        assert_eq!(counts.held(), MAX_CONNECTIONS, "{counts:?}");
+        // The oldest were closed by the endpoint; the newest are still held.
+        let (oldest, newest) = silent.split_at_mut(MAX_CONNECTIONS);
+        for (i, stream) in oldest.iter_mut().enumerate() {
+            stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let read = stream.read(&mut [0u8; 1]);
+            assert!(
+                matches!(read, Ok(0)) || read.as_ref().is_err_and(|e| e.kind() == io::ErrorKind::ConnectionReset),
+                "connection {i}: {read:?}"
+            );
+        }
+        for (i, stream) in newest.iter_mut().enumerate() {
+            stream.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+            let read = stream.read(&mut [0u8; 1]);
+            let open =
+                read.as_ref().is_err_and(|e| matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut));
+            assert!(open, "connection {}: {read:?}", MAX_CONNECTIONS + i);
+        }
+        // A scrape still answers, and the connections never exceeded the bound.
+        assert_eq!(scrape(addr, Duration::from_secs(5)).unwrap(), "up 1\n");
+        assert_eq!(counts.get(Outcome::EvictedIdle), MAX_CONNECTIONS as u64 + 1, "{counts:?}");
+        assert!(within_5s(|| counts.get(Outcome::Answered) == 1), "{counts:?}");
+        assert_eq!(counts.most_held(), MAX_CONNECTIONS, "{counts:?}");
+        // The idle ones that are left go when their peers do.
+        drop(silent);
+        assert!(within_5s(|| counts.held() == 0), "{counts:?}");
+        assert_eq!(counts.get(Outcome::Closed), MAX_CONNECTIONS as u64 - 1, "{counts:?}");
     }
 
     #[test]
