@@ -89,7 +89,7 @@ pub fn run() -> Result<()> {
     }
     // The engines under attack, and stopped past their lease, in both modes (about a minute).
     eprintln!("xtask: cargo xtask attack");
-    crate::demo::attack().context("the attack suite")?;
+    crate::demo::attack(&crate::demo::AttackArgs::default()).context("the attack suite")?;
     Ok(())
 }
 

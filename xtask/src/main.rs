@@ -30,8 +30,9 @@ enum Task {
     /// report.
     Demo(demo::DemoArgs),
     /// The demo's engines under attack: bad bytes, floods, impersonation, foreign messages,
-    /// engines stopped past their lease; each attack says what it tried and what held.
-    Attack,
+    /// engines stopped past their lease, storms and a sniffer on the TCP data path; each attack
+    /// says what it tried and what held.
+    Attack(demo::AttackArgs),
     /// The fmt check, setup, clippy with -D warnings, every test of the workspace, packaging,
     /// a short demo in each mode and the attack suite.
     Ci,
@@ -49,7 +50,7 @@ fn main() -> ExitCode {
     let result = match Cli::parse().task {
         Task::Ci => ci::run(),
         Task::Demo(args) => demo::run(&args),
-        Task::Attack => demo::attack(),
+        Task::Attack(args) => demo::attack(&args),
         Task::Setup => provision::run(),
         Task::Bench(args) => bench::run(&args),
         Task::Sim(args) => sim::run(&args),

@@ -500,6 +500,58 @@ pub struct AttackConfig {
     pub live_instance: u64,
     /// The router names requests `req-0` to `req-{requests - 1}`.
     pub requests: u32,
+    /// The transport the engines run: the data-path attacks (sniffing, the data-port flood)
+    /// are the TCP transport's.
+    #[serde(default)]
+    pub transport: TransportKind,
+    /// P's metrics endpoint's port, if it serves one.
+    #[serde(default)]
+    pub metrics_port: Option<u16>,
+    /// Which attacks to run ([`AttackPlan`]).
+    #[serde(default)]
+    pub plan: AttackPlan,
+}
+
+/// Which attacks a run makes: the attack suite spreads them over its runs, so that each run
+/// stays short and what one measures (a storm's throughput) is not blurred by another.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttackPlan {
+    /// Bad bytes, impersonation, foreign messages, floods of idle connections, an oversized
+    /// offer, and a key holder's heartbeat flood of distinct ids for `heartbeat_flood_s`.
+    #[default]
+    Messages,
+    /// The same without the heartbeat flood (a push run, after P's stop).
+    MessagesShort,
+    /// Storms that must leave the demo available: a churn storm on the side channel, a flood
+    /// of idle sockets on the TCP data port, a sniffer that replays what it captured (root),
+    /// and idle connections on the metrics endpoint.
+    Storms,
+}
+
+/// How long the heartbeat flood lasts.
+pub const HEARTBEAT_FLOOD_S: u64 = 30;
+
+/// What the attacker says before a storm and after it, so that the router keeps its own faults
+/// (engines stopped or killed) out of the storm's window.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct StormNotice {
+    /// The storm's name.
+    pub storm: String,
+    /// Whether it begins (else it ended).
+    pub active: bool,
+}
+
+/// How a key holder fared during a storm: its handshakes or data connections.
+#[derive(Serialize, Deserialize, Clone, Debug, Default)]
+pub struct Probes {
+    /// What was probed: `handshakes` or `data connections`.
+    pub what: String,
+    /// Those that succeeded within [`STORM_PROBE_BOUND_MS`].
+    pub ok: u32,
+    /// Those tried.
+    pub total: u32,
+    /// The slowest that succeeded, in milliseconds.
+    pub max_ms: f64,
 }
 
 /// What one attack tried and what held.
@@ -519,12 +571,29 @@ pub struct AttackResult {
     pub rss_growth_mib: f64,
     /// Whether P was alive at the end of the attack.
     pub p_alive: bool,
+    /// A storm's probes of a key holder's handshakes or data connections.
+    #[serde(default)]
+    pub probes: Vec<Probes>,
+    /// A storm's window, and a quiet window of the same run just before it, in the router's
+    /// wall-clock nanoseconds: the router compares the demo's throughput and failed transfers
+    /// in the two.
+    #[serde(default)]
+    pub window_ns: Option<(u64, u64)>,
+    /// See `window_ns`.
+    #[serde(default)]
+    pub quiet_ns: Option<(u64, u64)>,
 }
 
 /// The longest a key holder's handshake may take during an attack.
 pub const PROBE_BOUND_MS: f64 = 100.0;
 /// The most P's memory may grow under an attack.
 pub const RSS_BOUND_MIB: f64 = 64.0;
+/// During a storm: each probe of a key holder must succeed within this long...
+pub const STORM_PROBE_BOUND_MS: f64 = 1000.0;
+/// ... and at least this share of them must.
+pub const STORM_PROBES_OK: f64 = 0.95;
+/// During a storm the demo keeps at least this share of its throughput in the quiet window.
+pub const STORM_THROUGHPUT_SHARE: f64 = 0.5;
 
 impl AttackResult {
     /// Every way the attack got through, in words; empty when everything held.
@@ -537,6 +606,8 @@ impl AttackResult {
             f.push(format!("{}: P died", self.attack));
         }
         match self.probe_ms {
+            // A storm's own probes judge it (its single probe comes as the flood drains).
+            _ if !self.probes.is_empty() => {}
             Some(ms) if ms <= PROBE_BOUND_MS => {}
             Some(ms) => {
                 f.push(format!("{}: a key holder's handshake took {ms:.1} ms (bound {PROBE_BOUND_MS} ms)", self.attack))
@@ -545,6 +616,18 @@ impl AttackResult {
         }
         if self.rss_growth_mib > RSS_BOUND_MIB {
             f.push(format!("{}: P grew by {:.1} MiB (bound {RSS_BOUND_MIB} MiB)", self.attack, self.rss_growth_mib));
+        }
+        for p in &self.probes {
+            if f64::from(p.ok) < STORM_PROBES_OK * f64::from(p.total) || p.total == 0 {
+                f.push(format!(
+                    "{}: a key holder's {} succeeded {} of {} within {STORM_PROBE_BOUND_MS} ms (bound {:.0}%)",
+                    self.attack,
+                    p.what,
+                    p.ok,
+                    p.total,
+                    STORM_PROBES_OK * 100.0
+                ));
+            }
         }
         f
     }

@@ -9,7 +9,15 @@
 //! handshake under a live name is refused, and foreign messages change nothing (the router's
 //! own checks, corrupt reads and releases credited to live engines, say so at the end).
 //!
-//! One JSON [`AttackResult`] per line on stdout; the router reads them.
+//! One JSON [`AttackResult`] per line on stdout (and a [`crate::proto::StormNotice`] as each
+//! storm begins and ends); the router reads them. Which attacks a run makes is its
+//! [`AttackPlan`]: `storms` ([`storms`]: a churn storm, a data-port flood, a sniffer ([`sniff`])
+//! and idle metrics connections, each with the demo's availability measured), the others
+//! bad bytes, impersonation, foreign messages and the key holders' floods ([`floods`]).
+
+mod floods;
+mod sniff;
+mod storms;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -25,7 +33,7 @@ use kv_core::{
 use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
 
 use crate::e2e::ProcessClock;
-use crate::proto::{from_json, AttackConfig, AttackResult, CLUSTER_KEY_ENV};
+use crate::proto::{from_json, AttackConfig, AttackPlan, AttackResult, Probes, TransportKind, CLUSTER_KEY_ENV};
 
 /// `kvflow-attack`'s argument.
 #[derive(Parser, Debug)]
@@ -53,11 +61,17 @@ struct Attacker {
     config: AttackConfig,
     clock: Arc<ProcessClock>,
     probes: u32,
+    /// P's TCP data listener, once learned.
+    data: Option<std::net::SocketAddr>,
 }
 
 fn run(config: AttackConfig) -> Result<()> {
     kv_transport_nixl::runtime::prepare(None).context("the NIXL runtime")?;
-    let mut a = Attacker { config, clock: Arc::new(ProcessClock::start()), probes: 0 };
+    let plan = config.plan;
+    let mut a = Attacker { config, clock: Arc::new(ProcessClock::start()), probes: 0, data: None };
+    if plan == AttackPlan::Storms {
+        return storms(&mut a);
+    }
     // Foreign messages first, while the router's requests are in flight.
     a.report("foreign-messages", Attacker::foreign_messages)?;
     a.report("notifications-under-another-name", Attacker::forged_sender_name)?;
@@ -74,8 +88,43 @@ fn run(config: AttackConfig) -> Result<()> {
     a.report("wrong-protocol-version", Attacker::wrong_version)?;
     a.report("slowloris", Attacker::slowloris)?;
     a.report("idle-beyond-the-bound", Attacker::idle_flood)?;
+    a.report("oversized-offer", Attacker::oversized_offer)?;
+    if a.config.metrics_port.is_some() {
+        a.report("metrics-idle-connections", Attacker::metrics_idle)?;
+    }
+    if plan == AttackPlan::Messages {
+        a.report("heartbeat-flood", Attacker::heartbeat_flood)?;
+    }
     Ok(())
 }
+
+/// The storms, over the TCP transport: the sniffer records throughout, and replays last.
+fn storms(a: &mut Attacker) -> Result<()> {
+    if a.config.transport != TransportKind::Tcp {
+        anyhow::bail!(
+            "the storms attack the TCP transport's data path; this run moves KV over {:?}",
+            a.config.transport
+        );
+    }
+    let sniffer = sniff::Sniffer::start();
+    // A live key holder whose data link the sniffer sees from its first byte (the engines'
+    // own links open before the attacker starts; a restarted D's may fall in a storm).
+    let witness = a.witness()?;
+    a.report("churn-storm", Attacker::churn_storm)?;
+    a.report("data-port-flood", Attacker::data_port_flood)?;
+    let data = a.data_address()?;
+    a.report("sniff-and-impersonate", move |a| a.sniff_and_impersonate(sniffer, data))?;
+    a.report("key-holder-under-another-name-on-the-data-path", move |a| a.impersonate_on_data_path(data))?;
+    drop(witness);
+    if a.config.metrics_port.is_some() {
+        a.report("metrics-idle-connections", Attacker::metrics_idle)?;
+    }
+    Ok(())
+}
+
+/// The TCP transport's agent metadata as its crate lays it out, for a peer with no data path:
+/// version 2, a data address where nothing listens (127.0.0.1:9), no registered regions.
+const TCP_STUB_METADATA: &[u8] = b"KVTC\x02\x04\x7f\x00\x00\x01\x09\x00\x00\x00\x00\x00";
 
 /// Deterministic junk for connection `i`.
 fn random_bytes(i: usize, len: usize) -> Vec<u8> {
@@ -171,32 +220,50 @@ impl Attacker {
     /// [`SideEndpoint`] over a plain socket. (A full NIXL peer then spends about 30 ms more
     /// loading P's metadata into UCX, on its own side.)
     fn probe(&mut self) -> Option<f64> {
+        self.timed_probe(Duration::from_secs(5)).ok()
+    }
+
+    /// As [`Attacker::probe`], given up after `limit`; the error says why it failed.
+    fn timed_probe(&mut self, limit: Duration) -> Result<f64, String> {
         self.probes += 1;
-        let key = ClusterKey::from_hex(&std::env::var(CLUSTER_KEY_ENV).ok()?).ok()?;
-        let offer = self.offer(&format!("probe-{}", self.probes), 1);
-        let mut side = SideEndpoint::new(SideConfig::new(key), offer).ok()?;
+        let hex = std::env::var(CLUSTER_KEY_ENV).map_err(|_| "no cluster key".to_owned())?;
+        let key = ClusterKey::from_hex(&hex).map_err(|e| e.to_string())?;
+        let mut offer = self.offer(&format!("probe-{}", self.probes), 1);
+        if self.config.transport == TransportKind::Tcp {
+            // So that P's transport takes the probe as a peer rather than dropping it.
+            offer.agent_metadata = TCP_STUB_METADATA.to_vec();
+        }
+        let mut side = SideEndpoint::new(SideConfig::new(key), offer).map_err(|e| e.to_string())?;
         let mut nonce = [0u8; 32];
-        getrandom::fill(&mut nonce).ok()?;
+        getrandom::fill(&mut nonce).map_err(|e| e.to_string())?;
         let start = Instant::now();
-        let mut stream = TcpStream::connect(("127.0.0.1", self.config.p_port)).ok()?;
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], self.config.p_port));
+        let mut stream = TcpStream::connect_timeout(&addr, limit).map_err(|e| format!("connect: {e}"))?;
         let _ = stream.set_nodelay(true);
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
         let now = |start: Instant| Time::from_nanos(start.elapsed().as_nanos() as u64);
         side.handle_connect(now(start), ConnId(1), self.p_address(), nonce);
         let mut buf = [0u8; 64 * 1024];
         loop {
             while let Some(t) = side.poll_transmit() {
-                stream.write_all(&t.bytes).ok()?;
+                stream.write_all(&t.bytes).map_err(|e| format!("write: {e}"))?;
             }
             match side.poll_event() {
-                Some(SideEvent::Connected { .. }) => return Some(start.elapsed().as_secs_f64() * 1e3),
-                Some(_) => return None,
+                Some(SideEvent::Connected { .. }) => return Ok(start.elapsed().as_secs_f64() * 1e3),
+                Some(other) => return Err(format!("{other:?}")),
                 None => {}
             }
             if side.poll_close().is_some() {
-                return None;
+                return Err("closed".into());
             }
-            let n = stream.read(&mut buf).ok().filter(|&n| n > 0)?;
+            let left = limit.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return Err(format!("no handshake within {limit:?}"));
+            }
+            let _ = stream.set_read_timeout(Some(left));
+            let n = stream.read(&mut buf).map_err(|e| format!("read: {e}"))?;
+            if n == 0 {
+                return Err("P closed the connection".into());
+            }
             side.handle_bytes(now(start), ConnId(1), &buf[..n]);
         }
     }
@@ -228,6 +295,9 @@ impl Attacker {
             probe_ms: outcome.probe_ms,
             rss_growth_mib: (outcome.peak_rss - before).max(0.0),
             p_alive: self.p_alive(),
+            probes: outcome.probes,
+            window_ns: outcome.window_ns,
+            quiet_ns: outcome.quiet_ns,
         };
         println!("{}", serde_json::to_string(&result)?);
         Ok(())
@@ -288,6 +358,7 @@ impl Attacker {
             ),
             probe_ms: peak.0,
             peak_rss: peak.1,
+            ..Outcome::default()
         })
     }
 
@@ -343,6 +414,7 @@ impl Attacker {
             ),
             probe_ms: peak.0,
             peak_rss: peak.1,
+            ..Outcome::default()
         })
     }
 
@@ -379,6 +451,7 @@ impl Attacker {
             detail: refusals.join("; "),
             probe_ms,
             peak_rss,
+            ..Outcome::default()
         })
     }
 
@@ -397,6 +470,7 @@ impl Attacker {
             },
             probe_ms,
             peak_rss,
+            ..Outcome::default()
         })
     }
 
@@ -428,6 +502,7 @@ impl Attacker {
             ),
             probe_ms,
             peak_rss,
+            ..Outcome::default()
         })
     }
 
@@ -443,6 +518,7 @@ impl Attacker {
             detail: format!("closed: {closed}, error: {error:?}"),
             probe_ms,
             peak_rss,
+            ..Outcome::default()
         })
     }
 
@@ -482,10 +558,12 @@ impl Attacker {
             detail: format!("{ended} of {} were closed by P (evicted, or past the handshake deadline)", streams.len()),
             probe_ms: peak.0,
             peak_rss: peak.1,
+            ..Outcome::default()
         })
     }
 
-    /// 1000 connections that say nothing, far beyond the bound on unauthenticated ones.
+    /// 1000 connections that say nothing, far beyond the bound on those waiting for HELLO from
+    /// one address.
     fn idle_flood(&mut self) -> Result<Outcome> {
         let mut streams = Vec::new();
         for _ in 0..1000 {
@@ -503,21 +581,30 @@ impl Attacker {
             }
         }
         let open = streams.len() - ended;
+        let bound = kv_core::side::SideLimits::default().max_unauthenticated_per_source;
         Ok(Outcome {
             tried: format!("{} idle connections held open", streams.len()),
-            held: open <= 64,
-            detail: format!("P closed {ended} of them at once; {open} were still open (bound 64 unauthenticated)"),
+            held: open <= bound,
+            detail: format!(
+                "P closed {ended} of them at once; {open} were still open (bound {bound} waiting for HELLO from one address)"
+            ),
             probe_ms,
             peak_rss,
+            ..Outcome::default()
         })
     }
 }
 
 /// What an attack saw.
+#[derive(Default)]
 struct Outcome {
     tried: String,
     held: bool,
     detail: String,
     probe_ms: Option<f64>,
     peak_rss: f64,
+    /// A storm's probes, and its window with the quiet one before it.
+    probes: Vec<Probes>,
+    window_ns: Option<(u64, u64)>,
+    quiet_ns: Option<(u64, u64)>,
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 use clap::{Args, Parser, ValueEnum};
 use kv_core::PoolShape;
-use xtask::proto::{Model, NodeConfig, NodeRole, TransportKind};
+use xtask::proto::{AttackPlan, Model, NodeConfig, NodeRole, TransportKind};
 
 /// The flags of `cargo xtask demo`; the defaults are [`DemoConfig::default`]'s.
 #[derive(Parser, Debug)]
@@ -254,8 +254,9 @@ pub struct DemoConfig {
     pub pause_decode: u32,
     /// Stop P once, past D's push watchdog and within its quarantine.
     pub pause_prefill: bool,
-    /// Run `kvflow-attack` against P once the engines are up (see `cargo xtask attack`).
-    pub attack: bool,
+    /// Run `kvflow-attack` against P once the engines are up, with these attacks (see
+    /// `cargo xtask attack`).
+    pub attack: Option<AttackPlan>,
     /// Fractions of requests D rejects, the router aborts, and that ask for n > 1.
     pub reject_rate: f64,
     /// See `reject_rate`.
@@ -310,7 +311,7 @@ impl Default for DemoConfig {
             etcd_ttl_s: 2,
             kill_silently: false,
             print_metrics: false,
-            attack: false,
+            attack: None,
             reject_rate: 0.08,
             abort_rate: 0.08,
             sibling_rate: 0.10,
@@ -362,11 +363,20 @@ impl DemoConfig {
                 self.blocks
             );
         }
-        if self.attack && self.hosts != Hosts::Loopback {
+        if self.attack.is_some() && self.hosts != Hosts::Loopback {
             bail!("the attack runs on loopback, not --hosts netns");
         }
-        if self.attack && self.transport != TransportKind::Nixl {
-            bail!("the attack drives NIXL itself; it runs against --transport nixl, not {}", self.transport.name());
+        match self.attack {
+            Some(AttackPlan::Storms) if self.transport != TransportKind::Tcp => {
+                bail!(
+                    "the storms attack the TCP data path; they run against --transport tcp, not {}",
+                    self.transport.name()
+                )
+            }
+            Some(AttackPlan::Messages | AttackPlan::MessagesShort) if self.transport != TransportKind::Nixl => {
+                bail!("the attack drives NIXL itself; it runs against --transport nixl, not {}", self.transport.name())
+            }
+            _ => {}
         }
         if self.discovery == DiscoveryKind::Etcd && !(2..=60).contains(&self.etcd_ttl_s) {
             bail!("--etcd-ttl-s {} is out of range: etcd's leases last 2 to 60 s here", self.etcd_ttl_s);

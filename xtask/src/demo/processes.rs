@@ -9,7 +9,9 @@ use std::process::{Child, ChildStdin, Command as Process, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use xtask::proto::{write_line, AttackConfig, AttackResult, Command, Event, NodeRole, Sighting, CLUSTER_KEY_ENV};
+use xtask::proto::{
+    write_line, AttackConfig, AttackResult, Command, Event, NodeRole, Sighting, StormNotice, CLUSTER_KEY_ENV,
+};
 
 use super::Demo;
 use crate::provision;
@@ -97,8 +99,9 @@ pub(super) enum FromNode {
     /// From the router's watch on etcd.
     Sighting(Sighting),
     Exited,
-    /// From the attacker: one attack's result, or its end.
+    /// From the attacker: one attack's result, a storm beginning or ending, or its end.
     Attack(AttackResult),
+    Storm(StormNotice),
     AttackerExited,
 }
 
@@ -120,7 +123,7 @@ impl Demo {
     pub(super) fn attack_if_due(&mut self) -> Result<()> {
         let p_stop_ahead = self.pauses.iter().any(|p| p.engine == "prefill0")
             || self.paused.as_ref().is_some_and(|(p, ..)| p.engine == "prefill0");
-        if self.config.attack && !self.attacker_started && !p_stop_ahead {
+        if self.config.attack.is_some() && !self.attacker_started && !p_stop_ahead {
             self.attacker_started = true;
             self.start_attacker()?;
         }
@@ -137,6 +140,9 @@ impl Demo {
             live_decode: "decode0".into(),
             live_instance: self.nodes["decode0"].instance,
             requests: self.config.requests,
+            transport: self.config.transport,
+            metrics_port: p.metrics.map(|addr| addr.port()),
+            plan: self.config.attack.unwrap_or_default(),
         };
         let path = self.binary.path.with_file_name("kvflow-attack");
         let mut child = self
@@ -151,9 +157,12 @@ impl Demo {
                 let Ok(line) = line else { break };
                 let from = match serde_json::from_str(&line) {
                     Ok(result) => FromNode::Attack(result),
-                    Err(e) => {
-                        FromNode::Event(Event::Error { message: format!("unreadable attacker line {line:?}: {e}") })
-                    }
+                    Err(e) => match serde_json::from_str(&line) {
+                        Ok(notice) => FromNode::Storm(notice),
+                        Err(_) => {
+                            FromNode::Event(Event::Error { message: format!("unreadable attacker line {line:?}: {e}") })
+                        }
+                    },
                 };
                 if sender.send((ATTACKER.to_owned(), 0, from)).is_err() {
                     return;

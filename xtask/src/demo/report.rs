@@ -7,15 +7,78 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use serde::Serialize;
 use serde_json::{json, Value};
 use xtask::prometheus::Exposition;
-use xtask::proto::{AttackResult, NodeRole};
+use xtask::proto::{AttackPlan, AttackResult, NodeRole, STORM_THROUGHPUT_SHARE};
 
 use super::metrics::Promtool;
 use super::Demo;
 
-/// How many attacks `kvflow-attack` makes (see `xtask::attacker`).
-const ATTACKS: usize = 9;
+/// How many attacks `kvflow-attack` makes with each plan (see `xtask::attacker`).
+fn attacks_in(plan: AttackPlan) -> usize {
+    match plan {
+        AttackPlan::Messages => 12,
+        AttackPlan::MessagesShort => 11,
+        AttackPlan::Storms => 5,
+    }
+}
+
+/// How the demo fared during a storm, against the quiet window before it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Availability {
+    /// The storm.
+    pub attack: String,
+    /// Requests whose KV D came to hold per second, in the quiet window and in the storm's.
+    pub quiet_rps: f64,
+    /// See `quiet_rps`.
+    pub storm_rps: f64,
+    /// Transfers that failed in the storm's window.
+    pub failed_transfers: usize,
+}
+
+impl Availability {
+    /// The demo's availability over each storm `attacks` reported, from the times the router
+    /// heard each request's KV ready and each transfer end.
+    fn of(attacks: &[AttackResult], ready_at: &[u64], transfer_at: &[(u64, bool)]) -> Vec<Availability> {
+        let rate = |(from, to): (u64, u64)| {
+            let n = ready_at.iter().filter(|&&t| t >= from && t < to).count();
+            n as f64 / ((to.saturating_sub(from)) as f64 / 1e9).max(1e-3)
+        };
+        attacks
+            .iter()
+            .filter_map(|a| {
+                let (window, quiet) = (a.window_ns?, a.quiet_ns?);
+                Some(Availability {
+                    attack: a.attack.clone(),
+                    quiet_rps: rate(quiet),
+                    storm_rps: rate(window),
+                    failed_transfers: transfer_at
+                        .iter()
+                        .filter(|(t, ok)| !ok && *t >= window.0 && *t < window.1)
+                        .count(),
+                })
+            })
+            .collect()
+    }
+
+    fn failures(&self) -> Vec<String> {
+        let mut f = Vec::new();
+        if self.storm_rps < STORM_THROUGHPUT_SHARE * self.quiet_rps || self.quiet_rps == 0.0 {
+            f.push(format!(
+                "{}: the demo ran at {:.1} requests a second under the storm, against {:.1} in the quiet window before it (bound {:.0}%)",
+                self.attack,
+                self.storm_rps,
+                self.quiet_rps,
+                STORM_THROUGHPUT_SHARE * 100.0
+            ));
+        }
+        if self.failed_transfers > 0 {
+            f.push(format!("{}: {} transfers failed under the storm", self.attack, self.failed_transfers));
+        }
+        f
+    }
+}
 
 /// The longest a dead D engine's export may stay held on P after the death: P hears of the
 /// death when the engine's side channel closes, and releases what was bound to it at once.
@@ -89,6 +152,10 @@ pub struct Report {
     killed: Option<String>,
     pauses: Vec<(String, u64)>,
     attacks: Option<Vec<AttackResult>>,
+    /// Which attacks the run made.
+    attack_plan: Option<AttackPlan>,
+    /// The demo's availability under each storm.
+    availability: Vec<Availability>,
     /// Exports released as `peer_lost` while the D engine they went to was alive.
     released_for_live_engines: usize,
     held_after_death_ms: Option<u64>,
@@ -228,7 +295,9 @@ impl Report {
             throughput_rps,
             killed: demo.kill.as_ref().map(|k| k.engine.clone()),
             pauses: demo.paused_done.iter().map(|(p, _, _)| (p.engine.clone(), p.length.as_millis() as u64)).collect(),
-            attacks: demo.config.attack.then(|| demo.attacks.clone()),
+            attacks: demo.config.attack.map(|_| demo.attacks.clone()),
+            attack_plan: demo.config.attack,
+            availability: Availability::of(&demo.attacks, &demo.ready_at, &demo.transfer_at),
             released_for_live_engines: demo
                 .tracks
                 .values()
@@ -330,11 +399,15 @@ impl Report {
                 self.released_for_live_engines
             ));
         }
-        if let Some(attacks) = &self.attacks {
-            if attacks.len() < ATTACKS {
-                f.push(format!("the attacker reported {} of {ATTACKS} attacks", attacks.len()));
+        if let (Some(attacks), Some(plan)) = (&self.attacks, self.attack_plan) {
+            let expected = attacks_in(plan);
+            if attacks.len() < expected {
+                f.push(format!("the attacker reported {} of {expected} attacks", attacks.len()));
             }
             f.extend(attacks.iter().flat_map(AttackResult::failures));
+            f.extend(self.availability.iter().flat_map(Availability::failures));
+        }
+        if self.attacks.is_some() && self.attack_plan != Some(AttackPlan::Storms) {
             // The attacks that P must have noticed, by its own counts (summed over its ranks).
             for cause in ["foreign", "unauthenticated"] {
                 let counted = self.p_ignored.as_ref().and_then(|m| m.get(cause)).copied().unwrap_or(0);
@@ -388,6 +461,7 @@ impl Report {
             "throughput_rps": self.throughput_rps,
             "killed": self.killed,
             "attacks": self.attacks,
+            "availability": self.availability,
             "released_for_live_engines": self.released_for_live_engines,
             "pauses_ms": self.pauses.iter().map(|(e, ms)| json!({ "engine": e, "ms": ms })).collect::<Vec<_>>(),
             "longest_held_after_death_ms": self.held_after_death_ms,
@@ -506,6 +580,16 @@ impl Report {
                 a.rss_growth_mib,
                 if a.p_alive { "alive" } else { "DEAD" },
                 a.detail
+            );
+        }
+        for a in &self.availability {
+            println!(
+                "  availability {:<22} {:.1} requests/s under the storm, {:.1} in the quiet window before ({:.2}), {} transfers failed",
+                a.attack,
+                a.storm_rps,
+                a.quiet_rps,
+                if a.quiet_rps > 0.0 { a.storm_rps / a.quiet_rps } else { 0.0 },
+                a.failed_transfers
             );
         }
         let p = &self.partial;

@@ -131,6 +131,10 @@ pub struct Demo {
     pub(super) sender: Sender<(String, u64, FromNode)>,
     /// Requests not sent yet.
     queue: VecDeque<Request>,
+    /// The workload's draws, and the next request's number: under attack the workload goes on
+    /// until the attacker is done, so that each storm has traffic to measure.
+    rng: Rng,
+    next_request: u32,
     /// Prompts a busy P sent back, to send again from this time.
     retries: VecDeque<(Instant, String)>,
     /// Exports that found no live D engine, to hand over when one is up.
@@ -155,7 +159,13 @@ pub struct Demo {
     pub(super) attacker: Option<Child>,
     pub(super) attacker_started: bool,
     pub(super) attacks: Vec<AttackResult>,
+    /// The storm the attacker says is raging: the router stops and kills no engine meanwhile.
+    pub(super) storm: Option<String>,
     pub(super) transfers: Vec<(u64, u64, bool)>,
+    /// When each request's KV was ready at D (wall clock, ns), and when each transfer's end was
+    /// heard and whether it failed: a storm's availability against its quiet window.
+    pub(super) ready_at: Vec<u64>,
+    pub(super) transfer_at: Vec<(u64, bool)>,
     /// Each engine incarnation's metrics, scraped at the end or just before its kill.
     pub(super) scrapes: Vec<Scrape>,
     /// Incarnations that could not be scraped when they were due, and why.
@@ -181,6 +191,7 @@ impl Demo {
         let (sender, events) = mpsc::channel();
         let mut rng = Rng::new(config.seed);
         let queue = (0..config.requests).map(|i| workload(&config, &mut rng, i)).collect();
+        let next_request = config.requests;
         let progress = indicatif::ProgressBar::new(u64::from(config.requests));
         progress.set_style(
             indicatif::ProgressStyle::with_template("{spinner} {elapsed:>3} [{bar:40}] {pos}/{len} requests {msg}")
@@ -225,6 +236,8 @@ impl Demo {
             events,
             sender,
             queue,
+            rng,
+            next_request,
             retries: VecDeque::new(),
             undelivered: VecDeque::new(),
             open: HashMap::new(),
@@ -242,7 +255,10 @@ impl Demo {
             attacker: None,
             attacker_started: false,
             attacks: Vec::new(),
+            storm: None,
             transfers: Vec::new(),
+            ready_at: Vec::new(),
+            transfer_at: Vec::new(),
             scrapes: Vec::new(),
             unscraped: Vec::new(),
             errors: Vec::new(),
@@ -374,14 +390,14 @@ impl Demo {
         let limit = self.started + self.config.time_limit;
         // The run ends when every request has ended, the killed engine is back up, and no
         // engine is stopped.
-        while self.completed < self.config.requests
+        while self.completed < self.next_request
             || self.restarting()
             || self.paused.is_some()
             || self.attacker.is_some()
-            || (self.config.attack && !self.attacker_started)
+            || (self.config.attack.is_some() && !self.attacker_started)
         {
             let now = Instant::now();
-            if self.config.kill && self.kill.is_none() && self.issued >= kill_after {
+            if self.config.kill && self.kill.is_none() && self.issued >= kill_after && self.storm.is_none() {
                 self.kill_decode()?;
             }
             self.pause_if_due(now)?;
@@ -403,7 +419,7 @@ impl Demo {
             self.pump(Duration::from_millis(2))?;
             let stopped: Duration = self.paused_done.iter().map(|(p, _, _)| p.length).sum();
             if now > limit + stopped + Duration::from_millis(self.config.lease_ms * 3) {
-                self.errors.push(format!("{} requests never finished", self.config.requests - self.completed));
+                self.errors.push(format!("{} requests never finished", self.next_request - self.completed));
                 break;
             }
         }
@@ -438,6 +454,13 @@ impl Demo {
                 if now < due {
                     return;
                 }
+            }
+            if self.queue.is_empty() && self.attacker.is_some() {
+                // Under attack, traffic goes on until the attacker is done.
+                let i = self.next_request;
+                self.next_request += 1;
+                self.queue.push_back(workload(&self.config, &mut self.rng, i));
+                self.progress.inc_length(1);
             }
             let Some(request) = self.queue.pop_front() else { return };
             self.issued += 1;
@@ -630,7 +653,7 @@ impl Demo {
             }
             return Ok(());
         }
-        if self.pauses.front().is_none_or(|p| p.at_issued > self.issued) {
+        if self.pauses.front().is_none_or(|p| p.at_issued > self.issued) || self.storm.is_some() {
             return Ok(());
         }
         let pause = self.pauses.pop_front().expect("checked");
@@ -691,6 +714,15 @@ impl Demo {
                 self.progress.set_message(format!("attack {}", result.attack));
                 return self.attacks.push(result);
             }
+            FromNode::Storm(notice) => {
+                self.progress.set_message(format!(
+                    "storm {} {}",
+                    notice.storm,
+                    if notice.active { "begins" } else { "ended" }
+                ));
+                self.storm = notice.active.then_some(notice.storm);
+                return;
+            }
             FromNode::AttackerExited => {
                 if let Some(mut child) = self.attacker.take() {
                     match child.wait() {
@@ -716,7 +748,7 @@ impl Demo {
                 return;
             }
             FromNode::Event(event) => event,
-            FromNode::Attack(_) | FromNode::AttackerExited | FromNode::Sighting(_) => return,
+            FromNode::Attack(_) | FromNode::Storm(_) | FromNode::AttackerExited | FromNode::Sighting(_) => return,
         };
         if !current {
             // A killed incarnation's last words.
@@ -771,6 +803,9 @@ impl Demo {
                 let from_here = track.and_then(|t| t.decode.as_ref()).is_some_and(|(d, i)| d == name && *i == instance);
                 if from_here && track.is_some_and(|t| t.outcome.is_none()) {
                     let ready = (outcome == "ok" || outcome == "corrupt").then_some(ready_at_ns);
+                    if outcome == "ok" {
+                        self.ready_at.push(wall_ns());
+                    }
                     if let Some(track) = self.tracks.get_mut(&id) {
                         track.scrub_check_ns = scrub_check_ns;
                         track.prepared_at_ns = prepared_at_ns;
@@ -780,6 +815,7 @@ impl Demo {
             }
             Event::Transfer { bytes, took_ns, ok, request } => {
                 self.transfers.push((bytes, took_ns, ok));
+                self.transfer_at.push((wall_ns(), ok));
                 if let Some(track) = request.filter(|_| ok).and_then(|r| self.tracks.get_mut(&r)) {
                     track.bytes_read += bytes;
                 }

@@ -221,7 +221,8 @@ impl Engine {
             let agent = AgentName::new(EngineId::new(config.name.clone()), rank);
             let pool = LocalPool { shape, regions };
             let offer = pool.offer(&agent, tp, config.instance, role, MODEL);
-            let (mut inner, port) = transport(config, &offer, clock.clone())?;
+            let (mut inner, port, listeners) = transport(config, &offer, clock.clone())?;
+            metrics::watch(&config.name, rank, listeners);
             inner.register(&region).with_context(|| format!("registering rank {rank}'s KV pool"))?;
             let ahead_of = AheadOf::default();
             let transport = TimedTransport::new(inner, tx.clone(), ahead_of.clone());

@@ -18,6 +18,7 @@ use kv_core::{
 use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
 use kv_transport_tcp::{TcpConfig, TcpTransport};
 
+use super::metrics::Listeners;
 use crate::e2e::ProcessClock;
 use crate::proto::{NodeConfig, TransportKind, CLUSTER_KEY_ENV};
 
@@ -154,12 +155,13 @@ impl Transport for TimedTransport {
     }
 }
 
-/// A rank's transport as the configuration says, and the port its side channel listens on.
+/// A rank's transport as the configuration says, the port its side channel listens on, and
+/// the probe of its listeners for the metrics endpoint.
 pub(super) fn transport(
     config: &NodeConfig,
     offer: &Handshake,
     clock: Arc<ProcessClock>,
-) -> Result<(Box<dyn Transport>, u16)> {
+) -> Result<(Box<dyn Transport>, u16, Listeners)> {
     // The router's key, when it gave one; without it the side channel is loopback-only anyway.
     let key = match std::env::var_os(CLUSTER_KEY_ENV) {
         Some(_) => KeySource::Env(CLUSTER_KEY_ENV.to_owned()),
@@ -171,14 +173,14 @@ pub(super) fn transport(
         TransportKind::Nixl => {
             let nixl = NixlConfig { bind, key, ..NixlConfig::default() };
             let t = NixlTransport::new(offer.clone(), &nixl, clock).context("the NIXL transport")?;
-            let port = t.side_channel_addr().port();
-            (Box::new(t), port)
+            let (port, probe) = (t.side_channel_addr().port(), Listeners::Side(t.side_probe()));
+            (Box::new(t), port, probe)
         }
         TransportKind::Tcp => {
             let tcp = TcpConfig { bind, data_bind: ip.into(), key, ..TcpConfig::default() };
             let t = TcpTransport::new(offer.clone(), &tcp, clock).context("the TCP transport")?;
-            let port = t.side_channel_addr().port();
-            (Box::new(t), port)
+            let (port, probe) = (t.side_channel_addr().port(), Listeners::Tcp(t.status_probe()));
+            (Box::new(t), port, probe)
         }
     })
 }
