@@ -49,6 +49,8 @@ pub struct BenchArgs {
 enum Part {
     /// The lease table against a scan (criterion).
     Lease,
+    /// The TCP transport's payload tags against none (criterion): what `payload_tags` costs.
+    TcpTags,
     /// Two processes over NIXL: kvflow's descriptors against memcpy and raw nixl-sys.
     Transport,
     /// Pull against push, one request at a time: P done to D holding the KV.
@@ -64,6 +66,7 @@ enum Part {
 /// One comparison: a criterion group, the operations measured, and which implementation is
 /// kvflow's and which the baseline.
 struct Comparison {
+    part: Part,
     title: &'static str,
     package: &'static str,
     bench: &'static str,
@@ -73,15 +76,29 @@ struct Comparison {
     baseline: &'static str,
 }
 
-const COMPARISONS: &[Comparison] = &[Comparison {
-    title: "lease table, 1,000,000 live leases (ns per operation)",
-    package: "kv-lease",
-    bench: "lease_table",
-    group: "lease_table",
-    ops: &["poll_nothing_due", "grant", "renew", "release"],
-    ours: "indexed",
-    baseline: "scan",
-}];
+const COMPARISONS: &[Comparison] = &[
+    Comparison {
+        part: Part::Lease,
+        title: "lease table, 1,000,000 live leases (ns per operation)",
+        package: "kv-lease",
+        bench: "lease_table",
+        group: "lease_table",
+        ops: &["poll_nothing_due", "grant", "renew", "release"],
+        ours: "indexed",
+        baseline: "scan",
+    },
+    Comparison {
+        part: Part::TcpTags,
+        title: "TCP transport, a 16 MiB read between two agents in one process (ns per read): \
+                payload bytes tagged against untagged (ratio below 1: what the tags cost)",
+        package: "kv-transport-tcp",
+        bench: "payload_tags",
+        group: "tcp_payload_tags",
+        ops: &["read_16mib"],
+        ours: "tagged",
+        baseline: "untagged",
+    },
+];
 
 /// Runs every bench (or those `--only` names), then prints the tables (or one JSON object with
 /// `--json`). `--quick` measures less of each, to end within a few minutes once built.
@@ -92,7 +109,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     // Build the engines first, so that building is not inside any measurement.
     let node = build_node()?;
     let mut report = serde_json::Map::new();
-    for c in COMPARISONS.iter().filter(|_| runs(Part::Lease)) {
+    for c in COMPARISONS.iter().filter(|c| runs(c.part)) {
         // --noplot: the numbers are read back below; plots are not needed.
         let mut args = vec!["bench", "--locked", "-p", c.package, "--bench", c.bench, "--", "--noplot"];
         if quick {
@@ -106,7 +123,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
     }
     let criterion = workspace::target_dir(&root).join("criterion");
-    for c in COMPARISONS.iter().filter(|_| runs(Part::Lease)) {
+    for c in COMPARISONS.iter().filter(|c| runs(c.part)) {
         let mut rows = Vec::new();
         for op in c.ops {
             let ours = mean_ns(&criterion, c.group, op, c.ours)?;
