@@ -333,6 +333,9 @@ pub enum Command {
     },
     /// Report [`Event::Stats`].
     Stats,
+    /// P: die by SIGKILL right after posting the next push write, so that it dies with that
+    /// write in flight (the attack suite's kill of P mid-write).
+    DieDuringWrite,
     /// Exit.
     Shutdown,
 }

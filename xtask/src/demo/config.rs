@@ -75,6 +75,13 @@ pub struct DemoArgs {
     /// Stops P once, past D's push watchdog but within D's quarantine, with its writes in flight.
     #[arg(long)]
     pause_prefill: bool,
+    /// Stops the router itself (this process) once, for two leases, while requests are in
+    /// flight: the engines must neither strand nor lose blocks meanwhile.
+    #[arg(long)]
+    pause_router: bool,
+    /// Kills P with SIGKILL half-way (in push mode with its writes in flight), and restarts it.
+    #[arg(long)]
+    kill_prefill: bool,
     /// The transport the engines move KV with: NIXL over UCX, or plain TCP (the baseline).
     #[arg(long, value_enum, default_value_t = TransportKind::Nixl)]
     transport: TransportKind,
@@ -199,6 +206,8 @@ impl DemoArgs {
             kill: !self.no_kill,
             pause_decode: self.pause_decode,
             pause_prefill: self.pause_prefill,
+            pause_router: self.pause_router,
+            kill_prefill: self.kill_prefill,
             transport: self.transport,
             hosts: self.hosts,
             discovery: self.discovery,
@@ -254,6 +263,10 @@ pub struct DemoConfig {
     pub pause_decode: u32,
     /// Stop P once, past D's push watchdog and within its quarantine.
     pub pause_prefill: bool,
+    /// Stop the router (this process) once, for two leases.
+    pub pause_router: bool,
+    /// Kill P with SIGKILL half-way and restart it.
+    pub kill_prefill: bool,
     /// Run `kvflow-attack` against P once the engines are up, with these attacks (see
     /// `cargo xtask attack`).
     pub attack: Option<AttackPlan>,
@@ -305,6 +318,8 @@ impl Default for DemoConfig {
             kill: true,
             pause_decode: 0,
             pause_prefill: false,
+            pause_router: false,
+            kill_prefill: false,
             transport: TransportKind::Nixl,
             hosts: Hosts::Loopback,
             discovery: DiscoveryKind::Static,
@@ -422,6 +437,9 @@ impl DemoConfig {
             let length = Duration::from_millis(self.node(NodeRole::Decode, "", 0).decoder_ttl_ms) + lease;
             pauses.push_back(Pause { engine: "prefill0".into(), at_issued: self.requests / 4, length });
         }
+        if self.pause_router {
+            pauses.push_back(Pause { engine: ROUTER.into(), at_issued: self.requests * 9 / 10, length: lease * 2 });
+        }
         pauses.make_contiguous().sort_by_key(|p| p.at_issued);
         pauses
     }
@@ -475,7 +493,10 @@ impl DemoConfig {
     }
 }
 
-/// A stop of one engine with SIGSTOP, then SIGCONT.
+/// The name a [`Pause`] of the router itself goes by.
+pub(super) const ROUTER: &str = "router";
+
+/// A stop of one engine (or the router, [`ROUTER`]) with SIGSTOP, then SIGCONT.
 #[derive(Clone, Debug)]
 pub(super) struct Pause {
     /// The engine stopped.

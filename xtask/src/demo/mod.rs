@@ -65,12 +65,15 @@ pub enum AttackRun {
     Push,
     /// The TCP transport under storms: a churn storm, a data-port flood, a sniffer.
     Storms,
+    /// NIXL, push, P computing in chunks: P killed with SIGKILL with its writes in flight
+    /// (and restarted), the router itself stopped for two leases.
+    Faults,
 }
 
 /// `cargo xtask attack`'s flags.
 #[derive(clap::Args, Debug, Default)]
 pub struct AttackArgs {
-    /// Only these runs (by default all three).
+    /// Only these runs (by default all four).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<AttackRun>,
 }
@@ -102,6 +105,7 @@ pub fn attack(args: &AttackArgs) -> Result<()> {
             lease_ms: 2000,
             pause_decode: if push || storms { 0 } else { 3 },
             pause_prefill: push,
+
             // Push computes on the simulated GPU, in chunks written ahead: P is stopped with
             // those writes in flight too.
             prefill_us_per_token: if push { 50 } else { 0 },
@@ -111,6 +115,25 @@ pub fn attack(args: &AttackArgs) -> Result<()> {
             // machine, which a closed loop would measure.
             rate: storms.then_some(30.0),
             attack: Some(plan),
+            ..DemoConfig::default()
+        };
+        let report = Demo::start(config, node.clone())?.run()?;
+        report.print();
+        failed.extend(report.failures());
+    }
+    if args.only.is_empty() || args.only.contains(&AttackRun::Faults) {
+        let config = DemoConfig {
+            push: true,
+            requests: 300,
+            model: Model { layers: 4, ..DemoConfig::default().model },
+            max_tokens: 256,
+            lease_ms: 2000,
+            // P computes each prompt in chunks and writes ahead as it goes: when it is killed
+            // half-way, writes into D's blocks are in flight.
+            prefill_us_per_token: 100,
+            kill: false,
+            kill_prefill: true,
+            pause_router: true,
             ..DemoConfig::default()
         };
         let report = Demo::start(config, node.clone())?.run()?;

@@ -150,6 +150,12 @@ pub struct Report {
     /// them.
     throughput_rps: f64,
     killed: Option<String>,
+    /// `--kill-prefill`: the P incarnation killed, its releases as the router heard them, and
+    /// as its metrics said just before its death (they need not agree: it freed more in
+    /// between); the checks on releases are then the new incarnation's.
+    killed_prefill: Option<String>,
+    killed_prefill_releases: BTreeMap<String, u64>,
+    killed_prefill_scraped: Option<BTreeMap<String, u64>>,
     pauses: Vec<(String, u64)>,
     attacks: Option<Vec<AttackResult>>,
     /// Which attacks the run made.
@@ -181,6 +187,8 @@ pub struct Report {
     writes_ahead: u64,
     held_after_drain: BTreeMap<String, u64>,
     unreleased_exports: usize,
+    /// Exports the killed P held when it died.
+    died_with_prefill: usize,
     /// Each incarnation's scraped metrics (`decode1#2`), by sample (`name{labels}`): counters,
     /// gauges, and histograms' `_sum` and `_count`.
     metrics: BTreeMap<String, BTreeMap<String, f64>>,
@@ -202,11 +210,15 @@ impl Report {
     /// its scrapes, and promtool's word on them.
     pub(super) fn new(demo: &Demo, elapsed: Duration, stats: BTreeMap<String, Value>, promtool: Promtool) -> Report {
         let mut outcomes = BTreeMap::new();
-        let mut releases = BTreeMap::new();
+        // Releases by the P incarnation running at the end, and by the one killed, if one was.
+        let (mut releases, mut killed_prefill_releases) = (BTreeMap::new(), BTreeMap::new());
+        let killed_p = demo.p_kill.as_ref().map(|k| k.instance);
         for track in demo.tracks.values() {
             *outcomes.entry(track.outcome.clone().unwrap_or_else(|| "unfinished".into())).or_insert(0) += 1;
             if let Some((reason, _)) = &track.freed {
-                *releases.entry(reason.clone()).or_insert(0) += 1;
+                let by_killed = killed_p == Some(track.freed_by);
+                let into = if by_killed { &mut killed_prefill_releases } else { &mut releases };
+                *into.entry(reason.clone()).or_insert(0) += 1;
             }
         }
         let done: Vec<_> = demo.transfers.iter().filter(|t| t.2).collect();
@@ -265,8 +277,13 @@ impl Report {
         }
         let metrics = demo.scrapes.iter().map(|s| (s.incarnation.clone(), s.exposition.flat())).collect();
         let metrics_summary = demo.scrapes.iter().map(|s| (s.incarnation.clone(), summary(&s.exposition))).collect();
-        // The one P runs as one incarnation all along.
-        let p = demo.scrapes.iter().find(|s| s.role == NodeRole::Prefill).map(|s| &s.exposition);
+        // The P incarnation running at the end (the killed one was scraped first, just before).
+        let p = demo.scrapes.iter().rev().find(|s| s.role == NodeRole::Prefill).map(|s| &s.exposition);
+        let killed_prefill_scraped = killed_p.and_then(|_| {
+            let first = demo.scrapes.iter().find(|s| s.role == NodeRole::Prefill)?;
+            let sums = first.exposition.sum_by("kvflow_releases_total", "reason", &[]);
+            Some(sums.into_iter().filter(|(_, v)| *v != 0.0).map(|(k, v)| (k, v as u64)).collect())
+        });
         let counts = |sums: BTreeMap<String, f64>| -> BTreeMap<String, u64> {
             sums.into_iter().filter(|(_, v)| *v != 0.0).map(|(k, v)| (k, v as u64)).collect()
         };
@@ -294,6 +311,12 @@ impl Report {
             submit_p99_us: percentile(&submit, 99.0),
             throughput_rps,
             killed: demo.kill.as_ref().map(|k| k.engine.clone()),
+            killed_prefill: demo
+                .p_kill
+                .as_ref()
+                .map(|k| format!("prefill0#{}{}", k.instance, if k.mid_write { " mid-write" } else { "" })),
+            killed_prefill_releases,
+            killed_prefill_scraped,
             pauses: demo.paused_done.iter().map(|(p, _, _)| (p.engine.clone(), p.length.as_millis() as u64)).collect(),
             attacks: demo.config.attack.map(|_| demo.attacks.clone()),
             attack_plan: demo.config.attack,
@@ -324,10 +347,16 @@ impl Report {
             corrupt_reads,
             written_after_free,
             writes_ahead,
+            // A killed P's exports died with it (its process and pool are gone).
             unreleased_exports: demo
                 .tracks
                 .values()
-                .filter(|t| t.finished_at_ns.is_some() && t.freed.is_none())
+                .filter(|t| t.finished_at_ns.is_some() && t.freed.is_none() && killed_p != Some(t.exported_by))
+                .count(),
+            died_with_prefill: demo
+                .tracks
+                .values()
+                .filter(|t| t.finished_at_ns.is_some() && t.freed.is_none() && killed_p == Some(t.exported_by))
                 .count(),
             held_after_drain,
             metrics,
@@ -361,6 +390,11 @@ impl Report {
         }
         if self.unreleased_exports > 0 {
             f.push(format!("{} exports P never released", self.unreleased_exports));
+        }
+        if self.killed_prefill.as_ref().is_some_and(|k| !k.ends_with("mid-write")) && self.mode == "push" {
+            f.push(
+                "P was to die with a push write in flight, but posted none within 3 s and was killed outright".into(),
+            );
         }
         if let Some(ms) = self.held_after_death_ms.filter(|&ms| ms > self.death_bound_ms) {
             f.push(format!(
@@ -449,6 +483,12 @@ impl Report {
             "exports": self.exports,
             "outcomes": self.outcomes,
             "releases_on_p": self.releases,
+            "killed_prefill": {
+                "incarnation": self.killed_prefill,
+                "releases": self.killed_prefill_releases,
+                "releases_scraped": self.killed_prefill_scraped,
+                "exports_held_at_death": self.died_with_prefill,
+            },
             "bytes_moved": self.bytes,
             "transfers": self.transfers,
             "transfers_failed": self.transfers_failed,
@@ -523,6 +563,14 @@ impl Report {
             None => "(P not scraped)".to_owned(),
         };
         println!("  releases on P        {} {scraped}", list(&self.releases));
+        if let Some(killed) = &self.killed_prefill {
+            let scraped = self.killed_prefill_scraped.as_ref().map_or_else(|| "not scraped".to_owned(), &list);
+            println!(
+                "  P killed (SIGKILL)   {killed}: it released {} before its death (scraped just before: {scraped}) and held {} exports at it; a new incarnation served the rest",
+                list(&self.killed_prefill_releases),
+                self.died_with_prefill
+            );
+        }
         println!(
             "  bytes moved          {:.2} GiB in {} transfers ({} failed): {:.2} GB/s per transfer (bytes over time in flight), {:.2} GB/s over the run",
             self.bytes as f64 / f64::from(1u32 << 30),

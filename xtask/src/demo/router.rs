@@ -15,7 +15,7 @@ use kv_testkit::Rng;
 use serde_json::{json, Value};
 use xtask::proto::{wall_ns, AttackResult, Command, EtcdSettings, Event, NodeRole, Remote, Sighting};
 
-use super::config::{DemoConfig, DiscoveryKind, Hosts, Pause};
+use super::config::{DemoConfig, DiscoveryKind, Hosts, Pause, ROUTER};
 use super::metrics::{promtool_check, Scrape};
 use super::processes::{signal, FromNode, Node, NodeBinary, ATTACKER};
 use super::report::Report;
@@ -39,6 +39,9 @@ pub(super) struct Track {
     pub(super) scrub_check_ns: u64,
     pub(super) prepared_at_ns: u64,
     pub(super) freed: Option<(String, u64)>,
+    /// The P incarnation that freed it, and the one that exported it.
+    pub(super) freed_by: u64,
+    pub(super) exported_by: u64,
     /// A partial prefix hit: what D's own cache held of it, and what it had to read.
     pub(super) partial: Option<Partial>,
     /// Bytes of the completed transfers whose notification named this request.
@@ -150,6 +153,8 @@ pub struct Demo {
     issued: u32,
     completed: u32,
     pub(super) kill: Option<Kill>,
+    /// P killed with SIGKILL (`--kill-prefill`).
+    pub(super) p_kill: Option<PKill>,
     /// Stops still to make, the one in progress (its process and when it ends), and those made.
     pub(super) pauses: VecDeque<Pause>,
     pub(super) paused: Option<(Pause, u32, Instant, u64)>,
@@ -173,6 +178,27 @@ pub struct Demo {
     pub(super) errors: Vec<String>,
     started: Instant,
     pub(super) progress: indicatif::ProgressBar,
+}
+
+/// `--kill-prefill`: the P incarnation killed, and how far its death and restart are.
+pub(super) struct PKill {
+    pub(super) instance: u64,
+    /// When it died (wall clock, ns; 0 while it is dying).
+    pub(super) at_ns: u64,
+    pub(super) phase: PKillPhase,
+    /// It died right after posting a push write (else it posted none within the wait, and
+    /// was killed outright).
+    pub(super) mid_write: bool,
+}
+
+/// How far a P kill is.
+pub(super) enum PKillPhase {
+    /// Told to die at its next write, since then.
+    Dying(Instant),
+    /// Dead; restarts at that time.
+    Down(Instant),
+    /// A new incarnation runs.
+    Back,
 }
 
 /// The D engine killed part-way.
@@ -249,6 +275,7 @@ impl Demo {
             issued: 0,
             completed: 0,
             kill: None,
+            p_kill: None,
             pauses,
             paused: None,
             paused_done: Vec::new(),
@@ -400,6 +427,10 @@ impl Demo {
             if self.config.kill && self.kill.is_none() && self.issued >= kill_after && self.storm.is_none() {
                 self.kill_decode()?;
             }
+            if self.config.kill_prefill && self.p_kill.is_none() && self.issued >= self.config.requests / 2 {
+                self.kill_prefill();
+            }
+            self.prefill_kill_progress()?;
             self.pause_if_due(now)?;
             self.attack_if_due()?;
             self.restart_if_due()?;
@@ -446,6 +477,10 @@ impl Demo {
         for _ in 0..self.undelivered.len() {
             let (export, parent, remote, fate) = self.undelivered.pop_front().expect("counted");
             self.dispatch(&export, &parent, remote, fate);
+        }
+        if self.nodes.get("prefill0").is_none_or(|p| p.port.is_none()) {
+            // P is down (killed, not back yet): nothing goes to it.
+            return;
         }
         while self.open.len() < self.config.concurrency as usize {
             if let Some(rate) = self.config.rate {
@@ -646,7 +681,9 @@ impl Demo {
     fn pause_if_due(&mut self, now: Instant) -> Result<()> {
         if let Some((pause, pid, until, began)) = &self.paused {
             if now >= *until {
-                signal(*pid, "CONT")?;
+                if pause.engine != ROUTER {
+                    signal(*pid, "CONT")?;
+                }
                 self.progress.set_message(format!("resumed {}", pause.engine));
                 self.paused_done.push((pause.clone(), *began, wall_ns()));
                 self.paused = None;
@@ -657,6 +694,19 @@ impl Demo {
             return Ok(());
         }
         let pause = self.pauses.pop_front().expect("checked");
+        if pause.engine == ROUTER {
+            // This process cannot resume itself: a shell of its own stops it and resumes it.
+            let (pid, secs) = (std::process::id(), pause.length.as_secs_f64());
+            std::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!("kill -STOP {pid}; sleep {secs}; kill -CONT {pid}"))
+                .spawn()
+                .context("the shell that stops the router")?;
+            self.progress.set_message(format!("router stopped for {} ms", pause.length.as_millis()));
+            let until = now + pause.length;
+            self.paused = Some((pause, 0, until, wall_ns()));
+            return Ok(());
+        }
         // A killed engine that is not back yet cannot be stopped: skip that stop.
         let Some(node) = self.nodes.get(&pause.engine).filter(|n| n.port.is_some()) else {
             self.errors.push(format!("{} was down when it was due to be stopped", pause.engine));
@@ -671,13 +721,76 @@ impl Demo {
     /// Whether the killed engine is not yet back up (a silently dead one stays dead), or its
     /// lapse not yet seen.
     fn restarting(&self) -> bool {
-        self.kill.as_ref().is_some_and(|k| {
-            if k.silent {
-                !self.lapses.iter().any(|(e, i, _)| *e == k.engine && *i == k.instance)
-            } else {
-                self.nodes.get(&k.engine).is_none_or(|n| n.port.is_none())
+        let p_down = self.p_kill.as_ref().is_some_and(|k| !matches!(k.phase, PKillPhase::Back))
+            || self.nodes.get("prefill0").is_none_or(|n| n.port.is_none());
+        p_down
+            || self.kill.as_ref().is_some_and(|k| {
+                if k.silent {
+                    !self.lapses.iter().any(|(e, i, _)| *e == k.engine && *i == k.instance)
+                } else {
+                    self.nodes.get(&k.engine).is_none_or(|n| n.port.is_none())
+                }
+            })
+    }
+
+    /// `--kill-prefill`: reads P's counters, then tells P to kill itself with SIGKILL right
+    /// after posting its next push write, so that it dies with that write into D's blocks in
+    /// flight ([`Command::DieDuringWrite`]); see [`Demo::prefill_kill_progress`].
+    fn kill_prefill(&mut self) {
+        self.scrape("prefill0");
+        self.send("prefill0", &Command::DieDuringWrite);
+        let instance = self.nodes["prefill0"].instance;
+        self.p_kill = Some(PKill { instance, at_ns: 0, phase: PKillPhase::Dying(Instant::now()), mid_write: true });
+        self.progress.set_message("prefill0 dies at its next write");
+    }
+
+    /// Moves a P kill on: once P is dead (or, if it posted no write within 3 s, killed
+    /// outright), the requests it had not exported are lost with it (in push mode D, which
+    /// registered for them, ends them itself when it sees P gone), and D engines must connect
+    /// again; half a second later a new incarnation starts.
+    fn prefill_kill_progress(&mut self) -> Result<()> {
+        let Some(kill) = &mut self.p_kill else { return Ok(()) };
+        match kill.phase {
+            PKillPhase::Dying(since) => {
+                let node = self.nodes.get_mut("prefill0").expect("started");
+                let dead = matches!(node.child.try_wait(), Ok(Some(_)));
+                if !dead {
+                    if since.elapsed() < Duration::from_secs(3) {
+                        return Ok(());
+                    }
+                    kill.mid_write = false;
+                    node.child.kill().context("cannot kill prefill0")?;
+                    let _ = node.child.wait();
+                }
+                node.port = None;
+                kill.at_ns = wall_ns();
+                kill.phase = PKillPhase::Down(Instant::now() + Duration::from_millis(500));
+                self.progress.set_message("prefill0 died");
+                for node in self.nodes.values_mut().filter(|n| n.role == NodeRole::Decode) {
+                    node.connected = false;
+                }
+                self.retries.clear();
+                if !self.config.push {
+                    let lost: Vec<String> = self
+                        .tracks
+                        .iter()
+                        .filter(|(_, t)| t.outcome.is_none() && t.finished_at_ns.is_none())
+                        .map(|(id, _)| id.clone())
+                        .collect();
+                    for id in lost {
+                        self.finish_export(&id, "lost", None);
+                    }
+                }
             }
-        })
+            PKillPhase::Down(at) if Instant::now() >= at => {
+                kill.phase = PKillPhase::Back;
+                let instance = kill.instance + 1;
+                self.spawn(NodeRole::Prefill, "prefill0", instance)?;
+                self.progress.set_message("restarted prefill0");
+            }
+            PKillPhase::Down(_) | PKillPhase::Back => {}
+        }
+        Ok(())
     }
 
     fn restart_if_due(&mut self) -> Result<()> {
@@ -738,7 +851,8 @@ impl Demo {
         let current = self.nodes.get(name).is_some_and(|n| n.instance == instance);
         let event = match from {
             FromNode::Exited => {
-                let killed = self.kill.as_ref().is_some_and(|k| k.engine == name && k.instance == instance);
+                let killed = self.kill.as_ref().is_some_and(|k| k.engine == name && k.instance == instance)
+                    || (name == "prefill0" && self.p_kill.as_ref().is_some_and(|k| k.instance == instance));
                 if current && self.nodes.get(name).is_some_and(|n| n.port.is_some()) && !killed {
                     self.errors.push(format!("{name} (instance {instance}) exited unexpectedly"));
                     if let Some(node) = self.nodes.get_mut(name) {
@@ -789,6 +903,7 @@ impl Demo {
                 let fate = self.open.get(&id).map_or(Fate::Normal, |(r, _)| r.fate);
                 let track = self.tracks.entry(export.clone()).or_default();
                 track.finished_at_ns = Some(finished_at_ns);
+                track.exported_by = instance;
                 // Sibling 0 goes to D; so do the others when D rejects the whole request.
                 if !self.config.push && (track.outcome.is_none() || fate == Fate::Reject) {
                     self.dispatch(&export, &id, remote, fate);
@@ -796,7 +911,9 @@ impl Demo {
             }
             Event::Busy { id } => self.retries.push_back((Instant::now() + Duration::from_millis(20), id)),
             Event::Freed { id, reason, at_ns } => {
-                self.tracks.entry(id).or_default().freed = Some((reason, at_ns));
+                let track = self.tracks.entry(id).or_default();
+                track.freed = Some((reason, at_ns));
+                track.freed_by = instance;
             }
             Event::Outcome { id, outcome, ready_at_ns, scrub_check_ns, prepared_at_ns, .. } => {
                 let track = self.tracks.get(&id);

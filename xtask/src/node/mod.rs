@@ -476,6 +476,7 @@ impl<S: Side> Node<S> {
                 self.engine.stats(connected, writes_ahead);
             }
             Command::Shutdown => return Ok(false),
+            Command::DieDuringWrite => transport::die_during_next_write(),
             other => S::handle(self, other)?,
         }
         Ok(true)

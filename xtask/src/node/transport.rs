@@ -5,6 +5,7 @@
 //! ([`AheadOf`], which the rank's thread sets from the commands it hands its worker).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::Waker;
@@ -21,6 +22,25 @@ use kv_transport_tcp::{TcpConfig, TcpTransport};
 use super::metrics::Listeners;
 use crate::e2e::ProcessClock;
 use crate::proto::{NodeConfig, TransportKind, CLUSTER_KEY_ENV};
+
+/// Set by [`Command::DieDuringWrite`](crate::proto::Command::DieDuringWrite): the process
+/// kills itself right after posting its next write.
+static DIE_DURING_WRITE: AtomicBool = AtomicBool::new(false);
+
+/// From now on, the first rank to post a write kills the process right after.
+pub(super) fn die_during_next_write() {
+    DIE_DURING_WRITE.store(true, Ordering::SeqCst);
+}
+
+/// Dies by SIGKILL, as the attack suite's kill of P mid-write asks: no handler runs, nothing is
+/// flushed, the write just posted is in flight.
+#[allow(unsafe_code)] // One libc call: see the SAFETY note.
+fn die_now() -> ! {
+    // SAFETY: kill(2) with this process's own id and a signal number; it changes no memory.
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    // SIGKILL cannot be caught: the process is gone before this line.
+    std::process::abort()
+}
 
 /// A transfer that ended: bytes, post-to-end time, success, and the request its notification
 /// completes (P's request id for D's reads), if it carries a completion.
@@ -114,7 +134,11 @@ impl Transport for TimedTransport {
         let bytes = request.bytes();
         let completes = self.request_of(request.op, request.notification.as_deref());
         let start = Instant::now();
+        let write = request.op == TransferOp::Write;
         let id = self.inner.post(request)?;
+        if write && DIE_DURING_WRITE.load(Ordering::SeqCst) {
+            die_now();
+        }
         Ok(self.posted(id, start, bytes, completes))
     }
     fn prepare(&mut self, peer: Option<&AgentName>, ranges: &[(u64, u64)]) -> Result<PreparedId, TransportError> {
@@ -126,7 +150,11 @@ impl Transport for TimedTransport {
         let bytes = self.sizes.of_prepared(&request);
         let completes = self.request_of(request.op, request.notification.as_deref());
         let start = Instant::now();
+        let write = request.op == TransferOp::Write;
         let id = self.inner.post_prepared(request)?;
+        if write && DIE_DURING_WRITE.load(Ordering::SeqCst) {
+            die_now();
+        }
         Ok(self.posted(id, start, bytes, completes))
     }
     fn poll_transfer(&mut self, id: TransferId) -> TransferStatus {
