@@ -203,16 +203,7 @@ impl Attacker {
     /// Connects `t` to P and waits up to `limit` for the outcome.
     fn handshake(t: &mut NixlTransport, address: &PeerAddress, limit: Duration) -> Result<Box<PeerInfo>, String> {
         t.connect(address).map_err(|e| e.to_string())?;
-        let deadline = Instant::now() + limit;
-        while Instant::now() < deadline {
-            match t.poll_event() {
-                Some(PeerEvent::Connected(info)) => return Ok(info),
-                Some(PeerEvent::ConnectFailed { error, .. }) => return Err(error.to_string()),
-                Some(_) => {}
-                None => std::thread::sleep(Duration::from_micros(200)),
-            }
-        }
-        Err(format!("no outcome within {limit:?}"))
+        connected(t, limit)
     }
 
     /// How long a fresh key holder's side-channel handshake with P takes now, in milliseconds:
@@ -593,6 +584,20 @@ impl Attacker {
             ..Outcome::default()
         })
     }
+}
+
+/// Polls `t` until it connects to a peer (or fails to), up to `limit`.
+fn connected(t: &mut dyn Transport, limit: Duration) -> Result<Box<PeerInfo>, String> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        match t.poll_event() {
+            Some(PeerEvent::Connected(info)) => return Ok(info),
+            Some(PeerEvent::ConnectFailed { error, .. }) => return Err(error.to_string()),
+            Some(_) => {}
+            None => std::thread::sleep(Duration::from_micros(200)),
+        }
+    }
+    Err(format!("no handshake within {limit:?}"))
 }
 
 /// What an attack saw.

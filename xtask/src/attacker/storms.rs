@@ -12,12 +12,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
-use kv_core::{
-    DescriptorPair, MemoryKind, PeerEvent, Region, RegionId, TransferOp, TransferRequest, TransferStatus, Transport,
-};
+use kv_core::{DescriptorPair, MemoryKind, Region, RegionId, TransferOp, TransferRequest, TransferStatus, Transport};
 use kv_transport_tcp::{KeySource, TcpConfig, TcpTransport};
 
-use super::{hello, Attacker, Outcome};
+use super::{connected, hello, Attacker, Outcome};
 use crate::proto::{wall_ns, Probes, StormNotice, CLUSTER_KEY_ENV, STORM_PROBE_BOUND_MS};
 
 /// How long the quiet window before a storm, and the storm's probing, last.
@@ -311,18 +309,4 @@ impl Attacker {
         }
         Ok(())
     }
-}
-
-/// Polls `t` until it connects to a peer, up to `limit`.
-pub(super) fn connected(t: &mut TcpTransport, limit: Duration) -> Result<Box<kv_core::PeerInfo>, String> {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        match t.poll_event() {
-            Some(PeerEvent::Connected(info)) => return Ok(info),
-            Some(PeerEvent::ConnectFailed { error, .. }) => return Err(error.to_string()),
-            Some(_) => {}
-            None => std::thread::sleep(Duration::from_micros(200)),
-        }
-    }
-    Err(format!("no handshake within {limit:?}"))
 }
