@@ -143,7 +143,9 @@ fn segment(frame: &[u8]) -> Option<Segment<'_>> {
 impl Recording {
     fn take(&mut self, s: &Segment<'_>) {
         if !self.flows.contains_key(&(s.src, s.dst)) && self.flows.len() >= MAX_FLOWS {
-            return;
+            // A flood's connections carry nothing: they give way to one that may.
+            let Some(&empty) = self.flows.iter().find(|(_, f)| f.bytes.is_empty()).map(|(k, _)| k) else { return };
+            self.flows.remove(&empty);
         }
         let flow = self.flows.entry((s.src, s.dst)).or_default();
         if s.syn {
