@@ -56,8 +56,8 @@ pub struct Model {
     pub kv_heads: u32,
     /// Elements per head.
     pub head_dim: u32,
-    /// Bytes per element.
-    pub dtype_bytes: u32,
+    /// The element format.
+    pub dtype: kv_core::Dtype,
     /// Tokens per block.
     pub block_tokens: u32,
     /// Multi-head latent attention: one latent plane of `head_dim` (`kv_heads` is 1), as
@@ -69,19 +69,19 @@ pub struct Model {
 impl Model {
     /// A Llama-3-8B-like model ([`KvLayout::llama3_8b`]): 32 layers, 8 KV heads of 128, bf16.
     pub fn llama3_8b(block_tokens: u32) -> Model {
-        let KvLayout { layers, kv_heads, head_dim, dtype_bytes, .. } = KvLayout::llama3_8b(block_tokens);
-        Model { layers, kv_heads, head_dim, dtype_bytes, block_tokens, mla: false }
+        let KvLayout { layers, kv_heads, head_dim, dtype, .. } = KvLayout::llama3_8b(block_tokens);
+        Model { layers, kv_heads, head_dim, dtype, block_tokens, mla: false }
     }
 
     /// A DeepSeek-like MLA model of `layers` layers: one latent of 576 bf16 elements (512 of
     /// compressed KV and 64 of rotary key) per token.
     pub fn mla(layers: u32, block_tokens: u32) -> Model {
-        Model { layers, kv_heads: 1, head_dim: 576, dtype_bytes: 2, block_tokens, mla: true }
+        Model { layers, kv_heads: 1, head_dim: 576, dtype: kv_core::Dtype::Bfloat16, block_tokens, mla: true }
     }
 
     /// The layout of this model: K/V split (or MLA), HND, one region per layer (as vLLM's caches).
     pub fn layout(&self) -> KvLayout {
-        let split = KvLayout::split_kv(self.layers, self.block_tokens, self.kv_heads, self.head_dim, self.dtype_bytes);
+        let split = KvLayout::split_kv(self.layers, self.block_tokens, self.kv_heads, self.head_dim, self.dtype);
         let attention = if self.mla { Attention::Mla } else { Attention::SplitKv };
         KvLayout { placement: Placement::LayerMajor, attention, ..split }
     }

@@ -111,7 +111,7 @@ pub fn check_compatible(local: &Handshake, peer: &Handshake) -> Result<Compatibl
         ("layers", pl.layers.to_string(), dl.layers.to_string()),
         ("kv_heads", pl.kv_heads.to_string(), dl.kv_heads.to_string()),
         ("head_dim", pl.head_dim.to_string(), dl.head_dim.to_string()),
-        ("dtype_bytes", pl.dtype_bytes.to_string(), dl.dtype_bytes.to_string()),
+        ("dtype", pl.dtype.to_string(), dl.dtype.to_string()),
         ("attention", format!("{:?}", pl.attention), format!("{:?}", dl.attention)),
         ("order", format!("{:?}", pl.order), format!("{:?}", dl.order)),
         ("placement", format!("{:?}", pl.placement), format!("{:?}", dl.placement)),
@@ -142,12 +142,12 @@ pub fn check_compatible(local: &Handshake, peer: &Handshake) -> Result<Compatibl
 mod tests {
     use super::*;
     use crate::id::EngineId;
-    use crate::layout::{KvLayout, MemoryOrder};
+    use crate::layout::{Dtype, KvLayout, MemoryOrder};
     use crate::time::Time;
     use crate::wire::PROTOCOL_VERSION;
 
     fn offer(role: Role, tp_size: u32, block_tokens: u32) -> Handshake {
-        let layout = KvLayout::split_kv(4, block_tokens, 8, 64, 2);
+        let layout = KvLayout::split_kv(4, block_tokens, 8, 64, crate::Dtype::Bfloat16);
         Handshake {
             protocol_version: PROTOCOL_VERSION,
             engine: EngineId::new(format!("{role:?}")),
@@ -191,9 +191,12 @@ mod tests {
             refusal(&p, &offer(Role::Decode, 3, 16)),
             "tensor-parallel sizes do not divide: prefill 2, decode 3"
         );
-        let mut v3 = d.clone();
-        v3.protocol_version = 3;
-        assert_eq!(refusal(&p, &v3), "protocol version mismatch: prefill 2, decode 3");
+        let mut next = d.clone();
+        next.protocol_version = PROTOCOL_VERSION + 1;
+        assert_eq!(
+            refusal(&p, &next),
+            format!("protocol version mismatch: prefill {PROTOCOL_VERSION}, decode {}", PROTOCOL_VERSION + 1)
+        );
         let mut nhd = d.clone();
         nhd.layout.order = MemoryOrder::Nhd;
         nhd.compat_hash = compatibility_hash("m", &nhd.layout);
@@ -208,6 +211,26 @@ mod tests {
         let mut rank = d.clone();
         rank.rank = 2;
         assert_eq!(refusal(&p, &rank), "decode rank 2 is out of range for tp 2 x pp 1");
+    }
+
+    #[test]
+    fn element_formats_of_one_size_are_told_apart() {
+        // fp8's two formats are both one byte: wire protocol 2 compared only the size.
+        let with = |role, dtype| {
+            let mut o = offer(role, 2, 16);
+            o.layout.dtype = dtype;
+            o.compat_hash = compatibility_hash("m", &o.layout);
+            o
+        };
+        let (p, d) = (with(Role::Prefill, Dtype::Fp8E4m3), with(Role::Decode, Dtype::Fp8E5m2));
+        assert_eq!(refusal(&p, &d), "kv layout mismatch in dtype: prefill fp8_e4m3, decode fp8_e5m2");
+        let (p, d) = (with(Role::Prefill, Dtype::Float16), with(Role::Decode, Dtype::Bfloat16));
+        assert_eq!(refusal(&p, &d), "kv layout mismatch in dtype: prefill float16, decode bfloat16");
+        assert!(check_compatible(&with(Role::Prefill, Dtype::Fp8E5m2), &with(Role::Decode, Dtype::Fp8E5m2)).is_ok());
+        // A peer that forges its hash to hide the difference is refused by the hash.
+        let mut forged = with(Role::Decode, Dtype::Fp8E5m2);
+        forged.compat_hash = compatibility_hash("m", &with(Role::Decode, Dtype::Fp8E4m3).layout);
+        assert!(compatibility_hash("m", &forged.layout) != forged.compat_hash);
     }
 
     #[test]

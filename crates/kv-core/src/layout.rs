@@ -10,6 +10,64 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The element format of the KV cache, named as vLLM's `kv_cache_dtype` names it: two
+/// formats of one size (fp8's e4m3 and e5m2) are not interchangeable, so the handshake compares
+/// the format itself, not its size.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub enum Dtype {
+    /// IEEE 754 single precision, 4 bytes.
+    #[serde(rename = "float32")]
+    Float32,
+    /// IEEE 754 half precision, 2 bytes.
+    #[serde(rename = "float16")]
+    Float16,
+    /// bfloat16, 2 bytes.
+    #[serde(rename = "bfloat16")]
+    Bfloat16,
+    /// 8-bit float, 4 exponent and 3 mantissa bits (OCP FP8 E4M3).
+    #[serde(rename = "fp8_e4m3")]
+    Fp8E4m3,
+    /// 8-bit float, 5 exponent and 2 mantissa bits (OCP FP8 E5M2).
+    #[serde(rename = "fp8_e5m2")]
+    Fp8E5m2,
+}
+
+impl Dtype {
+    /// Every format, in the order of their wire indices.
+    pub const ALL: [Dtype; 5] = [Dtype::Float32, Dtype::Float16, Dtype::Bfloat16, Dtype::Fp8E4m3, Dtype::Fp8E5m2];
+
+    /// Bytes per element.
+    pub fn bytes(self) -> u32 {
+        match self {
+            Dtype::Float32 => 4,
+            Dtype::Float16 | Dtype::Bfloat16 => 2,
+            Dtype::Fp8E4m3 | Dtype::Fp8E5m2 => 1,
+        }
+    }
+
+    /// Its name, as vLLM's `kv_cache_dtype` writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Float32 => "float32",
+            Dtype::Float16 => "float16",
+            Dtype::Bfloat16 => "bfloat16",
+            Dtype::Fp8E4m3 => "fp8_e4m3",
+            Dtype::Fp8E5m2 => "fp8_e5m2",
+        }
+    }
+
+    /// Its wire index (the offer's enum index, and the compatibility hash's byte).
+    pub fn index(self) -> u8 {
+        self as u8
+    }
+}
+
+impl std::fmt::Display for Dtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// How attention keeps its KV cache.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
 pub enum Attention {
@@ -48,8 +106,8 @@ pub struct KvLayout {
     pub kv_heads: u32,
     /// Elements per head (the latent width for MLA).
     pub head_dim: u32,
-    /// Bytes per element (2 for bf16).
-    pub dtype_bytes: u32,
+    /// The element format.
+    pub dtype: Dtype,
     /// K/V split or MLA.
     pub attention: Attention,
     /// Order within a plane.
@@ -88,13 +146,13 @@ pub enum LayoutError {
 impl KvLayout {
     /// A K/V-split layout in the order and placement that transfer best: heads-major (`HND`),
     /// one block-major region; [`KvLayout::validate`] checks the sizes.
-    pub fn split_kv(layers: u32, block_tokens: u32, kv_heads: u32, head_dim: u32, dtype_bytes: u32) -> Self {
+    pub fn split_kv(layers: u32, block_tokens: u32, kv_heads: u32, head_dim: u32, dtype: Dtype) -> Self {
         KvLayout {
             layers,
             block_tokens,
             kv_heads,
             head_dim,
-            dtype_bytes,
+            dtype,
             attention: Attention::SplitKv,
             order: MemoryOrder::Hnd,
             placement: Placement::BlockMajor,
@@ -103,7 +161,7 @@ impl KvLayout {
 
     /// A Llama-3-8B-like layout: 32 layers, 8 KV heads of 128, bf16; 2 MiB a block at 16 tokens.
     pub fn llama3_8b(block_tokens: u32) -> Self {
-        KvLayout::split_kv(32, block_tokens, 8, 128, 2)
+        KvLayout::split_kv(32, block_tokens, 8, 128, Dtype::Bfloat16)
     }
 
     /// Checks that every dimension is non-zero.
@@ -113,7 +171,6 @@ impl KvLayout {
             ("block_tokens", self.block_tokens),
             ("kv_heads", self.kv_heads),
             ("head_dim", self.head_dim),
-            ("dtype_bytes", self.dtype_bytes),
         ] {
             if value == 0 {
                 return Err(LayoutError::Zero { field });
@@ -248,7 +305,7 @@ impl PoolShape {
 
     /// Bytes of one head for one token.
     pub fn head_bytes_per_token(&self) -> u64 {
-        u64::from(self.layout.head_dim) * u64::from(self.layout.dtype_bytes)
+        u64::from(self.layout.head_dim) * u64::from(self.layout.dtype.bytes())
     }
 
     /// Bytes of one plane of one layer of one block.
@@ -359,7 +416,7 @@ pub(crate) mod tests {
             block_tokens: 16,
             kv_heads: 8,
             head_dim: 128,
-            dtype_bytes: 2,
+            dtype: Dtype::Bfloat16,
             attention: Attention::SplitKv,
             order: MemoryOrder::Hnd,
             placement,
@@ -459,7 +516,7 @@ pub(crate) mod tests {
         let zero_layers = KvLayout { layers: 0, ..llama_like(Placement::BlockMajor) };
         assert_eq!(PoolShape::new(zero_layers, 8, 1), Err(LayoutError::Zero { field: "layers" }));
         assert_eq!(PoolShape::new(llama_like(Placement::BlockMajor), 0, 1), Err(LayoutError::Zero { field: "heads" }));
-        let huge = KvLayout { head_dim: u32::MAX, dtype_bytes: u32::MAX, ..llama_like(Placement::BlockMajor) };
+        let huge = KvLayout { head_dim: u32::MAX, dtype: Dtype::Float32, ..llama_like(Placement::BlockMajor) };
         assert_eq!(
             PoolShape::new(huge, u32::MAX, u32::MAX),
             Err(LayoutError::Overflow { num_blocks: u64::from(u32::MAX) })

@@ -41,7 +41,7 @@ pub mod wire;
 pub use blocks::{blocks_for_tokens, BlockSizeError, BlockSizeMapping, SubBlock};
 pub use handshake::{check_compatible, Compatible, HandshakeError};
 pub use id::{AgentName, BlockId, EngineId, RequestId};
-pub use layout::{Attention, KvLayout, LayerRange, LayoutError, MemoryOrder, Placement, PoolShape};
+pub use layout::{Attention, Dtype, KvLayout, LayerRange, LayoutError, MemoryOrder, Placement, PoolShape};
 pub use plan::{DescriptorPair, Granularity, Initiator, PlanError, PlanInput, PoolSide, RegionBase, TransferPlan};
 pub use ports::{
     Clock, Descriptors, Memory, MemoryError, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PollIntervals,

@@ -495,7 +495,7 @@ mod tests {
             block_tokens: 4,
             kv_heads: 4,
             head_dim: 2,
-            dtype_bytes: 2,
+            dtype: crate::Dtype::Bfloat16,
             attention,
             order,
             placement,

@@ -577,7 +577,7 @@ mod tests {
 
     #[test]
     fn clock_offset_is_taken_from_the_middle_of_the_round_trip() {
-        let layout = KvLayout::split_kv(1, 16, 1, 1, 1);
+        let layout = KvLayout::split_kv(1, 16, 1, 1, crate::Dtype::Fp8E4m3);
         let info = PeerInfo {
             agent: AgentName::new(EngineId::new("p"), 0),
             handshake: Handshake {

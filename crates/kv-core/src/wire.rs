@@ -12,8 +12,9 @@ use crate::layout::KvLayout;
 use crate::plan::RegionBase;
 use crate::time::Time;
 
-/// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// The protocol version this build speaks. 3: the layout carries its element format
+/// ([`crate::Dtype`]) where 2 carried only its size in bytes.
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// The largest notification frame kvflow sends or accepts, in bytes.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
@@ -271,9 +272,19 @@ impl Handshake {
         encode_frame(self, MAX_HANDSHAKE_BYTES, "handshake")
     }
 
-    /// Decodes one handshake frame.
+    /// Decodes one handshake frame; its `protocol_version` must be the frame header's.
     pub fn decode(bytes: &[u8]) -> Result<Handshake, WireError> {
-        decode_frame(bytes, MAX_HANDSHAKE_BYTES, "handshake")
+        let handshake: Handshake = decode_frame(bytes, MAX_HANDSHAKE_BYTES, "handshake")?;
+        if handshake.protocol_version != PROTOCOL_VERSION {
+            return Err(WireError::Malformed {
+                what: "handshake",
+                reason: format!(
+                    "protocol_version {} in a frame of version {PROTOCOL_VERSION}",
+                    handshake.protocol_version
+                ),
+            });
+        }
+        Ok(handshake)
     }
 }
 
@@ -324,10 +335,10 @@ pub fn compatibility_hash(model: &str, layout: &KvLayout) -> u64 {
     h.write(&PROTOCOL_VERSION.to_le_bytes());
     h.write(&(model.len() as u64).to_le_bytes());
     h.write(model.as_bytes());
-    for v in [l.layers, l.kv_heads, l.head_dim, l.dtype_bytes] {
+    for v in [l.layers, l.kv_heads, l.head_dim] {
         h.write(&v.to_le_bytes());
     }
-    h.write(&[l.attention as u8, l.order as u8, l.placement as u8]);
+    h.write(&[l.dtype.index(), l.attention as u8, l.order as u8, l.placement as u8]);
     h.finish()
 }
 
@@ -447,7 +458,7 @@ mod tests {
         );
         let mut future = frame.clone();
         future[3] = 9;
-        assert_eq!(Message::decode(&future).unwrap_err().to_string(), "protocol version mismatch: peer 9, local 2");
+        assert_eq!(Message::decode(&future).unwrap_err().to_string(), "protocol version mismatch: peer 9, local 3");
         let mut trailing = frame.clone();
         trailing.push(0);
         assert_eq!(Message::decode(&trailing).unwrap_err().to_string(), "malformed message: 1 trailing bytes");
@@ -489,12 +500,23 @@ mod tests {
             agent_metadata: vec![7; 10_000],
         };
         assert_eq!(Handshake::decode(&hs.encode().unwrap()).unwrap(), hs);
+        // The offer's own version must be its header's (the vectors once disagreed).
+        let older = Handshake { protocol_version: 1, ..hs.clone() };
+        assert_eq!(
+            Handshake::decode(&older.encode().unwrap()).unwrap_err().to_string(),
+            format!("malformed handshake: protocol_version 1 in a frame of version {PROTOCOL_VERSION}")
+        );
         // Block size is checked apart; everything else changes the hash.
         assert_eq!(compatibility_hash("llama", &layout), compatibility_hash("llama", &layout.with_block_tokens(64)));
         assert_ne!(compatibility_hash("llama", &layout), compatibility_hash("qwen", &layout));
         assert_ne!(
             compatibility_hash("llama", &layout),
             compatibility_hash("llama", &KvLayout { order: MemoryOrder::Nhd, ..layout })
+        );
+        assert_ne!(
+            compatibility_hash("llama", &KvLayout { dtype: crate::Dtype::Fp8E4m3, ..layout }),
+            compatibility_hash("llama", &KvLayout { dtype: crate::Dtype::Fp8E5m2, ..layout }),
+            "formats of one size hash apart"
         );
     }
 }

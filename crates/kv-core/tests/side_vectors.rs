@@ -126,7 +126,7 @@ fn documented_offer(role: Role) -> Handshake {
     // 32 layers x K and V x 4 heads per rank x tokens x 128 dims x 2 bytes, per block.
     let len = u64::from(num_blocks) * 32 * 2 * 4 * u64::from(block_tokens) * 128 * 2;
     Handshake {
-        protocol_version: 1,
+        protocol_version: kv_core::wire::PROTOCOL_VERSION,
         engine: EngineId::new(engine),
         rank: 1,
         tp_size: 2,

@@ -102,7 +102,7 @@ impl Transport for Flood {
 
 #[test]
 fn a_heartbeat_flood_of_distinct_ids_is_answered_as_it_comes_and_leaves_p_bounded() {
-    let layout = KvLayout::split_kv(2, 16, 4, 8, 2);
+    let layout = KvLayout::split_kv(2, 16, 4, 8, kv_core::Dtype::Bfloat16);
     let shape = PoolShape::new(layout, layout.kv_heads, 8).unwrap();
     let pool = LocalPool { shape, regions: vec![RegionBase { addr: 0x10_0000, len: shape.pool_bytes() }] };
     let p = AgentName::new(EngineId::new("prefill0"), 0);

@@ -28,7 +28,7 @@
 //! let start = |engine: &str, role: Role| -> Result<SideChannel, Box<dyn std::error::Error>> {
 //!     let agent = AgentName::new(EngineId::new(engine), 0);
 //!     // An adapter puts what peers need to reach its data path into `agent_metadata`.
-//!     let offer = Handshake::new(&agent, 1, 1, role, "model", KvLayout::split_kv(1, 16, 1, 8, 2));
+//!     let offer = Handshake::new(&agent, 1, 1, role, "model", KvLayout::split_kv(1, 16, 1, 8, kv_core::Dtype::Bfloat16));
 //!     let key = KeySource::None.load()?; // loopback only; a cluster key authenticates peers
 //!     Ok(SideChannel::start("127.0.0.1:0".parse()?, key, SideLimits::default(), offer, clock.clone())?)
 //! };

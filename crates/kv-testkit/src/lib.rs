@@ -32,7 +32,7 @@
 //! let clock = ManualClock::default();
 //! let net = FakeNetwork::new(7, clock.clone(), NetConfig::default());
 //! let layout = KvLayout {
-//!     layers: 1, block_tokens: 16, kv_heads: 1, head_dim: 8, dtype_bytes: 2,
+//!     layers: 1, block_tokens: 16, kv_heads: 1, head_dim: 8, dtype: kv_core::Dtype::Bfloat16,
 //!     attention: Attention::SplitKv, order: MemoryOrder::Hnd, placement: Placement::BlockMajor,
 //! };
 //! let (p_name, d_name) = (AgentName::new(EngineId::new("prefill0"), 0), AgentName::new(EngineId::new("decode0"), 0));

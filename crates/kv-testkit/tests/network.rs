@@ -17,7 +17,7 @@ fn ms(n: u64) -> Duration {
 }
 
 fn layout(block_tokens: u32) -> KvLayout {
-    KvLayout::split_kv(2, block_tokens, 4, 16, 2)
+    KvLayout::split_kv(2, block_tokens, 4, 16, kv_core::Dtype::Bfloat16)
 }
 
 /// One engine rank: its agent on the network and its pool, one registered region.

@@ -30,7 +30,7 @@
 //! if runtime::prepare(None).is_err() {
 //!     return Ok(());
 //! }
-//! let offer = Handshake::new(&AgentName::new(EngineId::new("prefill0"), 0), 1, 1, Role::Prefill, "model", KvLayout::split_kv(1, 16, 1, 8, 2));
+//! let offer = Handshake::new(&AgentName::new(EngineId::new("prefill0"), 0), 1, 1, Role::Prefill, "model", KvLayout::split_kv(1, 16, 1, 8, kv_core::Dtype::Bfloat16));
 //! let config = NixlConfig { bind: "127.0.0.1:0".parse()?, ..NixlConfig::default() };
 //! let mut transport = NixlTransport::new(offer, &config, Arc::new(Since(Instant::now())))?;
 //! let pool = vec![0u8; 1 << 20];

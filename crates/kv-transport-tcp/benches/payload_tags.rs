@@ -43,7 +43,7 @@ impl Pool {
 
 fn transport(engine: &str, role: Role, payload_tags: bool) -> TcpTransport {
     let agent = AgentName::new(EngineId::new(engine), 0);
-    let offer = Handshake::new(&agent, 1, 1, role, "bench", KvLayout::split_kv(2, 16, 2, 64, 2));
+    let offer = Handshake::new(&agent, 1, 1, role, "bench", KvLayout::split_kv(2, 16, 2, 64, kv_core::Dtype::Bfloat16));
     let config = TcpConfig { bind: "127.0.0.1:0".parse().expect("loopback"), payload_tags, ..TcpConfig::default() };
     TcpTransport::new(offer, &config, Arc::new(kv_side_tcp::MonotonicClock::start())).expect("a transport")
 }

@@ -47,7 +47,7 @@
 //! let region = |pool: &Vec<u8>| Region { id: RegionId(1), kind: MemoryKind::Host, addr: pool.as_ptr() as u64, len: 4096 };
 //! let agent = |engine: &str, role: Role, pool: &Vec<u8>| -> Result<TcpTransport, Box<dyn std::error::Error>> {
 //!     let name = AgentName::new(EngineId::new(engine), 0);
-//!     let offer = Handshake::new(&name, 1, 1, role, "model", KvLayout::split_kv(1, 16, 1, 8, 2));
+//!     let offer = Handshake::new(&name, 1, 1, role, "model", KvLayout::split_kv(1, 16, 1, 8, kv_core::Dtype::Bfloat16));
 //!     let mut transport = TcpTransport::new(offer, &config, clock.clone())?;
 //!     transport.register(&region(pool))?; // before peers connect: they learn the registrations
 //!     Ok(transport)

@@ -50,7 +50,7 @@ fn rank<N: Net, W: WorkerMachine>(
     role: Role,
     worker: impl Fn(Handshake, LocalPool) -> Result<W, ConfigError>,
 ) -> Fallible<Rank<W>> {
-    let layout = KvLayout::split_kv(2, 16, 4, 8, 2);
+    let layout = KvLayout::split_kv(2, 16, 4, 8, kv_core::Dtype::Bfloat16);
     let shape = PoolShape::new(layout, layout.kv_heads, 8)?;
     let mut memory = net.memory(engine);
     let region = memory.allocate(MemoryKind::Host, shape.pool_bytes())?;

@@ -85,7 +85,7 @@ impl ClusterConfig {
             block_tokens,
             kv_heads: if mla { 1 } else { self.spec.num_kv_heads },
             head_dim: 4,
-            dtype_bytes: 1,
+            dtype: kv_core::Dtype::Fp8E4m3,
             attention: if mla { Attention::Mla } else { Attention::SplitKv },
             order: MemoryOrder::Hnd,
             placement: Placement::BlockMajor,

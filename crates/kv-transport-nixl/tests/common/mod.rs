@@ -43,7 +43,7 @@ pub fn clock() -> Arc<dyn Clock> {
 
 /// A small model: 4 layers, 8 heads of 64, bf16, 16-token blocks: 128 KiB a block.
 pub fn layout(block_tokens: u32) -> KvLayout {
-    KvLayout::split_kv(4, block_tokens, 8, 64, 2)
+    KvLayout::split_kv(4, block_tokens, 8, 64, kv_core::Dtype::Bfloat16)
 }
 
 pub const BLOCK_BYTES: usize = 4 * 2 * 8 * 16 * 64 * 2;

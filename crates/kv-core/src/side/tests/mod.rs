@@ -30,7 +30,7 @@ fn layout(order: MemoryOrder) -> KvLayout {
         block_tokens: 16,
         kv_heads: 4,
         head_dim: 64,
-        dtype_bytes: 2,
+        dtype: crate::Dtype::Bfloat16,
         attention: Attention::SplitKv,
         order,
         placement: Placement::BlockMajor,

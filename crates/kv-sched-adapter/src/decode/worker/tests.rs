@@ -7,7 +7,7 @@ use crate::DecodeScheduler;
 use super::*;
 
 fn pool(tp: u32) -> LocalPool {
-    let layout = KvLayout::split_kv(2, 16, 4, 8, 2);
+    let layout = KvLayout::split_kv(2, 16, 4, 8, kv_core::Dtype::Bfloat16);
     let shape = PoolShape::new(layout, layout.kv_heads / tp, 8).unwrap();
     LocalPool { shape, regions: vec![RegionBase { addr: 0x10_0000, len: shape.pool_bytes() }] }
 }

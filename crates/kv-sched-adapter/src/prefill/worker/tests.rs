@@ -7,7 +7,7 @@ use crate::{PrefillError, PrefillEvent, PrefillScheduler};
 use super::*;
 
 fn worker() -> PrefillWorker {
-    let layout = KvLayout::split_kv(2, 16, 4, 8, 2);
+    let layout = KvLayout::split_kv(2, 16, 4, 8, kv_core::Dtype::Bfloat16);
     let shape = PoolShape::new(layout, layout.kv_heads, 8).unwrap();
     let pool = LocalPool { shape, regions: vec![RegionBase { addr: 0x10_0000, len: shape.pool_bytes() }] };
     let offer = pool.offer(&AgentName::new(EngineId::new("prefill0"), 0), 1, 1, Role::Prefill, "m");
