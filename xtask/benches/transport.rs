@@ -109,6 +109,7 @@ fn plan(local: &[RegionBase], remote: &[RegionBase], granularity: Granularity) -
     let input = PlanInput {
         prefill: PoolSide { shape: shape(), regions: remote, blocks: &blocks },
         decode: PoolSide { shape: shape(), regions: local, blocks: &blocks },
+        skip_tokens: 0,
         slice: HeadSlice { prefill_rank: 0, prefill_head: 0, decode_head: 0, heads: 8 },
         initiator: Initiator::Decode,
     };

@@ -115,6 +115,7 @@ fn main() {
     let input = PlanInput {
         prefill: PoolSide { shape: s, regions: &remote_bases, blocks: &all },
         decode: PoolSide { shape: s, regions: &local_bases, blocks: &all },
+        skip_tokens: 0,
         slice: HeadSlice { prefill_rank: 0, prefill_head: 0, decode_head: 0, heads: s.heads },
         initiator: Initiator::Decode,
     };

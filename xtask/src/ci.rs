@@ -47,7 +47,8 @@ pub fn run() -> Result<()> {
     // disk is not ours to fill.
     let _ = std::fs::remove_dir_all(&verify);
     // Short demos, real processes: each mode over each transport, then P at TP 2 into D at TP 4
-    // and back, MLA from TP 2 into TP 1, P's 16-token blocks into D's 32-token ones, and every
+    // and back, MLA from TP 2 into TP 1, P's 16-token blocks into D's 32-token ones and P's
+    // 32-token blocks pushed into D's 16-token ones as they are computed, and every
     // engine in a network namespace of its own with UCX over TCP (root only, as CI is). Any
     // corrupt read, block written after free, or block held after the drain fails them; D
     // checks every row by layer, plane, head and token. The namespaces' run finds engines
@@ -56,7 +57,7 @@ pub fn run() -> Result<()> {
     // KV lease is longer). Two push runs compute their prompts on a simulated GPU, in chunks
     // whose blocks P writes into D's before the export.
     let short = ["--requests", "40", "--layers", "4", "--max-tokens", "256"];
-    let topologies: [&[&str]; 9] = [
+    let topologies: [&[&str]; 10] = [
         &["--transport", "nixl", "--mode", "pull"],
         &["--transport", "nixl", "--mode", "push"],
         &["--transport", "tcp", "--mode", "pull"],
@@ -65,6 +66,7 @@ pub fn run() -> Result<()> {
         &["--p-tp", "4", "--d-tp", "2", "--mode", "push", "--prefill-us-per-token", "100"],
         &["--mla", "--p-tp", "2", "--d-tp", "1"],
         &["--p-block-tokens", "16", "--d-block-tokens", "32"],
+        &["--p-block-tokens", "32", "--d-block-tokens", "16", "--mode", "push", "--prefill-us-per-token", "100"],
         &[
             "--hosts",
             "netns",

@@ -177,15 +177,18 @@ mod tests {
     fn compatible_pairs_give_the_mappings() {
         let ok = check_compatible(&offer(Role::Decode, 4, 32), &offer(Role::Prefill, 2, 16)).unwrap();
         assert_eq!(ok.tp.consumers_per_prefill_rank(), 2);
-        assert_eq!(ok.blocks.ratio(), 2);
+        assert_eq!((ok.blocks.prefill_tokens(), ok.blocks.decode_tokens()), (16, 32));
+        // P's blocks may be the larger, as vLLM maps them.
+        let larger = check_compatible(&offer(Role::Prefill, 2, 32), &offer(Role::Decode, 2, 16)).unwrap();
+        assert_eq!(larger.blocks.piece_tokens(), 16);
     }
 
     #[test]
     fn mismatches_name_both_values() {
         let (p, d) = (offer(Role::Prefill, 2, 16), offer(Role::Decode, 2, 16));
         assert_eq!(
-            refusal(&p, &offer(Role::Decode, 2, 8)),
-            "block size mismatch: decode block of 8 tokens is not a multiple of prefill block of 16 tokens"
+            refusal(&p, &offer(Role::Decode, 2, 24)),
+            "block size mismatch: neither the prefill block of 16 tokens nor the decode block of 24 tokens is a multiple of the other"
         );
         assert_eq!(
             refusal(&p, &offer(Role::Decode, 3, 16)),

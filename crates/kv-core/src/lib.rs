@@ -17,10 +17,12 @@
 //! assert_eq!(tp.decode_rank(2)?.reads[0].prefill_rank, 1);
 //! assert_eq!(tp.consumers_per_prefill_rank(), 2);
 //!
-//! // P's 4-token blocks land in D's 16-token blocks as sub-blocks.
-//! let sizes = BlockSizeMapping::new(4, 16)?;
-//! let subs = sizes.sub_blocks(&[BlockId(1), BlockId(2)], 5)?;
-//! assert_eq!(subs.iter().map(|s| s.flat(4)).collect::<Vec<_>>(), vec![4, 5, 6, 7, 8]);
+//! // P's 4-token blocks land in D's 16-token blocks as quarters; P's 32-token blocks give
+//! // each of two 16-token D blocks its half.
+//! let small = BlockSizeMapping::new(4, 16)?.pieces(&[BlockId(5), BlockId(6)], 0, &[BlockId(1)])?;
+//! assert_eq!(small.iter().map(|p| p.decode_token).collect::<Vec<_>>(), vec![0, 4]);
+//! let large = BlockSizeMapping::new(32, 16)?.pieces(&[BlockId(5)], 0, &[BlockId(1), BlockId(2)])?;
+//! assert_eq!(large.iter().map(|p| p.prefill_token).collect::<Vec<_>>(), vec![0, 16]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
@@ -38,7 +40,7 @@ pub mod time;
 pub mod tp;
 pub mod wire;
 
-pub use blocks::{blocks_for_tokens, BlockSizeError, BlockSizeMapping, SubBlock};
+pub use blocks::{blocks_for_tokens, BlockSizeError, BlockSizeMapping, Piece, PrefillSpan};
 pub use handshake::{check_compatible, Compatible, HandshakeError};
 pub use id::{AgentName, BlockId, EngineId, RequestId};
 pub use layout::{Attention, Dtype, KvLayout, LayerRange, LayoutError, MemoryOrder, Placement, PoolShape};

@@ -1,12 +1,12 @@
 //! Transfer plans: from block ids to the descriptor pairs a transport posts.
 //!
-//! A plan pairs P's blocks with D's (sub-)blocks, takes the head slice that the TP mapping
+//! A plan pairs P's blocks with D's in pieces of the smaller block size, takes the head slice that the TP mapping
 //! gives, and emits `(local, remote, len)` byte ranges from the initiator's point of view (D
 //! reads in pull mode, P writes in push mode). Ranges that are contiguous on both sides, in
 //! the same regions, are merged as they are emitted: a run of adjacent blocks with whole heads
 //! becomes one descriptor, which is where most of the data path's speed comes from.
 
-use crate::blocks::{BlockSizeError, BlockSizeMapping};
+use crate::blocks::{BlockSizeError, BlockSizeMapping, Piece};
 use crate::id::BlockId;
 use crate::layout::{KvLayout, LayerRange, MemoryOrder, Placement, PoolShape};
 use crate::tp::HeadSlice;
@@ -150,6 +150,10 @@ pub struct PlanInput<'a> {
     pub prefill: PoolSide<'a>,
     /// D's rank: pool, regions, the blocks D allocated.
     pub decode: PoolSide<'a>,
+    /// Tokens of P's first block that are not moved: when P's blocks are larger than D's and
+    /// D's cache already holds the prompt's first D blocks, the read starts inside a P block
+    /// (see [`BlockSizeMapping::prefill_span`]). Otherwise 0.
+    pub skip_tokens: u32,
     /// The heads moved, from the TP mapping.
     pub slice: HeadSlice,
     /// Who posts the transfer.
@@ -181,7 +185,7 @@ impl TransferPlan {
                 return Err(PlanError::HeadSliceOutOfRange { side, first, end, heads });
             }
         }
-        let subs = mapping.sub_blocks(d.blocks, p.blocks.len())?;
+        let pieces = mapping.pieces(p.blocks, input.skip_tokens, d.blocks)?;
         // A pipeline stage moves its own layers: those both pools hold.
         let layers = p.shape.layers.common(&d.shape.layers);
         if layers.is_empty() {
@@ -192,20 +196,21 @@ impl TransferPlan {
         let head_bytes = p.shape.head_bytes_per_token();
         let p_tokens = u64::from(layout.block_tokens);
         let d_tokens = u64::from(d.shape.layout.block_tokens);
+        let piece_tokens = u64::from(mapping.piece_tokens());
         let (p_heads, d_heads) = (u64::from(p.shape.heads), u64::from(d.shape.heads));
         let (p_head0, d_head0) = (u64::from(slice.prefill_head), u64::from(slice.decode_head));
         let heads = u64::from(slice.heads);
 
         let mut plan = TransferPlan::default();
         let mut last_group = usize::MAX;
-        // One (block, layer): every plane and head of the slice. `group` is the block's
+        // One (piece, layer): every plane and head of the slice. The group is the P block's
         // position in the prompt, which bounds merging at per-block granularity.
-        let mut emit_block_layer = |group: usize, layer: u32| {
-            let (p_block, sub) = (p.blocks[group], subs[group]);
-            let token0 = u64::from(sub.index) * p_tokens;
+        let mut emit_piece_layer = |piece: &Piece, layer: u32| {
+            let group = piece.prefill_index;
+            let (p_token0, d_token0) = (u64::from(piece.prefill_token), u64::from(piece.decode_token));
             for plane in 0..layout.planes() {
-                let po = p.shape.plane_offset(layer, p_block.0, plane);
-                let dof = d.shape.plane_offset(layer, sub.block.0, plane);
+                let po = p.shape.plane_offset(layer, piece.prefill_block.0, plane);
+                let dof = d.shape.plane_offset(layer, piece.decode_block.0, plane);
                 let mut emit = |p_off: u64, d_off: u64, len: u64| {
                     let prefill = (po.region, p.regions[po.region as usize].addr + po.offset + p_off);
                     let decode = (dof.region, d.regions[dof.region as usize].addr + dof.offset + d_off);
@@ -221,17 +226,17 @@ impl TransferPlan {
                     MemoryOrder::Hnd => {
                         for h in 0..heads {
                             emit(
-                                (p_head0 + h) * p_tokens * head_bytes,
-                                ((d_head0 + h) * d_tokens + token0) * head_bytes,
-                                p_tokens * head_bytes,
+                                ((p_head0 + h) * p_tokens + p_token0) * head_bytes,
+                                ((d_head0 + h) * d_tokens + d_token0) * head_bytes,
+                                piece_tokens * head_bytes,
                             );
                         }
                     }
                     MemoryOrder::Nhd => {
-                        for t in 0..p_tokens {
+                        for t in 0..piece_tokens {
                             emit(
-                                (t * p_heads + p_head0) * head_bytes,
-                                ((token0 + t) * d_heads + d_head0) * head_bytes,
+                                ((p_token0 + t) * p_heads + p_head0) * head_bytes,
+                                ((d_token0 + t) * d_heads + d_head0) * head_bytes,
                                 heads * head_bytes,
                             );
                         }
@@ -242,16 +247,16 @@ impl TransferPlan {
         // Emit in memory order, so that adjacent ranges meet and merge.
         match layout.placement {
             Placement::BlockMajor => {
-                for group in 0..p.blocks.len() {
+                for piece in &pieces {
                     for layer in layers.clone() {
-                        emit_block_layer(group, layer);
+                        emit_piece_layer(piece, layer);
                     }
                 }
             }
             Placement::LayerMajor => {
                 for layer in layers {
-                    for group in 0..p.blocks.len() {
-                        emit_block_layer(group, layer);
+                    for piece in &pieces {
+                        emit_piece_layer(piece, layer);
                     }
                 }
             }
@@ -350,6 +355,7 @@ mod tests {
         let input = PlanInput {
             prefill: PoolSide { shape, regions: &p_regions, blocks: &p_ids },
             decode: PoolSide { shape, regions: &d_regions, blocks: &d_ids },
+            skip_tokens: 0,
             slice: full_slice(layout.kv_heads),
             initiator: Initiator::Decode,
         };
@@ -389,22 +395,28 @@ mod tests {
 
     /// Fills P's pool with a value per (layer, plane, model head, prompt token, element),
     /// applies the plan as a copy, and checks every byte of D's pool.
-    /// P runs `p_pp` pipeline stages, each a pool of its own layers that D reads.
+    /// P runs `p_pp` pipeline stages, each a pool of its own layers that D reads; D's cache
+    /// already holds the prompt's first `cached` D blocks, so only the rest is read.
     fn check_bytes(
         layout: KvLayout,
         (p_tp, p_pp): (u32, u32),
         d_tp: u32,
-        p_tokens: u32,
-        d_tokens: u32,
-        prompt_blocks: usize,
+        (p_tokens, d_tokens): (u32, u32),
+        prompt_tokens: u64,
+        cached: usize,
     ) {
         let mapping = TpMapping::new(p_tp, d_tp, layout.kv_heads, layout.attention == Attention::Mla).unwrap();
+        let sizes = BlockSizeMapping::new(p_tokens, d_tokens).unwrap();
         let p_model = PoolShape::new(layout.with_block_tokens(p_tokens), mapping.prefill_heads(), 16).unwrap();
         let d_shape = PoolShape::new(layout.with_block_tokens(d_tokens), mapping.decode_heads(), 16).unwrap();
-        let ratio = (d_tokens / p_tokens) as usize;
-        let p_blocks = ids(&(0..prompt_blocks as u32).map(|i| 15 - 2 * i).collect::<Vec<_>>());
-        let d_blocks = ids(&(0..prompt_blocks.div_ceil(ratio) as u32).map(|i| 2 + i).collect::<Vec<_>>());
-        let what = format!("{layout:?} p_tp {p_tp} p_pp {p_pp} d_tp {d_tp} blocks {p_tokens}/{d_tokens}");
+        let (p_count, d_count) = (prompt_tokens.div_ceil(p_tokens.into()), prompt_tokens.div_ceil(d_tokens.into()));
+        let p_blocks = ids(&(0..p_count as u32).map(|i| 15 - 2 * i).collect::<Vec<_>>());
+        let d_blocks = ids(&(0..d_count as u32).map(|i| 2 + i).collect::<Vec<_>>());
+        let span = sizes.prefill_span(cached..d_count as usize);
+        let p_read = &p_blocks[span.blocks.start..span.blocks.end.min(p_blocks.len())];
+        let what = format!(
+            "{layout:?} p_tp {p_tp} p_pp {p_pp} d_tp {d_tp} blocks {p_tokens}/{d_tokens} prompt {prompt_tokens} cached {cached}"
+        );
         let elem = |layer: u32, plane: u32, head: u64, token: u64, e: u64| -> u8 {
             // Never 0, so an untouched byte of D's pool never looks copied.
             (1 + (u64::from(layer) * 7 + u64::from(plane) * 13 + head * 31 + token * 17 + e * 3) % 251) as u8
@@ -423,8 +435,9 @@ mod tests {
                     elem(layer, plane, u64::from(p_first + h), tok, e)
                 });
                 let input = PlanInput {
-                    prefill: PoolSide { shape: p_shape, regions: &p_regions, blocks: &p_blocks },
-                    decode: PoolSide { shape: d_shape, regions: &d_regions, blocks: &d_blocks },
+                    prefill: PoolSide { shape: p_shape, regions: &p_regions, blocks: p_read },
+                    decode: PoolSide { shape: d_shape, regions: &d_regions, blocks: &d_blocks[cached..] },
+                    skip_tokens: span.skip_tokens,
                     slice: *slice,
                     initiator: Initiator::Decode,
                 };
@@ -437,7 +450,8 @@ mod tests {
                         .copy_from_slice(&p_mem[pair.remote_region as usize][ra - rbase..ra - rbase + len]);
                 }
             }
-            // Expected: D's heads are the model heads it owns.
+            // Expected: D's heads are the model heads it owns, for the tokens both sides hold
+            // past D's cached blocks (P's last block is read whole, past the prompt).
             let d_first = if layout.attention == Attention::Mla {
                 0
             } else if d_tp <= layout.kv_heads {
@@ -445,9 +459,9 @@ mod tests {
             } else {
                 d_rank / (d_tp / layout.kv_heads)
             };
-            let prompt_tokens = prompt_blocks as u64 * u64::from(p_tokens);
+            let read = cached as u64 * u64::from(d_tokens)..p_count * u64::from(p_tokens);
             let expected = fill_pool(&d_shape, &d_blocks, |layer, plane, h, tok, e| {
-                if tok < prompt_tokens {
+                if read.contains(&tok) {
                     elem(layer, plane, u64::from(d_first + h), tok, e)
                 } else {
                     0
@@ -504,16 +518,27 @@ mod tests {
             for placement in [Placement::BlockMajor, Placement::LayerMajor] {
                 let layout = small(order, placement, Attention::SplitKv);
                 for (p_tp, d_tp) in [(1, 1), (2, 2), (1, 2), (2, 4), (2, 1), (4, 2), (4, 1), (2, 8)] {
-                    for (p_tokens, d_tokens, prompt_blocks) in [(4, 4, 3), (2, 8, 5), (4, 8, 4)] {
+                    // Equal, P smaller, P larger; prompts that end inside a block of either side;
+                    // partial prefix hits that start inside a larger P block.
+                    for (sizes, prompt, cached) in [
+                        ((4, 4), 12, 0),
+                        ((2, 8), 10, 0),
+                        ((4, 8), 16, 1),
+                        ((8, 4), 13, 0),
+                        ((8, 2), 22, 3),
+                        ((8, 4), 20, 1),
+                        ((8, 4), 20, 2),
+                    ] {
                         for p_pp in [1, 2] {
-                            check_bytes(layout, (p_tp, p_pp), d_tp, p_tokens, d_tokens, prompt_blocks);
+                            check_bytes(layout, (p_tp, p_pp), d_tp, sizes, prompt, cached);
                         }
                     }
                 }
                 let mla = KvLayout { kv_heads: 1, ..small(order, placement, Attention::Mla) };
                 for (p_tp, d_tp) in [(1, 2), (2, 1), (4, 2)] {
                     for p_pp in [1, 2] {
-                        check_bytes(mla, (p_tp, p_pp), d_tp, 2, 4, 3);
+                        check_bytes(mla, (p_tp, p_pp), d_tp, (2, 4), 6, 0);
+                        check_bytes(mla, (p_tp, p_pp), d_tp, (4, 2), 7, 1);
                     }
                 }
             }
@@ -529,6 +554,7 @@ mod tests {
         let mut input = PlanInput {
             prefill: PoolSide { shape, regions: &p_regions, blocks: &p_ids },
             decode: PoolSide { shape, regions: &d_regions, blocks: &d_ids },
+            skip_tokens: 0,
             slice: full_slice(8),
             initiator: Initiator::Decode,
         };
@@ -549,6 +575,7 @@ mod tests {
         let base = PlanInput {
             prefill: PoolSide { shape, regions: &good, blocks: &p_ids },
             decode: PoolSide { shape, regions: &good, blocks: &d_ids },
+            skip_tokens: 0,
             slice: full_slice(8),
             initiator: Initiator::Decode,
         };
@@ -569,16 +596,24 @@ mod tests {
         let e = err(PlanInput { slice: HeadSlice { decode_head: 6, ..full_slice(4) }, ..base });
         assert_eq!(e, "head slice 6..10 does not fit the decode rank's 8 heads");
 
-        let bigger = PoolShape::new(layout.with_block_tokens(32), 8, 4).unwrap();
-        let e = err(PlanInput {
-            prefill: PoolSide { shape: bigger, regions: &regions(&bigger, 0), ..base.prefill },
-            ..base
-        });
-        assert_eq!(e, "block size mismatch: decode block of 16 tokens is not a multiple of prefill block of 32 tokens");
+        let odd = PoolShape::new(layout.with_block_tokens(24), 8, 4).unwrap();
+        let e = err(PlanInput { prefill: PoolSide { shape: odd, regions: &regions(&odd, 0), ..base.prefill }, ..base });
+        assert_eq!(
+            e,
+            "block size mismatch: neither the prefill block of 24 tokens nor the decode block of 16 tokens is a multiple of the other"
+        );
 
         let one = ids(&[0]);
         let e = err(PlanInput { decode: PoolSide { blocks: &one, ..base.decode }, ..base });
-        assert_eq!(e, "1 decode blocks of ratio 1 hold 1 prefill blocks, need 2");
+        assert_eq!(e, "1 decode blocks of 16 tokens cannot hold 32 tokens of prefill blocks");
+
+        let bigger = PoolShape::new(layout.with_block_tokens(32), 8, 4).unwrap();
+        let e = err(PlanInput {
+            prefill: PoolSide { shape: bigger, regions: &regions(&bigger, 0), blocks: &one },
+            skip_tokens: 16,
+            ..base
+        });
+        assert_eq!(e, "2 decode blocks of 16 tokens need more than 16 tokens of prefill blocks");
 
         let other = PoolShape::new(KvLayout { head_dim: 64, ..layout }, 8, 4).unwrap();
         let e =

@@ -104,6 +104,7 @@ fn derive(example: &[(String, String)]) -> Vec<(String, String)> {
     let input = PlanInput {
         prefill: PoolSide { shape: p_shape, regions: &p_regions, blocks: &p_blocks },
         decode: PoolSide { shape: d_shape, regions: &d_regions, blocks: &d_blocks },
+        skip_tokens: number(&p, "skip_tokens", 0),
         slice,
         initiator: Initiator::Decode,
     };

@@ -349,33 +349,33 @@ fn unknown_addresses_are_unreachable_after_a_round_trip() {
 fn a_refused_handshake_names_both_block_sizes_and_the_listener_keeps_serving() {
     let world = World::new(1, NetConfig::default());
     let mut p = Rank::start(&world.net, "prefill0", Role::Prefill, 32);
-    let mut d16 = Rank::start(&world.net, "decode0", Role::Decode, 16);
-    d16.transport.connect(&p.address).unwrap();
+    let mut d24 = Rank::start(&world.net, "decode0", Role::Decode, 24);
+    d24.transport.connect(&p.address).unwrap();
     world.run(ms(10));
-    let [PeerEvent::ConnectFailed { address, error }] = &d16.events()[..] else { panic!("the connect should fail") };
+    let [PeerEvent::ConnectFailed { address, error }] = &d24.events()[..] else { panic!("the connect should fail") };
     assert_eq!(*address, p.address);
     assert_eq!(
         error.to_string(),
-        "transport backend: prefill0:5600 refused the handshake: block size mismatch: decode block of 16 tokens is not a multiple of prefill block of 32 tokens"
+        "transport backend: prefill0:5600 refused the handshake: block size mismatch: neither the prefill block of 32 tokens nor the decode block of 24 tokens is a multiple of the other"
     );
     // The listener refuses too, with the same values, and the initiator is no peer of it.
     let [PeerEvent::Refused { peer, cause, reason }] = &p.events()[..] else {
         panic!("the listener should report the refusal")
     };
-    assert_eq!(*peer, Some(d16.name.clone()));
+    assert_eq!(*peer, Some(d24.name.clone()));
     assert_eq!(*cause, RefusalCause::Incompatible);
     assert_eq!(
         reason,
-        "block size mismatch: decode block of 16 tokens is not a multiple of prefill block of 32 tokens"
+        "block size mismatch: neither the prefill block of 32 tokens nor the decode block of 24 tokens is a multiple of the other"
     );
-    assert_eq!(d16.transport.send_notification(&p.name, b"x"), Err(TransportError::UnknownPeer(p.name.clone())));
+    assert_eq!(d24.transport.send_notification(&p.name, b"x"), Err(TransportError::UnknownPeer(p.name.clone())));
 
-    let mut d32 = Rank::start(&world.net, "decode1", Role::Decode, 32);
-    d32.transport.connect(&p.address).unwrap();
+    let mut d16 = Rank::start(&world.net, "decode1", Role::Decode, 16);
+    d16.transport.connect(&p.address).unwrap();
     world.run(ms(4));
-    assert!(matches!(d32.events()[..], [PeerEvent::Connected(_)]));
+    assert!(matches!(d16.events()[..], [PeerEvent::Connected(_)]));
     let [PeerEvent::Connected(info)] = &p.events()[..] else { panic!("the listener should accept a compatible peer") };
-    assert_eq!(info.agent, d32.name);
+    assert_eq!(info.agent, d16.name);
 }
 
 #[test]

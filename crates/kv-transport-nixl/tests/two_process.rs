@@ -284,8 +284,8 @@ fn mismatched_handshakes_fail_on_both_sides_and_the_listener_keeps_serving() {
     let mut cases: Vec<(&str, kv_core::Handshake, &str)> = Vec::new();
     cases.push((
         "block size",
-        offer("decode-bs", Role::Decode, 1, 16, &pool, 4),
-        "decode block of 16 tokens is not a multiple of prefill block of 32 tokens",
+        offer("decode-bs", Role::Decode, 1, 24, &pool, 4),
+        "neither the prefill block of 32 tokens nor the decode block of 24 tokens is a multiple of the other",
     ));
     let mut layout = offer("decode-layout", Role::Decode, 1, 32, &pool, 4);
     layout.layout.head_dim = 128;

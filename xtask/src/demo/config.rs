@@ -135,7 +135,7 @@ pub struct TopologyArgs {
     /// Tokens per block on P.
     #[arg(long, value_name = "N", default_value_t = DemoConfig::default().model.block_tokens)]
     p_block_tokens: u32,
-    /// Tokens per block on D (a multiple of P's; by default P's).
+    /// Tokens per block on D (a multiple of P's or a whole fraction of them; by default P's).
     #[arg(long, value_name = "N")]
     d_block_tokens: Option<u32>,
 }

@@ -467,14 +467,16 @@ impl DecodeWorker {
                 self.fail(now, request);
                 return;
             };
-            // A partial prefix hit reads only the blocks after the cached ones: D block `b` takes
-            // P's sub-blocks from `b * ratio` on (the plan clips the last to the prompt).
-            let ratio = peer.compat.blocks.ratio() as usize;
+            // A partial prefix hit reads only the blocks after the cached ones: from the P block
+            // that holds D block `cached`'s first token, which is inside it when P's blocks are
+            // the larger (the plan clips the last to the prompt).
             let d_blocks = &load.blocks[load.cached..];
-            let p_blocks = export.blocks.get(load.cached * ratio..).unwrap_or(&[]);
+            let span = peer.compat.blocks.prefill_span(load.cached..load.blocks.len());
+            let p_blocks = export.blocks.get(span.blocks.start..).unwrap_or(&[]);
             let input = PlanInput {
                 prefill: PoolSide { shape: p_shape, regions: &peer.handshake.regions, blocks: p_blocks },
                 decode: PoolSide { shape: self.pool.shape, regions: &self.pool.regions, blocks: d_blocks },
+                skip_tokens: span.skip_tokens,
                 slice: *slice,
                 initiator: Initiator::Decode,
             };

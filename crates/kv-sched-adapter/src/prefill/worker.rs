@@ -992,9 +992,10 @@ impl PrefillWorker {
     }
 
     /// Posts a write of P's `blocks` into `d_range` of the blocks D rank `to` registered in
-    /// `reg`: D block `b` of the prompt (from `reg.first_block` on) takes P's sub-blocks from
-    /// `b * ratio`, and the plan clips the last and checks every block against both pools.
-    /// A write ahead (`d_range` short of the end) takes only the sub-blocks of its D blocks.
+    /// `reg`: D block `b` of the prompt (from `reg.first_block` on) takes the P blocks that hold
+    /// its tokens (a part of one when P's blocks are the larger), and the plan clips the last
+    /// and checks every block against both pools. A write ahead (`d_range` short of the end)
+    /// takes only the P blocks of its D blocks.
     fn post_write(
         &mut self,
         to: &AgentName,
@@ -1010,17 +1011,16 @@ impl PrefillWorker {
         let slice = plan_d.reads.iter().find(|s| s.prefill_rank == rank).copied();
         let slice = slice.ok_or_else(|| format!("no head slice of P rank {rank} for D rank {}", to.rank))?;
         let d_shape = peer.shape(tp.decode_heads()).ok_or_else(|| "peer layout".to_owned())?;
-        let ratio = peer.compat.blocks.ratio() as usize;
         let first = reg.first_block as usize;
         let d_blocks =
             reg.blocks.get(d_range.clone()).ok_or_else(|| format!("D blocks {d_range:?} of {}", reg.blocks.len()))?;
-        let p_from = (first + d_range.start).saturating_mul(ratio).min(blocks.len());
-        let p_until =
-            if d_range.end < reg.blocks.len() { (first + d_range.end).saturating_mul(ratio) } else { blocks.len() };
-        let p_blocks = &blocks[p_from..p_until.clamp(p_from, blocks.len())];
+        let span = peer.compat.blocks.prefill_span(first + d_range.start..first + d_range.end);
+        let p_from = span.blocks.start.min(blocks.len());
+        let p_blocks = &blocks[p_from..span.blocks.end.clamp(p_from, blocks.len())];
         let input = PlanInput {
             prefill: PoolSide { shape: self.pool.shape, regions: &self.pool.regions, blocks: p_blocks },
             decode: PoolSide { shape: d_shape, regions: &peer.handshake.regions, blocks: d_blocks },
+            skip_tokens: span.skip_tokens,
             slice,
             initiator: Initiator::Prefill,
         };
@@ -1142,12 +1142,12 @@ impl PrefillWorker {
             {
                 continue;
             }
-            let ratio = peer.compat.blocks.ratio() as usize;
             let computing = &self.computing[id];
             if computing.stopped.contains(&to) {
                 continue;
             }
-            let ready = (computing.blocks.len() / ratio).saturating_sub(reg.first_block as usize).min(reg.blocks.len());
+            let ready = peer.compat.blocks.decode_blocks_in(computing.blocks.len());
+            let ready = ready.saturating_sub(reg.first_block as usize).min(reg.blocks.len());
             let done = computing.ahead.get(&to).copied().unwrap_or(0);
             if ready <= done {
                 continue;

@@ -69,7 +69,14 @@ pub fn agent(engine: &str) -> AgentName {
 }
 
 pub fn offer(engine: &str, role: Role, instance: u64) -> Handshake {
-    Handshake::new(&agent(engine), 1, instance, role, "tcp-test-model", KvLayout::split_kv(2, 16, 2, 64, kv_core::Dtype::Bfloat16))
+    Handshake::new(
+        &agent(engine),
+        1,
+        instance,
+        role,
+        "tcp-test-model",
+        KvLayout::split_kv(2, 16, 2, 64, kv_core::Dtype::Bfloat16),
+    )
 }
 
 /// A configuration on loopback, ports chosen by the OS.
