@@ -36,6 +36,13 @@
 //! peer that floods the transport (a key holder's heartbeats naming ids by the million) can
 //! neither grow the machine's pending actions without bound nor keep the engine's thread in one
 //! step, away from its scheduler's commands.
+//!
+//! A notification the transport refuses to send is counted and sent again, in order and within
+//! bounds ([`NotificationStats`], and the `resend` module's docs for why the driver and not the
+//! machine keeps it); its resends are due at times that [`WorkerDriver::poll_timeout`] and
+//! [`WorkerDriver::wait_time`] include. With a clock ([`WorkerDriver::set_clock`]), the driver
+//! also times each post (`kvflow_post_time_seconds`); without one it reads no time but the
+//! `now` it is given.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -44,7 +51,7 @@ use std::thread::Thread;
 use std::time::Duration;
 
 use kv_core::{
-    Descriptors, EngineId, Notification, PeerEvent, PreparedId, Time, TransferId, TransferSizes, TransferStatus,
+    Clock, Descriptors, EngineId, Notification, PeerEvent, PreparedId, Time, TransferId, TransferSizes, TransferStatus,
     Transport, TransportError,
 };
 
@@ -52,6 +59,11 @@ use crate::common::{Action, Counters, XferToken};
 use crate::decode::{DecodeReport, DecodeWorker};
 use crate::metrics::{InFlight, WorkerMetrics};
 use crate::prefill::{PrefillReport, PrefillWorker};
+
+mod resend;
+
+use resend::Resends;
+pub use resend::{NotificationStats, FIRST_RESEND_DELAY, MAX_PENDING_RESENDS, MAX_SEND_ATTEMPTS};
 
 /// At most this many of the transport's events (peer events and notifications) are fed to the
 /// machine in one [`WorkerDriver::step`], and between the actions carried out in
@@ -101,6 +113,9 @@ pub trait WorkerMachine {
     fn counters(&self) -> Counters;
     /// Peer ranks connected to it.
     fn connected_peers(&self) -> usize;
+    /// Its heartbeat interval (the configuration's): how long after the machine asked for a
+    /// notification that the transport refused the driver may still send it.
+    fn heartbeat_interval(&self) -> Duration;
     /// How its transport moves whole blocks fastest ([`Transport::descriptors`]); the
     /// machine's configuration (`kv_descriptors`) overrides it.
     fn use_descriptors(&mut self, preferred: Descriptors);
@@ -146,6 +161,9 @@ macro_rules! worker_machine {
             fn connected_peers(&self) -> usize {
                 <$machine>::connected_peers(self)
             }
+            fn heartbeat_interval(&self) -> Duration {
+                <$machine>::heartbeat_interval(self)
+            }
             fn use_descriptors(&mut self, preferred: Descriptors) {
                 <$machine>::use_descriptors(self, preferred)
             }
@@ -167,6 +185,10 @@ pub struct WorkerDriver<M> {
     /// The last step stopped at [`MAX_EVENTS_PER_STEP`] events, at this time: the transport
     /// may hold more, so the next step is due at once.
     backlog: Option<Time>,
+    /// Notifications the transport refused, to send again.
+    resends: Resends,
+    /// The engine's clock, to time posts with; none, and posts are not timed.
+    clock: Option<Arc<dyn Clock>>,
 }
 
 impl<M: WorkerMachine> WorkerDriver<M> {
@@ -176,6 +198,7 @@ impl<M: WorkerMachine> WorkerDriver<M> {
         machine.use_descriptors(transport.descriptors());
         let agent = transport.agent();
         let metrics = WorkerMetrics::new(&agent.engine, agent.rank);
+        let resends = Resends::new(machine.heartbeat_interval());
         WorkerDriver {
             machine,
             transport,
@@ -183,7 +206,17 @@ impl<M: WorkerMachine> WorkerDriver<M> {
             sizes: TransferSizes::default(),
             metrics,
             backlog: None,
+            resends,
+            clock: None,
         }
+    }
+
+    /// Gives the driver the engine's clock, with which it times each post
+    /// (`kvflow_post_time_seconds`: from calling the transport's `post` or `post_prepared` to
+    /// its return). It reads it for nothing else: the machine's time is still the `now` given
+    /// to each call.
+    pub fn set_clock(&mut self, clock: Arc<dyn Clock>) {
+        self.clock = Some(clock);
     }
 
     /// The machine, for commands from its scheduler (call [`WorkerDriver::flush`] after).
@@ -242,6 +275,12 @@ impl<M: WorkerMachine> WorkerDriver<M> {
     fn take_events(&mut self, now: Time, limit: usize) -> bool {
         for _ in 0..limit {
             let Some(event) = self.transport.poll_event() else { return false };
+            match &event {
+                // Gone, or a newer incarnation under its name: what waited for it is not for it.
+                PeerEvent::Lost(peer) => self.resends.forget(peer),
+                PeerEvent::Connected(info) => self.resends.forget(&info.agent),
+                _ => {}
+            }
             self.machine.handle_peer_event(now, event);
         }
         true
@@ -282,11 +321,14 @@ impl<M: WorkerMachine> WorkerDriver<M> {
         let _entered = span.enter();
         let reports = self.carry_out(now);
         self.metrics.update(&self.machine.counters(), self.machine.connected_peers());
+        self.metrics.notifications(&self.resends.stats());
         reports
     }
 
-    /// Carries out the machine's pending actions, in order; returns its reports.
+    /// Sends again the notifications due, then carries out the machine's pending actions, in
+    /// order; returns its reports.
     fn carry_out(&mut self, now: Time) -> Vec<M::Report> {
+        self.resends.resend_due(now, self.transport.as_mut());
         let mut reports = Vec::new();
         while let Some(action) = self.machine.poll_action() {
             match action {
@@ -295,14 +337,12 @@ impl<M: WorkerMachine> WorkerDriver<M> {
                         self.machine.handle_peer_event(now, PeerEvent::ConnectFailed { address, error });
                     }
                 }
-                Action::Send { to, payload } => {
-                    if let Err(err) = self.transport.send_notification(&to, &payload) {
-                        tracing::debug!(peer = %to, %err, "notification not sent");
-                    }
-                }
+                Action::Send { to, payload } => self.resends.send(now, &to, payload, self.transport.as_mut()),
                 Action::Post { token, request } => {
                     let transfer = InFlight { posted: now, bytes: request.bytes(), descriptors: request.pairs.len() };
+                    let started = self.clock.as_ref().map(|clock| clock.now());
                     let result = self.transport.post(request);
+                    self.timed(started, &result);
                     self.posted(now, token, transfer, result);
                 }
                 Action::Prepare { token, peer, ranges } => {
@@ -315,14 +355,27 @@ impl<M: WorkerMachine> WorkerDriver<M> {
                 Action::PostPrepared { token, request } => {
                     let bytes = self.sizes.of_prepared(&request);
                     let transfer = InFlight { posted: now, bytes, descriptors: request.local_indices.len() };
+                    let started = self.clock.as_ref().map(|clock| clock.now());
                     let result = self.transport.post_prepared(request);
+                    self.timed(started, &result);
                     self.posted(now, token, transfer, result);
                 }
-                Action::Disconnect(peer) => self.transport.disconnect(&peer),
+                Action::Disconnect(peer) => {
+                    self.resends.forget(&peer);
+                    self.transport.disconnect(&peer);
+                }
                 Action::Report(report) => reports.push(report),
             }
         }
         reports
+    }
+
+    /// Records how long the transport took to accept a transfer posted at `started` (on the
+    /// clock, if the driver has one); a refused post is not timed.
+    fn timed(&self, started: Option<Time>, result: &Result<TransferId, TransportError>) {
+        if let (Some(clock), Some(started), Ok(_)) = (&self.clock, started, result) {
+            self.metrics.post_time(clock.now().saturating_since(started));
+        }
     }
 
     /// Records a transfer the transport took, or tells the machine it refused it.
@@ -340,14 +393,11 @@ impl<M: WorkerMachine> WorkerDriver<M> {
         }
     }
 
-    /// When the machine next wants a [`WorkerDriver::step`]; transport activity may come sooner.
-    /// After a step that left events in the transport ([`MAX_EVENTS_PER_STEP`]), that step's time.
+    /// When the machine next wants a [`WorkerDriver::step`], or a refused notification is due to
+    /// be sent again; transport activity may come sooner. After a step that left events in the
+    /// transport ([`MAX_EVENTS_PER_STEP`]), that step's time.
     pub fn poll_timeout(&mut self) -> Option<Time> {
-        let machine = self.machine.poll_timeout();
-        match self.backlog {
-            Some(at) => Some(machine.map_or(at, |t| t.min(at))),
-            None => machine,
-        }
+        [self.machine.poll_timeout(), self.resends.next_due(), self.backlog].into_iter().flatten().min()
     }
 
     /// Hands the transport the waker that ends an engine's wait when the transport's own
@@ -357,16 +407,18 @@ impl<M: WorkerMachine> WorkerDriver<M> {
     }
 
     /// How long the engine may wait from `now` before its next [`WorkerDriver::step`]: until
-    /// the machine's next deadline, and no longer than the transport's poll interval while
-    /// transfers are in flight or the machine awaits a peer; `None` when nothing is due and
-    /// only the waker (or the engine's own input) can bring work. Zero after a step that left
-    /// events in the transport ([`MAX_EVENTS_PER_STEP`]).
+    /// the machine's next deadline or the next resend of a refused notification, and no longer
+    /// than the transport's poll interval while transfers are in flight or the machine awaits a
+    /// peer; `None` when nothing is due and only the waker (or the engine's own input) can
+    /// bring work. Zero after a step that left events in the transport
+    /// ([`MAX_EVENTS_PER_STEP`]).
     pub fn wait_time(&mut self, now: Time) -> Option<Duration> {
         if self.backlog.is_some() {
             return Some(Duration::ZERO);
         }
         let intervals = self.transport.poll_intervals();
-        let deadline = self.machine.poll_timeout().map(|at| at.saturating_since(now));
+        let due = [self.machine.poll_timeout(), self.resends.next_due()].into_iter().flatten().min();
+        let deadline = due.map(|at| at.saturating_since(now));
         let transfers = if self.in_flight.is_empty() { None } else { intervals.transfers };
         let peers = if self.machine.awaits_peers() { intervals.notifications } else { None };
         [deadline, transfers, peers].into_iter().flatten().min()
@@ -381,6 +433,17 @@ impl<M: WorkerMachine> WorkerDriver<M> {
     /// Transfers posted and not yet ended.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
+    }
+
+    /// What became of the notifications the machine asked to send: sends the transport
+    /// refused, notifications sent again after that, and those given up.
+    pub fn notifications(&self) -> NotificationStats {
+        self.resends.stats()
+    }
+
+    /// Notifications the transport refused that wait to be sent again.
+    pub fn resends_waiting(&self) -> usize {
+        self.resends.waiting()
     }
 }
 

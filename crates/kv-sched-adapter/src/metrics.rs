@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use crate::config::ReleaseReason;
 use crate::decode::DecodeState;
+use crate::driver::NotificationStats;
 
 /// What one metric is.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -85,6 +86,12 @@ pub const WRITES_AHEAD: &str = "kvflow_writes_ahead_total";
 pub const BYTES: &str = "kvflow_bytes_transferred";
 /// Post to completion, per transfer (vLLM's `nixl_xfer_time_seconds`).
 pub const XFER_TIME: &str = "kvflow_xfer_time_seconds";
+/// The transport's call to post a transfer, per transfer (vLLM's `nixl_post_time_seconds`).
+pub const POST_TIME: &str = "kvflow_post_time_seconds";
+/// Notification sends the transport refused (vLLM's `nixl_num_failed_notifications`).
+pub const NOTIFICATIONS_FAILED: &str = "kvflow_num_failed_notifications_total";
+/// Notifications given up unsent.
+pub const NOTIFICATIONS_GIVEN_UP: &str = "kvflow_notifications_given_up_total";
 /// Descriptors per transfer (vLLM's `nixl_num_descriptors`).
 pub const DESCRIPTORS: &str = "kvflow_num_descriptors";
 /// Peers connected now.
@@ -117,6 +124,9 @@ pub const METRICS: &[MetricDoc] = &[
     doc(WRITES_AHEAD, "counter", &[], "P, push: writes posted while the prompt still computed, from the blocks a chunked prefill had finished"),
     doc(BYTES, "histogram", &[], "bytes per completed transfer"),
     doc(XFER_TIME, "histogram", &[], "seconds from posting a transfer to seeing it complete"),
+    doc(POST_TIME, "histogram", &[], "seconds the transport took to accept a transfer (its post call, on the engine's clock)"),
+    doc(NOTIFICATIONS_FAILED, "counter", &[], "notification sends the transport refused, each try counted (the driver sends a refused notification again, in order, a bounded number of times within a heartbeat interval)"),
+    doc(NOTIFICATIONS_GIVEN_UP, "counter", &[], "notifications given up unsent: out of tries or time, to a peer gone, refused for good, or past the bound of those waiting to be sent again"),
     doc(DESCRIPTORS, "histogram", &[], "descriptors per transfer, before the transport merges contiguous ones"),
     doc(PEERS_CONNECTED, "gauge", &[], "peer ranks connected (handshake completed)"),
     doc(PEERS_LOST, "counter", &[], "peer ranks lost: side channel closed, a newer incarnation handshook, or discovery said the engine is gone"),
@@ -125,11 +135,16 @@ pub const METRICS: &[MetricDoc] = &[
 const SECONDS: &[f64] =
     &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0];
 
+/// A post is a call that queues work: microseconds, unless the transport stalls.
+const POST_SECONDS: &[f64] =
+    &[0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.1, 1.0];
+
 /// Bucket bounds for each histogram: seconds from 100 µs to 5 s (vLLM's start at 5 ms, too
-/// coarse for transfers on one host), bytes by powers of four from 4 KiB to 16 GiB,
-/// descriptors by powers of four.
+/// coarse for transfers on one host), and from 5 µs to 1 s for the post call alone; bytes by
+/// powers of four from 4 KiB to 16 GiB, descriptors by powers of four.
 pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
     (XFER_TIME, SECONDS),
+    (POST_TIME, POST_SECONDS),
     (KV_READY_LATENCY, SECONDS),
     (
         BYTES,
@@ -289,6 +304,22 @@ impl WorkerMetrics {
         #[cfg(not(feature = "metrics"))]
         let _ = (transfer, now, ok);
     }
+
+    /// The transport took `took` to accept a transfer.
+    pub fn post_time(&self, took: Duration) {
+        #[cfg(feature = "metrics")]
+        self.on.post_time.record(took.as_secs_f64());
+        #[cfg(not(feature = "metrics"))]
+        let _ = took;
+    }
+
+    /// What became of the driver's notifications so far.
+    pub fn notifications(&mut self, stats: &NotificationStats) {
+        #[cfg(feature = "metrics")]
+        self.on.notifications(stats);
+        #[cfg(not(feature = "metrics"))]
+        let _ = stats;
+    }
 }
 
 /// A transfer the driver posted, for its metrics when it ends.
@@ -407,7 +438,12 @@ mod imp {
         peers: Gauge,
         bytes: Histogram,
         time: Histogram,
+        pub post_time: Histogram,
         descriptors: Histogram,
+        notifications_failed: Counter,
+        notifications_given_up: Counter,
+        /// The driver's notification counts as last recorded.
+        last_notifications: NotificationStats,
     }
 
     impl Worker {
@@ -451,8 +487,19 @@ mod imp {
                 peers: gauge!(PEERS_CONNECTED, &labels),
                 bytes: histogram!(BYTES, &labels),
                 time: histogram!(XFER_TIME, &labels),
+                post_time: histogram!(POST_TIME, &labels),
                 descriptors: histogram!(DESCRIPTORS, &labels),
+                notifications_failed: counter!(NOTIFICATIONS_FAILED, &labels),
+                notifications_given_up: counter!(NOTIFICATIONS_GIVEN_UP, &labels),
+                last_notifications: NotificationStats::default(),
             }
+        }
+
+        pub fn notifications(&mut self, now: &NotificationStats) {
+            let last = self.last_notifications;
+            self.notifications_failed.increment(now.failed.saturating_sub(last.failed));
+            self.notifications_given_up.increment(now.given_up.saturating_sub(last.given_up));
+            self.last_notifications = *now;
         }
 
         pub fn update(&mut self, now: &Counters, peers: usize) {

@@ -387,10 +387,11 @@ impl<S: Side> Node<S> {
         let mut ranks = Vec::new();
         for (rank, start) in (0u32..).zip(starts) {
             let worker = S::worker(config, &start.offer, start.pool).context("the connector")?;
-            let driver = WorkerDriver::new(worker, Box::new(start.transport));
+            let mut driver = WorkerDriver::new(worker, Box::new(start.transport));
             let hooks =
                 rank::Hooks { handle: S::handle_command, writes_ahead: S::writes_ahead, ahead_of: start.ahead_of };
             let clock: Arc<dyn Clock> = engine.clock.clone();
+            driver.set_clock(clock.clone());
             ranks.push(rank::Rank::spawn(rank, driver, hooks, clock, tx.clone(), std::thread::current())?);
         }
         let registration = match &config.discovery {

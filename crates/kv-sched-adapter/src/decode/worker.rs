@@ -188,6 +188,12 @@ impl DecodeWorker {
         self.peers.len()
     }
 
+    /// The heartbeat interval it was configured with: its driver sends a notification the
+    /// transport refused again for no longer than this.
+    pub fn heartbeat_interval(&self) -> std::time::Duration {
+        self.config.heartbeat_interval
+    }
+
     /// Requests this rank is tracking or loading.
     pub fn active(&self) -> usize {
         self.loads.len()

@@ -290,6 +290,12 @@ impl PrefillWorker {
         self.peers.len()
     }
 
+    /// The heartbeat interval it was configured with: its driver sends a notification the
+    /// transport refused again for no longer than this.
+    pub fn heartbeat_interval(&self) -> std::time::Duration {
+        self.config.heartbeat_interval
+    }
+
     /// Exports this rank holds.
     pub fn held(&self) -> usize {
         self.exports.len()

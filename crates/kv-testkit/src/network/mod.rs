@@ -64,6 +64,9 @@
 //!   claiming another name, tries the handshake, and hangs up.
 //! - [`FakeNetwork::fail_next_transfer`] and [`FakeNetwork::fail_transfer_when`]: the next
 //!   matching transfer is accepted and fails at its completion time, copying nothing.
+//! - [`FakeNetwork::fail_next_send`] and [`FakeNetwork::fail_send_when`]: the next matching
+//!   notification send is refused ([`TransportError::Backend`], as NIXL's when UCX cannot
+//!   queue it), and nothing leaves. No send is refused unless a caller asks.
 //! - [`FakeNetwork::inject`]: a forged notification, garbage included (it carries no valid tag).
 
 mod side;
@@ -173,6 +176,9 @@ pub struct NetStats {
 /// A predicate over `(poster, request)` that fails the first transfer it matches.
 type TransferFault = Box<dyn FnMut(&AgentName, &TransferRequest) -> bool + Send>;
 
+/// A predicate over `(sender, receiver, payload)` that refuses the first send it matches.
+type SendFault = Box<dyn FnMut(&AgentName, &AgentName, &[u8]) -> bool + Send>;
+
 /// A function of `(poster, request)` that picks the local ranges a read it matches spoils.
 type SpoilFault = Box<dyn FnMut(&AgentName, &TransferRequest) -> Option<Vec<(u64, u64)>> + Send>;
 
@@ -210,6 +216,7 @@ impl FakeNetwork {
             pauses: Vec::new(),
             delays: Vec::new(),
             transfer_faults: Vec::new(),
+            send_faults: Vec::new(),
             stats: NetStats::default(),
             spoil_faults: Vec::new(),
             moved: BTreeMap::new(),
@@ -376,6 +383,23 @@ impl FakeNetwork {
         self.settled().transfer_faults.push(Box::new(predicate));
     }
 
+    /// Refuses the next notification that an agent in `who` sends.
+    pub fn fail_next_send(&self, who: impl Into<Scope>) {
+        let who = who.into();
+        self.fail_send_when(move |sender, _, _| who.covers(sender));
+    }
+
+    /// Refuses the first notification sent from now on for which `predicate(sender, receiver,
+    /// payload)` holds (the payload as the sender gave it, before its tag): `send_notification`
+    /// returns [`TransportError::Backend`] and nothing leaves. A send to a peer that is not
+    /// connected fails as it would anyway, and leaves the fault for the next. Each fault
+    /// refuses one send; ask again to refuse its resend too.
+    ///
+    /// The predicate runs inside the network's lock, so it must not call the network.
+    pub fn fail_send_when(&self, predicate: impl FnMut(&AgentName, &AgentName, &[u8]) -> bool + Send + 'static) {
+        self.settled().send_faults.push(Box::new(predicate));
+    }
+
     /// The first read posted from now on for which `spoil(poster, request)` names local ranges
     /// fails part-way: it copies every byte except those in the ranges, which get garbage, and
     /// reports them ([`TransportError::PartlyFailed`]); a read that touches none of them is not
@@ -526,6 +550,7 @@ struct Net {
     pauses: Vec<(Scope, Time)>,
     delays: Vec<Window>,
     transfer_faults: Vec<TransferFault>,
+    send_faults: Vec<SendFault>,
     spoil_faults: Vec<SpoilFault>,
     stats: NetStats,
     /// Bytes transfers landed whole, by the posting agent and the request their notification

@@ -169,6 +169,11 @@ impl Transport for FakeTransport {
         self.settled(|net, me| {
             let to = net.caller(me)?.link(peer)?;
             check_size(Some(payload))?;
+            if let Some(index) = net.send_faults.iter_mut().position(|fault| fault(&me.name, peer, payload)) {
+                // An injected refusal fires once.
+                drop(net.send_faults.remove(index));
+                return Err(TransportError::Backend(format!("injected failure sending to {peer}")));
+            }
             let sealed = net.seal(me, peer, payload)?;
             let sent_at = net.clock.now();
             net.send(Message { from: me.clone(), to, sent_at, body: Body::Notification(sealed) });
