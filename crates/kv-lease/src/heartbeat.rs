@@ -19,6 +19,26 @@ struct PeerBeat {
     next_due: Time,
 }
 
+/// What a renewed lease has left, at the least, when D learns of the next renewal, but for the
+/// heartbeat's round trip: `extension - interval` (zero when beats come no faster than the
+/// extension they grant, and leases lapse between them).
+///
+/// A beat D sends at `t` renews to at least `t + extension` on P (P renews when the beat
+/// arrives, after `t`), and D learns that deadline a round trip later. Until the next beat's
+/// acknowledgement lands, at `t + interval` plus a round trip, that deadline is the newest D
+/// knows, so `extension - interval` less the round trip is the least D has in hand at any
+/// point of the cycle: a read margin must be shorter, or a healthy load scheduled late in a
+/// cycle is fenced.
+///
+/// ```
+/// use std::time::Duration;
+/// // vLLM's defaults for a 30 s lease: beats every 5 s, each extending the lease to 20 s ahead.
+/// assert_eq!(kv_lease::renewal_slack(Duration::from_secs(5), Duration::from_secs(20)), Duration::from_secs(15));
+/// ```
+pub fn renewal_slack(interval: Duration, extension: Duration) -> Duration {
+    extension.saturating_sub(interval)
+}
+
 /// Heartbeats due, per peer, at a fixed interval.
 #[derive(Clone, Debug)]
 pub struct HeartbeatPlanner<P> {
@@ -102,6 +122,21 @@ mod tests {
         hb.track("p0", "r3".into(), t(30_000));
         assert_eq!(hb.poll(t(34_999)), None);
         assert_eq!(hb.poll(t(35_000)), Some(("p0", vec!["r3".into()])));
+    }
+
+    #[test]
+    fn the_slack_is_what_the_newest_acknowledged_deadline_leaves_before_the_next_beat_lands() {
+        let (interval, extension) = (Duration::from_millis(1500), Duration::from_secs(6));
+        assert_eq!(renewal_slack(interval, extension), Duration::from_millis(4500));
+        assert_eq!(renewal_slack(extension, interval), Duration::ZERO);
+        // D beats at 0.1 s and 1.6 s; P renews each on arrival, 1 ms later, and acknowledges.
+        let mut hb = HeartbeatPlanner::new(interval);
+        hb.track("p0", "r1".into(), t(100));
+        let first_ack_deadline = t(101) + extension;
+        assert_eq!(hb.next_due(), Some(t(1600)));
+        // The next acknowledgement lands at 1.602 s: until then D has the first deadline in hand.
+        let left = first_ack_deadline.saturating_since(t(1602));
+        assert_eq!(left, renewal_slack(interval, extension) - Duration::from_millis(1));
     }
 
     #[test]

@@ -5,8 +5,10 @@
 //! `max(old, now + extension)`; release; expiry at or after the deadline; a poll of what
 //! expired that costs O(expired + log n) rather than a scan of every lease) and
 //! [`ScanLeaseTable`], the full-scan baseline that benchmarks and property tests compare it
-//! with. For D it holds the [`HeartbeatPlanner`] (per peer, at the interval) and
-//! [`ClockOffset`], which carries P's deadlines onto D's clock for the read fence.
+//! with. For D it holds the [`HeartbeatPlanner`] (per peer, at the interval), with
+//! [`renewal_slack`], the least a renewed lease has left at any point of the heartbeat cycle
+//! (what bounds D's read margin), and [`ClockOffset`], which carries P's deadlines onto D's
+//! clock for the read fence.
 //!
 //! ```
 //! use std::time::Duration;
@@ -28,5 +30,5 @@ mod heartbeat;
 mod table;
 
 pub use clock::ClockOffset;
-pub use heartbeat::HeartbeatPlanner;
+pub use heartbeat::{renewal_slack, HeartbeatPlanner};
 pub use table::{LeaseError, LeaseTable, ScanLeaseTable};

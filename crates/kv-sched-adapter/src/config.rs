@@ -1,4 +1,34 @@
 //! Configuration, with vLLM NixlConnector's names and defaults, and the small shared enums.
+//!
+//! An engine that already has vLLM's `kv_transfer_config` builds the connector's [`Config`]
+//! from the whole of it ([`KvTransferConfig`], [`Config::from_kv_transfer_config`]); one that
+//! has only its `kv_connector_extra_config` from that ([`ExtraConfig`], [`Config::from_extra`]).
+//! Every key, with its default (durations in seconds, as vLLM writes them):
+//!
+//! | `kv_transfer_config` key | default | meaning |
+//! |---|---|---|
+//! | `kv_connector` | (required) | `NixlConnector`, `NixlPullConnector` or `KvflowConnector`: pull; `NixlPushConnector` or `KvflowPushConnector`: push |
+//! | `kv_role` | none | `kv_producer`, `kv_consumer` or `kv_both`, for the engine ([`KvTransferConfig::kv_role`]) |
+//! | `kv_load_failure_policy` | `fail` (vLLM's) | `fail` or `recompute`; the extra config's key, if given, must agree |
+//! | `kv_connector_extra_config` | `{}` | kvflow's keys, below |
+//! | `kv_connector_module_path`, `engine_id` | none | for the engine; the connector does not read them |
+//! | `kv_buffer_device`, `kv_buffer_size`, `kv_rank`, `kv_parallel_size`, `kv_ip`, `kv_port`, `enable_permute_local_kv` | vLLM's | vLLM's own; accepted and not read |
+//!
+//! | `kv_connector_extra_config` key | default | meaning |
+//! |---|---|---|
+//! | `mode` | from `kv_connector` (else `pull`) | `pull` or `push`; an error if it disagrees with `kv_connector` |
+//! | `kv_lease_duration` | 30 | the lease on P's exported blocks |
+//! | `heartbeat_interval` | lease / 6 | how often D renews its waiting requests' leases |
+//! | `heartbeat_lease_extension` | 2 × lease / 3 | a renewal sets `expiry = max(old, now + this)`; it must exceed `heartbeat_interval` |
+//! | `read_safety_margin` | the smaller of 5 and (extension − interval) / 2 | D reads only this long before P's deadline; it must be shorter than extension − interval |
+//! | `decoder_kv_blocks_ttl` | 480 | how long D holds blocks for a peer, and keeps a waiting request's lease alive |
+//! | `push_registration_timeout` | `decoder_kv_blocks_ttl` | D gives up a push that never came |
+//! | `push_quarantine` | 2 × lease | how long D keeps given-up push blocks out of its pool |
+//! | `kv_load_failure_policy` | `recompute` (from the extra config alone) | `fail` or `recompute` |
+//! | `early_notification_capacity` | 8192 | completions staged before their export |
+//! | `kv_descriptors` | `auto` | `auto`, `pairs` or `prepared` |
+//! | `backends` | `["UCX"]` | NIXL backends; kvflow runs UCX only, so anything else is an error |
+//! | `num_threads` | none: the transport's default | NIXL's UCX thread pool ([`Config::ucx_params`]); vLLM's NixlConnector sets 4 |
 
 use std::fmt;
 use std::time::Duration;
@@ -13,6 +43,16 @@ pub enum Mode {
     Push,
 }
 
+impl Mode {
+    /// The mode's name, as configuration writes it.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Mode::Pull => "pull",
+            Mode::Push => "push",
+        }
+    }
+}
+
 /// What D does when a load fails or cannot be made safely.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 #[cfg_attr(feature = "serde", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
@@ -21,6 +61,31 @@ pub enum LoadFailurePolicy {
     Fail,
     /// Compute the prompt's KV locally instead.
     Recompute,
+}
+
+impl LoadFailurePolicy {
+    /// The policy's name, as configuration writes it.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            LoadFailurePolicy::Fail => "fail",
+            LoadFailurePolicy::Recompute => "recompute",
+        }
+    }
+}
+
+/// vLLM's `kv_role`: what the engine does with KV caches.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Deserialize))]
+pub enum KvRole {
+    /// `kv_producer`: a prefill engine (P).
+    #[cfg_attr(feature = "serde", serde(rename = "kv_producer"))]
+    Producer,
+    /// `kv_consumer`: a decode engine (D).
+    #[cfg_attr(feature = "serde", serde(rename = "kv_consumer"))]
+    Consumer,
+    /// `kv_both`: either, as the router sends it requests.
+    #[cfg_attr(feature = "serde", serde(rename = "kv_both"))]
+    Both,
 }
 
 /// Why P released an export.
@@ -106,57 +171,139 @@ pub struct Config {
     pub kv_load_failure_policy: LoadFailurePolicy,
     /// Completions that reached P before their export, kept until it registers (oldest evicted).
     pub early_notification_capacity: usize,
-    /// D starts a read only if it has at least this long before P's deadline (clock uncertainty added).
+    /// D starts a read only if it has at least this long before P's deadline (clock uncertainty
+    /// added), and accepts its bytes only if it ended that long before. It must be shorter than
+    /// `lease_extension - heartbeat_interval`, what a renewed lease has left when the next
+    /// heartbeat is acknowledged, or loads late in a heartbeat cycle would always be fenced;
+    /// [`Config::default_read_margin`] by default.
     pub read_safety_margin: Duration,
     /// How transfers of whole blocks name their bytes: `None` (the default), as the transport
     /// says is fastest for its memory and backend ([`kv_core::Transport::descriptors`]);
     /// `Some` overrides it.
     pub descriptors: Option<kv_core::Descriptors>,
+    /// `num_threads`: the size of NIXL's UCX thread pool, which splits a transfer's descriptors
+    /// across threads; `None` leaves the transport's default. The connectors do not use it:
+    /// the engine hands [`Config::ucx_params`] to its NIXL transport (kv-transport-nixl's
+    /// `NixlConfig::ucx_params`).
+    pub num_threads: Option<u32>,
 }
 
 impl Config {
-    /// vLLM's defaults for a given lease: heartbeats at lease / 6, extension 2 × lease / 3.
+    /// The most [`Config::default_read_margin`] keeps: vLLM's safety margin before a deadline.
+    pub const MAX_DEFAULT_READ_MARGIN: Duration = Duration::from_secs(5);
+
+    /// vLLM's defaults for a given lease: heartbeats at lease / 6, extension 2 × lease / 3, and
+    /// the read margin that follows them (lease / 4, at most 5 s).
     pub fn with_lease(kv_lease_duration: Duration) -> Self {
+        let heartbeat_interval = kv_lease_duration / 6;
+        let lease_extension = kv_lease_duration * 2 / 3;
         Config {
             mode: Mode::Pull,
             kv_lease_duration,
-            heartbeat_interval: kv_lease_duration / 6,
-            lease_extension: kv_lease_duration * 2 / 3,
+            heartbeat_interval,
+            lease_extension,
             decoder_kv_blocks_ttl: Duration::from_secs(480),
             push_registration_timeout: Duration::from_secs(480),
             push_quarantine: kv_lease_duration * 2,
             kv_load_failure_policy: LoadFailurePolicy::Recompute,
             early_notification_capacity: 8192,
-            read_safety_margin: Duration::from_secs(5),
+            read_safety_margin: Config::default_read_margin(heartbeat_interval, lease_extension),
             descriptors: None,
+            num_threads: None,
         }
     }
 
+    /// The read margin that follows the heartbeat cycle: half of what a renewed lease has left,
+    /// at the least, when the next heartbeat's acknowledgement lands
+    /// ([`kv_lease::renewal_slack`]: `lease_extension - heartbeat_interval`), and at most
+    /// [`Config::MAX_DEFAULT_READ_MARGIN`]. The other half is for the heartbeat's round trip,
+    /// the clock offset's uncertainty and the read itself, so a healthy queued load reads at
+    /// any point of the cycle.
+    pub fn default_read_margin(heartbeat_interval: Duration, lease_extension: Duration) -> Duration {
+        (kv_lease::renewal_slack(heartbeat_interval, lease_extension) / 2).min(Config::MAX_DEFAULT_READ_MARGIN)
+    }
+
+    /// The UCX backend parameters these settings ask NIXL for, by NIXL's names: for the engine
+    /// to pass to its NIXL transport (kv-transport-nixl's `NixlConfig::ucx_params`), since the
+    /// connectors know no transport.
+    ///
+    /// ```
+    /// let config = kv_sched_adapter::Config { num_threads: Some(4), ..Default::default() };
+    /// assert_eq!(config.ucx_params(), vec![("num_threads".to_owned(), "4".to_owned())]);
+    /// ```
+    pub fn ucx_params(&self) -> Vec<(String, String)> {
+        self.num_threads.map(|n| ("num_threads".to_owned(), n.to_string())).into_iter().collect()
+    }
+
     /// The settings `extra` gives, every key it leaves out at vLLM's default for its lease
-    /// (`push_registration_timeout` at `decoder_kv_blocks_ttl`), validated.
+    /// (`push_registration_timeout` at `decoder_kv_blocks_ttl`, the read margin following the
+    /// heartbeat interval and extension), validated.
     pub fn from_extra(extra: &ExtraConfig) -> Result<Config, ConfigError> {
+        backends(extra.backends.as_deref())?;
         let lease = seconds("kv_lease_duration", extra.kv_lease_duration)?;
         let d = Config::with_lease(lease.unwrap_or(Duration::from_secs(30)));
         let ttl = seconds("decoder_kv_blocks_ttl", extra.decoder_kv_blocks_ttl)?.unwrap_or(d.decoder_kv_blocks_ttl);
         let timeout = seconds("push_registration_timeout", extra.push_registration_timeout)?.unwrap_or(ttl);
+        let heartbeat_interval =
+            seconds("heartbeat_interval", extra.heartbeat_interval)?.unwrap_or(d.heartbeat_interval);
+        let lease_extension =
+            seconds("heartbeat_lease_extension", extra.heartbeat_lease_extension)?.unwrap_or(d.lease_extension);
         let config = Config {
             mode: extra.mode.unwrap_or(d.mode),
-            heartbeat_interval: seconds("heartbeat_interval", extra.heartbeat_interval)?
-                .unwrap_or(d.heartbeat_interval),
-            lease_extension: seconds("heartbeat_lease_extension", extra.heartbeat_lease_extension)?
-                .unwrap_or(d.lease_extension),
+            heartbeat_interval,
+            lease_extension,
             decoder_kv_blocks_ttl: ttl,
             push_registration_timeout: timeout,
             push_quarantine: seconds("push_quarantine", extra.push_quarantine)?.unwrap_or(d.push_quarantine),
             kv_load_failure_policy: extra.kv_load_failure_policy.unwrap_or(d.kv_load_failure_policy),
             early_notification_capacity: extra.early_notification_capacity.unwrap_or(d.early_notification_capacity),
             read_safety_margin: seconds("read_safety_margin", extra.read_safety_margin)?
-                .unwrap_or(d.read_safety_margin),
+                .unwrap_or_else(|| Config::default_read_margin(heartbeat_interval, lease_extension)),
             descriptors: descriptors(extra.kv_descriptors.as_deref())?,
+            num_threads: extra.num_threads,
             ..d
         };
         config.validate()?;
         Ok(config)
+    }
+
+    /// The settings of vLLM's whole `kv_transfer_config`, as its users write it, validated.
+    ///
+    /// The connector's name gives the mode (an extra-config `mode` must agree with it), and
+    /// `kv_load_failure_policy` is read at the top level, as vLLM reads it, `fail` when left
+    /// out, as in vLLM (the extra config's, kvflow's own key, must agree with it); every other
+    /// key is [`Config::from_extra`]'s.
+    ///
+    /// ```
+    /// # #[cfg(feature = "serde")] {
+    /// use kv_sched_adapter::{Config, KvTransferConfig, LoadFailurePolicy, Mode};
+    /// let json = r#"{"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+    ///                "kv_connector_extra_config": {"kv_lease_duration": 9}}"#;
+    /// let transfer: KvTransferConfig = serde_json::from_str(json).unwrap();
+    /// let config = Config::from_kv_transfer_config(&transfer).unwrap();
+    /// assert_eq!((config.mode, config.kv_load_failure_policy), (Mode::Pull, LoadFailurePolicy::Fail));
+    /// assert_eq!(config.read_safety_margin, std::time::Duration::from_millis(2250)); // (6 s - 1.5 s) / 2
+    /// # }
+    /// ```
+    pub fn from_kv_transfer_config(transfer: &KvTransferConfig) -> Result<Config, ConfigError> {
+        let extra = &transfer.kv_connector_extra_config;
+        let mode = match transfer.kv_connector.as_str() {
+            "NixlConnector" | "NixlPullConnector" | "KvflowConnector" => Mode::Pull,
+            "NixlPushConnector" | "KvflowPushConnector" => Mode::Push,
+            other => return Err(ConfigError::Connector { name: other.to_owned() }),
+        };
+        if let Some(extra_mode) = extra.mode.filter(|m| *m != mode) {
+            return Err(ConfigError::ModeDisagrees { connector: transfer.kv_connector.clone(), mode, extra_mode });
+        }
+        let policy = transfer.kv_load_failure_policy.unwrap_or(LoadFailurePolicy::Fail);
+        if let Some(extra_policy) = extra.kv_load_failure_policy.filter(|p| *p != policy) {
+            return Err(ConfigError::PolicyDisagrees {
+                policy,
+                defaulted: transfer.kv_load_failure_policy.is_none(),
+                extra_policy,
+            });
+        }
+        Config::from_extra(&ExtraConfig { mode: Some(mode), kv_load_failure_policy: Some(policy), ..extra.clone() })
     }
 
     /// Checks the settings that would make the lifecycle unsound.
@@ -174,6 +321,17 @@ impl Config {
         // between beats while D is still waiting.
         if self.heartbeat_interval >= self.lease_extension {
             return Err(ConfigError::HeartbeatTooSlow {
+                heartbeat_interval: self.heartbeat_interval,
+                lease_extension: self.lease_extension,
+            });
+        }
+        // Just before a heartbeat's acknowledgement lands, the newest deadline D knows is the
+        // previous beat's, `lease_extension - heartbeat_interval` (less a round trip) away: a
+        // margin as long would fence every load scheduled then (issue 30: a fixed 5 s margin
+        // fenced a 9 s lease's reads late in each cycle, and every read of shorter leases).
+        if self.read_safety_margin >= kv_lease::renewal_slack(self.heartbeat_interval, self.lease_extension) {
+            return Err(ConfigError::MarginTooLong {
+                read_safety_margin: self.read_safety_margin,
                 heartbeat_interval: self.heartbeat_interval,
                 lease_extension: self.lease_extension,
             });
@@ -221,12 +379,68 @@ pub struct ExtraConfig {
     pub kv_load_failure_policy: Option<LoadFailurePolicy>,
     /// `early_notification_capacity` (8192): completions staged before their export.
     pub early_notification_capacity: Option<usize>,
-    /// `read_safety_margin` (5 s): D starts a read only this long before P's deadline.
+    /// `read_safety_margin` (the smaller of 5 s and (extension − interval) / 2): D starts a
+    /// read only this long before P's deadline; it must be shorter than extension − interval.
     pub read_safety_margin: Option<f64>,
     /// `kv_descriptors` (`"auto"`): how transfers of whole blocks name their bytes:
     /// `"pairs"` (merged address pairs), `"prepared"` (prepared lists, by index), or `"auto"`,
     /// whichever the transport says is fastest for its memory and backend.
     pub kv_descriptors: Option<String>,
+    /// `backends` (`["UCX"]`): NIXL's backends, as vLLM's NixlConnector takes them; kvflow's
+    /// NIXL transport runs UCX only, so any other list is an error.
+    pub backends: Option<Vec<String>>,
+    /// `num_threads` (none: the transport's default; vLLM's NixlConnector sets 4): the size of
+    /// NIXL's UCX thread pool ([`Config::num_threads`]).
+    pub num_threads: Option<u32>,
+}
+
+/// vLLM's whole `kv_transfer_config`, as its users write it (`--kv-transfer-config`), for
+/// [`Config::from_kv_transfer_config`]: every key vLLM 0.33 has, and, with the `serde`
+/// feature, unknown keys refused. The keys vLLM reads for itself are accepted and not read.
+#[derive(Clone, Default, PartialEq, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Deserialize), serde(deny_unknown_fields))]
+pub struct KvTransferConfig {
+    /// `kv_connector` (required): `NixlConnector`, `NixlPullConnector` or `KvflowConnector`
+    /// for pull, `NixlPushConnector` or `KvflowPushConnector` for push.
+    pub kv_connector: String,
+    /// `kv_role` (none): for the engine, which builds P's or D's side of the connector.
+    pub kv_role: Option<KvRole>,
+    /// `kv_load_failure_policy` (`"fail"`, as vLLM's), read here as vLLM reads it.
+    pub kv_load_failure_policy: Option<LoadFailurePolicy>,
+    /// `kv_connector_extra_config` (`{}`): kvflow's keys ([`ExtraConfig`]).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub kv_connector_extra_config: ExtraConfig,
+    /// `kv_connector_module_path` (none): where vLLM loads the connector from (kvflow's is
+    /// `kvflow.vllm`); for the engine.
+    pub kv_connector_module_path: Option<String>,
+    /// `engine_id` (none: vLLM makes one up): for the engine.
+    pub engine_id: Option<String>,
+    /// `kv_buffer_device` (vLLM's `"cuda"`): vLLM's; not read.
+    pub kv_buffer_device: Option<String>,
+    /// `kv_buffer_size` (vLLM's 1e9): vLLM's; not read.
+    pub kv_buffer_size: Option<f64>,
+    /// `kv_rank` (none): vLLM's; not read.
+    pub kv_rank: Option<i64>,
+    /// `kv_parallel_size` (vLLM's 1): vLLM's; not read.
+    pub kv_parallel_size: Option<i64>,
+    /// `kv_ip` (vLLM's `"127.0.0.1"`): vLLM's; not read (kvflow's side channel has its own).
+    pub kv_ip: Option<String>,
+    /// `kv_port` (vLLM's 14579): vLLM's; not read.
+    pub kv_port: Option<i64>,
+    /// `enable_permute_local_kv` (vLLM's false): vLLM's; not read.
+    pub enable_permute_local_kv: Option<bool>,
+}
+
+/// The NIXL backends kvflow runs.
+const BACKENDS: [&str; 1] = ["UCX"];
+
+/// The `backends` setting: left out, or UCX alone.
+fn backends(value: Option<&[String]>) -> Result<(), ConfigError> {
+    match value {
+        None => Ok(()),
+        Some(given) if given.iter().map(String::as_str).eq(BACKENDS) => Ok(()),
+        Some(given) => Err(ConfigError::Backends { given: given.to_vec() }),
+    }
 }
 
 /// The `kv_descriptors` setting: `None` for `auto` (or left out).
@@ -291,6 +505,63 @@ pub enum ConfigError {
         /// What it was given.
         value: f64,
     },
+    /// `kv_connector` names no connector of kvflow's.
+    #[error(
+        "kv_connector {name:?} is not kvflow's: NixlConnector, NixlPullConnector and KvflowConnector pull, \
+         NixlPushConnector and KvflowPushConnector push"
+    )]
+    Connector {
+        /// The name given.
+        name: String,
+    },
+    /// The extra config's `mode` is not the one `kv_connector` names.
+    #[error("kv_connector_extra_config has mode {:?}, but kv_connector {connector:?} is {}", extra_mode.as_str(), mode.as_str())]
+    ModeDisagrees {
+        /// The connector's name.
+        connector: String,
+        /// Its mode.
+        mode: Mode,
+        /// The extra config's.
+        extra_mode: Mode,
+    },
+    /// The extra config's `kv_load_failure_policy` is not the one vLLM reads at the top level.
+    #[error(
+        "kv_connector_extra_config has kv_load_failure_policy {:?}, but kv_transfer_config has {:?}{}; \
+         vLLM reads the top level's",
+        extra_policy.as_str(),
+        policy.as_str(),
+        if *defaulted { " (vLLM's default, left out)" } else { "" }
+    )]
+    PolicyDisagrees {
+        /// The top level's.
+        policy: LoadFailurePolicy,
+        /// Whether the top level left it out.
+        defaulted: bool,
+        /// The extra config's.
+        extra_policy: LoadFailurePolicy,
+    },
+    /// `backends` names a NIXL backend other than UCX.
+    #[error("backends {given:?} is not supported: kvflow runs NIXL's UCX backend only, [\"UCX\"]")]
+    Backends {
+        /// The backends given.
+        given: Vec<String>,
+    },
+    /// The read margin is as long as what a renewed lease has left when the next heartbeat is
+    /// acknowledged, so loads scheduled late in a heartbeat cycle could never read.
+    #[error(
+        "read_safety_margin {read_safety_margin:?} must be shorter than heartbeat_lease_extension \
+         {lease_extension:?} minus heartbeat_interval {heartbeat_interval:?} ({:?}), what a renewed lease \
+         has left when the next heartbeat is acknowledged",
+        lease_extension.saturating_sub(*heartbeat_interval)
+    )]
+    MarginTooLong {
+        /// The margin.
+        read_safety_margin: Duration,
+        /// The heartbeat interval.
+        heartbeat_interval: Duration,
+        /// The extension.
+        lease_extension: Duration,
+    },
     /// Heartbeats come no faster than the extension they grant.
     #[error(
         "heartbeat_interval {heartbeat_interval:?} must be shorter than heartbeat_lease_extension {lease_extension:?}"
@@ -304,73 +575,4 @@ pub enum ConfigError {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn defaults_follow_vllm() {
-        let c = Config::default();
-        assert_eq!(c.heartbeat_interval, Duration::from_secs(5));
-        assert_eq!(c.lease_extension, Duration::from_secs(20));
-        assert_eq!(c.validate(), Ok(()));
-        let slow = Config { heartbeat_interval: Duration::from_secs(25), ..c };
-        assert_eq!(
-            slow.validate().unwrap_err().to_string(),
-            "heartbeat_interval 25s must be shorter than heartbeat_lease_extension 20s"
-        );
-        let zero = Config { kv_lease_duration: Duration::ZERO, ..c };
-        assert_eq!(zero.validate().unwrap_err().to_string(), "kv_lease_duration must be positive, not 0");
-    }
-
-    /// What `json` (a `kv_connector_extra_config`) reads as: the settings, or the error's text.
-    #[cfg(feature = "serde")]
-    fn read(json: &str) -> Result<Config, String> {
-        serde_json::from_str::<Config>(json).map_err(|e| e.to_string())
-    }
-
-    #[cfg(feature = "serde")]
-    #[test]
-    fn extra_config_reads_vllm_keys_in_seconds_with_defaults_from_the_lease() {
-        let secs = Duration::from_secs;
-        assert_eq!(read("{}"), Ok(Config::default()));
-        let c = read(r#"{"kv_lease_duration": 12}"#).unwrap();
-        assert_eq!((c.heartbeat_interval, c.lease_extension, c.push_quarantine), (secs(2), secs(8), secs(24)));
-        let c = read(r#"{"mode": "push", "decoder_kv_blocks_ttl": 60, "kv_load_failure_policy": "fail"}"#).unwrap();
-        assert_eq!((c.mode, c.kv_load_failure_policy), (Mode::Push, LoadFailurePolicy::Fail));
-        assert_eq!((c.decoder_kv_blocks_ttl, c.push_registration_timeout), (secs(60), secs(60)));
-        let c = read(r#"{"heartbeat_interval": 0.5, "heartbeat_lease_extension": 2.5, "read_safety_margin": 1}"#);
-        let c = c.unwrap();
-        assert_eq!(
-            (c.heartbeat_interval, c.lease_extension),
-            (Duration::from_millis(500), Duration::from_millis(2500))
-        );
-        assert_eq!(c.read_safety_margin, secs(1));
-        assert_eq!(read(r#"{"kv_descriptors": "auto"}"#).unwrap().descriptors, None);
-        assert_eq!(read(r#"{"kv_descriptors": "pairs"}"#).unwrap().descriptors, Some(kv_core::Descriptors::Pairs));
-        let prepared = read(r#"{"kv_descriptors": "prepared"}"#).unwrap().descriptors;
-        assert_eq!(prepared, Some(kv_core::Descriptors::Prepared));
-    }
-
-    #[cfg(feature = "serde")]
-    #[test]
-    fn extra_config_refuses_bad_values_naming_key_and_value() {
-        let check = |json: &str, expected: &str| {
-            let err = read(json).unwrap_err();
-            assert!(err.contains(expected), "{json}: {err:?} does not say {expected:?}");
-        };
-        check(r#"{"kv_lease_duration": -3}"#, "kv_lease_duration = -3.0 is not a duration in seconds");
-        check(r#"{"push_quarantine": 1e300}"#, "push_quarantine = 1e300 is not a duration in seconds");
-        check(r#"{"kv_lease_duration": 0}"#, "kv_lease_duration must be positive, not 0");
-        check(
-            r#"{"heartbeat_interval": 30}"#,
-            "heartbeat_interval 30s must be shorter than heartbeat_lease_extension 20s",
-        );
-        check(r#"{"kv_lease_durations": 30}"#, "unknown field `kv_lease_durations`");
-        check(r#"{"kv_load_failure_policy": "retry"}"#, "unknown variant `retry`");
-        check(r#"{"kv_lease_duration": "30"}"#, "invalid type: string \"30\"");
-        check(
-            r#"{"kv_descriptors": "indices"}"#,
-            r#"kv_descriptors is "indices"; it must be "auto", "pairs" or "prepared""#,
-        );
-    }
-}
+mod tests;

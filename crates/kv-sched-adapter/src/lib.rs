@@ -159,7 +159,7 @@ pub mod metrics;
 mod prefill;
 
 pub use common::{Action, Consumer, Counters, ExportInfo, LocalPool, PrefillEngine, RemoteRef, XferToken};
-pub use config::{Config, ConfigError, ExtraConfig, LoadFailurePolicy, Mode, ReleaseReason};
+pub use config::{Config, ConfigError, ExtraConfig, KvRole, KvTransferConfig, LoadFailurePolicy, Mode, ReleaseReason};
 pub use decode::{
     DecodeCommand, DecodeError, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LoadOutcome,
 };

@@ -199,7 +199,8 @@ pub(super) fn transport(
     let bind = std::net::SocketAddr::from((ip, 0));
     Ok(match config.transport {
         TransportKind::Nixl => {
-            let nixl = NixlConfig { bind, key, ..NixlConfig::default() };
+            // The connectors' `num_threads` sizes NIXL's UCX thread pool.
+            let nixl = NixlConfig { bind, key, ucx_params: config.connector().ucx_params(), ..NixlConfig::default() };
             let t = NixlTransport::new(offer.clone(), &nixl, clock).context("the NIXL transport")?;
             let (port, probe) = (t.side_channel_addr().port(), Listeners::Side(t.side_probe()));
             (Box::new(t), port, probe)

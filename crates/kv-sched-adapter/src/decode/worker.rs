@@ -10,7 +10,8 @@
 //! parallel-sampling sibling, "not known yet" (P's worker staged the claim, and no other
 //! engine's claim came first); "released" fails the load. So a request retried on a new
 //! incarnation never reads what P freed for the old one, and a sibling, which another
-//! sibling's completion releases unless its owner claimed it, waits for the deadline. A
+//! sibling's completion releases unless its owner claimed it, waits for the deadline, named
+//! or not. A
 //! pipeline-parallel P is read stage by stage: every stage's ranks, each holding its share of
 //! the layers. At schedule it fences the read: a
 //! read that could outlive P's lease (the deadline on D's clock, minus the safety margin and
@@ -450,13 +451,17 @@ impl DecodeWorker {
         // read target has answered its claim (sent on arrival): with a deadline (this engine
         // owns it), or, unless it is a sibling, with "not known yet" (P's worker staged the
         // claim, and no other engine's came first). "Released" fails the load; no answer
-        // waits, bounded by the fence above.
+        // waits, bounded by the fence above. A sibling waits for the deadline even when the
+        // router named this engine: P binds the family to it at prefill, but releases a sibling
+        // its owner has not claimed yet when another sibling completes, and this engine's own
+        // completion of a sibling (a prefix hit) can reach P before the claim (random seed 1393,
+        // once the read margin followed short leases: its reads had all been fenced before).
         let named = load.remote.consumer.as_ref() == Some(&Consumer::of(&self.offer));
         let sibling = load.remote.request.parent().is_some();
         let answered = |slice: &kv_core::HeadSlice| {
             load.deadlines.contains_key(&slice.prefill_rank) || (!sibling && load.staged.contains(&slice.prefill_rank))
         };
-        if !named && !load.plan.reads.iter().all(answered) {
+        if (!named || sibling) && !load.plan.reads.iter().all(answered) {
             return;
         }
         let Ok(notification) = completion.encode() else {

@@ -240,10 +240,14 @@ impl<'a> Source<'a> {
         let heartbeat = secs(&file.heartbeat_interval_s)?.unwrap_or(d.heartbeat_interval);
         // Zero would have D renew forever without time moving.
         let note = format!(" (the default is kv_lease_duration_s / 6 = {:?})", d.heartbeat_interval);
+        let heartbeat = positive(&file.heartbeat_interval_s, heartbeat, &note)?;
+        let extension = secs(&file.lease_extension_s)?.unwrap_or(d.lease_extension);
         let ttl = secs(&file.decoder_kv_blocks_ttl_s)?.unwrap_or(d.decoder_kv_blocks_ttl);
         Ok(Config {
-            heartbeat_interval: positive(&file.heartbeat_interval_s, heartbeat, &note)?,
-            lease_extension: secs(&file.lease_extension_s)?.unwrap_or(d.lease_extension),
+            heartbeat_interval: heartbeat,
+            lease_extension: extension,
+            // D's read margin is no key: it follows the heartbeat cycle these give.
+            read_safety_margin: Config::default_read_margin(heartbeat, extension),
             decoder_kv_blocks_ttl: ttl,
             push_registration_timeout: secs(&file.push_registration_timeout_s)?.unwrap_or(ttl),
             push_quarantine: secs(&file.push_quarantine_s)?.unwrap_or(d.push_quarantine),
