@@ -13,11 +13,13 @@
 //!   with latency, kv-core's authenticated side-channel protocol over an in-order byte stream,
 //!   transfers whose bytes really move (at completion time), sealed notifications, and faults:
 //!   drop, duplicate, reorder, delay, partition, pause, crash, failed transfers, garbage and
-//!   intruders without the cluster key. Nothing happens until the clock moves and the network settles;
-//!   see the [`network`] module for the timing rules.
+//!   intruders without the cluster key; each engine's agents may read a clock of their own
+//!   ([`FakeNetwork::set_clock_offset`]). Nothing happens until the clock moves and the network
+//!   settles; see the [`network`] module for the timing rules.
 //! - [`offer`]: a handshake offer for a fake engine rank.
 //! - [`cluster::Cluster`]: P and D engines with pools, TP ranks and kvflow's real connectors
-//!   over the fake network and a manual clock, and the byte oracle that checks every load.
+//!   over the fake network and a manual clock, each engine on its own clock (true time plus
+//!   its skew), and the byte oracle that checks every load.
 //! - [`random`]: seeded random workloads with faults, run with the invariants checked.
 //! - [`scenario`]: scenario files (`scenarios/FORMAT.md`) read into a typed, validated
 //!   [`scenario::Scenario`].

@@ -1,15 +1,16 @@
 //! Random mode: seeded workloads with faults, run on the cluster with the invariants checked
 //! all the time.
 //!
-//! A seed picks a cluster (pull or push; TP, block-size and MLA combinations; one or two P
-//! and D engines), a policy (short leases, so that expiry happens), network noise (drops,
-//! duplicates, reordering) and a workload: prompts of assorted lengths, parallel-sampling
-//! siblings, chunked prefills (whose finished blocks push mode writes ahead, and which the
-//! engine sometimes gives up), arrivals in push mode before P's prefill, prefix hits (whole,
-//! and partial in both modes), rejections, aborts while waiting and while loading, late
-//! schedules that the read fence must refuse, failed transfers, garbage, partitions, delays,
-//! pauses (P's stall, overlapping pauses together, stays under the push quarantine, the one
-//! hazard no one-sided transport fences), messages forged by a handshaked D engine about an
+//! A seed picks a cluster (pull or push; TP, block-size and MLA combinations; one or two P and
+//! D engines; in four seeds of five, engines' clocks that disagree, each skewed by up to 10 s
+//! either way, more than the lease included), a policy (short leases, so that expiry happens),
+//! network noise (drops, duplicates, reordering) and a workload: prompts of assorted lengths,
+//! parallel-sampling siblings, chunked prefills (whose finished blocks push mode writes ahead,
+//! and which the engine sometimes gives up), arrivals in push mode before P's prefill, prefix
+//! hits (whole, and partial in both modes), rejections, aborts while waiting and while loading,
+//! late schedules that the read fence must refuse, failed transfers, garbage, partitions,
+//! delays, pauses (P's stall, overlapping pauses together, stays under the push quarantine, the
+//! one hazard no one-sided transport fences), messages forged by a handshaked D engine about an
 //! export that is not going to it, intruders, crashes with and without detection followed by
 //! restarts, and discovery lapses of engines that are down (or, when an earlier crash's restart
 //! came first, running again). Events that no longer apply (a schedule on an engine that
@@ -93,6 +94,7 @@ pub fn generate(seed: u64) -> Scenario {
         worker_handoff: ms(step_ms * (1 + rng.below(20))),
         clock_skew: BTreeMap::new(),
     };
+    let cluster = ClusterSpec { clock_skew: draw_skews(seed, &cluster), ..cluster };
     let lease_s = 2 + rng.below(9);
     let mut policy = Config { mode, ..Config::with_lease(Duration::from_secs(lease_s)) };
     policy.decoder_kv_blocks_ttl = Duration::from_secs(5 + rng.below(20));
@@ -304,6 +306,22 @@ pub fn generate(seed: u64) -> Scenario {
     Scenario { name: format!("random seed {seed}"), cluster, policy, steps }
 }
 
+/// The most an engine's clock is skewed in a random workload, either way: more than the
+/// longest lease drawn (10 s), so that some engines disagree by more than a lease.
+pub const MAX_SKEW: Duration = Duration::from_secs(10);
+
+/// Each engine's clock skew, in four seeds of five, uniform in `-MAX_SKEW..=MAX_SKEW` to the
+/// nanosecond; none in the fifth. Drawn from a stream of their own, so that the rest of a seed's
+/// workload is what it was before skews were drawn.
+fn draw_skews(seed: u64, cluster: &ClusterSpec) -> BTreeMap<Node, i64> {
+    let mut clocks = Rng::new(seed ^ 0x636c_6f63_6b73);
+    if !clocks.chance(0.8) {
+        return BTreeMap::new();
+    }
+    let max = MAX_SKEW.as_nanos() as u64;
+    cluster.nodes().map(|node| (node, clocks.below(2 * max + 1) as i64 - max as i64)).collect()
+}
+
 /// Clips P's pauses, in time order, so that pauses that overlap (a second one extends the
 /// first) stall a P for at most `longest` in a row, as one pause alone may.
 fn bound_prefill_stalls(steps: &mut [Step], longest: Duration) {
@@ -334,12 +352,18 @@ pub fn run(seed: u64) -> RandomOutcome {
 
 /// As [`run`], and the run's event trace (the same seed gives the same trace).
 pub fn run_with_trace(seed: u64) -> (RandomOutcome, Vec<String>) {
-    let scenario = generate(seed);
+    run_workload(&generate(seed), seed)
+}
+
+/// Runs `scenario` (seed `seed`'s workload, or one changed from it) as random mode runs a
+/// seed's, with the network's noise drawn from `seed`, checking the invariants all the time;
+/// returns how it ended and its event trace.
+pub fn run_workload(scenario: &Scenario, seed: u64) -> (RandomOutcome, Vec<String>) {
     let mut trace = Vec::new();
     let events = scenario.steps.len();
     let mut outcome =
         RandomOutcome { seed, failure: None, digest: 0, events, skipped: 0, loads_ok: 0, prepared: 0, writes_ahead: 0 };
-    let result = catch_unwind(AssertUnwindSafe(|| run_checked(&scenario, seed, &mut outcome, &mut trace)));
+    let result = catch_unwind(AssertUnwindSafe(|| run_checked(scenario, seed, &mut outcome, &mut trace)));
     match result {
         Ok(Ok(())) => {}
         Ok(Err(failure)) => outcome.failure = Some(failure),

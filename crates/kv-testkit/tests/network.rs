@@ -172,6 +172,41 @@ fn the_authenticated_handshake_takes_four_steps_and_samples_both_clock_offsets()
 }
 
 #[test]
+fn each_engine_reads_its_own_clock_and_the_handshake_samples_how_far_they_disagree() {
+    let world = World::new(1, NetConfig::default());
+    // P's clock reads 40 s ahead of the network's, D's 7.5 s: P is 32.5 s ahead of D.
+    world.net.set_clock_offset(EngineId::new("prefill0"), 40_000_000_000);
+    world.net.set_clock_offset(EngineId::new("decode0"), 7_500_000_000);
+    let mut p = Rank::start(&world.net, "prefill0", Role::Prefill, 16);
+    let mut d = Rank::start(&world.net, "decode0", Role::Decode, 16);
+    d.transport.connect(&p.address).unwrap();
+    world.run(ms(3));
+    let [PeerEvent::Connected(on_p)] = &p.events()[..] else { panic!("prefill should be connected at 3 ms") };
+    world.run(ms(1));
+    let [PeerEvent::Connected(on_d)] = &d.events()[..] else { panic!("decode should be connected at 4 ms") };
+    // The same steps as with one clock, each read on its own engine's clock.
+    assert_eq!((on_d.sent_at, on_d.received_at), (Time::from_millis(7_502), Time::from_millis(7_504)));
+    assert_eq!((on_p.sent_at, on_p.received_at), (Time::from_millis(40_001), Time::from_millis(40_003)));
+    // P stamped its offer when it sent it, at 3 ms, and D its own at 2 ms.
+    assert_eq!((on_d.handshake.clock, on_p.handshake.clock), (Time::from_millis(40_003), Time::from_millis(7_502)));
+    assert_eq!((on_d.clock_offset_nanos(), on_p.clock_offset_nanos()), (32_500_000_000, -32_500_000_000));
+    assert_eq!((on_d.round_trip(), on_p.round_trip()), (ms(2), ms(2)));
+
+    // A wake-up an endpoint asks for on its own clock falls due when that clock reads it: D's
+    // handshake with a stopped P gives up after the 5 s authentication timeout, not 7.5 s later.
+    let world = World::new(1, NetConfig::default());
+    world.net.set_clock_offset(EngineId::new("decode0"), 7_500_000_000);
+    let p = Rank::start(&world.net, "prefill0", Role::Prefill, 16);
+    let mut d = Rank::start(&world.net, "decode0", Role::Decode, 16);
+    world.net.pause(engine(&p), Time::from_millis(60_000));
+    d.transport.connect(&p.address).unwrap();
+    world.run(ms(4_999));
+    assert_eq!(d.events(), []);
+    world.run(ms(1));
+    assert!(matches!(d.events()[..], [PeerEvent::ConnectFailed { .. }]), "the handshake should time out at 5 s");
+}
+
+#[test]
 fn a_simulator_can_jump_from_event_to_event() {
     let world = World::new(1, NetConfig::default());
     let p = Rank::start(&world.net, "prefill0", Role::Prefill, 16);

@@ -2,7 +2,8 @@
 //! `scenarios` folder, which checks DESIGN.md's lifecycle rules that the public files do not
 //! cover (push ordering and base-id matching, the push watchdog, aborts, failed transfers, the
 //! read fence, partitions, heterogeneous TP, MLA, block-size ratios, siblings, crashes and
-//! restarts, late messages, several decoders). A scenario also replays with the same digest.
+//! restarts, late messages, several decoders, engines whose clocks disagree). A scenario also
+//! replays with the same digest.
 
 use std::path::{Path, PathBuf};
 

@@ -201,10 +201,10 @@ impl Cluster {
     /// `lost`, and every older one, is gone.
     pub(super) fn engine_lost_now(&mut self, node: &str, lost: &EngineId, instance: u64) -> Result<(), ClusterError> {
         let id = EngineId::new(node);
-        let now = self.now();
+        let (now, local) = (self.now(), self.engine_now(node));
         if let Some(slot) = self.prefill.get_mut(&id) {
             let Some(mut engine) = slot.take() else { return err(format!("{node} is down")) };
-            let input = |w: &mut WorkerDriver<_>| w.engine_lost(now, lost, instance);
+            let input = |w: &mut WorkerDriver<_>| w.engine_lost(local, lost, instance);
             self.drive_ranks(&id, now, &mut engine.workers, input, |rank, report| {
                 engine.scheduler.handle_report(rank, report)
             });
@@ -212,7 +212,7 @@ impl Cluster {
             self.prefill.insert(id, Some(engine));
         } else if let Some(slot) = self.decode.get_mut(&id) {
             let Some(mut engine) = slot.take() else { return err(format!("{node} is down")) };
-            let input = |w: &mut WorkerDriver<_>| w.engine_lost(now, lost, instance);
+            let input = |w: &mut WorkerDriver<_>| w.engine_lost(local, lost, instance);
             self.drive_ranks(&id, now, &mut engine.workers, input, |rank, report| {
                 engine.scheduler.handle_report(rank, report)
             });

@@ -14,11 +14,15 @@
 //! free delivers scrub bytes and counts as a corrupt read; an allocation checks the scrub is
 //! intact, so a write into a freed block is caught too.
 //!
+//! Each engine runs on its own clock, true time plus its skew (`clocks.rs`): every time the
+//! cluster hands an engine's connectors, and every wake-up they ask for, is on that clock.
+//!
 //! This file wires the engines and steps them through time; `router.rs` holds the router's
 //! calls (prefill, arrive, schedule, reject, abort), `oracle.rs` the bytes and their checks,
-//! `faults.rs` what goes wrong (pauses, crashes, discovery lapses, partitions, forgeries), and
-//! `observe.rs` what a scenario or a test reads back.
+//! `faults.rs` what goes wrong (pauses, crashes, discovery lapses, partitions, forgeries),
+//! `clocks.rs` the engines' clocks, and `observe.rs` what a scenario or a test reads back.
 
+mod clocks;
 mod faults;
 mod observe;
 mod oracle;
@@ -41,6 +45,7 @@ use kv_sched_adapter::{
 use crate::scenario::ClusterSpec;
 use crate::{BlockPool, FakeHeap, FakeNetwork, InMemoryMemory, ManualClock, NetConfig, FAKE_MODEL};
 
+use clocks::Clocks;
 pub use faults::ForgedMessage;
 use oracle::{Computed, RankMemory};
 use router::Call;
@@ -170,7 +175,10 @@ struct History {
 /// The simulated cluster.
 pub struct Cluster {
     config: ClusterConfig,
+    /// True time.
     clock: ManualClock,
+    /// Each engine's own clock, from true time.
+    clocks: Clocks,
     net: FakeNetwork,
     prefill: BTreeMap<EngineId, Option<PrefillEngine>>,
     decode: BTreeMap<EngineId, Option<DecodeEngine>>,
@@ -203,10 +211,7 @@ pub struct Cluster {
 impl Cluster {
     /// A cluster at time zero with every engine up and empty.
     pub fn new(config: ClusterConfig) -> Result<Self, ClusterError> {
-        // Engines' clocks all read true time here; a skew would pass unnoticed.
-        if !config.spec.clock_skew.is_empty() {
-            return err("clock_skew_ms is not supported by this runner yet");
-        }
+        let clocks = Clocks::new(&config.spec)?;
         let mut connector = config.connector;
         connector.mode = config.spec.mode;
         connector.validate().map_err(|e| ClusterError(e.to_string()))?;
@@ -222,9 +227,13 @@ impl Cluster {
             reorder_jitter: config.reorder_jitter,
         };
         let net = FakeNetwork::new(config.seed, clock.clone(), net_config);
+        for (engine, offset) in clocks.offsets() {
+            net.set_clock_offset(engine.clone(), offset);
+        }
         let mut cluster = Cluster {
             config: ClusterConfig { connector, ..config },
             clock,
+            clocks,
             net,
             prefill: BTreeMap::new(),
             decode: BTreeMap::new(),
@@ -244,6 +253,13 @@ impl Cluster {
             dirty_since: None,
             prefills: 0,
         };
+        let skews: Vec<String> = (cluster.config.spec.clock_skew.iter())
+            .filter(|(_, skew)| **skew != 0)
+            .map(|(node, skew)| format!("{node} clock is {} true time", clocks::describe_skew(*skew)))
+            .collect();
+        for line in skews {
+            cluster.record(line);
+        }
         for i in 0..cluster.config.spec.prefillers {
             let id = EngineId::new(format!("prefill{i}"));
             let engine = cluster.start_prefill(&id)?;
@@ -257,9 +273,20 @@ impl Cluster {
         Ok(cluster)
     }
 
-    /// The simulated time.
+    /// The simulated time: true time, which scenario steps are timed by.
     pub fn now(&self) -> Time {
         self.clock.now()
+    }
+
+    /// What engine `node`'s clock reads now: true time plus its skew (and the lead that keeps
+    /// every clock at or above its origin; see `clocks.rs`).
+    pub fn engine_now(&self, node: &str) -> Time {
+        self.clocks.local(&EngineId::new(node), self.now())
+    }
+
+    /// What engine `id`'s clock reads at true time `t`.
+    fn local(&self, id: &EngineId, t: Time) -> Time {
+        self.clocks.local(id, t)
     }
 
     /// The network, for faults.
@@ -403,16 +430,17 @@ impl Cluster {
         for (until, _) in self.paused.values() {
             take(Some(*until));
         }
-        let paused = &self.paused;
+        let (paused, clocks) = (&self.paused, &self.clocks);
+        // A worker asks on its engine's clock; the handoff queue is in true time.
         for engine in self.prefill.values_mut().flatten().filter(|e| !paused.contains_key(&e.id)) {
             take(engine.handoff.iter().map(|(t, _, _)| *t).min());
             for w in &mut engine.workers {
-                take(w.poll_timeout());
+                take(w.poll_timeout().map(|t| clocks.true_time(&engine.id, t)));
             }
         }
         for engine in self.decode.values_mut().flatten().filter(|e| !paused.contains_key(&e.id)) {
             for w in &mut engine.workers {
-                take(w.poll_timeout());
+                take(w.poll_timeout().map(|t| clocks.true_time(&engine.id, t)));
             }
         }
         due.map(|t| self.next_step_at_or_after(t))
@@ -466,11 +494,12 @@ impl Cluster {
 
     fn step_prefill(&mut self, id: &EngineId, now: Time) {
         let Some(mut engine) = self.prefill.get_mut(id).and_then(Option::take) else { return };
+        let local = self.local(id, now);
         while engine.handoff.front().is_some_and(|(t, _, _)| *t <= now) {
             let (_, rank, command) = engine.handoff.pop_front().expect("due");
-            engine.workers[rank as usize].machine().handle_command(now, command);
+            engine.workers[rank as usize].machine().handle_command(local, command);
         }
-        let step = |w: &mut WorkerDriver<_>| step_through(w, now);
+        let step = |w: &mut WorkerDriver<_>| step_through(w, local);
         self.drive_ranks(id, now, &mut engine.workers, step, |rank, report| {
             engine.scheduler.handle_report(rank, report)
         });
@@ -480,7 +509,8 @@ impl Cluster {
 
     fn step_decode(&mut self, id: &EngineId, now: Time) {
         let Some(mut engine) = self.decode.get_mut(id).and_then(Option::take) else { return };
-        let step = |w: &mut WorkerDriver<_>| step_through(w, now);
+        let local = self.local(id, now);
+        let step = |w: &mut WorkerDriver<_>| step_through(w, local);
         self.drive_ranks(id, now, &mut engine.workers, step, |rank, report| {
             engine.scheduler.handle_report(rank, report)
         });
@@ -490,7 +520,8 @@ impl Cluster {
 
     /// Gives every TP rank's worker of engine `id` an input through `input` (a step, or news
     /// from discovery) and hands the reports it returns to the engine's scheduler through
-    /// `to_scheduler`; a report the scheduler refuses is a violation.
+    /// `to_scheduler`; a report the scheduler refuses is a violation. `now`, true time, only
+    /// dates the reports in the digest.
     fn drive_ranks<M: WorkerMachine, E: fmt::Display>(
         &mut self,
         id: &EngineId,
@@ -532,6 +563,7 @@ impl Cluster {
 
     /// Carries D's scheduler events to its workers and the pool, until nothing is left.
     fn drain_decode(&mut self, engine: &mut DecodeEngine, now: Time) {
+        let local = self.local(&engine.id, now);
         loop {
             let mut progressed = false;
             while let Some(event) = engine.scheduler.poll_event() {
@@ -573,8 +605,8 @@ impl Cluster {
             while let Some((rank, command)) = engine.commands.pop_front() {
                 progressed = true;
                 let worker = &mut engine.workers[rank as usize];
-                worker.machine().handle_command(now, command);
-                for report in worker.flush(now) {
+                worker.machine().handle_command(local, command);
+                for report in worker.flush(local) {
                     if let Err(e) = engine.scheduler.handle_report(rank, report) {
                         self.violation(format!("{}: {e}", engine.id));
                     }

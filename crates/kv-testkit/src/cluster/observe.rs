@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 
 use kv_core::{AgentName, BlockId, EngineId, RequestId};
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
-use kv_sched_adapter::{Counters, DecodeState, ReleaseReason};
+use kv_sched_adapter::{Counters, DecodeState, ReleaseReason, RemoteRef};
 
 use super::{Cluster, DecodeEngine, DecodeLoad};
 
@@ -37,6 +37,12 @@ impl Cluster {
     pub fn prefill_book(&self, node: &str, rank: usize) -> Option<kv_sched_adapter::PrefillBook> {
         let engine = self.prefill.get(&EngineId::new(node))?.as_ref()?;
         Some(engine.workers.get(rank)?.machine_ref().book())
+    }
+
+    /// The transfer parameters P engine `node` handed the router for its export `request`:
+    /// its lease deadline and finish time are on P's clock.
+    pub fn transfer_params(&self, node: &str, request: &RequestId) -> Option<&RemoteRef> {
+        self.exports.get(&(EngineId::new(node), request.clone()))
     }
 
     /// Exports a P engine has not freed.

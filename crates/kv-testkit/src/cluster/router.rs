@@ -231,7 +231,8 @@ impl Cluster {
 
     /// P exports a computed prompt.
     fn export(&mut self, node: &str, prompt: Prompt) -> Result<(), ClusterError> {
-        let now = self.now();
+        // On P's clock: the lease deadline P hands the router is on it.
+        let now = self.engine_now(node);
         let Prompt { ids, blocks, prompt_tokens, consumer, .. } = prompt;
         let engine = self.prefill_engine(node)?;
         let mut refs = Vec::new();

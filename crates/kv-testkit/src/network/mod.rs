@@ -24,6 +24,11 @@
 //!   three (its `Connected`), and the listener's sealed offer reaches the initiator after four
 //!   (its `Connected`). Each side's [`kv_core::PeerInfo`] spans its own round trip, so both
 //!   clock offsets come out right. Nonces come from the seed.
+//! - Every agent's side endpoint reads its engine's clock: the network's, shifted by the offset
+//!   [`FakeNetwork::set_clock_offset`] gave the engine (none by default). Offers are stamped
+//!   with it and wake-ups asked on it, so a peer's clock-offset sample measures it, as between
+//!   hosts whose clocks disagree; the network itself (delays, the queue, `heard_gone`) keeps
+//!   its own time.
 //! - Notifications carry the side channel's tag ([`kv_core::side::SideEndpoint::seal_notification`]);
 //!   one that does not open (a forged sender, garbage, a duplicate) is reported as
 //!   [`kv_core::PeerEvent::Refused`], never delivered.
@@ -220,6 +225,7 @@ impl FakeNetwork {
             stats: NetStats::default(),
             spoil_faults: Vec::new(),
             moved: BTreeMap::new(),
+            clock_offsets: BTreeMap::new(),
         };
         FakeNetwork { net: Arc::new(Mutex::new(net)) }
     }
@@ -227,6 +233,14 @@ impl FakeNetwork {
     /// The clock the network runs on.
     pub fn clock(&self) -> ManualClock {
         self.lock().clock.clone()
+    }
+
+    /// Sets the clock of `engine`'s agents, those up and those started later: their side
+    /// endpoints read the network's clock shifted by `offset_nanos` (handshakes stamp offers
+    /// with it, so a peer's clock-offset sample measures it). A reading stops at the origin, so
+    /// an offset below zero only suits a network whose clock is already past its size.
+    pub fn set_clock_offset(&self, engine: EngineId, offset_nanos: i64) {
+        self.lock().clock_offsets.insert(engine, offset_nanos);
     }
 
     /// Starts `agent`, listening at `address`, with its pool in `heap` and `offer` as its handshake.
@@ -556,6 +570,8 @@ struct Net {
     /// Bytes transfers landed whole, by the posting agent and the request their notification
     /// completes: what a load really read.
     moved: BTreeMap<(AgentName, RequestId), u64>,
+    /// Per engine, how far its agents' clocks read ahead of the network's.
+    clock_offsets: BTreeMap<EngineId, i64>,
 }
 
 impl Agent {
@@ -606,6 +622,16 @@ impl Net {
 
     fn agent_mut(&mut self, endpoint: &Endpoint) -> Option<&mut Agent> {
         self.agents.get_mut(&endpoint.name).filter(|agent| agent.up && agent.generation == endpoint.generation)
+    }
+
+    /// How far `agent`'s clock reads ahead of the network's.
+    fn clock_offset(&self, agent: &AgentName) -> i64 {
+        self.clock_offsets.get(&agent.engine).copied().unwrap_or(0)
+    }
+
+    /// What `agent`'s clock reads at the network's time `at`.
+    fn local_time(&self, agent: &AgentName, at: Time) -> Time {
+        at.shifted(self.clock_offset(agent))
     }
 
     fn partitioned(&self, x: &AgentName, y: &AgentName, at: Time) -> bool {

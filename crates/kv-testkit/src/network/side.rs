@@ -2,6 +2,10 @@
 //! network moves its bytes as a TCP stream would (in order, one latency per frame, held through
 //! partitions and pauses, lost only with a crash), reports connections opening and closing,
 //! and wakes the endpoint when it asks. Notifications are sealed and opened by the endpoints.
+//! Each endpoint is handed its engine's clock ([`FakeNetwork::set_clock_offset`]), so the clock
+//! it stamps its offer with, and the round trip its peer measures, are that engine's.
+//!
+//! [`FakeNetwork::set_clock_offset`]: super::FakeNetwork::set_clock_offset
 
 use kv_core::side::{ClusterKey, ConnId, SideEvent, CLUSTER_KEY_BYTES};
 use kv_core::{AgentName, Notification, PeerAddress, PeerEvent, Time, TransportError};
@@ -48,8 +52,9 @@ impl Net {
         let listener = self.listeners.get(address).and_then(|name| {
             self.agents.get(name).map(|agent| Endpoint { name: name.clone(), generation: agent.generation })
         });
+        let local = self.local_time(&who.name, now);
         let Some(agent) = self.agent_mut(who) else { return };
-        agent.side.handle_connect(now, mine, address.clone(), nonce);
+        agent.side.handle_connect(local, mine, address.clone(), nonce);
         match listener {
             Some(to) => {
                 agent.conns.insert(mine, Conn { peer: to.clone(), peer_conn: theirs, peer_closed: false });
@@ -66,37 +71,41 @@ impl Net {
 
     pub(super) fn side_open(&mut self, at: Time, from: &Endpoint, to: &Endpoint, initiator: ConnId, listener: ConnId) {
         let nonce = self.nonce();
+        let local = self.local_time(&to.name, at);
         let Some(agent) = self.agent_mut(to) else { return };
         agent.conns.insert(listener, Conn { peer: from.clone(), peer_conn: initiator, peer_closed: false });
         // The simulated cluster lives on one host, as the demo's engines do on loopback.
-        agent.side.handle_accept(at, listener, std::net::Ipv4Addr::LOCALHOST.into(), nonce);
+        agent.side.handle_accept(local, listener, std::net::Ipv4Addr::LOCALHOST.into(), nonce);
         self.pump_side(to, at);
     }
 
     pub(super) fn side_bytes(&mut self, at: Time, to: &Endpoint, conn: ConnId, bytes: &[u8]) {
+        let local = self.local_time(&to.name, at);
         let Some(agent) = self.agent_mut(to) else { return };
         if !agent.conns.contains_key(&conn) {
             return;
         }
-        agent.side.handle_bytes(at, conn, bytes);
+        agent.side.handle_bytes(local, conn, bytes);
         self.pump_side(to, at);
     }
 
     pub(super) fn side_peer_closed(&mut self, at: Time, to: &Endpoint, conn: ConnId) {
+        let local = self.local_time(&to.name, at);
         let Some(agent) = self.agent_mut(to) else { return };
         let Some(c) = agent.conns.get_mut(&conn) else { return };
         c.peer_closed = true;
-        agent.side.handle_closed(at, conn);
+        agent.side.handle_closed(local, conn);
         self.pump_side(to, at);
     }
 
     /// A connection `to` opened never reached a listener.
     pub(super) fn side_closed(&mut self, at: Time, to: &Endpoint, conn: ConnId) {
+        let local = self.local_time(&to.name, at);
         let Some(agent) = self.agent_mut(to) else { return };
         if let Some(c) = agent.conns.get_mut(&conn) {
             c.peer_closed = true;
         }
-        agent.side.handle_closed(at, conn);
+        agent.side.handle_closed(local, conn);
         self.pump_side(to, at);
     }
 
@@ -105,11 +114,12 @@ impl Net {
     /// A peer not established: nothing happens.
     pub(super) fn disconnect(&mut self, who: &Endpoint, peer: &AgentName) {
         let now = self.clock.now();
+        let local = self.local_time(&who.name, now);
         let Some(agent) = self.agent_mut(who) else { return };
         let Some(established) = agent.side.peer(peer) else { return };
         // Taken out first, so that the close goes behind what was sent, not with the endpoint's.
         let conn = agent.conns.remove(&established.conn);
-        agent.side.handle_closed(now, established.conn);
+        agent.side.handle_closed(local, established.conn);
         self.pump_side(who, now);
         if let Some(conn) = conn.filter(|c| !c.peer_closed) {
             self.close_behind(who, conn, now);
@@ -144,15 +154,17 @@ impl Net {
     }
 
     pub(super) fn side_timer(&mut self, at: Time, to: &Endpoint) {
+        let local = self.local_time(&to.name, at);
         let Some(agent) = self.agent_mut(to) else { return };
         agent.side_timer = None;
-        agent.side.handle_timeout(at);
+        agent.side.handle_timeout(local);
         self.pump_side(to, at);
     }
 
     /// Carries out what `who`'s side endpoint asked for: its events become the agent's peer
     /// events, its bytes and closes travel, and its next wake-up is scheduled.
     fn pump_side(&mut self, who: &Endpoint, now: Time) {
+        let offset = self.clock_offset(&who.name);
         let Some(agent) = self.agent_mut(who) else { return };
         while let Some(event) = agent.side.poll_event() {
             let event = match event {
@@ -201,8 +213,8 @@ impl Net {
             }
         }
         // One wake-up scheduled per agent, moved when the endpoint wants another, so that no
-        // stale wake-up lingers in the queue.
-        let wanted = agent.side.poll_timeout().map(|t| t.max(now));
+        // stale wake-up lingers in the queue. The endpoint asks on its engine's clock.
+        let wanted = agent.side.poll_timeout().map(|t| t.shifted(offset.saturating_neg()).max(now));
         let scheduled = agent.side_timer;
         for message in out {
             self.send(message);

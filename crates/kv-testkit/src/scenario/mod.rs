@@ -15,4 +15,4 @@ pub mod runner;
 pub use format::{
     scenario_files, ClusterSpec, Event, Expect, ForgedMessage, Location, Node, Scenario, ScenarioError, Step,
 };
-pub use runner::{run, Outcome};
+pub use runner::{run, run_with_trace, Outcome};

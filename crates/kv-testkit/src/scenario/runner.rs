@@ -41,20 +41,27 @@ pub fn cluster_config(scenario: &Scenario, seed: u64) -> ClusterConfig {
 
 /// Runs `scenario` with the network seeded by `seed`.
 pub fn run(scenario: &Scenario, seed: u64) -> Outcome {
+    run_with_trace(scenario, seed).0
+}
+
+/// As [`run`], and the run's event trace (the same scenario and seed give the same trace).
+pub fn run_with_trace(scenario: &Scenario, seed: u64) -> (Outcome, Vec<String>) {
     let built = Cluster::new(cluster_config(scenario, seed)).map_err(|e| e.to_string());
     let mut cluster = match built {
         Ok(cluster) => cluster,
         Err(e) => {
-            return Outcome {
+            let outcome = Outcome {
                 name: scenario.name.clone(),
                 failure: Some(format!("cannot build the cluster: {e}")),
                 digest: 0,
                 ended_at: Time::ZERO,
-            }
+            };
+            return (outcome, Vec::new());
         }
     };
     let failure = run_steps(scenario, &mut cluster).err();
-    Outcome { name: scenario.name.clone(), failure, digest: cluster.digest(), ended_at: cluster.now() }
+    let outcome = Outcome { name: scenario.name.clone(), failure, digest: cluster.digest(), ended_at: cluster.now() };
+    (outcome, cluster.trace().to_vec())
 }
 
 fn run_steps(scenario: &Scenario, cluster: &mut Cluster) -> Result<(), String> {
@@ -330,12 +337,13 @@ mod tests {
             let failure = run(&scenario(&format!("[[step]]\nat_s = 0\n{expect}")), 0).failure;
             assert_eq!(failure.as_deref(), Some(wanted));
         }
+        // The reader refuses a skew for an engine the cluster lacks; one built by hand names it.
         let mut skewed = scenario("");
-        skewed.cluster.clock_skew.insert(Node::decode(1), -2_500_000_000);
+        skewed.cluster.clock_skew.insert(Node::decode(7), -2_500_000_000);
         let failure = run(&skewed, 0).failure;
         assert_eq!(
             failure.as_deref(),
-            Some("cannot build the cluster: clock_skew_ms is not supported by this runner yet")
+            Some("cannot build the cluster: clock_skew_ms names decode7, which the cluster does not have")
         );
     }
 
