@@ -1,9 +1,10 @@
 //! Random mode: seeded workloads with faults, run on the cluster with the invariants checked
 //! all the time.
 //!
-//! A seed picks a cluster (pull or push; TP, block-size and MLA combinations; one or two P and
-//! D engines; in four seeds of five, engines' clocks that disagree, each skewed by up to 10 s
-//! either way, more than the lease included), a policy (short leases, so that expiry happens),
+//! A seed picks a cluster (pull or push; TP, block-size (P's blocks larger or smaller than
+//! D's) and MLA combinations; one or two P and D engines; in four seeds of five, engines'
+//! clocks that disagree, each skewed by up to 10 s either way, more than the lease included),
+//! a policy (short leases, so that expiry happens),
 //! network noise (drops, duplicates, reordering) and a workload: prompts of assorted lengths,
 //! parallel-sampling siblings, chunked prefills (whose finished blocks push mode writes ahead,
 //! and which the engine sometimes gives up), arrivals in push mode before P's prefill, prefix
@@ -70,6 +71,13 @@ pub fn generate(seed: u64) -> Scenario {
     let (prefill_tp, decode_tp) = tps[rng.below(tps.len() as u64) as usize];
     let p_block = [4u32, 8, 16][rng.below(3) as usize];
     let ratio = [1u32, 1, 2, 4][rng.below(4) as usize];
+    // Half the seeds whose sizes differ give P the larger blocks, as vLLM maps them both ways;
+    // drawn from a stream of their own, so that the rest of a seed's workload is unchanged.
+    let (prefill_block, decode_block) = if ratio > 1 && Rng::new(seed ^ 0x626c_6f63_6b73).chance(0.5) {
+        (p_block * ratio, p_block)
+    } else {
+        (p_block, p_block * ratio)
+    };
     let prefillers = 1 + rng.below(2) as u32;
     let decoders = 1 + rng.below(2) as u32;
     let step_ms = [5u64, 10, 20][rng.below(3) as usize];
@@ -82,8 +90,8 @@ pub fn generate(seed: u64) -> Scenario {
         prefill_tp,
         decode_tp,
         prefill_pp,
-        prefill_block_size: p_block,
-        decode_block_size: p_block * ratio,
+        prefill_block_size: prefill_block,
+        decode_block_size: decode_block,
         num_kv_heads: 8,
         mla,
         prefill_num_blocks: 400,
@@ -203,14 +211,14 @@ pub fn generate(seed: u64) -> Scenario {
         }
         // Sometimes D's own prefix cache holds the first blocks, and it reads (or is pushed)
         // the rest.
-        let d_blocks = prompt_tokens.div_ceil(u64::from(p_block * ratio));
+        let d_blocks = prompt_tokens.div_ceil(u64::from(decode_block));
         if roll < 8 {
             let failing = if mode == Mode::Push { p } else { d };
             // Half of them fail part-way, from some block of the prompt on.
             let from_block = rng.chance(0.5).then(|| rng.below(d_blocks + 1) as u32);
             push(t_schedule, Event::FailTransfer { request: remote_request.clone(), node: failing, from_block });
         }
-        let cached_tokens = if rng.chance(0.1) { rng.below(d_blocks + 1) * u64::from(p_block * ratio) } else { 0 };
+        let cached_tokens = if rng.chance(0.1) { rng.below(d_blocks + 1) * u64::from(decode_block) } else { 0 };
         push(
             t_schedule,
             Event::Schedule { request: d_request.clone(), node: d, prefix_hit: rng.chance(0.05), cached_tokens },
