@@ -224,7 +224,7 @@ impl Engine {
             let (mut inner, port, listeners) = transport(config, &offer, clock.clone())?;
             metrics::watch(&config.name, rank, listeners);
             inner.register(&region).with_context(|| format!("registering rank {rank}'s KV pool"))?;
-            let ahead_of = AheadOf::default();
+            let ahead_of = AheadOf::new(pool.clone());
             let transport = TimedTransport::new(inner, tx.clone(), ahead_of.clone());
             ranks.push(RankPool { region, shape, first_head: layout.first_head(rank, tp) });
             starts.push(RankStart { offer, pool, transport, ahead_of, port });
@@ -546,7 +546,9 @@ impl Side for PrefillSide {
 
     fn writes_ahead(command: &PrefillCommand) -> WritesAhead {
         match command {
-            PrefillCommand::Progress { request, .. } => WritesAhead::For(request.as_str().to_owned()),
+            PrefillCommand::Progress { request, blocks, .. } => {
+                WritesAhead::Computed(request.as_str().to_owned(), blocks.clone())
+            }
             PrefillCommand::Export { request, .. } | PrefillCommand::Abandon { request } => {
                 WritesAhead::Ended(request.as_str().to_owned())
             }

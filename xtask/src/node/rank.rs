@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::thread::{JoinHandle, Thread};
 
 use anyhow::{Context, Result};
-use kv_core::{Clock, EngineId, Time};
+use kv_core::{BlockId, Clock, EngineId, Time};
 use kv_sched_adapter::driver::{thread_waker, WorkerDriver, WorkerMachine};
 
 use super::transport::AheadOf;
@@ -37,8 +37,9 @@ pub(super) struct Hooks<W: WorkerMachine, C> {
 pub(super) enum WritesAhead {
     /// Nothing.
     Same,
-    /// This request computes: writes without a notification from now on are its own.
-    For(String),
+    /// This request has computed these blocks: writes without a notification from them are its
+    /// own.
+    Computed(String, Vec<BlockId>),
     /// This request is exported or given up: none of its writes go ahead any more.
     Ended(String),
 }
@@ -156,8 +157,8 @@ fn drain<W: WorkerMachine, C>(
                 let now = clock.now();
                 match (hooks.writes_ahead)(&command) {
                     WritesAhead::Same => {}
-                    WritesAhead::For(request) => hooks.ahead_of.set(Some(request)),
-                    WritesAhead::Ended(request) => hooks.ahead_of.clear(&request),
+                    WritesAhead::Computed(request, blocks) => hooks.ahead_of.computed(&request, &blocks),
+                    WritesAhead::Ended(request) => hooks.ahead_of.ended(&request),
                 }
                 (hooks.handle)(driver.machine(), now, command);
                 batch.extend(driver.flush(now));

@@ -1,8 +1,8 @@
 //! A rank's transport as the engine's configuration says (NIXL or TCP), wrapped to time each
 //! transfer it posts from post to completion, and to name the request its notification
 //! completes, for the router's report. A push write ahead of its export carries no
-//! notification: it is named for the request P's rank is writing ahead for
-//! ([`AheadOf`], which the rank's thread sets from the commands it hands its worker).
+//! notification: it is named for the request whose computed blocks it writes from
+//! ([`AheadOf`], which the rank's thread fills from the commands it hands its worker).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,9 +13,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use kv_core::{
-    AgentName, Handshake, Message, PeerAddress, PeerEvent, PollIntervals, PreparedId, PreparedTransfer, Region,
-    RegionId, TransferId, TransferOp, TransferRequest, TransferSizes, TransferStatus, Transport, TransportError,
+    AgentName, BlockId, DescriptorPair, Handshake, Message, PeerAddress, PeerEvent, PollIntervals, PreparedId,
+    PreparedTransfer, Region, RegionId, TransferId, TransferOp, TransferRequest, TransferSizes, TransferStatus,
+    Transport, TransportError,
 };
+use kv_sched_adapter::LocalPool;
 use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
 use kv_transport_tcp::{TcpConfig, TcpTransport};
 
@@ -46,28 +48,56 @@ fn die_now() -> ! {
 /// completes (P's request id for D's reads), if it carries a completion.
 pub(super) type Ended = (u64, Duration, bool, Option<String>);
 
-/// The request a P rank is computing in chunks, whose blocks it writes ahead (none between
-/// prompts): shared by the rank's thread, which sets it, and its transport, which names the
-/// writes without a notification for it.
-#[derive(Clone, Default)]
-pub(super) struct AheadOf(Arc<Mutex<Option<String>>>);
+/// Which request each of a P rank's computed blocks belongs to while it computes in chunks
+/// (its blocks are written ahead): shared by the rank's thread, which fills it from the commands
+/// it hands its worker, and its transport, which names a write without a notification for the
+/// request that owns the first P block it writes from. Several prompts compute at once, and a
+/// write ahead may follow any of them (a registration that arrives late), so it is the block,
+/// not the latest command, that tells.
+#[derive(Clone)]
+pub(super) struct AheadOf {
+    pool: LocalPool,
+    owners: Arc<Mutex<HashMap<u32, String>>>,
+}
 
 impl AheadOf {
-    /// From now on, writes ahead are for `request` (`None`: for no request).
-    pub(super) fn set(&self, request: Option<String>) {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = request;
+    /// For the rank that keeps `pool`.
+    pub(super) fn new(pool: LocalPool) -> Self {
+        AheadOf { pool, owners: Arc::default() }
     }
 
-    /// `request`'s writes go ahead no more (another's may have begun already).
-    pub(super) fn clear(&self, request: &str) {
-        let mut current = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        if current.as_deref() == Some(request) {
-            *current = None;
+    fn owners(&self) -> std::sync::MutexGuard<'_, HashMap<u32, String>> {
+        self.owners.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// `request` has computed `blocks`: writes from them are its own.
+    pub(super) fn computed(&self, request: &str, blocks: &[BlockId]) {
+        let mut owners = self.owners();
+        for block in blocks {
+            owners.insert(block.0, request.to_owned());
         }
     }
 
-    fn get(&self) -> Option<String> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    /// `request` is exported or given up: none of its writes go ahead any more.
+    pub(super) fn ended(&self, request: &str) {
+        self.owners().retain(|_, owner| owner != request);
+    }
+
+    /// The request owning the P block that pair `pair` writes from.
+    fn at_pair(&self, pair: &DescriptorPair) -> Option<String> {
+        let shape = &self.pool.shape;
+        let region = self.pool.regions.get(pair.local_region as usize)?;
+        // One region of whole blocks (block-major), or one per layer (layer-major).
+        let stride = if shape.region_count() == 1 { shape.block_bytes() } else { shape.layer_block_bytes() };
+        let block = pair.local_addr.checked_sub(region.addr)? / stride.max(1);
+        self.owners().get(&u32::try_from(block).ok()?).cloned()
+    }
+
+    /// The request owning the P block of entry `index` of the rank's prepared local list
+    /// ([`PoolShape::block_descriptors`](kv_core::PoolShape::block_descriptors)).
+    fn at_descriptor(&self, index: u32) -> Option<String> {
+        let block = index % self.pool.shape.num_blocks.max(1);
+        self.owners().get(&block).cloned()
     }
 }
 
@@ -95,11 +125,16 @@ impl TimedTransport {
     }
 
     /// The request a transfer is for: the one its notification completes, else, for a write
-    /// ahead, the one its rank is writing ahead for.
-    fn request_of(&self, op: TransferOp, notification: Option<&[u8]>) -> Option<String> {
+    /// ahead, the one that owns the P block it writes from (`owner`).
+    fn request_of(
+        &self,
+        op: TransferOp,
+        notification: Option<&[u8]>,
+        owner: impl FnOnce(&AheadOf) -> Option<String>,
+    ) -> Option<String> {
         match notification {
             Some(_) => completed_request(notification),
-            None if op == TransferOp::Write => self.ahead_of.get(),
+            None if op == TransferOp::Write => owner(&self.ahead_of),
             None => None,
         }
     }
@@ -132,7 +167,8 @@ impl Transport for TimedTransport {
     }
     fn post(&mut self, request: TransferRequest) -> Result<TransferId, TransportError> {
         let bytes = request.bytes();
-        let completes = self.request_of(request.op, request.notification.as_deref());
+        let completes =
+            self.request_of(request.op, request.notification.as_deref(), |a| a.at_pair(request.pairs.first()?));
         let start = Instant::now();
         let write = request.op == TransferOp::Write;
         let id = self.inner.post(request)?;
@@ -148,7 +184,9 @@ impl Transport for TimedTransport {
     }
     fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError> {
         let bytes = self.sizes.of_prepared(&request);
-        let completes = self.request_of(request.op, request.notification.as_deref());
+        let completes = self.request_of(request.op, request.notification.as_deref(), |a| {
+            a.at_descriptor(*request.local_indices.first()?)
+        });
         let start = Instant::now();
         let write = request.op == TransferOp::Write;
         let id = self.inner.post_prepared(request)?;
@@ -212,4 +250,45 @@ pub(super) fn transport(
             (Box::new(t), port, probe)
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use kv_core::{Dtype, KvLayout, Placement, PoolShape, RegionBase};
+
+    use super::*;
+
+    /// A write ahead is named for the request owning the P block it writes from, in either
+    /// placement, by address or by prepared index, whichever request progressed last.
+    #[test]
+    fn a_write_ahead_is_named_for_the_owner_of_its_first_block() {
+        for placement in [Placement::BlockMajor, Placement::LayerMajor] {
+            let layout = KvLayout { placement, ..KvLayout::split_kv(3, 16, 2, 8, Dtype::Float16) };
+            let shape = PoolShape::new(layout, 2, 10).expect("shape");
+            let regions: Vec<RegionBase> = (0..u64::from(shape.region_count()))
+                .map(|i| RegionBase { addr: 0x1000 + i * shape.region_len(), len: shape.region_len() })
+                .collect();
+            let ahead = AheadOf::new(LocalPool { shape, regions: regions.clone() });
+            ahead.computed("a", &[BlockId(3), BlockId(4)]);
+            ahead.computed("b", &[BlockId(7)]);
+            let last = regions.len() - 1;
+            for (block, owner) in [(3, Some("a")), (4, Some("a")), (7, Some("b")), (5, None)] {
+                let (addr, _) = shape.block_ranges(&regions.iter().map(|r| r.addr).collect::<Vec<_>>(), block)[last];
+                let pair = DescriptorPair {
+                    local_region: last as u32,
+                    local_addr: addr + 16,
+                    remote_region: 0,
+                    remote_addr: 0,
+                    len: 16,
+                };
+                assert_eq!(ahead.at_pair(&pair).as_deref(), owner, "{placement:?} block {block} by address");
+                let index = shape.descriptor_index(shape.layers.count - 1, block);
+                assert_eq!(ahead.at_descriptor(index).as_deref(), owner, "{placement:?} block {block} by index");
+            }
+            ahead.ended("a");
+            let index = shape.descriptor_index(0, 3);
+            assert_eq!(ahead.at_descriptor(index), None, "{placement:?}: a is exported");
+            assert_eq!(ahead.at_descriptor(shape.descriptor_index(0, 7)).as_deref(), Some("b"));
+        }
+    }
 }
