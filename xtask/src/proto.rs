@@ -7,8 +7,8 @@
 
 use std::io::Write;
 
-use kv_core::{Attention, BlockId, EngineId, KvLayout, PeerAddress, Placement, RequestId, Time};
-use kv_sched_adapter::{Consumer, ExportInfo, RemoteRef};
+use kv_core::{Attention, KvLayout, Placement};
+use kv_sched_adapter::{PrefillEngine, RemoteRef};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -212,76 +212,6 @@ impl NodeConfig {
     }
 }
 
-/// P's transfer parameters as the router carries them: kv-sched-adapter's [`RemoteRef`].
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Remote {
-    /// P's engine.
-    pub engine: String,
-    /// P's request id.
-    pub request: String,
-    /// P's side-channel address per worker, by global rank.
-    pub addresses: Vec<String>,
-    /// P's pipeline stages (its TP size is the addresses over this).
-    #[serde(default = "one_stage")]
-    pub pp_size: u32,
-    /// P's incarnation (`None`: not known yet, push mode).
-    pub instance: Option<u64>,
-    /// Prompt tokens.
-    pub prompt_tokens: u64,
-    /// P's blocks, the lease's deadline and when P finished the prompt (ns on P's clock), once
-    /// P has exported.
-    pub export: Option<(Vec<u32>, u64, u64)>,
-    /// The D engine and incarnation the router named at prefill, to which P bound the export.
-    #[serde(default)]
-    pub consumer: Option<(String, u64)>,
-}
-
-fn one_stage() -> u32 {
-    1
-}
-
-impl From<&RemoteRef> for Remote {
-    fn from(r: &RemoteRef) -> Self {
-        Remote {
-            engine: r.engine.to_string(),
-            request: r.request.as_str().to_owned(),
-            addresses: r.addresses.iter().map(|a| a.0.clone()).collect(),
-            pp_size: r.pp_size,
-            instance: r.instance,
-            prompt_tokens: r.prompt_tokens,
-            export: r
-                .export
-                .as_ref()
-                .map(|e| (e.blocks.iter().map(|b| b.0).collect(), e.deadline.as_nanos(), e.finished.as_nanos())),
-            consumer: r.consumer.as_ref().map(|c| (c.engine.to_string(), c.instance)),
-        }
-    }
-}
-
-impl Remote {
-    /// The connector's form.
-    pub fn to_ref(&self) -> RemoteRef {
-        RemoteRef {
-            engine: EngineId::new(self.engine.clone()),
-            request: RequestId::new(self.request.clone()),
-            addresses: self.addresses.iter().map(|a| PeerAddress(a.clone())).collect(),
-            tp_size: self.addresses.len() as u32 / self.pp_size.max(1),
-            pp_size: self.pp_size,
-            instance: self.instance,
-            prompt_tokens: self.prompt_tokens,
-            export: self.export.as_ref().map(|(blocks, deadline, finished)| ExportInfo {
-                blocks: blocks.iter().map(|&b| BlockId(b)).collect(),
-                deadline: Time::from_nanos(*deadline),
-                finished: Time::from_nanos(*finished),
-            }),
-            consumer: self
-                .consumer
-                .as_ref()
-                .map(|(engine, instance)| Consumer { engine: EngineId::new(engine.clone()), instance: *instance }),
-        }
-    }
-}
-
 /// The router's commands.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Command {
@@ -303,7 +233,7 @@ pub enum Command {
         /// D's request id.
         id: String,
         /// P's parameters.
-        remote: Remote,
+        remote: RemoteRef,
         /// Prompt tokens D's own prefix cache already holds (a whole number of D's blocks,
         /// from the start): D loads only the rest from P. Pull mode only.
         #[serde(default)]
@@ -314,22 +244,17 @@ pub enum Command {
         /// D's request id.
         id: String,
         /// P's parameters.
-        remote: Remote,
+        remote: RemoteRef,
     },
     /// D: the router aborts a request.
     Abort {
         /// D's request id.
         id: String,
     },
-    /// D: connect to P engine `engine`, whose workers listen at `addresses` (by global rank,
-    /// `pp_size` stages), ahead of its first request.
+    /// D: connect to a P engine ahead of its first request.
     Connect {
-        /// P's engine.
-        engine: String,
-        /// P's side-channel address per worker.
-        addresses: Vec<String>,
-        /// P's pipeline stages.
-        pp_size: u32,
+        /// P's engine, its workers' side-channel addresses by global rank, and its parallelism.
+        prefill: PrefillEngine,
     },
     /// Report [`Event::Stats`].
     Stats,
@@ -356,7 +281,7 @@ pub enum Event {
         /// The router's request id (the parent of siblings).
         id: String,
         /// P's parameters for D.
-        remote: Remote,
+        remote: RemoteRef,
         /// When P finished the prompt.
         finished_at_ns: u64,
     },
@@ -454,34 +379,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_remote_ref_survives_the_trip_through_the_router() {
-        let r = RemoteRef {
-            engine: EngineId::new("prefill0"),
-            request: RequestId::new("1_req-3"),
-            addresses: vec![PeerAddress("127.0.0.1:5600".into()), PeerAddress("127.0.0.1:5601".into())],
-            tp_size: 1,
-            pp_size: 2,
-            instance: Some(2),
-            prompt_tokens: 300,
-            export: Some(ExportInfo {
-                blocks: vec![BlockId(4), BlockId(9)],
-                deadline: Time::from_nanos(77),
-                finished: Time::from_nanos(7),
-            }),
-            consumer: Some(Consumer { engine: EngineId::new("decode1"), instance: 3 }),
-        };
-        let line = serde_json::to_string(&Remote::from(&r)).unwrap();
-        let back: Remote = serde_json::from_str(&line).unwrap();
-        assert_eq!(back.to_ref(), r);
-    }
-
-    #[test]
     fn the_fields_added_later_default_when_absent() {
         let line = r#"{"Transfer":{"bytes":4,"took_ns":5,"ok":true}}"#;
         let Ok(Event::Transfer { request, .. }) = serde_json::from_str(line) else { panic!("{line}") };
         assert_eq!(request, None);
-        let remote =
-            r#"{"engine":"prefill0","request":"req-1","addresses":[],"instance":null,"prompt_tokens":3,"export":null}"#;
+        let prefill = r#"{"engine":"prefill0","addresses":[],"tp_size":1,"pp_size":1}"#;
+        let remote = format!(
+            r#"{{"prefill":{prefill},"request":"req-1","instance":null,"prompt_tokens":3,"export":null,"consumer":null}}"#
+        );
         let line = format!(r#"{{"Arrive":{{"id":"req-1","remote":{remote}}}}}"#);
         let Ok(Command::Arrive { cached_tokens, .. }) = serde_json::from_str(&line) else { panic!("{line}") };
         assert_eq!(cached_tokens, 0);

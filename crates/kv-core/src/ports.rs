@@ -114,7 +114,8 @@ pub trait Memory: Send {
 }
 
 /// Where to reach a peer's side channel: `host:port` for NIXL, an agent name for the fake.
-#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+#[derive(Clone, PartialEq, Eq, Hash, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
 pub struct PeerAddress(pub String);
 
 impl fmt::Display for PeerAddress {

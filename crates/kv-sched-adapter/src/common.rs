@@ -16,6 +16,7 @@ use crate::config::ConfigError;
 /// The router may name it when it sends the prompt to P (routers that pick P and D together
 /// know it); otherwise the first handshaked D engine to claim the export is bound.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Consumer {
     /// The D engine.
     pub engine: EngineId,
@@ -40,6 +41,7 @@ impl std::fmt::Display for Consumer {
 /// request. D can connect to it ahead of the first request
 /// (`DecodeScheduler::handle_connect`).
 #[derive(Clone, PartialEq, Eq, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct PrefillEngine {
     /// P's engine.
     pub engine: EngineId,
@@ -52,20 +54,18 @@ pub struct PrefillEngine {
 }
 
 /// What P hands the router when it exports a request (vLLM's `kv_transfer_params`), and what
-/// the router hands D with the request.
+/// the router hands D with the request. With the `serde` feature it travels as one JSON object
+/// (`{"prefill": {"engine", "addresses", "tp_size", "pp_size"}, "request", "instance",
+/// "prompt_tokens", "export": {"blocks", "deadline", "finished"}, "consumer": {"engine",
+/// "instance"}}`, times in nanoseconds on P's clock, absent options as `null`).
 #[derive(Clone, PartialEq, Eq, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct RemoteRef {
-    /// P's engine.
-    pub engine: EngineId,
+    /// P's engine: its name, side-channel addresses and parallelism. D reads (or, in push
+    /// mode, awaits a write from) every pipeline stage.
+    pub prefill: PrefillEngine,
     /// P's request id.
     pub request: RequestId,
-    /// P's side-channel address of each worker, by global rank (`stage * tp_size + tp rank`):
-    /// `tp_size * pp_size` of them.
-    pub addresses: Vec<PeerAddress>,
-    /// P's TP size.
-    pub tp_size: u32,
-    /// P's pipeline-parallel size: D reads (or, in push mode, awaits a write from) every stage.
-    pub pp_size: u32,
     /// P's incarnation, as its handshake names it; `None` when D comes first in push mode and
     /// cannot know it yet.
     pub instance: Option<u64>,
@@ -80,6 +80,7 @@ pub struct RemoteRef {
 
 /// P's exported blocks and their lease.
 #[derive(Clone, PartialEq, Eq, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct ExportInfo {
     /// P's blocks, in prompt order (the same ids on every P rank).
     pub blocks: Vec<BlockId>,
@@ -584,4 +585,14 @@ impl<R> Outbox<R> {
     pub fn pop(&mut self) -> Option<Action<R>> {
         self.actions.pop_front()
     }
+}
+
+/// A small pool and its rank-0 handshake offer, for the crate's unit tests.
+#[cfg(test)]
+pub(crate) fn test_offer(engine: &str, role: Role, tp_size: u32) -> (LocalPool, Handshake) {
+    let layout = kv_core::KvLayout::split_kv(2, 16, 4, 8, kv_core::Dtype::Bfloat16);
+    let shape = kv_core::PoolShape::new(layout, layout.heads_per_rank(tp_size), 8).expect("a valid shape");
+    let pool = LocalPool { shape, regions: vec![kv_core::RegionBase { addr: 0x10_0000, len: shape.pool_bytes() }] };
+    let offer = pool.offer(&AgentName::new(EngineId::new(engine), 0), tp_size, 1, role, "m");
+    (pool, offer)
 }

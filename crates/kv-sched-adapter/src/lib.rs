@@ -10,12 +10,17 @@
 //! pair over the fake transport, NIXL and TCP):
 //!
 //! ```
-//! use kv_core::{BlockId, EngineId, PeerAddress, RequestId, Time};
-//! use kv_sched_adapter::{Config, DecodeCommand, DecodeEvent, DecodeScheduler, PrefillScheduler};
+//! use kv_core::{AgentName, BlockId, EngineId, KvLayout, PeerAddress, PoolShape, RegionBase, RequestId, Role, Time};
+//! use kv_sched_adapter::{Config, DecodeCommand, DecodeEvent, DecodeScheduler, LocalPool, PrefillScheduler};
 //!
 //! let config = Config::default(); // or `Config::from_extra` with vLLM's kv_connector_extra_config
+//! // P's one rank: its pool, and the handshake offer that names the engine and its incarnation
+//! // (given here, once; the scheduler takes both from the offer).
+//! let shape = PoolShape::new(KvLayout::llama3_8b(16), 8, 64)?;
+//! let pool = LocalPool { shape, regions: vec![RegionBase { addr: 0x1000_0000, len: shape.pool_bytes() }] };
+//! let offer = pool.offer(&AgentName::new(EngineId::new("prefill0"), 0), 1, 1, Role::Prefill, "llama-3-8b");
 //! let address = PeerAddress("10.0.0.1:5600".into());
-//! let mut p = PrefillScheduler::new(EngineId::new("prefill0"), 1, vec![address], config)?;
+//! let mut p = PrefillScheduler::new(&offer, vec![address], config)?;
 //! let mut d = DecodeScheduler::new(EngineId::new("decode0"), 1, config)?;
 //!
 //! // P finished a 40-token prompt in its blocks 7, 8 and 9: the router hands D what P returns.
@@ -78,11 +83,11 @@
 //!
 //! | engine moment | call |
 //! |---|---|
-//! | start-up | the settings: `Config` from the engine's `kv_connector_extra_config` ([`ExtraConfig`], serde with the `serde` feature), validated; `PrefillScheduler::new(engine, instance, rank_addresses, config)?` |
+//! | start-up | the settings: `Config` from the engine's `kv_connector_extra_config` ([`ExtraConfig`], serde with the `serde` feature), validated; `PrefillScheduler::new(&offer, rank_addresses, config)?`, any rank's offer (below): the engine and its incarnation are the offer's, given once |
 //! | start-up, per rank | the handshake offer from the rank's pool ([`LocalPool::offer`]), a transport with it; `PrefillWorker::new(offer, config, pool)?` (an offer that does not describe the pool, or unsound settings, fail here, naming the values); wrap both in a `WorkerDriver` |
 //! | a chunked prefill finishes a chunk (optional) | `PrefillScheduler::handle_progress(id, blocks_so_far, consumer)`: in push mode the workers write the finished blocks into those D registered while the rest computes; from then on the blocks are the connector's until the export or `Free` |
 //! | the engine gives such a request up before it finishes | `PrefillScheduler::handle_abandoned(id)`; free the blocks it reported at the `Free` that follows (reason `aborted`, once no write from them is in flight), the others at once |
-//! | a request finishes its prompt | `PrefillScheduler::handle_finished(now, id, blocks, prompt_tokens)`; hand the returned [`RemoteRef`] to the router |
+//! | a request finishes its prompt | `PrefillScheduler::handle_finished(now, id, blocks, prompt_tokens, consumer)` (`consumer`: the D engine the router already chose, if it did); hand the returned [`RemoteRef`] to the router (with the `serde` feature, one JSON object, as vLLM's `kv_transfer_params` carry it) |
 //! | every scheduler step | drain `PrefillScheduler::poll_event`: give `ToWorker` commands to the rank's worker (`handle_command`), free the blocks of `Free` |
 //! | every worker step, per rank | `WorkerDriver::step(now)`; give each report to `PrefillScheduler::handle_report(rank, report)` |
 //! | after the router aborts a finished request | nothing: the export ends by its own rules |

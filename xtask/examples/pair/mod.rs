@@ -67,7 +67,8 @@ pub fn pull_pair<N: Net>(net: &mut N) -> Fallible<()> {
     let config = Config::default();
     let mut p_rank = rank(net, "prefill0", Role::Prefill, |o, pool| PrefillWorker::new(o, config, pool))?;
     let mut d_rank = rank(net, "decode0", Role::Decode, |o, pool| DecodeWorker::new(o, config, pool))?;
-    let mut p = PrefillScheduler::new(EngineId::new("prefill0"), 1, vec![p_rank.address.clone()], config)?;
+    let offer = p_rank.driver.machine_ref().offer().clone();
+    let mut p = PrefillScheduler::new(&offer, vec![p_rank.address.clone()], config)?;
     let mut d = DecodeScheduler::new(EngineId::new("decode0"), 1, config)?;
 
     // P computed the prompt into its blocks 0 and 1 (a pattern here), and exports them.

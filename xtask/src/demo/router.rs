@@ -11,9 +11,11 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use kv_core::{EngineId, PeerAddress, RequestId};
+use kv_sched_adapter::{PrefillEngine, RemoteRef};
 use kv_testkit::Rng;
 use serde_json::{json, Value};
-use xtask::proto::{wall_ns, AttackResult, Command, EtcdSettings, Event, NodeRole, Remote, Sighting};
+use xtask::proto::{wall_ns, AttackResult, Command, EtcdSettings, Event, NodeRole, Sighting};
 
 use super::config::{DemoConfig, DiscoveryKind, Hosts, Pause, ROUTER};
 use super::metrics::{promtool_check, Scrape};
@@ -141,7 +143,7 @@ pub struct Demo {
     /// Prompts a busy P sent back, to send again from this time.
     retries: VecDeque<(Instant, String)>,
     /// Exports that found no live D engine, to hand over when one is up.
-    undelivered: VecDeque<(String, String, Remote, Fate)>,
+    undelivered: VecDeque<(String, String, RemoteRef, Fate)>,
     /// Requests sent, by id, with their exports.
     open: HashMap<String, (Request, Vec<String>)>,
     pub(super) tracks: BTreeMap<String, Track>,
@@ -342,10 +344,12 @@ impl Demo {
         Ok(())
     }
 
-    /// P's ranks' side-channel addresses, by rank.
-    fn prefill_addresses(&self) -> Vec<String> {
+    /// P as D reaches it: its ranks' side-channel addresses, by rank.
+    fn prefill_engine(&self) -> PrefillEngine {
         let ip = self.host_ip("prefill0");
-        self.nodes["prefill0"].ports.iter().map(|port| format!("{ip}:{port}")).collect()
+        let addresses: Vec<PeerAddress> =
+            self.nodes["prefill0"].ports.iter().map(|port| PeerAddress(format!("{ip}:{port}"))).collect();
+        PrefillEngine { engine: EngineId::new("prefill0"), tp_size: addresses.len() as u32, addresses, pp_size: 1 }
     }
 
     /// Waits until every rank of every D engine has connected to P ahead of traffic, as a
@@ -394,7 +398,7 @@ impl Demo {
 
     /// Tells D engine `decode` to connect to P now.
     fn connect_ahead(&mut self, decode: &str) {
-        let command = Command::Connect { engine: "prefill0".into(), addresses: self.prefill_addresses(), pp_size: 1 };
+        let command = Command::Connect { prefill: self.prefill_engine() };
         self.send(decode, &command);
     }
 
@@ -530,12 +534,10 @@ impl Demo {
             self.open.insert(id.clone(), (request, exports.clone()));
             if self.config.push {
                 // D hears first: it allocates and registers its blocks with P.
-                let addresses = self.prefill_addresses();
-                let remote = |export: &String| Remote {
-                    engine: "prefill0".into(),
-                    request: export.clone(),
-                    addresses: addresses.clone(),
-                    pp_size: 1,
+                let prefill = self.prefill_engine();
+                let remote = |export: &String| RemoteRef {
+                    prefill: prefill.clone(),
+                    request: RequestId::new(export.clone()),
                     instance: None,
                     prompt_tokens: tokens,
                     export: None,
@@ -561,7 +563,7 @@ impl Demo {
 
     /// Hands an export to a D engine: the one named at prefill, else the next live one;
     /// arrival, or rejection before admission.
-    fn dispatch(&mut self, export: &str, parent: &str, remote: Remote, fate: Fate) {
+    fn dispatch(&mut self, export: &str, parent: &str, remote: RemoteRef, fate: Fate) {
         let named = self.tracks.get(export).and_then(|t| t.decode.clone());
         let up = |n: &super::processes::Node, instance| n.instance == instance && n.port.is_some();
         let decode = match named {
@@ -899,7 +901,7 @@ impl Demo {
                 }
             }
             Event::Exported { id, remote, finished_at_ns } => {
-                let export = remote.request.clone();
+                let export = remote.request.as_str().to_owned();
                 let fate = self.open.get(&id).map_or(Fate::Normal, |(r, _)| r.fate);
                 let track = self.tracks.entry(export.clone()).or_default();
                 track.finished_at_ns = Some(finished_at_ns);

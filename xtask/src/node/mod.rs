@@ -39,7 +39,7 @@ use kv_core::{
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{
     Consumer, DecodeCommand, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LocalPool,
-    PrefillCommand, PrefillEngine, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker,
+    PrefillCommand, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker, RemoteRef,
 };
 use kv_testkit::BlockPool;
 
@@ -51,7 +51,7 @@ mod transport;
 
 use crate::e2e::ProcessClock;
 use crate::pattern;
-use crate::proto::{from_json, wall_ns, write_line, Command, Event, NodeConfig, NodeRole, Remote, TransportKind};
+use crate::proto::{from_json, wall_ns, write_line, Command, Event, NodeConfig, NodeRole, TransportKind};
 use payload::{PoolBytes, RankPool, Work, Workers};
 use rank::WritesAhead;
 use transport::{transport, AheadOf, Ended, TimedTransport};
@@ -349,8 +349,9 @@ trait Side: Sized {
     type ToWorker: Send + 'static;
     /// The role the ranks' handshake offers carry.
     const ROLE: Role;
-    /// The scheduler side of engine `config`, whose ranks listen at `addresses`, by rank.
-    fn new(config: &NodeConfig, addresses: Vec<PeerAddress>) -> Result<Self>;
+    /// The scheduler side of engine `config`, whose ranks make offers like `offer` (rank 0's)
+    /// and listen at `addresses`, by rank.
+    fn new(config: &NodeConfig, offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<Self>;
     /// The worker of the rank that offers `offer` and keeps `pool`.
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<Self::Worker>;
     /// Hands a worker a command of the scheduler.
@@ -382,7 +383,8 @@ impl<S: Side> Node<S> {
         let ports: Vec<u16> = starts.iter().map(|r| r.port).collect();
         let ip = config.host.unwrap_or(std::net::Ipv4Addr::LOCALHOST);
         let addresses = ports.iter().map(|port| PeerAddress(format!("{ip}:{port}"))).collect();
-        let side = S::new(config, addresses).context("the connector")?;
+        let offer = &starts.first().context("an engine of no ranks")?.offer;
+        let side = S::new(config, offer, addresses).context("the connector")?;
         let (tx, reports) = mpsc::channel();
         let mut ranks = Vec::new();
         for (rank, start) in (0u32..).zip(starts) {
@@ -528,9 +530,8 @@ impl Side for PrefillSide {
     type ToWorker = PrefillCommand;
     const ROLE: Role = Role::Prefill;
 
-    fn new(config: &NodeConfig, addresses: Vec<PeerAddress>) -> Result<Self> {
-        let engine = EngineId::new(config.name.clone());
-        let scheduler = PrefillScheduler::new(engine, config.instance, addresses, config.connector())?;
+    fn new(config: &NodeConfig, offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<Self> {
+        let scheduler = PrefillScheduler::new(offer, addresses, config.connector())?;
         let per_token = Duration::from_micros(config.prefill_us_per_token);
         let chunk = (config.prefill_chunk_tokens > 0 && !per_token.is_zero()).then_some(config.prefill_chunk_tokens);
         Ok(PrefillSide { scheduler, per_token, gpu_free: Instant::now(), prompts: Vec::new(), chunk })
@@ -686,7 +687,7 @@ impl Node<PrefillSide> {
                 prompt_tokens,
                 consumer.clone(),
             )?;
-            let event = Event::Exported { id: id.clone(), remote: Remote::from(&remote), finished_at_ns: wall_ns() };
+            let event = Event::Exported { id: id.clone(), remote, finished_at_ns: wall_ns() };
             self.engine.emit(&event);
         }
         self.drain()
@@ -714,7 +715,7 @@ impl Node<PrefillSide> {
 
 /// A request D knows of.
 struct Load {
-    remote: Remote,
+    remote: RemoteRef,
     /// Prompt tokens D's own prefix cache holds already (the router says so): D loads the rest.
     cached_tokens: u64,
     blocks: Vec<BlockId>,
@@ -746,7 +747,7 @@ impl Side for DecodeSide {
     type ToWorker = DecodeCommand;
     const ROLE: Role = Role::Decode;
 
-    fn new(config: &NodeConfig, addresses: Vec<PeerAddress>) -> Result<Self> {
+    fn new(config: &NodeConfig, _offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<Self> {
         let scheduler =
             DecodeScheduler::new(EngineId::new(config.name.clone()), addresses.len() as u32, config.connector())?;
         Ok(DecodeSide { scheduler, loads: HashMap::new(), waiting: VecDeque::new() })
@@ -773,7 +774,7 @@ impl Side for DecodeSide {
         match command {
             Command::Arrive { id, remote, cached_tokens } => {
                 let id = RequestId::new(id);
-                match node.side.scheduler.handle_arrive(id.clone(), remote.to_ref()) {
+                match node.side.scheduler.handle_arrive(id.clone(), remote.clone()) {
                     Ok(()) => {
                         let load = Load {
                             remote,
@@ -793,7 +794,7 @@ impl Side for DecodeSide {
             }
             Command::Reject { id, remote } => {
                 let id = RequestId::new(id);
-                match node.side.scheduler.handle_reject(id.clone(), remote.to_ref()) {
+                match node.side.scheduler.handle_reject(id.clone(), remote.clone()) {
                     Ok(()) => node.outcome(&id, "rejected", 0),
                     Err(err) => {
                         node.engine.emit(&Event::Error { message: format!("{}: {err}", node.engine.name) });
@@ -801,16 +802,7 @@ impl Side for DecodeSide {
                     }
                 }
             }
-            Command::Connect { engine, addresses, pp_size } => {
-                let pp_size = pp_size.max(1);
-                let prefill = PrefillEngine {
-                    engine: EngineId::new(engine),
-                    tp_size: addresses.len() as u32 / pp_size,
-                    addresses: addresses.into_iter().map(PeerAddress).collect(),
-                    pp_size,
-                };
-                node.side.scheduler.handle_connect(prefill);
-            }
+            Command::Connect { prefill } => node.side.scheduler.handle_connect(prefill),
             Command::Abort { id } => {
                 let id = RequestId::new(id);
                 if let Some(load) = node.side.loads.get_mut(&id) {
@@ -856,9 +848,8 @@ impl Node<DecodeSide> {
     }
 
     /// The request P computed the prompt of: the parent of P's sibling exports.
-    fn parent(remote: &Remote) -> RequestId {
-        let id = RequestId::new(remote.request.clone());
-        id.parent().unwrap_or(id)
+    fn parent(remote: &RemoteRef) -> RequestId {
+        remote.request.parent().unwrap_or_else(|| remote.request.clone())
     }
 
     /// Gives blocks to waiting requests, first come first served, while the pool has them.
@@ -876,7 +867,7 @@ impl Node<DecodeSide> {
             let count = kv_core::blocks_for_tokens(load.remote.prompt_tokens, tokens).max(1) as usize;
             // Whole blocks of D's own prefix cache, from the prompt's start.
             let cached = usize::try_from(load.cached_tokens / u64::from(tokens)).unwrap_or(usize::MAX).min(count);
-            let seed = pattern::seed(&load.remote.engine, Self::parent(&load.remote).as_str());
+            let seed = pattern::seed(load.remote.prefill.engine.as_str(), Self::parent(&load.remote).as_str());
             let Some((blocks, freed)) = self.engine.allocate(count) else { break };
             self.side.waiting.pop_front();
             // D's prefix cache holds the KV P computed for its first `cached` blocks: the same
@@ -916,7 +907,7 @@ impl Node<DecodeSide> {
                     // The KV is in place now; checking it is the demo's work, not the load's.
                     let ready_at_ns = wall_ns();
                     let Some(load) = self.side.loads.remove(&request) else { continue };
-                    let seed = pattern::seed(&load.remote.engine, Self::parent(&load.remote).as_str());
+                    let seed = pattern::seed(load.remote.prefill.engine.as_str(), Self::parent(&load.remote).as_str());
                     let bytes = self.engine.bytes(load.blocks.len());
                     let work = Work::Check { seed, blocks: load.blocks.clone(), tokens: load.remote.prompt_tokens };
                     let (blocks, prepared) = (load.blocks, load.prepared);

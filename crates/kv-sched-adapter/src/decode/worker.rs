@@ -226,7 +226,7 @@ impl DecodeWorker {
                     Err(error) => {
                         tracing::warn!(
                             request = %remote.request,
-                            engine = %remote.engine,
+                            engine = %remote.prefill.engine,
                             %error,
                             "a rejection maps onto no P rank: P holds the export until its lease ends"
                         );
@@ -252,7 +252,12 @@ impl DecodeWorker {
     /// The TP mapping, this rank's plan and its P targets for `remote`, connecting to them;
     /// the error names both sides' values.
     fn map_remote(&mut self, remote: &RemoteRef) -> Result<(TpMapping, DecodeRankPlan, Vec<AgentName>), String> {
-        self.map_prefill(&remote.engine, &remote.addresses, remote.tp_size, remote.pp_size)
+        self.map_prefill(
+            &remote.prefill.engine,
+            &remote.prefill.addresses,
+            remote.prefill.tp_size,
+            remote.prefill.pp_size,
+        )
     }
 
     /// How the ranks of P engine `engine` (`tp_size` x `pp_size` of them, at `addresses` by
@@ -293,7 +298,7 @@ impl DecodeWorker {
 
     fn track(&mut self, now: Time, request: RequestId, remote: RemoteRef) {
         let _span = request_span(&self.offer.engine, Some(self.offer.rank), &request).entered();
-        tracing::debug!(prefill = %remote.engine, prefill_request = %remote.request, "load tracked: P's lease is renewed until it starts");
+        tracing::debug!(prefill = %remote.prefill.engine, prefill_request = %remote.request, "load tracked: P's lease is renewed until it starts");
         if self.loads.contains_key(&request) {
             self.counters.duplicate_messages += 1;
             return;
@@ -331,7 +336,10 @@ impl DecodeWorker {
             self.heartbeats.track(target.clone(), remote.request.clone(), now);
             self.send_to(target, claim.clone());
         }
-        self.by_remote.entry((remote.engine.clone(), remote.request.clone())).or_default().insert(request.clone());
+        self.by_remote
+            .entry((remote.prefill.engine.clone(), remote.request.clone()))
+            .or_default()
+            .insert(request.clone());
         let load = Load {
             remote,
             tp,
@@ -382,7 +390,7 @@ impl DecodeWorker {
         // The parameters name P's ranks and stages; an engine whose handshakes say otherwise
         // (the parameters are stale, or name another engine's shape) holds layers or heads this
         // plan does not read, so the load could end without all of its KV.
-        let (tp_size, pp_size) = (load.remote.tp_size, load.remote.pp_size);
+        let (tp_size, pp_size) = (load.remote.prefill.tp_size, load.remote.prefill.pp_size);
         if let Some(peer) =
             load.targets.iter().map(|t| &self.peers[t].handshake).find(|h| (h.tp_size, h.pp_size) != (tp_size, pp_size))
         {
@@ -418,7 +426,7 @@ impl DecodeWorker {
                     decode_tp: self.offer.tp_size,
                     blocks: load.blocks[load.cached..].to_vec(),
                     first_block: u32::try_from(load.cached).unwrap_or(u32::MAX),
-                    prefill_pp: load.remote.pp_size,
+                    prefill_pp: load.remote.prefill.pp_size,
                 });
                 load.phase = Phase::Registered;
                 load.watchdog = Some(now + self.config.push_registration_timeout);
@@ -471,7 +479,7 @@ impl DecodeWorker {
         let mut posts = Vec::new();
         let mut to_prepare = Vec::new();
         for slice in &load.plan.reads {
-            let agent = AgentName::new(load.remote.engine.clone(), slice.prefill_rank);
+            let agent = AgentName::new(load.remote.prefill.engine.clone(), slice.prefill_rank);
             let peer = &self.peers[&agent];
             let Some(p_shape) = peer.shape(load.tp.prefill_heads()) else {
                 tracing::warn!(%request, peer = %agent, "cannot plan the read: the peer's pool shape is invalid");
@@ -557,7 +565,7 @@ impl DecodeWorker {
             .reads
             .iter()
             .map(|slice| {
-                let agent = AgentName::new(load.remote.engine.clone(), slice.prefill_rank);
+                let agent = AgentName::new(load.remote.prefill.engine.clone(), slice.prefill_rank);
                 let peer = self.peers.get(&agent)?;
                 let acked = load.deadlines.get(&slice.prefill_rank).copied().unwrap_or(export.deadline);
                 let deadline = acked.max(export.deadline);
@@ -617,7 +625,7 @@ impl DecodeWorker {
         for target in &load.targets {
             self.heartbeats.untrack(target, &load.remote.request);
         }
-        let key = (load.remote.engine.clone(), load.remote.request.clone());
+        let key = (load.remote.prefill.engine.clone(), load.remote.request.clone());
         if let Some(set) = self.by_remote.get_mut(&key) {
             set.remove(request);
             if set.is_empty() {
@@ -635,7 +643,7 @@ impl DecodeWorker {
             };
             if self.config.mode == Mode::Pull && !load.prefix_hit() {
                 for p in &load.plan.notify_only {
-                    self.send_to(&AgentName::new(load.remote.engine.clone(), *p), completion.clone());
+                    self.send_to(&AgentName::new(load.remote.prefill.engine.clone(), *p), completion.clone());
                 }
             }
         }
@@ -734,7 +742,7 @@ impl DecodeWorker {
         let unconnected: BTreeSet<AgentName> = self
             .loads
             .values()
-            .filter(|l| l.remote.engine == *engine && l.remote.instance.is_none_or(|i| i <= instance))
+            .filter(|l| l.remote.prefill.engine == *engine && l.remote.instance.is_none_or(|i| i <= instance))
             .flat_map(|l| l.targets.iter())
             .filter(|agent| !self.peers.contains_key(*agent))
             .cloned()

@@ -4,10 +4,10 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use kv_core::{BlockId, EngineId, PeerAddress, RequestId, Time};
+use kv_core::{BlockId, EngineId, Handshake, PeerAddress, RequestId, Role, Time};
 
 use super::book::{Recent, RECENT_RELEASES};
-use crate::common::{Consumer, ExportInfo, RemoteRef};
+use crate::common::{Consumer, ExportInfo, PrefillEngine, RemoteRef};
 use crate::config::{Config, ConfigError, Mode, ReleaseReason};
 use crate::metrics::PrefillMetrics;
 
@@ -145,20 +145,22 @@ pub struct PrefillScheduler {
 }
 
 impl PrefillScheduler {
-    /// A scheduler for incarnation `instance` of `engine` (the value its workers' handshakes
-    /// carry), whose rank `r` listens at `addresses[r]`; fails on settings that cannot work
-    /// ([`Config::validate`]) or no address.
-    pub fn new(
-        engine: EngineId,
-        instance: u64,
-        addresses: Vec<PeerAddress>,
-        config: Config,
-    ) -> Result<Self, ConfigError> {
+    /// A scheduler for the engine incarnation whose workers make handshake offers like `offer`
+    /// (any rank's, from [`LocalPool::offer`](crate::LocalPool::offer): the engine and its
+    /// incarnation are given there, once), whose rank `r` listens at `addresses[r]`; fails on
+    /// settings that cannot work ([`Config::validate`]), an offer that is not a prefill
+    /// engine's, or no address.
+    pub fn new(offer: &Handshake, addresses: Vec<PeerAddress>, config: Config) -> Result<Self, ConfigError> {
         config.validate()?;
+        if offer.role != Role::Prefill {
+            let offer = format!("{:?}", offer.role);
+            return Err(ConfigError::Offer { field: "role", offer, pool: "Prefill (the scheduler's)".into() });
+        }
         let workers = u32::try_from(addresses.len()).unwrap_or(u32::MAX);
         if workers == 0 {
             return Err(ConfigError::NoRanks { tp: workers });
         }
+        let (engine, instance) = (offer.engine.clone(), offer.instance);
         Ok(PrefillScheduler {
             metrics: PrefillMetrics::new(&engine),
             engine,
@@ -224,11 +226,13 @@ impl PrefillScheduler {
             SchedulerExport { blocks: blocks.clone(), released: BTreeSet::new(), reason: None },
         );
         Ok(RemoteRef {
-            engine: self.engine.clone(),
+            prefill: PrefillEngine {
+                engine: self.engine.clone(),
+                addresses: self.addresses.clone(),
+                tp_size: self.workers / self.pp,
+                pp_size: self.pp,
+            },
             request,
-            addresses: self.addresses.clone(),
-            tp_size: self.workers / self.pp,
-            pp_size: self.pp,
             instance: Some(self.instance),
             prompt_tokens,
             export: Some(ExportInfo { blocks, deadline, finished: now }),
@@ -366,7 +370,8 @@ mod tests {
     fn scheduler(mode: Mode) -> PrefillScheduler {
         let config = Config { mode, ..Config::default() };
         let addresses = vec![PeerAddress("p0".into()), PeerAddress("p1".into())];
-        PrefillScheduler::new(EngineId::new("prefill0"), 1, addresses, config).expect("valid")
+        let (_, offer) = crate::common::test_offer("prefill0", Role::Prefill, 2);
+        PrefillScheduler::new(&offer, addresses, config).expect("valid")
     }
 
     fn blocks(ids: &[u32]) -> Vec<BlockId> {

@@ -307,6 +307,11 @@ impl PrefillWorker {
         !self.exports.is_empty() || !self.computing.is_empty()
     }
 
+    /// The handshake offer this rank makes (its engine, incarnation and pool).
+    pub fn offer(&self) -> &Handshake {
+        &self.offer
+    }
+
     /// How much this rank keeps in its bounded tables, for metrics and bound checks.
     pub fn book(&self) -> PrefillBook {
         PrefillBook {

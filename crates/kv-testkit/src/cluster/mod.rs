@@ -358,9 +358,13 @@ impl Cluster {
             self.start_ranks(id, Role::Prefill, |hs, pool| PrefillWorker::new(hs, connector, pool))?;
         let spec = &self.config.spec;
         let addresses = (0..spec.workers(Role::Prefill)).map(|r| Self::address(id, r)).collect();
+        let offer = workers
+            .first()
+            .map(|w| w.machine_ref().offer().clone())
+            .ok_or_else(|| ClusterError(format!("{id}: no ranks")))?;
         Ok(PrefillEngine {
             id: id.clone(),
-            scheduler: PrefillScheduler::new(id.clone(), self.instance(id), addresses, connector)
+            scheduler: PrefillScheduler::new(&offer, addresses, connector)
                 .and_then(|s| s.with_stages(spec.prefill_pp))
                 .map_err(|e| ClusterError(format!("{id}: {e}")))?,
             workers,

@@ -100,8 +100,8 @@ impl Cluster {
         let pulled = pulled.min().unwrap_or(0);
         // Push: P's writes, every P worker's (each stage's ranks) into every D rank's blocks,
         // which name D's request.
-        let pushed: u64 = (0..load.remote.tp_size * load.remote.pp_size)
-            .map(|r| self.net.moved(&AgentName::new(load.remote.engine.clone(), r), request))
+        let pushed: u64 = (0..load.remote.prefill.tp_size * load.remote.prefill.pp_size)
+            .map(|r| self.net.moved(&AgentName::new(load.remote.prefill.engine.clone(), r), request))
             .sum();
         let block: u64 = engine.ranks.iter().map(|r| r.block_bytes()).sum();
         pulled.max(round(pushed, block))

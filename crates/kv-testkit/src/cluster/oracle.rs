@@ -158,7 +158,7 @@ impl Cluster {
     /// What P computed for the export `remote` names. Push mode matches by base id when the
     /// engines' suffixes differ; so does the oracle, when one computed request has that base.
     pub(super) fn computed_for(&self, remote: &RemoteRef) -> Option<Computed> {
-        let key = (remote.engine.clone(), remote.request.clone());
+        let key = (remote.prefill.engine.clone(), remote.request.clone());
         self.computed.get(&key).copied().or_else(|| {
             let base = key.1.base();
             let mut matches = self.computed.iter().filter(|((e, r), _)| *e == key.0 && r.base() == base);

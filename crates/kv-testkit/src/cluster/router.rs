@@ -292,13 +292,9 @@ impl Cluster {
         if !self.prefill.contains_key(&engine) {
             return err(format!("no prefill engine {from}"));
         }
-        let kv_sched_adapter::PrefillEngine { engine, addresses, tp_size, pp_size } = self.reach(engine);
         Ok(RemoteRef {
-            engine,
+            prefill: self.reach(engine),
             request: remote_request.clone(),
-            addresses,
-            tp_size,
-            pp_size,
             // D comes first in push mode: it cannot know P's incarnation yet.
             instance: None,
             prompt_tokens,
@@ -367,7 +363,7 @@ impl Cluster {
         prefill_pp: Option<u32>,
     ) -> Result<(), ClusterError> {
         let mut remote = self.remote_for(from, remote_request, prompt_tokens)?;
-        remote.pp_size = prefill_pp.unwrap_or(remote.pp_size);
+        remote.prefill.pp_size = prefill_pp.unwrap_or(remote.prefill.pp_size);
         self.call(node, Call::Arrive { request: request.clone(), remote })
     }
 
@@ -395,7 +391,7 @@ impl Cluster {
         for (id, engine) in &self.decode {
             let Some(engine) = engine else { continue };
             for (request, load) in &engine.loads {
-                if load.cache_pending && load.remote.engine == *from {
+                if load.cache_pending && load.remote.prefill.engine == *from {
                     if let Some(computed) = self.computed_for(&load.remote) {
                         pending.push((id.clone(), request.clone(), computed));
                     }
@@ -470,7 +466,7 @@ impl Cluster {
         prefill_tp: Option<u32>,
     ) -> Result<(), ClusterError> {
         let mut remote = self.remote_for(from, remote_request, None)?;
-        remote.tp_size = prefill_tp.unwrap_or(remote.tp_size);
+        remote.prefill.tp_size = prefill_tp.unwrap_or(remote.prefill.tp_size);
         self.call(node, Call::Reject { request: request.clone(), remote })
     }
 

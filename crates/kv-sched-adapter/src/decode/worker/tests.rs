@@ -1,5 +1,6 @@
 //! Unit tests of the decode worker; the scenarios and random seeds of kv-testkit drive the rest of it.
 
+use crate::PrefillEngine;
 use kv_core::{EngineId, KvLayout, PeerAddress, PoolShape, RegionBase, Role, Time};
 
 use crate::DecodeScheduler;
@@ -53,11 +54,13 @@ fn a_worker_is_refused_when_its_offer_or_settings_disagree_naming_the_values() {
 
 fn remote(tp_size: u32, addresses: usize) -> RemoteRef {
     RemoteRef {
-        engine: EngineId::new("prefill0"),
+        prefill: PrefillEngine {
+            engine: EngineId::new("prefill0"),
+            addresses: (0..addresses).map(|i| PeerAddress(format!("127.0.0.1:{}", 5600 + i))).collect(),
+            tp_size,
+            pp_size: 1,
+        },
         request: RequestId::new("r1"),
-        addresses: (0..addresses).map(|i| PeerAddress(format!("127.0.0.1:{}", 5600 + i))).collect(),
-        tp_size,
-        pp_size: 1,
         instance: Some(1),
         prompt_tokens: 16,
         export: None,

@@ -1,17 +1,19 @@
 //! Unit tests of the prefill worker; the scenarios and random seeds of kv-testkit drive the rest of it.
 
-use kv_core::{EngineId, KvLayout, PeerAddress, PoolShape, RegionBase, Role, Time};
+use kv_core::{PeerAddress, Role, Time};
 
+use crate::common::test_offer;
 use crate::{PrefillError, PrefillEvent, PrefillScheduler};
 
 use super::*;
 
 fn worker() -> PrefillWorker {
-    let layout = KvLayout::split_kv(2, 16, 4, 8, kv_core::Dtype::Bfloat16);
-    let shape = PoolShape::new(layout, layout.kv_heads, 8).unwrap();
-    let pool = LocalPool { shape, regions: vec![RegionBase { addr: 0x10_0000, len: shape.pool_bytes() }] };
-    let offer = pool.offer(&AgentName::new(EngineId::new("prefill0"), 0), 1, 1, Role::Prefill, "m");
+    let (pool, offer) = test_offer("prefill0", Role::Prefill, 1);
     PrefillWorker::new(offer, Config::default(), pool).unwrap()
+}
+
+fn scheduler(config: Config) -> PrefillScheduler {
+    PrefillScheduler::new(&test_offer("prefill0", Role::Prefill, 1).1, vec![PeerAddress("p0".into())], config).unwrap()
 }
 
 fn reports(worker: &mut PrefillWorker) -> Vec<PrefillReport> {
@@ -26,8 +28,7 @@ fn reports(worker: &mut PrefillWorker) -> Vec<PrefillReport> {
 #[test]
 fn an_id_named_by_a_freed_export_is_refused_and_a_worker_that_still_remembers_it_releases_it_at_once() {
     let config = Config::default();
-    let mut scheduler =
-        PrefillScheduler::new(EngineId::new("prefill0"), 1, vec![PeerAddress("p0".into())], config).unwrap();
+    let mut scheduler = scheduler(config);
     let mut worker = worker();
     let r1 = RequestId::new("r1");
     let carry = |scheduler: &mut PrefillScheduler, worker: &mut PrefillWorker, now: Time| {
@@ -69,8 +70,7 @@ fn an_id_named_by_a_freed_export_is_refused_and_a_worker_that_still_remembers_it
 fn a_push_prompt_given_up_keeps_its_id_but_a_pull_one_does_not() {
     for mode in [Mode::Push, Mode::Pull] {
         let config = Config { mode, ..Config::default() };
-        let mut scheduler =
-            PrefillScheduler::new(EngineId::new("prefill0"), 1, vec![PeerAddress("p0".into())], config).unwrap();
+        let mut scheduler = scheduler(config);
         let mut worker = worker();
         let r1 = RequestId::new("r1");
         scheduler.handle_progress(r1.clone(), vec![BlockId(1)], None).unwrap();
