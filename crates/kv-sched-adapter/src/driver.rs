@@ -51,14 +51,14 @@ use std::thread::Thread;
 use std::time::Duration;
 
 use kv_core::{
-    Clock, Descriptors, EngineId, Notification, PeerEvent, PreparedId, Time, TransferId, TransferSizes, TransferStatus,
-    Transport, TransportError,
+    Clock, Descriptors, EngineId, PeerEvent, PreparedId, Time, TransferId, TransferSizes, TransferStatus, Transport,
+    TransportError,
 };
 
 use crate::common::{Action, Counters, XferToken};
-use crate::decode::{DecodeReport, DecodeWorker};
+use crate::decode::{DecodeCommand, DecodeReport, DecodeWorker};
 use crate::metrics::{InFlight, WorkerMetrics};
-use crate::prefill::{PrefillReport, PrefillWorker};
+use crate::prefill::{PrefillCommand, PrefillReport, PrefillWorker};
 
 mod resend;
 
@@ -84,10 +84,13 @@ const MAX_BATCHES_BEFORE_LOSS: usize = 256;
 pub trait WorkerMachine {
     /// What the machine reports to its scheduler.
     type Report;
-    /// A peer event from the transport.
+    /// What its scheduler tells it ([`PrefillCommand`], [`DecodeCommand`]); hand it over with
+    /// [`WorkerDriver::command`], which carries out what follows at once.
+    type Command;
+    /// A command of its scheduler.
+    fn handle_command(&mut self, now: Time, command: Self::Command);
+    /// A peer event from the transport (notifications come as [`PeerEvent::Notification`]).
     fn handle_peer_event(&mut self, now: Time, event: PeerEvent);
-    /// A notification from the transport.
-    fn handle_notification(&mut self, now: Time, notification: Notification);
     /// A transfer the machine asked for ended.
     fn handle_transfer(&mut self, now: Time, token: XferToken, ok: bool);
     /// A read the machine asked for failed part-way, and only the local ranges in `spoiled`
@@ -122,14 +125,15 @@ pub trait WorkerMachine {
 }
 
 macro_rules! worker_machine {
-    ($machine:ty, $report:ty) => {
+    ($machine:ty, $report:ty, $command:ty) => {
         impl WorkerMachine for $machine {
             type Report = $report;
+            type Command = $command;
+            fn handle_command(&mut self, now: Time, command: $command) {
+                <$machine>::handle_command(self, now, command)
+            }
             fn handle_peer_event(&mut self, now: Time, event: PeerEvent) {
                 <$machine>::handle_peer_event(self, now, event)
-            }
-            fn handle_notification(&mut self, now: Time, notification: Notification) {
-                <$machine>::handle_notification(self, now, notification)
             }
             fn handle_transfer(&mut self, now: Time, token: XferToken, ok: bool) {
                 <$machine>::handle_transfer(self, now, token, ok)
@@ -171,8 +175,8 @@ macro_rules! worker_machine {
     };
 }
 
-worker_machine!(PrefillWorker, PrefillReport);
-worker_machine!(DecodeWorker, DecodeReport);
+worker_machine!(PrefillWorker, PrefillReport, PrefillCommand);
+worker_machine!(DecodeWorker, DecodeReport, DecodeCommand);
 
 /// A worker machine and the transport of its rank.
 pub struct WorkerDriver<M> {
@@ -219,7 +223,15 @@ impl<M: WorkerMachine> WorkerDriver<M> {
         self.clock = Some(clock);
     }
 
-    /// The machine, for commands from its scheduler (call [`WorkerDriver::flush`] after).
+    /// Hands the machine a command of its scheduler and carries out what it asks for at once
+    /// (a read, a write, a notification go out now, not at the next step); returns its reports.
+    pub fn command(&mut self, now: Time, command: M::Command) -> Vec<M::Report> {
+        self.machine.handle_command(now, command);
+        self.flush(now)
+    }
+
+    /// The machine (after calling it, call [`WorkerDriver::flush`]: [`WorkerDriver::command`]
+    /// does both for a command).
     pub fn machine(&mut self) -> &mut M {
         &mut self.machine
     }

@@ -88,7 +88,7 @@
 //! | a chunked prefill finishes a chunk (optional) | `PrefillScheduler::handle_progress(id, blocks_so_far, consumer)`: in push mode the workers write the finished blocks into those D registered while the rest computes; from then on the blocks are the connector's until the export or `Free` |
 //! | the engine gives such a request up before it finishes | `PrefillScheduler::handle_abandoned(id)`; free the blocks it reported at the `Free` that follows (reason `aborted`, once no write from them is in flight), the others at once |
 //! | a request finishes its prompt | `PrefillScheduler::handle_finished(now, id, blocks, prompt_tokens, consumer)` (`consumer`: the D engine the router already chose, if it did); hand the returned [`RemoteRef`] to the router (with the `serde` feature, one JSON object, as vLLM's `kv_transfer_params` carry it) |
-//! | every scheduler step | drain `PrefillScheduler::poll_event`: give `ToWorker` commands to the rank's worker (`handle_command`), free the blocks of `Free` |
+//! | every scheduler step | drain `PrefillScheduler::poll_event`: give `ToWorker` commands to the rank's driver (`WorkerDriver::command(now, command)`, which carries out what the worker asks at once; its reports go to `handle_report`), free the blocks of `Free` |
 //! | every worker step, per rank | `WorkerDriver::step(now)`; give each report to `PrefillScheduler::handle_report(rank, report)` |
 //! | after the router aborts a finished request | nothing: the export ends by its own rules |
 //!
@@ -101,7 +101,7 @@
 //! | blocks are allocated for it | `DecodeScheduler::handle_schedule(id, blocks, prefix_hit)`, or `handle_schedule_cached(id, blocks, cached_blocks)` when its own prefix cache holds the first blocks (vLLM's locally computed tokens): only the rest are read |
 //! | it is rejected before admission | `DecodeScheduler::handle_reject(id, remote)` |
 //! | the router aborts it | `DecodeScheduler::handle_abort(&id)` |
-//! | every step | `WorkerDriver::step(now)` per rank, reports to `handle_report(rank, report)`; drain `DecodeScheduler::poll_event` (`ToWorker` to the rank's `handle_command` then `WorkerDriver::flush`; `Ready`: the KV is in place; `Free`: the load failed or was aborted, no transfer touches the blocks any more, the request is [`DecodeState::Failed`], [`DecodeState::Recompute`] (its first `kept_blocks` hold valid KV: compute from there) or [`DecodeState::Gone`]) |
+//! | every step | `WorkerDriver::step(now)` per rank, reports to `handle_report(rank, report)`; drain `DecodeScheduler::poll_event` (`ToWorker` to the rank's `WorkerDriver::command(now, command)`, reports to `handle_report`; `Ready`: the KV is in place; `Free`: the load failed or was aborted, no transfer touches the blocks any more, the request is [`DecodeState::Failed`], [`DecodeState::Recompute`] (its first `kept_blocks` hold valid KV: compute from there) or [`DecodeState::Gone`]) |
 //!
 //! kv-testkit's `cluster` module is a complete engine of both kinds over the in-memory
 //! transport, and reads as a worked example; xtask's `pull_pair` examples are the smallest

@@ -85,13 +85,21 @@ pub fn pull_pair<N: Net>(net: &mut N) -> Fallible<()> {
     for _ in 0..5000 {
         while let Some(event) = p.poll_event() {
             match event {
-                PrefillEvent::ToWorker { command, .. } => p_rank.driver.machine().handle_command(net.now(), command),
+                PrefillEvent::ToWorker { command, .. } => {
+                    for report in p_rank.driver.command(net.now(), command) {
+                        p.handle_report(0, report)?;
+                    }
+                }
                 PrefillEvent::Free { blocks, reason, .. } => freed = Some((blocks, reason)),
             }
         }
         while let Some(event) = d.poll_event() {
             match event {
-                DecodeEvent::ToWorker { command, .. } => d_rank.driver.machine().handle_command(net.now(), command),
+                DecodeEvent::ToWorker { command, .. } => {
+                    for report in d_rank.driver.command(net.now(), command) {
+                        d.handle_report(0, report)?;
+                    }
+                }
                 DecodeEvent::Ended { state, .. } => ready = state == DecodeState::Ready,
                 DecodeEvent::Free { .. } => {}
             }

@@ -38,8 +38,8 @@ use kv_core::{
 };
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{
-    Consumer, DecodeCommand, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LocalPool,
-    PrefillCommand, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker, RemoteRef,
+    Consumer, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LocalPool, PrefillCommand,
+    PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker, RemoteRef,
 };
 use kv_testkit::BlockPool;
 
@@ -331,7 +331,7 @@ fn host_memory() -> Box<dyn Memory> {
 struct Node<S: Side> {
     /// Each TP rank's thread, by rank. Declared before `engine`: the ranks' transports let go
     /// of the pool before the memory behind it is freed.
-    ranks: Vec<rank::Rank<S::ToWorker>>,
+    ranks: Vec<rank::Rank<Cmd<S>>>,
     engine: Engine,
     /// What the ranks' workers report, by rank.
     reports: Receiver<(u32, <S::Worker as WorkerMachine>::Report)>,
@@ -340,13 +340,14 @@ struct Node<S: Side> {
     registration: Option<(discovery::Registration, Receiver<discovery::Found>)>,
 }
 
+/// A command of side `S`'s scheduler for a worker.
+type Cmd<S> = <<S as Side>::Worker as WorkerMachine>::Command;
+
 /// What differs between P and D: the worker and its scheduler, and how the side handles the
 /// router's commands and the scheduler's events.
 trait Side: Sized {
     /// A rank's worker.
-    type Worker: WorkerMachine<Report: Send> + Send + 'static;
-    /// A command of the scheduler for a worker.
-    type ToWorker: Send + 'static;
+    type Worker: WorkerMachine<Report: Send, Command: Send + 'static> + Send + 'static;
     /// The role the ranks' handshake offers carry.
     const ROLE: Role;
     /// The scheduler side of engine `config`, whose ranks make offers like `offer` (rank 0's)
@@ -354,10 +355,8 @@ trait Side: Sized {
     fn new(config: &NodeConfig, offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<Self>;
     /// The worker of the rank that offers `offer` and keeps `pool`.
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<Self::Worker>;
-    /// Hands a worker a command of the scheduler.
-    fn handle_command(worker: &mut Self::Worker, now: Time, command: Self::ToWorker);
     /// What a command says of the request the worker writes ahead for (P's chunked prefill).
-    fn writes_ahead(command: &Self::ToWorker) -> WritesAhead {
+    fn writes_ahead(command: &Cmd<Self>) -> WritesAhead {
         let _ = command;
         WritesAhead::Same
     }
@@ -390,8 +389,7 @@ impl<S: Side> Node<S> {
         for (rank, start) in (0u32..).zip(starts) {
             let worker = S::worker(config, &start.offer, start.pool).context("the connector")?;
             let mut driver = WorkerDriver::new(worker, Box::new(start.transport));
-            let hooks =
-                rank::Hooks { handle: S::handle_command, writes_ahead: S::writes_ahead, ahead_of: start.ahead_of };
+            let hooks = rank::Hooks { writes_ahead: S::writes_ahead, ahead_of: start.ahead_of };
             let clock: Arc<dyn Clock> = engine.clock.clone();
             driver.set_clock(clock.clone());
             ranks.push(rank::Rank::spawn(rank, driver, hooks, clock, tx.clone(), std::thread::current())?);
@@ -487,7 +485,7 @@ impl<S: Side> Node<S> {
 
     /// Hands rank `rank`'s worker a command of the scheduler; what it reports comes back
     /// through `reports`.
-    fn pass_to_worker(&mut self, rank: u32, command: S::ToWorker) -> Result<()> {
+    fn pass_to_worker(&mut self, rank: u32, command: Cmd<S>) -> Result<()> {
         let worker = self.ranks.get(rank as usize).ok_or_else(|| anyhow!("the scheduler named rank {rank}"))?;
         worker.send(command);
         Ok(())
@@ -527,7 +525,6 @@ impl PrefillSide {
 
 impl Side for PrefillSide {
     type Worker = PrefillWorker;
-    type ToWorker = PrefillCommand;
     const ROLE: Role = Role::Prefill;
 
     fn new(config: &NodeConfig, offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<Self> {
@@ -539,10 +536,6 @@ impl Side for PrefillSide {
 
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<PrefillWorker> {
         Ok(PrefillWorker::new(offer.clone(), config.connector(), pool)?)
-    }
-
-    fn handle_command(worker: &mut PrefillWorker, now: Time, command: PrefillCommand) {
-        worker.handle_command(now, command);
     }
 
     fn writes_ahead(command: &PrefillCommand) -> WritesAhead {
@@ -744,7 +737,6 @@ struct DecodeSide {
 
 impl Side for DecodeSide {
     type Worker = DecodeWorker;
-    type ToWorker = DecodeCommand;
     const ROLE: Role = Role::Decode;
 
     fn new(config: &NodeConfig, _offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<Self> {
@@ -755,10 +747,6 @@ impl Side for DecodeSide {
 
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<DecodeWorker> {
         Ok(DecodeWorker::new(offer.clone(), config.connector(), pool)?)
-    }
-
-    fn handle_command(worker: &mut DecodeWorker, now: Time, command: DecodeCommand) {
-        worker.handle_command(now, command);
     }
 
     fn handle_report(&mut self, rank: u32, report: DecodeReport) -> Result<()> {

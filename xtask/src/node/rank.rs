@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::thread::{JoinHandle, Thread};
 
 use anyhow::{Context, Result};
-use kv_core::{BlockId, Clock, EngineId, Time};
+use kv_core::{BlockId, Clock, EngineId};
 use kv_sched_adapter::driver::{thread_waker, WorkerDriver, WorkerMachine};
 
 use super::transport::AheadOf;
@@ -23,10 +23,8 @@ enum ToRank<C> {
     EngineLost(EngineId, u64),
 }
 
-/// How the engine's side drives a rank's worker.
-pub(super) struct Hooks<W: WorkerMachine, C> {
-    /// Hands the worker a command of the scheduler.
-    pub handle: fn(&mut W, Time, C),
+/// What the demo's engine watches of the commands a rank's worker gets.
+pub(super) struct Hooks<C> {
     /// What a command says of the request the worker writes ahead for.
     pub writes_ahead: fn(&C) -> WritesAhead,
     /// Where the rank's transport reads that request.
@@ -61,13 +59,13 @@ impl<C: Send + 'static> Rank<C> {
     pub(super) fn spawn<W>(
         rank: u32,
         mut driver: WorkerDriver<W>,
-        hooks: Hooks<W, C>,
+        hooks: Hooks<C>,
         clock: Arc<dyn Clock>,
         reports: Sender<(u32, W::Report)>,
         engine: Thread,
     ) -> Result<Self>
     where
-        W: WorkerMachine + Send + 'static,
+        W: WorkerMachine<Command = C> + Send + 'static,
         W::Report: Send + 'static,
     {
         let (tx, rx) = mpsc::channel::<ToRank<C>>();
@@ -144,10 +142,10 @@ impl<C> Drop for Rank<C> {
 
 /// Carries out what the engine's thread sent; the reports that follow at once, or `None` when
 /// the engine is gone.
-fn drain<W: WorkerMachine, C>(
+fn drain<W: WorkerMachine<Command = C>, C>(
     rx: &Receiver<ToRank<C>>,
     driver: &mut WorkerDriver<W>,
-    hooks: &Hooks<W, C>,
+    hooks: &Hooks<C>,
     clock: &dyn Clock,
 ) -> Option<Vec<W::Report>> {
     let mut batch = Vec::new();
@@ -160,8 +158,7 @@ fn drain<W: WorkerMachine, C>(
                     WritesAhead::Computed(request, blocks) => hooks.ahead_of.computed(&request, &blocks),
                     WritesAhead::Ended(request) => hooks.ahead_of.ended(&request),
                 }
-                (hooks.handle)(driver.machine(), now, command);
-                batch.extend(driver.flush(now));
+                batch.extend(driver.command(now, command));
             }
             Ok(ToRank::EngineLost(engine, instance)) => {
                 batch.extend(driver.engine_lost(clock.now(), &engine, instance));

@@ -6,8 +6,8 @@ use std::task::Waker;
 use std::time::Duration;
 
 use kv_core::{
-    AgentName, EngineId, Handshake, KvLayout, PeerAddress, PeerInfo, PollIntervals, PreparedTransfer, Region, RegionId,
-    Role, TransferOp, TransferRequest,
+    AgentName, EngineId, Handshake, KvLayout, Notification, PeerAddress, PeerInfo, PollIntervals, PreparedTransfer,
+    Region, RegionId, Role, TransferOp, TransferRequest,
 };
 use mockall::{predicate::eq, Sequence};
 
@@ -45,15 +45,18 @@ struct Script {
 
 impl WorkerMachine for Script {
     type Report = &'static str;
+    /// The scheduler's command: an action for the machine to ask for.
+    type Command = Action<&'static str>;
+    fn handle_command(&mut self, _: Time, command: Action<&'static str>) {
+        self.told.push("command".into());
+        self.actions.push_back(command);
+    }
     fn handle_peer_event(&mut self, _: Time, event: PeerEvent) {
         self.told.push(match event {
             PeerEvent::Lost(agent) => format!("lost {agent}"),
             PeerEvent::ConnectFailed { address, .. } => format!("connect to {address} failed"),
             other => format!("{other:?}"),
         });
-    }
-    fn handle_notification(&mut self, _: Time, notification: Notification) {
-        self.told.push(format!("{notification:?}"));
     }
     fn handle_transfer(&mut self, _: Time, token: XferToken, ok: bool) {
         self.told.push(format!("transfer {} ok={ok}", token.0));
@@ -129,6 +132,20 @@ fn a_step_polls_events_then_in_flight_transfers_and_reports_each_ending_once() {
     driver.step(Time::ZERO);
     assert_eq!(driver.in_flight(), 0);
     assert_eq!(driver.machine_ref().told, ["lost prefill0/tp0", "transfer 1 ok=true"]);
+}
+
+#[test]
+fn a_command_is_carried_out_at_once_not_at_the_next_step() {
+    let mut port = port();
+    port.expect_post().times(1).returning(|_| Ok(TransferId(9)));
+    // No step: the transport is never polled, yet the read is posted and the report is back.
+    port.expect_poll_event().never();
+    port.expect_poll_transfer().never();
+    let mut driver = WorkerDriver::new(Script::default(), Box::new(port));
+    assert_eq!(driver.command(Time::ZERO, read(4)), Vec::<&str>::new());
+    assert_eq!(driver.in_flight(), 1, "the command's read is posted by the call itself");
+    assert_eq!(driver.command(Time::ZERO, Action::Report("loaded")), ["loaded"]);
+    assert_eq!(driver.machine_ref().told, ["command", "command"]);
 }
 
 #[test]

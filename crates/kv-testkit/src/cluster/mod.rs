@@ -500,8 +500,14 @@ impl Cluster {
         let Some(mut engine) = self.prefill.get_mut(id).and_then(Option::take) else { return };
         let local = self.local(id, now);
         while engine.handoff.front().is_some_and(|(t, _, _)| *t <= now) {
+            // Carried out at once, as an engine's driver does (`WorkerDriver::command`).
             let (_, rank, command) = engine.handoff.pop_front().expect("due");
-            engine.workers[rank as usize].machine().handle_command(local, command);
+            for report in engine.workers[rank as usize].command(local, command) {
+                self.fold_rank_event(&format!("{now} {id}/tp{rank} {report:?}"));
+                if let Err(e) = engine.scheduler.handle_report(rank, report) {
+                    self.violation(format!("{id}: {e}"));
+                }
+            }
         }
         let step = |w: &mut WorkerDriver<_>| step_through(w, local);
         self.drive_ranks(id, now, &mut engine.workers, step, |rank, report| {
@@ -608,9 +614,7 @@ impl Cluster {
             }
             while let Some((rank, command)) = engine.commands.pop_front() {
                 progressed = true;
-                let worker = &mut engine.workers[rank as usize];
-                worker.machine().handle_command(local, command);
-                for report in worker.flush(local) {
+                for report in engine.workers[rank as usize].command(local, command) {
                     if let Err(e) = engine.scheduler.handle_report(rank, report) {
                         self.violation(format!("{}: {e}", engine.id));
                     }
