@@ -93,6 +93,10 @@ impl Partial {
     }
 }
 
+/// How long past the time limit (and the engines' stops and three leases) a run still waits for
+/// its attacker to finish, traffic going on meanwhile.
+const ATTACKER_OVERRUN: Duration = Duration::from_secs(60);
+
 /// What the router decided for a request.
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Fate {
@@ -153,6 +157,8 @@ pub struct Demo {
     cold_polled: Instant,
     cold_polls: u64,
     issued: u32,
+    /// When the last request went out.
+    last_issued: Instant,
     completed: u32,
     pub(super) kill: Option<Kill>,
     /// P killed with SIGKILL (`--kill-prefill`).
@@ -275,6 +281,7 @@ impl Demo {
             cold_polled: Instant::now(),
             cold_polls: 0,
             issued: 0,
+            last_issued: Instant::now(),
             completed: 0,
             kill: None,
             p_kill: None,
@@ -453,8 +460,24 @@ impl Demo {
             self.poll_cold(now);
             self.pump(Duration::from_millis(2))?;
             let stopped: Duration = self.paused_done.iter().map(|(p, _, _)| p.length).sum();
-            if now > limit + stopped + Duration::from_millis(self.config.lease_ms * 3) {
+            // Requests end within three leases of the last one sent (past the limit, an attacker
+            // still running keeps traffic going: its attacks take longer on a loaded machine).
+            let leases = Duration::from_millis(self.config.lease_ms * 3);
+            let settled_by = limit.max(self.last_issued) + stopped + leases;
+            if now > settled_by && self.completed < self.next_request {
                 self.errors.push(format!("{} requests never finished", self.next_request - self.completed));
+                break;
+            }
+            if now > limit + stopped + leases + ATTACKER_OVERRUN {
+                self.errors.push(format!(
+                    "the run did not end {} s past its time limit: attacker running {}, an engine restarting {}, \
+                     one stopped {}, {} requests open",
+                    (stopped + leases + ATTACKER_OVERRUN).as_secs(),
+                    self.attacker.is_some(),
+                    self.restarting(),
+                    self.paused.is_some(),
+                    self.next_request - self.completed
+                ));
                 break;
             }
         }
@@ -503,6 +526,7 @@ impl Demo {
             }
             let Some(request) = self.queue.pop_front() else { return };
             self.issued += 1;
+            self.last_issued = now;
             let (id, tokens, n) = (request.id.clone(), request.prompt_tokens, request.n);
             let exports: Vec<String> =
                 if n > 1 { (0..n).map(|i| format!("{i}_{id}")).collect() } else { vec![id.clone()] };
