@@ -5,7 +5,6 @@
 //!   stdout, one JSON object per line.
 //! - [`logging`]: the `tracing` subscriber the binaries install (`RUST_LOG`, to stderr).
 //! - [`stats`]: the quantile every report uses; [`procfs`]: a process's `/proc/PID/stat`.
-//! - [`pattern`]: the bytes P computes for a prompt block, which D checks on arrival.
 //! - [`prometheus`]: the engines' metrics endpoint (Prometheus's text format over plain
 //!   HTTP), the router's scrape of it, and a parser of what it scrapes.
 //! - `node` (feature `nixl`): an engine process, P or D, running kvflow's connectors over
@@ -18,7 +17,6 @@
 //!   adapters meet: kv-cuda's pools (VRAM included) moved by `NixlTransport` between processes.
 
 pub mod logging;
-pub mod pattern;
 pub mod procfs;
 pub mod prometheus;
 pub mod proto;

@@ -11,7 +11,7 @@ pub fn run(seeds: Range<u64>, verbose: bool, trace: bool) -> Result<()> {
     let (from, to) = (seeds.start, seeds.end);
     let (mut passed, mut failed) = (0u64, 0u64);
     let (mut loads, mut events, mut skipped, mut prepared, mut ahead) = (0u64, 0usize, 0usize, 0u64, 0u64);
-    let mut digest = 0xcbf2_9ce4_8422_2325u64;
+    let mut digest = kv_core::Fnv1a::new();
     for seed in seeds {
         let outcome = if trace {
             let (outcome, lines) = random::run_with_trace(seed);
@@ -27,7 +27,7 @@ pub fn run(seeds: Range<u64>, verbose: bool, trace: bool) -> Result<()> {
         ahead += outcome.writes_ahead;
         events += outcome.events;
         skipped += outcome.skipped;
-        digest = (digest ^ outcome.digest).wrapping_mul(0x0100_0000_01b3);
+        digest.write_word(outcome.digest);
         match &outcome.failure {
             None => {
                 passed += 1;
@@ -43,7 +43,8 @@ pub fn run(seeds: Range<u64>, verbose: bool, trace: bool) -> Result<()> {
         }
     }
     println!(
-        "seeds {from}..{to}: {loads} loads verified byte for byte ({prepared} transfers by prepared indices, {ahead} push writes ahead of the export), {events} events ({skipped} skipped as no longer applicable), digest {digest:016x}"
+        "seeds {from}..{to}: {loads} loads verified byte for byte ({prepared} transfers by prepared indices, {ahead} push writes ahead of the export), {events} events ({skipped} skipped as no longer applicable), digest {:016x}",
+        digest.finish()
     );
     println!("{passed} passed, {failed} failed");
     if failed > 0 {

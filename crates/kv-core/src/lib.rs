@@ -30,6 +30,7 @@ pub mod blocks;
 #[cfg(any(test, feature = "contract"))]
 pub mod contract;
 pub mod discovery;
+pub mod fnv;
 pub mod handshake;
 pub mod id;
 pub mod layout;
@@ -41,6 +42,7 @@ pub mod tp;
 pub mod wire;
 
 pub use blocks::{blocks_for_tokens, BlockSizeError, BlockSizeMapping, Piece, PrefillSpan};
+pub use fnv::Fnv1a;
 pub use handshake::{check_compatible, Compatible, HandshakeError};
 pub use id::{AgentName, BlockId, EngineId, RequestId};
 pub use layout::{Attention, Dtype, KvLayout, LayerRange, LayoutError, MemoryOrder, Placement, PoolShape};

@@ -331,32 +331,15 @@ fn decode_frame<T: for<'de> Deserialize<'de>>(bytes: &[u8], max: usize, what: &'
 /// since P's may be a divisor of D's).
 pub fn compatibility_hash(model: &str, layout: &KvLayout) -> u64 {
     let l = layout.with_block_tokens(0);
-    let mut h = Fnv::new();
-    h.write(&PROTOCOL_VERSION.to_le_bytes());
-    h.write(&(model.len() as u64).to_le_bytes());
-    h.write(model.as_bytes());
+    let mut h = crate::Fnv1a::new();
+    h.write(PROTOCOL_VERSION.to_le_bytes());
+    h.write((model.len() as u64).to_le_bytes());
+    h.write(model.bytes());
     for v in [l.layers, l.kv_heads, l.head_dim] {
-        h.write(&v.to_le_bytes());
+        h.write(v.to_le_bytes());
     }
-    h.write(&[l.dtype.index(), l.attention as u8, l.order as u8, l.placement as u8]);
+    h.write([l.dtype.index(), l.attention as u8, l.order as u8, l.placement as u8]);
     h.finish()
-}
-
-struct Fnv(u64);
-
-impl Fnv {
-    fn new() -> Self {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 ^= u64::from(b);
-            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    fn finish(&self) -> u64 {
-        self.0
-    }
 }
 
 #[cfg(test)]

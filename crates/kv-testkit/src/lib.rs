@@ -20,6 +20,8 @@
 //! - [`cluster::Cluster`]: P and D engines with pools, TP ranks and kvflow's real connectors
 //!   over the fake network and a manual clock, each engine on its own clock (true time plus
 //!   its skew), and the byte oracle that checks every load.
+//! - [`pattern`]: the bytes a demo engine computes into a prompt's KV, per row, its check, and
+//!   [`pattern::SCRUB`], the byte freed blocks are scrubbed with.
 //! - [`random`]: seeded random workloads with faults, run with the invariants checked.
 //! - [`scenario`]: scenario files (`scenarios/FORMAT.md`) read into a typed, validated
 //!   [`scenario::Scenario`].
@@ -77,6 +79,7 @@ mod clock;
 pub mod cluster;
 mod memory;
 pub mod network;
+pub mod pattern;
 mod pool;
 pub mod random;
 mod rng;

@@ -16,6 +16,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use kv_core::MemoryKind;
 
+use crate::frame::u64_at;
+
 /// The first bytes of this transport's agent metadata.
 const MAGIC: &[u8; 4] = b"KVTC";
 /// The layout this module writes.
@@ -90,12 +92,6 @@ fn take<'a>(rest: &mut &'a [u8], n: usize, what: &str) -> Result<&'a [u8], Strin
     let (head, tail) = rest.split_at(n);
     *rest = tail;
     Ok(head)
-}
-
-fn u64_at(bytes: &[u8], at: usize) -> u64 {
-    let mut b = [0u8; 8];
-    b.copy_from_slice(&bytes[at..at + 8]);
-    u64::from_le_bytes(b)
 }
 
 /// A peer's metadata, from what [`encode`] wrote; never panics.

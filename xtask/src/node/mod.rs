@@ -50,7 +50,7 @@ mod rank;
 mod transport;
 
 use crate::e2e::ProcessClock;
-use crate::pattern;
+use kv_testkit::pattern;
 use crate::proto::{from_json, wall_ns, write_line, Command, Event, NodeConfig, NodeRole, TransportKind};
 use payload::{PoolBytes, RankPool, Work, Workers};
 use rank::WritesAhead;

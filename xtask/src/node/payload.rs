@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context, Result};
 use kv_core::{BlockId, Memory, PoolShape, Region, RegionId};
 
-use crate::pattern;
+use kv_testkit::pattern;
 
 /// Payload threads per engine: as many as the machine has cores, up to four (each job is one
 /// prompt's bytes, so a few threads already keep several prompts apart).

@@ -33,7 +33,7 @@ use std::fmt;
 use std::time::Duration;
 
 use kv_core::{
-    AgentName, Attention, BlockId, EngineId, Handshake, KvLayout, Memory, MemoryKind, MemoryOrder, PeerAddress,
+    AgentName, Attention, BlockId, EngineId, Fnv1a, Handshake, KvLayout, Memory, MemoryKind, MemoryOrder, PeerAddress,
     Placement, PoolShape, RegionBase, RequestId, Role, Time,
 };
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
@@ -247,7 +247,7 @@ impl Cluster {
             resumed: BTreeMap::new(),
             violations: Vec::new(),
             trace: Vec::new(),
-            rank_digest: FNV_OFFSET,
+            rank_digest: Fnv1a::OFFSET,
             spoils: BTreeMap::new(),
             last_step: None,
             dirty_since: None,
@@ -636,7 +636,7 @@ impl Cluster {
     /// A digest of everything that happened, for replay checks: the trace, and every TP
     /// rank's reports to its scheduler.
     pub fn digest(&self) -> u64 {
-        let trace = self.trace.iter().fold(FNV_OFFSET, |h, line| fnv_fold(h, line.bytes().chain([b'\n'])));
+        let trace = self.trace.iter().fold(Fnv1a::OFFSET, |h, line| fnv_fold(h, line.bytes().chain([b'\n'])));
         fnv_fold(trace, self.rank_digest.to_le_bytes())
     }
 
@@ -657,15 +657,16 @@ fn step_through<M: WorkerMachine>(worker: &mut WorkerDriver<M>, now: Time) -> Ve
     reports
 }
 
-/// FNV-1a's offset basis and prime (64-bit).
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-const FNV_PRIME: u64 = 0x0100_0000_01b3;
-
 /// Folds `bytes` into the FNV-1a hash `h`.
 fn fnv_fold(h: u64, bytes: impl IntoIterator<Item = u8>) -> u64 {
-    bytes.into_iter().fold(h, |h, b| (h ^ u64::from(b)).wrapping_mul(FNV_PRIME))
+    Fnv1a::from_state(h).write(bytes).finish()
 }
 
+/// The FNV-1a hash of `parts`, each followed by 0xff.
 fn fnv(parts: &[&[u8]]) -> u64 {
-    parts.iter().fold(FNV_OFFSET, |h, part| fnv_fold(fnv_fold(h, part.iter().copied()), [0xff]))
+    let mut h = Fnv1a::new();
+    for part in parts {
+        h.write(part.iter().copied()).write([0xff]);
+    }
+    h.finish()
 }

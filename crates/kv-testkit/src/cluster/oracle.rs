@@ -14,8 +14,7 @@ use kv_sched_adapter::RemoteRef;
 use super::{Cluster, DecodeEngine};
 use crate::{BlockPool, InMemoryMemory};
 
-/// The byte a freed block is scrubbed with.
-const SCRUB: u8 = 0xDB;
+use crate::pattern::SCRUB;
 
 /// One worker's memory: its pool region and shape (a pipeline stage's layers), and its TP rank.
 pub(super) struct RankMemory {

@@ -1,4 +1,5 @@
-//! The bytes P computes for a prompt's KV, and D's check of them.
+//! The bytes the demo's P engines compute for a prompt's KV, and D's check of them (kvflow-node's
+//! payload work), and the scrub byte of freed blocks that the cluster's oracle uses too.
 //!
 //! Every row of the KV (one head of one token, K or V, of one layer) is filled with 64-bit
 //! words mixed from a seed that names the request and its P engine, and from the row's layer,
@@ -17,12 +18,7 @@ pub const SCRUB: u8 = 0xDB;
 
 /// The seed of a prompt's KV: its P engine and request (siblings share their parent's).
 pub fn seed(engine: &str, request: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in engine.bytes().chain([0xff]).chain(request.bytes()) {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
+    kv_core::Fnv1a::new().write(engine.bytes()).write([0xff]).write(request.bytes()).finish()
 }
 
 fn mix(mut x: u64) -> u64 {
