@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use kv_core::{
     AgentName, Clock, DescriptorPair, EngineId, Handshake, KvLayout, Message, PeerAddress, PeerEvent, PeerInfo,
-    PoolShape, PreparedTransfer, Region, RegionBase, RequestId, Role, Time, TransferId, TransferRequest,
-    TransferStatus, Transport, TransportError,
+    PoolShape, PreparedTransfer, Region, RegionBase, RequestId, Role, TransferId, TransferRequest, TransferStatus,
+    Transport, TransportError,
 };
 use kv_transport_nixl::{runtime, NixlConfig, NixlError, NixlTransport};
 
@@ -64,22 +64,7 @@ pub fn gpu_skip_reason() -> Option<String> {
     kv_cuda::gpu_for_tests().err().or_else(nixl_skip_reason)
 }
 
-/// A monotonic clock for a real process, from when it was made.
-#[derive(Debug)]
-pub struct ProcessClock(Instant);
-
-impl ProcessClock {
-    /// A clock that reads zero now.
-    pub fn start() -> Self {
-        ProcessClock(Instant::now())
-    }
-}
-
-impl Clock for ProcessClock {
-    fn now(&self) -> Time {
-        Time::from_nanos(self.0.elapsed().as_nanos() as u64)
-    }
-}
+pub use kv_engine::ProcessClock;
 
 /// The handshake offer of rank 0 of `engine`, whose pool is `pool`.
 pub fn offer(engine: &str, role: Role, pool: &Region) -> Handshake {

@@ -124,6 +124,12 @@ fn adapters_know_no_other_adapter() {
             assert!(!deps.iter().any(|d| d == inner), "{krate} depends on {inner}");
         }
     }
+    // The engine glue runs over ports: the binary that embeds it picks the adapters.
+    let deps = dependencies(&root().join("crates/kv-engine/Cargo.toml"));
+    assert!(deps.iter().any(|d| d == "kv-sched-adapter"), "kv-engine: parsed {deps:?}");
+    for adapter in adapters.iter().chain(&["kv-side-tcp"]) {
+        assert!(!deps.iter().any(|d| d == adapter), "kv-engine depends on the adapter {adapter}");
+    }
     // The side channel's sockets are shared by adapters, so they may know none of them.
     let deps = dependencies(&root().join("crates/kv-side-tcp/Cargo.toml"));
     assert!(deps.iter().any(|d| d == "kv-core"), "kv-side-tcp: parsed {deps:?}");

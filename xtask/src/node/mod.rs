@@ -36,6 +36,7 @@ use kv_core::{
     AgentName, BlockId, Clock, EngineId, Handshake, Memory, MemoryKind, PeerAddress, PoolShape, RegionBase, RequestId,
     Role, Time,
 };
+use kv_engine::{CommandObserver, Found, ProcessClock, RankOptions, RankThread, Registration};
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{
     Consumer, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LocalPool, PrefillCommand,
@@ -43,18 +44,28 @@ use kv_sched_adapter::{
 };
 use kv_testkit::BlockPool;
 
-mod discovery;
 mod metrics;
 mod payload;
-mod rank;
 mod transport;
 
-use crate::e2e::ProcessClock;
-use kv_testkit::pattern;
 use crate::proto::{from_json, wall_ns, write_line, Command, Event, NodeConfig, NodeRole, TransportKind};
+use kv_testkit::pattern;
 use payload::{PoolBytes, RankPool, Work, Workers};
-use rank::WritesAhead;
 use transport::{transport, AheadOf, Ended, TimedTransport};
+
+/// What a command says of the request a P worker writes ahead for (its chunked prefill).
+enum WritesAhead {
+    /// Nothing.
+    Same,
+    /// This request has computed these blocks: writes without a notification from them are its
+    /// own.
+    Computed(String, Vec<BlockId>),
+    /// This request is exported or given up: none of its writes go ahead any more.
+    Ended(String),
+}
+
+/// How long the engine waits for its first publication in etcd before it gives up starting.
+const PUBLISH_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// The model name every demo engine serves.
 pub const MODEL: &str = "kvflow-demo";
@@ -331,13 +342,13 @@ fn host_memory() -> Box<dyn Memory> {
 struct Node<S: Side> {
     /// Each TP rank's thread, by rank. Declared before `engine`: the ranks' transports let go
     /// of the pool before the memory behind it is freed.
-    ranks: Vec<rank::Rank<Cmd<S>>>,
+    ranks: Vec<RankThread<S::Worker>>,
     engine: Engine,
     /// What the ranks' workers report, by rank.
     reports: Receiver<(u32, <S::Worker as WorkerMachine>::Report)>,
     side: S,
     /// The engine's registration in etcd, and the engines it finds lost; `None` without etcd.
-    registration: Option<(discovery::Registration, Receiver<discovery::Found>)>,
+    registration: Option<(Registration, Receiver<Found>)>,
 }
 
 /// A command of side `S`'s scheduler for a worker.
@@ -388,11 +399,19 @@ impl<S: Side> Node<S> {
         let mut ranks = Vec::new();
         for (rank, start) in (0u32..).zip(starts) {
             let worker = S::worker(config, &start.offer, start.pool).context("the connector")?;
-            let mut driver = WorkerDriver::new(worker, Box::new(start.transport));
-            let hooks = rank::Hooks { writes_ahead: S::writes_ahead, ahead_of: start.ahead_of };
+            let driver = WorkerDriver::new(worker, Box::new(start.transport));
+            // The demo names each write ahead for the prompt it writes from (its report).
+            let ahead_of = start.ahead_of;
+            let observer: CommandObserver<Cmd<S>> = Box::new(move |command| match S::writes_ahead(command) {
+                WritesAhead::Same => {}
+                WritesAhead::Computed(request, blocks) => ahead_of.computed(&request, &blocks),
+                WritesAhead::Ended(request) => ahead_of.ended(&request),
+            });
+            let options = RankOptions { idle_wait: IDLE_WAIT, observer: Some(observer) };
             let clock: Arc<dyn Clock> = engine.clock.clone();
-            driver.set_clock(clock.clone());
-            ranks.push(rank::Rank::spawn(rank, driver, hooks, clock, tx.clone(), std::thread::current())?);
+            let thread = RankThread::spawn(rank, driver, clock, tx.clone(), std::thread::current(), options)
+                .with_context(|| format!("the thread of rank {rank}"))?;
+            ranks.push(thread);
         }
         let registration = match &config.discovery {
             None => None,
@@ -405,7 +424,9 @@ impl<S: Side> Node<S> {
                     layout: config.model.layout(),
                     tp_size: config.tp.max(1),
                 };
-                Some(discovery::Registration::start(settings, record, std::thread::current())?)
+                let config = settings.config();
+                let connect = move || kv_discovery_etcd::EtcdDiscovery::connect(config);
+                Some(Registration::start(connect, record, std::thread::current(), PUBLISH_TIMEOUT)?)
             }
         };
         let mut node = Node { engine, ranks, reports, side, registration };
@@ -445,12 +466,12 @@ impl<S: Side> Node<S> {
         let Some((_, found)) = &self.registration else { return Ok(()) };
         while let Ok(found) = found.try_recv() {
             match found {
-                discovery::Found::Lost { engine, instance } => {
+                Found::Lost { engine, instance } => {
                     for rank in &self.ranks {
                         rank.engine_lost(&engine, instance);
                     }
                 }
-                discovery::Found::Fatal(message) => return Err(anyhow!("discovery: {message}")),
+                Found::Fatal(message) => return Err(anyhow!("discovery: {message}")),
             }
         }
         Ok(())
@@ -472,8 +493,8 @@ impl<S: Side> Node<S> {
     fn handle(&mut self, command: Command) -> Result<bool> {
         match command {
             Command::Stats => {
-                let connected = self.ranks.iter().map(|r| r.connected() as u64).collect();
-                let writes_ahead = self.ranks.iter().map(|r| r.writes_ahead()).sum();
+                let connected = self.ranks.iter().map(|r| r.status().connected as u64).collect();
+                let writes_ahead = self.ranks.iter().map(|r| r.status().counters.writes_ahead).sum();
                 self.engine.stats(connected, writes_ahead);
             }
             Command::Shutdown => return Ok(false),

@@ -1,0 +1,26 @@
+//! One engine's side of kvflow's connector, as an engine embeds it.
+//!
+//! kv-sched-adapter's connectors are sans-IO: a scheduler, and a worker per TP rank that a
+//! [`WorkerDriver`](kv_sched_adapter::driver::WorkerDriver) runs over any
+//! [`Transport`](kv_core::Transport). This crate is the glue every engine around them needs,
+//! written once (the demo's `kvflow-node` runs on it):
+//!
+//! - [`RankThread`]: a thread per TP rank, as an engine runs one worker per GPU, stepping its
+//!   driver at its own wake-ups and carrying out the scheduler's commands at once
+//!   ([`WorkerDriver::command`](kv_sched_adapter::driver::WorkerDriver::command)); its reports
+//!   come back on a channel that unparks the engine's thread.
+//! - [`Registration`]: the engine published in a [`Discovery`](kv_core::discovery::Discovery)
+//!   registry on a thread of its own, and the engine incarnations it finds lost ([`Found`]),
+//!   which the engine hands every rank.
+//! - [`ProcessClock`]: the one clock of the engine's process.
+//!
+//! It names no adapter: the binary picks the transport (NIXL, TCP) and the registry (etcd,
+//! static) and hands them in.
+
+mod clock;
+mod discovery;
+mod rank;
+
+pub use clock::ProcessClock;
+pub use discovery::{Found, Registration, RegistrationError};
+pub use rank::{CommandObserver, RankOptions, RankStatus, RankThread, IDLE_WAIT};
