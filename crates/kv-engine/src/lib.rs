@@ -12,6 +12,9 @@
 //! - [`Registration`]: the engine published in a [`Discovery`](kv_core::discovery::Discovery)
 //!   registry on a thread of its own, and the engine incarnations it finds lost ([`Found`]),
 //!   which the engine hands every rank.
+//! - [`metrics`]: the process's recorder of the connectors' metrics, and
+//!   [`MetricsEndpoint`](metrics::MetricsEndpoint), which serves them to Prometheus with a bound
+//!   on the connections a peer can hold.
 //! - [`ProcessClock`]: the one clock of the engine's process.
 //!
 //! It names no adapter: the binary picks the transport (NIXL, TCP) and the registry (etcd,
@@ -19,6 +22,7 @@
 
 mod clock;
 mod discovery;
+pub mod metrics;
 mod rank;
 
 pub use clock::ProcessClock;

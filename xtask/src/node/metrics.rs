@@ -1,19 +1,18 @@
 //! The engine's metrics endpoint (`kvflow-node --metrics-addr`): the connectors' counters,
 //! gauges and histograms (kv-sched-adapter's `metrics` module, through the `metrics` facade)
 //! recorded by `metrics-exporter-prometheus`'s recorder and served in Prometheus's text format
-//! by [`crate::prometheus::serve`], on a listener and threads of their own (an acceptor, and a
-//! worker for each connection held, at most [`crate::prometheus::MAX_CONNECTIONS`]: idle peers
-//! are evicted past it and cannot delay a scrape).
+//! by kv-engine's [`MetricsEndpoint`] (at most `MAX_CONNECTIONS` held: idle peers are evicted
+//! past it and cannot delay a scrape), with the listeners' counts set at each scrape.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::sync::{Mutex, PoisonError};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use kv_core::side::admission::Stage;
 use kv_core::RefusalCause;
+use kv_engine::metrics::{install_recorder, MetricsEndpoint};
 use kv_transport_nixl::SideProbe;
 use kv_transport_tcp::TcpProbe;
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
 /// A rank's listeners, read at each scrape: the side channel's, and the TCP transport's data
 /// listener when it runs that transport.
@@ -76,37 +75,22 @@ fn record_listeners() {
     }
 }
 
-/// Binds `addr`, installs the process's metrics recorder (with the connectors' histogram
-/// buckets and descriptions), and serves `GET /metrics` on a thread of its own; returns the
-/// port it listens on. The connectors take their metric handles when they are built: call
-/// this before any scheduler or worker is, and once per process.
-pub(super) fn serve(addr: SocketAddr) -> Result<u16> {
-    let listener = TcpListener::bind(addr).with_context(|| format!("cannot listen for metrics on {addr}"))?;
-    let port = listener.local_addr().with_context(|| format!("the metrics listener on {addr}"))?.port();
-    let mut builder = PrometheusBuilder::new();
-    for (name, buckets) in kv_sched_adapter::metrics::HISTOGRAM_BUCKETS {
-        builder = builder
-            .set_buckets_for_metric(Matcher::Full((*name).to_owned()), buckets)
-            .with_context(|| format!("the buckets of {name}"))?;
-    }
-    let handle = builder.install_recorder().context("cannot install the metrics recorder")?;
-    kv_sched_adapter::metrics::describe();
+/// Installs the process's metrics recorder (with the connectors' histogram buckets and
+/// descriptions) and serves `GET /metrics` at `addr` until the endpoint is dropped. The
+/// connectors take their metric handles when they are built: call this before any scheduler or
+/// worker is, and once per process.
+pub(super) fn serve(addr: SocketAddr) -> Result<MetricsEndpoint> {
+    let handle = install_recorder()?;
     metrics::describe_counter!(
         CONNECTIONS_REFUSED,
         "connections the engine's listeners (side channel, TCP data listener) closed before they authenticated, displaced ones included, by cause"
     );
     metrics::describe_gauge!(CONNECTIONS_PENDING, "connections waiting to authenticate, by listener and stage");
     metrics::describe_counter!(FRAMES_FORGED, "TCP data frames refused for a tag their link's session did not make");
-    std::thread::Builder::new()
-        .name("kvflow-metrics".into())
-        .spawn(move || {
-            crate::prometheus::serve(listener, || {
-                // The recorder's housekeeping (histogram windows), at each scrape.
-                handle.run_upkeep();
-                record_listeners();
-                handle.render()
-            })
-        })
-        .context("the metrics endpoint's thread")?;
-    Ok(port)
+    Ok(MetricsEndpoint::serve(addr, move || {
+        // The recorder's housekeeping (histogram windows), at each scrape.
+        handle.run_upkeep();
+        record_listeners();
+        handle.render()
+    })?)
 }

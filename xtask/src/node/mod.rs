@@ -117,7 +117,8 @@ fn run(config: &NodeConfig) -> Result<()> {
         kv_transport_nixl::runtime::prepare(None).context("the NIXL runtime")?;
     }
     // Before the connectors are built: they take their metric handles from the recorder.
-    let metrics_port = config.metrics_addr.map(metrics::serve).transpose().context("the metrics endpoint")?;
+    let endpoint = config.metrics_addr.map(metrics::serve).transpose().context("the metrics endpoint")?;
+    let metrics_port = endpoint.as_ref().map(|e| e.addr().port());
     let (tx, rx) = mpsc::channel();
     let engine = std::thread::current();
     std::thread::spawn(move || read_commands(tx, engine));
