@@ -33,6 +33,8 @@ pub fn run() -> Result<()> {
     for example in ["pull_pair_nixl", "pull_pair_tcp"] {
         cargo_env(&root, &["run", "--locked", "-q", "-p", "xtask", "--features", "nixl", "--example", example], &envs)?;
     }
+    // Two engines as an engine embeds kvflow (kv-engine), over TCP, with their metrics endpoint.
+    cargo(&root, &["run", "--locked", "-q", "-p", "kv-engine", "--example", "two_engines"])?;
     // Every library crate packages and builds from its package, as a user's dependency would.
     // Cargo takes its own unpublished packages for immutable registry crates: it reuses their
     // unpacked sources and their build artifacts by name and version. Fresh ones, each run.

@@ -5,6 +5,10 @@
 //! [`Transport`](kv_core::Transport). This crate is the glue every engine around them needs,
 //! written once (the demo's `kvflow-node` runs on it):
 //!
+//! - [`Engine`]: an engine's scheduler ([`kv_sched_adapter::PrefillScheduler`] or
+//!   [`kv_sched_adapter::DecodeScheduler`]) on the engine's thread and a [`RankThread`] per TP
+//!   rank; [`Engine::poll`] carries the scheduler's commands to the ranks and their reports
+//!   back, and returns what the engine itself must do (free blocks, use a load).
 //! - [`RankThread`]: a thread per TP rank, as an engine runs one worker per GPU, stepping its
 //!   driver at its own wake-ups and carrying out the scheduler's commands at once
 //!   ([`WorkerDriver::command`](kv_sched_adapter::driver::WorkerDriver::command)); its reports
@@ -22,9 +26,11 @@
 
 mod clock;
 mod discovery;
+mod engine;
 pub mod metrics;
 mod rank;
 
 pub use clock::ProcessClock;
 pub use discovery::{Found, Registration, RegistrationError};
+pub use engine::{Engine, EngineError, Next, Scheduler};
 pub use rank::{CommandObserver, RankOptions, RankStatus, RankThread, IDLE_WAIT};

@@ -428,6 +428,11 @@ impl DecodeScheduler {
         event
     }
 
+    /// Its TP ranks: the workers it drives.
+    pub fn tp(&self) -> u32 {
+        self.tp
+    }
+
     /// Where a request stands, while this engine keeps it (ended requests are forgotten once
     /// their blocks are back; [`DecodeEvent::Ended`] gave their final state).
     pub fn state(&self, request: &RequestId) -> Option<DecodeState> {
