@@ -13,10 +13,11 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
-use crate::demo::{build_node, Demo, DemoConfig, NodeBinary, TopologyArgs};
+use crate::demo::build_node;
 use crate::provision;
 use crate::workspace::{self, cargo, cargo_command};
-use xtask::proto::TransportKind;
+use kv_demo::demo::{Demo, DemoConfig, NodeBinary, TopologyArgs};
+use kv_demo::proto::TransportKind;
 
 /// The flags of `cargo xtask bench`.
 #[derive(Args, Debug)]
@@ -34,7 +35,7 @@ pub struct BenchArgs {
     /// The engines' shapes in the end-to-end runs.
     #[command(flatten)]
     topology: TopologyArgs,
-    /// Also runs the VRAM bench (xtask's `benches/vram.rs`, with `KVFLOW_GPU=1`): the
+    /// Also runs the VRAM bench (kv-demo's `benches/vram.rs`, with `KVFLOW_GPU=1`): the
     /// connectors' own VRAM-to-VRAM path against one NIXL descriptor and `cuMemcpy` device to
     /// device, in one run. Without a GPU it says why it skipped.
     #[arg(long)]
@@ -425,7 +426,7 @@ fn run_to_stderr(root: &Path, args: &[&str]) -> Result<()> {
     workspace::run_cargo(command, args)
 }
 
-/// Runs the two-process transport bench (xtask's `benches/transport.rs`); prints its table, or
+/// Runs the two-process transport bench (kv-demo's `benches/transport.rs`); prints its table, or
 /// returns its JSON object.
 fn transport_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick: bool) -> Result<Value> {
     // Its JSON always: the latency bench's transfers are compared with its memcpy.
@@ -441,7 +442,7 @@ fn transport_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick
     last_json(&stdout, "transport")
 }
 
-/// Runs the VRAM bench (xtask's `benches/vram.rs`); prints its table, or returns its JSON
+/// Runs the VRAM bench (kv-demo's `benches/vram.rs`); prints its table, or returns its JSON
 /// object, or `{"skipped": why}` where it could not run (no GPU, say).
 fn vram_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick: bool) -> Result<Value> {
     let (stdout, stderr) = bench_binary(root, envs, "vram", json_out, quick.then_some("5"))?;
@@ -458,7 +459,7 @@ fn vram_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick: boo
     Ok(last_json(&stdout, "vram")?["vram"].clone())
 }
 
-/// Runs xtask's two-process bench `name` (`benches/{name}.rs`) with `envs`, `--json` when
+/// Runs kv-demo's two-process bench `name` (`benches/{name}.rs`) with `envs`, `--json` when
 /// asked and `--iters` as given; its stdout and stderr (which is passed on as well).
 fn bench_binary(
     root: &Path,
@@ -467,7 +468,7 @@ fn bench_binary(
     json_out: bool,
     iters: Option<&str>,
 ) -> Result<(String, String)> {
-    let mut args = vec!["bench", "--locked", "-p", "xtask", "--features", "nixl", "--bench", name, "--"];
+    let mut args = vec!["bench", "--locked", "-p", "kv-demo", "--features", "nixl", "--bench", name, "--"];
     if json_out {
         args.push("--json");
     }

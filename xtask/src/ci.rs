@@ -25,13 +25,17 @@ pub fn run() -> Result<()> {
     // The `nixl` feature adds what needs both adapters: the demo's engine binary, and the
     // test and bench of kv-cuda's pools moved by NixlTransport.
     let clippy =
-        ["clippy", "--workspace", "--all-targets", "--locked", "--features", "xtask/nixl", "--", "-D", "warnings"];
+        ["clippy", "--workspace", "--all-targets", "--locked", "--features", "kv-demo/nixl", "--", "-D", "warnings"];
     cargo_env(&root, &clippy, &envs)?;
-    cargo_env(&root, &["test", "--workspace", "--locked", "--features", "xtask/nixl"], &envs)?;
+    cargo_env(&root, &["test", "--workspace", "--locked", "--features", "kv-demo/nixl"], &envs)?;
     // The examples a user runs first (`cargo test` only builds them).
-    cargo(&root, &["run", "--locked", "-q", "-p", "xtask", "--example", "pull_pair"])?;
+    cargo(&root, &["run", "--locked", "-q", "-p", "kv-demo", "--example", "pull_pair"])?;
     for example in ["pull_pair_nixl", "pull_pair_tcp"] {
-        cargo_env(&root, &["run", "--locked", "-q", "-p", "xtask", "--features", "nixl", "--example", example], &envs)?;
+        cargo_env(
+            &root,
+            &["run", "--locked", "-q", "-p", "kv-demo", "--features", "nixl", "--example", example],
+            &envs,
+        )?;
     }
     // Two engines as an engine embeds kvflow (kv-engine), over TCP, with their metrics endpoint.
     cargo(&root, &["run", "--locked", "-q", "-p", "kv-engine", "--example", "two_engines"])?;
@@ -42,8 +46,18 @@ pub fn run() -> Result<()> {
     let verify = root.join("target").join("package-verify");
     let _ = std::fs::remove_dir_all(&verify);
     let verify = verify.display().to_string();
-    let package =
-        ["package", "--workspace", "--exclude", "xtask", "--locked", "--allow-dirty", "--target-dir", &verify];
+    let package = [
+        "package",
+        "--workspace",
+        "--exclude",
+        "xtask",
+        "--exclude",
+        "kv-demo",
+        "--locked",
+        "--allow-dirty",
+        "--target-dir",
+        &verify,
+    ];
     cargo_env(&root, &package, &envs)?;
     // A second build of every library and its dependencies: gone once verified, since CI's
     // disk is not ours to fill.
@@ -98,8 +112,9 @@ pub fn run() -> Result<()> {
 }
 
 /// The library crates `cargo package` verifies.
-const PACKAGES: [&str; 9] = [
+const PACKAGES: [&str; 10] = [
     "kv-discovery-etcd",
+    "kv-engine",
     "kv-core",
     "kv-lease",
     "kv-sched-adapter",

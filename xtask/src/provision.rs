@@ -410,11 +410,7 @@ fn is_root() -> bool {
         .is_some_and(|euid| euid == "0")
 }
 
-/// `name` as found on `PATH`.
-pub(crate) fn find_in_path(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|dir| dir.join(name)).find(|candidate| candidate.is_file())
-}
+use kv_demo::find_in_path;
 
 // ---------------------------------------------------------------------------------------------
 // NIXL runtime

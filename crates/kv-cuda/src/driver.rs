@@ -17,7 +17,7 @@ pub(crate) const PAGE: usize = 4096;
 /// A transparent huge page (x86-64, and aarch64 with 4 KiB pages). Host allocations of at
 /// least this size start on one and ask the kernel for huge pages. The kernel's cross-process
 /// copy, which UCX uses between host pools on one machine (CMA), walks and pins pages one at a
-/// time; on huge pages it spends far less per byte: in xtask's transport bench it moved 8 to 11
+/// time; on huge pages it spends far less per byte: in kv-demo's transport bench it moved 8 to 11
 /// GB/s instead of 4 to 5, about memcpy's speed.
 pub(crate) const HUGE_PAGE: usize = 2 << 20;
 

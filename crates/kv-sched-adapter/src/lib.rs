@@ -6,7 +6,7 @@
 //! demo and an engine all run this same code.
 //!
 //! The scheduler side of one request, P to D, as it runs (the workers, which move the bytes
-//! over a transport, get the `ToWorker` commands; xtask's `pull_pair` examples run the whole
+//! over a transport, get the `ToWorker` commands; kv-demo's `pull_pair` examples run the whole
 //! pair over the fake transport, NIXL and TCP):
 //!
 //! ```
@@ -104,7 +104,7 @@
 //! | every step | `WorkerDriver::step(now)` per rank, reports to `handle_report(rank, report)`; drain `DecodeScheduler::poll_event` (`ToWorker` to the rank's `WorkerDriver::command(now, command)`, reports to `handle_report`; `Ready`: the KV is in place; `Free`: the load failed or was aborted, no transfer touches the blocks any more, the request is [`DecodeState::Failed`], [`DecodeState::Recompute`] (its first `kept_blocks` hold valid KV: compute from there) or [`DecodeState::Gone`]) |
 //!
 //! kv-testkit's `cluster` module is a complete engine of both kinds over the in-memory
-//! transport, and reads as a worked example; xtask's `pull_pair` examples are the smallest
+//! transport, and reads as a worked example; kv-demo's `pull_pair` examples are the smallest
 //! pair, one engine code over the fake transport, NIXL and TCP.
 //!
 //! # Metrics

@@ -1,5 +1,0 @@
-//! The attacker process of `cargo xtask attack`. See `xtask::attacker`.
-
-fn main() -> std::process::ExitCode {
-    xtask::attacker::main()
-}
