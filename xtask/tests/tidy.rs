@@ -181,3 +181,25 @@ fn the_readme_lists_every_metric() {
         );
     }
 }
+
+/// Lines of a file, as `wc -l` counts them.
+fn lines(file: &Path) -> usize {
+    fs::read_to_string(file).unwrap().lines().count()
+}
+
+#[test]
+fn no_source_file_is_over_800_lines_and_xtask_stays_automation() {
+    // Files under `tests/` and files named `tests.rs` are exempt: a test reads best whole.
+    for file in workspace_sources() {
+        let exempt = file.components().any(|c| c.as_os_str() == "tests") || file.ends_with("tests.rs");
+        let n = lines(&file);
+        assert!(exempt || n <= 800, "{} has {n} lines; split it into rooms of their own (at most 800)", file.display());
+    }
+    // xtask holds automation only (ci, setup, sim, bench orchestration, thin demo commands).
+    let mut files = Vec::new();
+    for dir in ["src", "benches", "examples"] {
+        rust_files(&root().join("xtask").join(dir), &mut files);
+    }
+    let total: usize = files.iter().map(|f| lines(f)).sum();
+    assert!(total < 4000, "xtask's src, benches and examples hold {total} lines (under 4000: automation only)");
+}

@@ -5,10 +5,11 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use crate::proto::{AttackPlan, Model, NodeConfig, NodeRole, TransportKind};
 use anyhow::{bail, Result};
 use clap::{Args, Parser, ValueEnum};
 use kv_core::PoolShape;
+
+use crate::proto::{AttackPlan, Model, NodeConfig, NodeRole, TransportKind};
 
 /// The flags of `cargo xtask demo`; the defaults are [`DemoConfig::default`]'s.
 #[derive(Parser, Debug)]

@@ -45,8 +45,9 @@ mod processes;
 mod report;
 mod router;
 
-use crate::proto::{AttackPlan, Model, TransportKind};
 use anyhow::{bail, Result};
+
+use crate::proto::{AttackPlan, Model, TransportKind};
 
 pub use config::{DemoArgs, DemoConfig, TopologyArgs};
 pub use processes::NodeBinary;

@@ -8,12 +8,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::prometheus::Exposition;
-use crate::proto::{AttackPlan, AttackResult, NodeRole, STORM_THROUGHPUT_SHARE};
 use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::metrics::Promtool;
 use super::Demo;
+use crate::proto::{AttackPlan, AttackResult, NodeRole, STORM_THROUGHPUT_SHARE};
 
 /// How many attacks `kvflow-attack` makes with each plan (see `kv_demo::attacker`).
 fn attacks_in(plan: AttackPlan) -> usize {

@@ -1,0 +1,218 @@
+//! P's side of the engine process: its scheduler, its simulated GPU computing prompts in
+//! chunks, and the exports of what it computed.
+
+use super::*;
+
+/// P's side: its scheduler, and its simulated GPU.
+pub(super) struct PrefillSide {
+    scheduler: PrefillScheduler,
+    /// Simulated compute per prompt token.
+    per_token: Duration,
+    /// When the GPU is done with the prompts it was given.
+    gpu_free: Instant,
+    /// Prompts on the GPU or being filled, not yet exported, in the GPU's order.
+    prompts: Vec<Prompt>,
+    /// Tokens per chunk of the simulated compute, each reported as it ends (`None`: no chunks).
+    chunk: Option<u64>,
+}
+
+impl PrefillSide {
+    /// The tokens of `prompt` computed by `now`, in whole chunks (all of them once it is due).
+    fn chunked_tokens(&self, prompt: &Prompt, now: Instant) -> u64 {
+        let Some(chunk) = self.chunk else { return 0 };
+        let per_token = self.per_token.as_nanos().max(1);
+        let tokens = (now.saturating_duration_since(prompt.start).as_nanos() / per_token) as u64;
+        (tokens / chunk * chunk).min(prompt.prompt_tokens)
+    }
+
+    /// When the next chunk of `prompt` ends (its compute's end at the latest).
+    fn next_chunk(&self, prompt: &Prompt, now: Instant) -> Instant {
+        let Some(chunk) = self.chunk else { return prompt.due };
+        let next = self.chunked_tokens(prompt, now) + chunk;
+        let at = prompt.start + self.per_token.saturating_mul(u32::try_from(next).unwrap_or(u32::MAX));
+        at.min(prompt.due)
+    }
+}
+
+impl Side for PrefillSide {
+    type Worker = PrefillWorker;
+    const ROLE: Role = Role::Prefill;
+
+    fn new(config: &NodeConfig, offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<Self> {
+        let scheduler = PrefillScheduler::new(offer, addresses, config.connector())?;
+        let per_token = Duration::from_micros(config.prefill_us_per_token);
+        let chunk = (config.prefill_chunk_tokens > 0 && !per_token.is_zero()).then_some(config.prefill_chunk_tokens);
+        Ok(PrefillSide { scheduler, per_token, gpu_free: Instant::now(), prompts: Vec::new(), chunk })
+    }
+
+    fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<PrefillWorker> {
+        Ok(PrefillWorker::new(offer.clone(), config.connector(), pool)?)
+    }
+
+    fn writes_ahead(command: &PrefillCommand) -> WritesAhead {
+        match command {
+            PrefillCommand::Progress { request, blocks, .. } => {
+                WritesAhead::Computed(request.as_str().to_owned(), blocks.clone())
+            }
+            PrefillCommand::Export { request, .. } | PrefillCommand::Abandon { request } => {
+                WritesAhead::Ended(request.as_str().to_owned())
+            }
+        }
+    }
+
+    fn handle_report(&mut self, rank: u32, report: PrefillReport) -> Result<()> {
+        Ok(self.scheduler.handle_report(rank, report)?)
+    }
+
+    fn settle(node: &mut Node<Self>) -> Result<()> {
+        let now = Instant::now();
+        let mut i = 0;
+        while i < node.side.prompts.len() {
+            let prompt = &node.side.prompts[i];
+            if prompt.due <= now && prompt.is_filled() {
+                let prompt = node.side.prompts.remove(i);
+                node.computed(prompt)?;
+            } else {
+                i += 1;
+            }
+        }
+        node.progress(now)?;
+        node.drain()
+    }
+
+    fn next_due(&self) -> Option<Instant> {
+        let now = Instant::now();
+        // One computed but not yet filled waits for its filling, which wakes the loop.
+        let waiting = self.prompts.iter().filter(|p| p.due > now || p.is_filled());
+        waiting.map(|p| self.next_chunk(p, now)).min()
+    }
+
+    fn handle(node: &mut Node<Self>, command: Command) -> Result<()> {
+        match command {
+            Command::Prefill { id, prompt_tokens, n, consumer } => {
+                let consumer = consumer.map(|(engine, instance)| Consumer { engine: EngineId::new(engine), instance });
+                node.prefill(id, prompt_tokens, n, consumer)?;
+            }
+            other => node.engine.emit(&Event::Error { message: format!("a prefill engine cannot {other:?}") }),
+        }
+        Ok(())
+    }
+
+    fn handle_done(node: &mut Node<Self>, tag: Tag, _took: Duration, _intact: bool) -> Result<()> {
+        match tag {
+            Tag::Filled { id, part } => {
+                let prompt = node.side.prompts.iter_mut().find(|p| p.id == id);
+                let filled = prompt.and_then(|p| p.filled.get_mut(part));
+                let filled = filled.ok_or_else(|| anyhow!("filled part {part} of {id}, which P does not compute"))?;
+                *filled = true;
+                Ok(())
+            }
+            _ => Err(anyhow!("a prefill engine handed over work it does not do")),
+        }
+    }
+}
+
+impl Node<PrefillSide> {
+    /// Starts a prompt: allocates its blocks and hands their filling to the payload threads;
+    /// [`Node::computed`] exports them.
+    fn prefill(&mut self, id: String, prompt_tokens: u64, n: u32, consumer: Option<Consumer>) -> Result<()> {
+        let count = kv_core::blocks_for_tokens(prompt_tokens, self.engine.shape().layout.block_tokens) as usize;
+        if count == 0 || n == 0 {
+            let message = format!("prefill of {id}: {prompt_tokens} prompt tokens and n = {n}; both must be positive");
+            self.engine.emit(&Event::Error { message });
+            return Ok(());
+        }
+        if self.side.prompts.iter().any(|p| p.id == id) {
+            self.engine.emit(&Event::Error { message: format!("prefill of {id}: P is computing it already") });
+            return Ok(());
+        }
+        let Some((blocks, freed)) = self.engine.allocate(count) else {
+            self.engine.emit(&Event::Busy { id });
+            return Ok(());
+        };
+        let seed = pattern::seed(&self.engine.name, &id);
+        // A prompt computed in chunks is filled chunk by chunk, each part on its own payload
+        // thread, so that the first chunks are ready for their writes ahead early.
+        let block_tokens = u64::from(self.engine.shape().layout.block_tokens.max(1));
+        let part_blocks = match self.side.chunk {
+            Some(chunk) if n == 1 => usize::try_from(chunk / block_tokens).unwrap_or(usize::MAX).max(1),
+            _ => count,
+        };
+        let parts = blocks.len().div_ceil(part_blocks);
+        for (part, part_of) in blocks.chunks(part_blocks).enumerate() {
+            let freed = freed.iter().copied().filter(|b| part_of.contains(b)).collect();
+            let work = Work::Fill { seed, blocks: part_of.to_vec(), freed, first: part * part_blocks };
+            self.engine.payload.submit(Tag::Filled { id: id.clone(), part }, work);
+        }
+        // One GPU, one prompt at a time: this one starts when the GPU is done with those before.
+        let compute = self.side.per_token.saturating_mul(u32::try_from(prompt_tokens).unwrap_or(u32::MAX));
+        let start = self.side.gpu_free.max(Instant::now());
+        let due = start + compute;
+        self.side.gpu_free = due;
+        let filled = vec![false; parts];
+        let prompt = Prompt { id, prompt_tokens, n, consumer, blocks, start, due, part_blocks, filled, reported: 0 };
+        self.side.prompts.push(prompt);
+        Ok(())
+    }
+
+    /// Tells the connector the blocks of the chunks computed by `now` and filled (a prompt
+    /// of siblings is not written ahead: it exports at its end).
+    fn progress(&mut self, now: Instant) -> Result<()> {
+        let block_tokens = u64::from(self.engine.shape().layout.block_tokens.max(1));
+        for i in 0..self.side.prompts.len() {
+            let prompt = &self.side.prompts[i];
+            let computed = (self.side.chunked_tokens(prompt, now) / block_tokens) as usize;
+            let blocks = computed.min(prompt.filled_blocks());
+            if prompt.n != 1 || blocks <= prompt.reported {
+                continue;
+            }
+            let (id, done, consumer) =
+                (RequestId::new(prompt.id.clone()), prompt.blocks[..blocks].to_vec(), prompt.consumer.clone());
+            self.side.prompts[i].reported = blocks;
+            self.side.scheduler.handle_progress(id, done, consumer)?;
+        }
+        Ok(())
+    }
+
+    /// A prompt is computed: exports its blocks, once per sibling.
+    fn computed(&mut self, prompt: Prompt) -> Result<()> {
+        let Prompt { id, prompt_tokens, n, consumer, blocks, .. } = prompt;
+        // allocate() took one reference; each further sibling export holds its own.
+        for _ in 1..n {
+            self.engine.blocks.retain(&blocks);
+        }
+        let ids: Vec<String> = if n > 1 { (0..n).map(|i| format!("{i}_{id}")).collect() } else { vec![id.clone()] };
+        let now = self.engine.now();
+        for export in ids {
+            let remote = self.side.scheduler.handle_finished(
+                now,
+                RequestId::new(export),
+                blocks.clone(),
+                prompt_tokens,
+                consumer.clone(),
+            )?;
+            let event = Event::Exported { id: id.clone(), remote, finished_at_ns: wall_ns() };
+            self.engine.emit(&event);
+        }
+        self.drain()
+    }
+
+    /// Carries the scheduler's events to the worker and the pool until none is left.
+    fn drain(&mut self) -> Result<()> {
+        while let Some(event) = self.side.scheduler.poll_event() {
+            match event {
+                PrefillEvent::ToWorker { rank, command } => self.pass_to_worker(rank, command)?,
+                PrefillEvent::Free { request, blocks, reason } => {
+                    self.engine.release(&blocks)?;
+                    let event = Event::Freed {
+                        id: request.as_str().to_owned(),
+                        reason: reason.as_str().to_owned(),
+                        at_ns: wall_ns(),
+                    };
+                    self.engine.emit(&event);
+                }
+            }
+        }
+        Ok(())
+    }
+}
