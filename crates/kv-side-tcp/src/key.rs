@@ -40,7 +40,11 @@ impl KeySource {
                 (text, from)
             }
         };
-        let key = ClusterKey::from_hex(&text).map_err(|e| KeyError { from: from.clone(), reason: e.to_string() })?;
+        let mut text = text;
+        let key = ClusterKey::from_hex(&text);
+        // The key's text is as secret as the key: wiped before its buffer goes back.
+        zeroize::Zeroize::zeroize(&mut text);
+        let key = key.map_err(|e| KeyError { from: from.clone(), reason: e.to_string() })?;
         if key.is_none() {
             return Err(KeyError { from, reason: "the all-zero key authenticates nobody".into() });
         }

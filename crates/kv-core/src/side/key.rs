@@ -10,7 +10,8 @@ pub const CLUSTER_KEY_BYTES: usize = 32;
 /// Whoever holds it may receive an engine's NIXL agent metadata, which is a capability to read
 /// and write that engine's KV pool, so it never appears in logs: its `Debug` says only whether
 /// it is the null key. It has no `PartialEq`: compare keys through the handshake, whose MAC
-/// checks run in constant time.
+/// checks run in constant time. Its bytes are wiped when it is dropped (`zeroize`), every copy
+/// of it included.
 #[derive(Clone)]
 pub struct ClusterKey([u8; CLUSTER_KEY_BYTES]);
 
@@ -46,22 +47,27 @@ impl ClusterKey {
         if len != 2 * CLUSTER_KEY_BYTES {
             return Err(KeyError::HexLength { len });
         }
-        // 64 characters that are all hex digits are 64 bytes, so byte indexing below is exact.
+        // Positions by character: a multi-byte character is one position, and not a hex digit.
         if let Some(position) = text.chars().position(|c| !c.is_ascii_hexdigit()) {
             return Err(KeyError::NotHex { position });
         }
-        let digits = text.as_bytes();
-        let mut key = [0u8; CLUSTER_KEY_BYTES];
-        for (i, byte) in key.iter_mut().enumerate() {
-            *byte = (hex_value(digits[2 * i]) << 4) | hex_value(digits[2 * i + 1]);
-        }
-        Ok(ClusterKey(key))
+        let mut key = ClusterKey([0; CLUSTER_KEY_BYTES]);
+        // 64 ASCII hex digits: the crate's decode cannot fail (and says where if it did).
+        hex::decode_to_slice(text, &mut key.0).map_err(|e| match e {
+            hex::FromHexError::InvalidHexCharacter { index, .. } => KeyError::NotHex { position: index },
+            _ => KeyError::HexLength { len },
+        })?;
+        Ok(key)
     }
 
     /// Takes exactly 32 bytes as the key.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, KeyError> {
-        let key: [u8; CLUSTER_KEY_BYTES] = bytes.try_into().map_err(|_| KeyError::Length { len: bytes.len() })?;
-        Ok(ClusterKey(key))
+        if bytes.len() != CLUSTER_KEY_BYTES {
+            return Err(KeyError::Length { len: bytes.len() });
+        }
+        let mut key = ClusterKey([0; CLUSTER_KEY_BYTES]);
+        key.0.copy_from_slice(bytes);
+        Ok(key)
     }
 
     /// The null key (32 zero bytes) of an engine run without a key.
@@ -83,11 +89,16 @@ impl ClusterKey {
     }
 }
 
-fn hex_value(digit: u8) -> u8 {
-    match digit {
-        b'0'..=b'9' => digit - b'0',
-        b'a'..=b'f' => digit - b'a' + 10,
-        _ => digit - b'A' + 10,
+impl ClusterKey {
+    /// Overwrites the key's bytes with zeros, as dropping it does.
+    fn wipe(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.0);
+    }
+}
+
+impl Drop for ClusterKey {
+    fn drop(&mut self) {
+        self.wipe();
     }
 }
 
@@ -129,6 +140,15 @@ mod tests {
         let with_e = format!("é{}", &HEX[1..]);
         assert_eq!(ClusterKey::from_hex(&with_e).unwrap_err(), KeyError::NotHex { position: 0 });
         assert_eq!(ClusterKey::from_bytes(&[1; 31]).unwrap_err().to_string(), "cluster key of 31 bytes, expected 32");
+    }
+
+    #[test]
+    fn dropping_a_key_wipes_its_bytes() {
+        let mut key = ClusterKey::from_hex(HEX).unwrap();
+        assert!(!key.is_none());
+        // What `drop` runs: the bytes are zeros after it.
+        key.wipe();
+        assert!(key.is_none(), "the key's bytes survived the wipe");
     }
 
     #[test]
