@@ -8,7 +8,7 @@
 use std::io::Write;
 
 use kv_core::{Attention, KvLayout, Placement};
-use kv_sched_adapter::{PrefillEngine, RemoteRef};
+use kv_sched_adapter::{DecodeState, PrefillEngine, ReleaseReason, RemoteRef};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -212,6 +212,50 @@ impl NodeConfig {
     }
 }
 
+/// How D is done with a request.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// Its KV is in place and every byte checked.
+    Ok,
+    /// Its KV is in place but a byte is not what P computed.
+    Corrupt,
+    /// D rejected it before admission.
+    Rejected,
+    /// The router aborted it.
+    Aborted,
+    /// Its load failed (policy `fail`).
+    Failed,
+    /// Its load failed and it is computed again (policy `recompute`).
+    Recompute,
+    /// D's connector refused the request.
+    Refused,
+}
+
+impl Outcome {
+    /// Its name, as the report writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Corrupt => "corrupt",
+            Outcome::Rejected => "rejected",
+            Outcome::Aborted => "aborted",
+            Outcome::Failed => "failed",
+            Outcome::Recompute => "recompute",
+            Outcome::Refused => "refused",
+        }
+    }
+
+    /// How a load that ended in `state` without D's KV in place ended (`Gone`: aborted).
+    pub fn ended(state: DecodeState) -> Self {
+        match state {
+            DecodeState::Recompute => Outcome::Recompute,
+            DecodeState::Gone => Outcome::Aborted,
+            _ => Outcome::Failed,
+        }
+    }
+}
+
 /// The router's commands.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Command {
@@ -294,8 +338,8 @@ pub enum Event {
     Freed {
         /// P's request id.
         id: String,
-        /// Why, as [`kv_sched_adapter::ReleaseReason::as_str`] writes it.
-        reason: String,
+        /// Why.
+        reason: ReleaseReason,
         /// When.
         at_ns: u64,
     },
@@ -303,9 +347,8 @@ pub enum Event {
     Outcome {
         /// D's request id.
         id: String,
-        /// `ok`, `corrupt`, `rejected`, `aborted`, `failed`, `recompute`, or `refused` (D's
-        /// connector refused the request).
-        outcome: String,
+        /// How it ended.
+        outcome: Outcome,
         /// KV bytes D checked (for `ok` and `corrupt`).
         bytes: u64,
         /// When its KV was in place (for `ok` and `corrupt`).

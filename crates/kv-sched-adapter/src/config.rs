@@ -90,7 +90,7 @@ pub enum KvRole {
 
 /// Why P released an export.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
-#[cfg_attr(feature = "serde", derive(serde::Deserialize), serde(rename_all = "snake_case"))]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize), serde(rename_all = "snake_case"))]
 pub enum ReleaseReason {
     /// The completion count was reached (D's reads, or P's writes, finished; a prefix hit says done too).
     Transferred,

@@ -2,6 +2,7 @@
 //! waiting requests first come first served, and the check of every byte a load brought.
 
 use super::*;
+use crate::proto::Outcome;
 
 /// A request D knows of.
 struct Load {
@@ -73,17 +74,17 @@ impl Side for DecodeSide {
                     }
                     Err(err) => {
                         node.engine.emit(&Event::Error { message: format!("{}: {err}", node.engine.name) });
-                        node.outcome(&id, "refused", 0);
+                        node.outcome(&id, Outcome::Refused, 0);
                     }
                 }
             }
             Command::Reject { id, remote } => {
                 let id = RequestId::new(id);
                 match node.side.scheduler.handle_reject(id.clone(), remote.clone()) {
-                    Ok(()) => node.outcome(&id, "rejected", 0),
+                    Ok(()) => node.outcome(&id, Outcome::Rejected, 0),
                     Err(err) => {
                         node.engine.emit(&Event::Error { message: format!("{}: {err}", node.engine.name) });
-                        node.outcome(&id, "refused", 0);
+                        node.outcome(&id, Outcome::Refused, 0);
                     }
                 }
             }
@@ -105,7 +106,7 @@ impl Side for DecodeSide {
         match tag {
             Tag::Prepared { id, blocks, cached } => node.prepared(id, blocks, cached, took),
             Tag::Verified { id, blocks, ready_at_ns, prepared, bytes } => {
-                let outcome = if intact { "ok" } else { "corrupt" };
+                let outcome = if intact { Outcome::Ok } else { Outcome::Corrupt };
                 node.outcome_at(&id, outcome, bytes, ready_at_ns, prepared);
                 // The engine decodes and is done with the blocks.
                 node.engine.release(&blocks)
@@ -116,11 +117,11 @@ impl Side for DecodeSide {
 }
 
 impl Node<DecodeSide> {
-    fn outcome(&mut self, id: &RequestId, outcome: &str, bytes: u64) {
+    fn outcome(&mut self, id: &RequestId, outcome: Outcome, bytes: u64) {
         self.outcome_at(id, outcome, bytes, wall_ns(), Prepared::default());
     }
 
-    fn outcome_at(&mut self, id: &RequestId, outcome: &str, bytes: u64, ready_at_ns: u64, prepared: Prepared) {
+    fn outcome_at(&mut self, id: &RequestId, outcome: Outcome, bytes: u64, ready_at_ns: u64, prepared: Prepared) {
         let event = Event::Outcome {
             id: id.as_str().to_owned(),
             outcome: outcome.to_owned(),
@@ -177,7 +178,7 @@ impl Node<DecodeSide> {
         if let Err(err) = self.side.scheduler.handle_schedule_cached(id.clone(), blocks.clone(), cached) {
             self.side.loads.remove(&id);
             self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });
-            self.outcome(&id, "refused", 0);
+            self.outcome(&id, Outcome::Refused, 0);
             return self.engine.release(&blocks);
         }
         Ok(())
@@ -207,7 +208,7 @@ impl Node<DecodeSide> {
                     if load.blocks.is_empty() {
                         self.side.loads.remove(&request);
                     }
-                    self.outcome(&request, if aborted { "aborted" } else { state.as_str() }, 0);
+                    self.outcome(&request, if aborted { Outcome::Aborted } else { Outcome::ended(state) }, 0);
                 }
                 DecodeEvent::Free { request, blocks } => {
                     self.side.loads.remove(&request);

@@ -204,11 +204,7 @@ impl Node<PrefillSide> {
                 PrefillEvent::ToWorker { rank, command } => self.pass_to_worker(rank, command)?,
                 PrefillEvent::Free { request, blocks, reason } => {
                     self.engine.release(&blocks)?;
-                    let event = Event::Freed {
-                        id: request.as_str().to_owned(),
-                        reason: reason.as_str().to_owned(),
-                        at_ns: wall_ns(),
-                    };
+                    let event = Event::Freed { id: request.as_str().to_owned(), reason, at_ns: wall_ns() };
                     self.engine.emit(&event);
                 }
             }

@@ -95,10 +95,11 @@ impl Demo {
             Event::Busy { id } => self.retries.push_back((Instant::now() + Duration::from_millis(20), id)),
             Event::Freed { id, reason, at_ns } => {
                 let track = self.tracks.entry(id).or_default();
-                track.freed = Some((reason, at_ns));
+                track.freed = Some((reason.as_str().to_owned(), at_ns));
                 track.freed_by = instance;
             }
             Event::Outcome { id, outcome, ready_at_ns, scrub_check_ns, prepared_at_ns, .. } => {
+                let outcome = outcome.as_str();
                 let track = self.tracks.get(&id);
                 let from_here = track.and_then(|t| t.decode.as_ref()).is_some_and(|(d, i)| d == name && *i == instance);
                 if from_here && track.is_some_and(|t| t.outcome.is_none()) {
@@ -110,7 +111,7 @@ impl Demo {
                         track.scrub_check_ns = scrub_check_ns;
                         track.prepared_at_ns = prepared_at_ns;
                     }
-                    self.finish_export(&id, &outcome, ready);
+                    self.finish_export(&id, outcome, ready);
                 }
             }
             Event::Transfer { bytes, took_ns, ok, request } => {
