@@ -393,7 +393,7 @@ impl Report {
         }
         if self.killed_prefill.as_ref().is_some_and(|k| !k.ends_with("mid-write")) && self.mode == "push" {
             f.push(
-                "P was to die with a push write in flight, but posted none within 3 s and was killed outright".into(),
+                "P was to die with a push write in flight, but posted none within 10 s and was killed outright".into(),
             );
         }
         if let Some(ms) = self.held_after_death_ms.filter(|&ms| ms > self.death_bound_ms) {

@@ -2,6 +2,10 @@
 
 use super::*;
 
+/// How long P, told to die right after its next write, has to post one before it is killed
+/// outright (and the run fails: it proved nothing about a write in flight).
+pub(super) const DYING_WITHIN: Duration = Duration::from_secs(10);
+
 impl Demo {
     /// The D engine killed part-way.
     pub(super) fn victim(&self) -> String {
@@ -71,7 +75,10 @@ impl Demo {
             }
             return Ok(());
         }
-        if self.pauses.front().is_none_or(|p| p.at_issued > self.issued) || self.storm.is_some() {
+        // Nothing is stopped while P is told to die at its next write: a stopped router sends
+        // it no traffic to write for, and the kill would miss its write.
+        let p_dying = self.p_kill.as_ref().is_some_and(|k| matches!(k.phase, PKillPhase::Dying(_)));
+        if self.pauses.front().is_none_or(|p| p.at_issued > self.issued) || self.storm.is_some() || p_dying {
             return Ok(());
         }
         let pause = self.pauses.pop_front().expect("checked");
@@ -125,7 +132,7 @@ impl Demo {
         self.progress.set_message("prefill0 dies at its next write");
     }
 
-    /// Moves a P kill on: once P is dead (or, if it posted no write within 3 s, killed
+    /// Moves a P kill on: once P is dead (or, if it posted no write within [`DYING_WITHIN`], killed
     /// outright), the requests it had not exported are lost with it (in push mode D, which
     /// registered for them, ends them itself when it sees P gone), and D engines must connect
     /// again; half a second later a new incarnation starts.
@@ -136,7 +143,7 @@ impl Demo {
                 let node = self.nodes.get_mut("prefill0").expect("started");
                 let dead = matches!(node.child.try_wait(), Ok(Some(_)));
                 if !dead {
-                    if since.elapsed() < Duration::from_secs(3) {
+                    if since.elapsed() < DYING_WITHIN {
                         return Ok(());
                     }
                     kill.mid_write = false;
