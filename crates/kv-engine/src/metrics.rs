@@ -75,14 +75,24 @@ impl MetricsEndpoint {
     /// at each scrape), on a thread of its own.
     pub fn serve(addr: SocketAddr, render: impl FnMut() -> String + Send + 'static) -> Result<Self, MetricsError> {
         let listen = |error| MetricsError::Listen { addr, error };
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(listen)?;
-        let listener = runtime.block_on(TcpListener::bind(addr)).map_err(listen)?;
+        // Bound here, with std, so that the caller may itself be inside an async runtime (an
+        // engine's): the endpoint's own runtime lives only on its thread.
+        let listener = std::net::TcpListener::bind(addr).map_err(listen)?;
+        listener.set_nonblocking(true).map_err(listen)?;
         let bound = listener.local_addr().map_err(listen)?;
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(listen)?;
         let (stop, stopped) = tokio::sync::oneshot::channel();
         let render = Arc::new(Mutex::new(render));
         let join = std::thread::Builder::new()
             .name("kvflow-metrics".into())
-            .spawn(move || runtime.block_on(accept(listener, render, stopped)))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    match TcpListener::from_std(listener) {
+                        Ok(listener) => accept(listener, render, stopped).await,
+                        Err(e) => tracing::warn!(%e, "metrics endpoint: the listener cannot serve"),
+                    }
+                })
+            })
             .map_err(listen)?;
         Ok(MetricsEndpoint { addr: bound, stop: Some(stop), join: Some(join) })
     }

@@ -75,3 +75,12 @@ fn idle_peers_past_the_bound_are_dropped_oldest_first_and_never_delay_a_scrape()
     let text = String::from_utf8_lossy(&buf[..n]);
     assert!(n == 0 || text.starts_with("HTTP/1.1 408"), "{text}");
 }
+
+#[test]
+fn it_starts_from_inside_an_async_runtime_too() {
+    // An engine whose own loop is async builds the endpoint from a task: no nested runtime.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let e = runtime.block_on(async { endpoint() });
+    assert!(raw(e.addr(), b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").starts_with("HTTP/1.1 200"));
+    drop(e);
+}
