@@ -29,7 +29,9 @@ fn attacks_in(plan: AttackPlan) -> usize {
 pub struct Availability {
     /// The storm.
     pub attack: String,
-    /// Requests whose KV D came to hold per second, in the quiet window and in the storm's.
+    /// Requests whose KV D came to hold per second, in the quiet window and in the storm's. In
+    /// an open loop the quiet window's counts at most the offered rate: above it, the demo is
+    /// catching up on requests an earlier storm delayed, which is no baseline.
     pub quiet_rps: f64,
     /// See `quiet_rps`.
     pub storm_rps: f64,
@@ -40,7 +42,13 @@ pub struct Availability {
 impl Availability {
     /// The demo's availability over each storm `attacks` reported, from the times the router
     /// heard each request's KV ready and each transfer end.
-    fn of(attacks: &[AttackResult], ready_at: &[u64], transfer_at: &[(u64, bool)]) -> Vec<Availability> {
+    /// `offered`: the open loop's rate, if it is one.
+    fn of(
+        attacks: &[AttackResult],
+        ready_at: &[u64],
+        transfer_at: &[(u64, bool)],
+        offered: Option<f64>,
+    ) -> Vec<Availability> {
         let rate = |(from, to): (u64, u64)| {
             let n = ready_at.iter().filter(|&&t| t >= from && t < to).count();
             n as f64 / ((to.saturating_sub(from)) as f64 / 1e9).max(1e-3)
@@ -51,7 +59,7 @@ impl Availability {
                 let (window, quiet) = (a.window_ns?, a.quiet_ns?);
                 Some(Availability {
                     attack: a.attack.clone(),
-                    quiet_rps: rate(quiet),
+                    quiet_rps: offered.map_or(rate(quiet), |offered| rate(quiet).min(offered)),
                     storm_rps: rate(window),
                     failed_transfers: transfer_at
                         .iter()
@@ -320,7 +328,7 @@ impl Report {
             pauses: demo.paused_done.iter().map(|(p, _, _)| (p.engine.clone(), p.length.as_millis() as u64)).collect(),
             attacks: demo.config.attack.map(|_| demo.attacks.clone()),
             attack_plan: demo.config.attack,
-            availability: Availability::of(&demo.attacks, &demo.ready_at, &demo.transfer_at),
+            availability: Availability::of(&demo.attacks, &demo.ready_at, &demo.transfer_at, demo.config.rate),
             released_for_live_engines: demo
                 .tracks
                 .values()
