@@ -79,13 +79,8 @@ const PUBLISH_TIMEOUT: Duration = Duration::from_secs(15);
 /// The model name every demo engine serves.
 pub const MODEL: &str = "kvflow-demo";
 
-/// The longest a thread parks when nothing is due: NIXL keeps the notifications nobody asks
-/// for (a key holder's stray or forged ones) until a rank fetches them, so an idle rank still
-/// fetches now and then. Everything else wakes the threads: the router's commands and the
-/// ranks' reports unpark the engine's, the scheduler's commands and the transport's waker a
-/// rank's, and a rank's driver's wait time covers its deadlines, transfers in flight and the
-/// notifications its worker waits for.
-const IDLE_WAIT: Duration = Duration::from_millis(50);
+// The longest the engine's thread parks when nothing is due: kv-engine's, as its ranks'.
+use kv_engine::IDLE_WAIT;
 
 /// `kvflow-node`'s argument.
 #[derive(Parser, Debug)]
@@ -417,7 +412,7 @@ impl<S: Side> Node<S> {
                 WritesAhead::Computed(request, blocks) => ahead_of.computed(&request, &blocks),
                 WritesAhead::Ended(request) => ahead_of.ended(&request),
             });
-            let options = RankOptions { idle_wait: IDLE_WAIT, observer: Some(observer) };
+            let options = RankOptions { observer: Some(observer), ..RankOptions::default() };
             let clock: Arc<dyn Clock> = engine.clock.clone();
             let thread = RankThread::spawn(rank, driver, clock, tx.clone(), std::thread::current(), options)
                 .with_context(|| format!("the thread of rank {rank}"))?;
