@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use common::{agent, clock, config, drain, duo, offer, settle, until, Duo, Pool};
 use kv_core::{
-    DescriptorPair, PeerAddress, PeerEvent, RefusalCause, RegionId, Role, TransferOp, TransferRequest, TransferStatus,
-    Transport, TransportError,
+    DescriptorPair, Notification, PeerAddress, PeerEvent, RefusalCause, RegionId, Role, TransferOp, TransferRequest,
+    TransferStatus, Transport, TransportError,
 };
 use kv_transport_tcp::TcpTransport;
 
@@ -77,6 +77,13 @@ fn a_disconnected_peer_is_lost_at_once_and_its_data_connections_end_both_ways() 
     assert_eq!(settle(&mut d, id, &mut p, &mut events), TransferStatus::Done);
     let id = p.post(TransferRequest { peer: agent("decode"), ..read(p_pool.addr(0), d_pool.addr(0), 8) }).unwrap();
     assert_eq!(settle(&mut p, id, &mut d, &mut events), TransferStatus::Done);
+    // P's read is done when its bytes are in P's memory; its notification to D follows. Take
+    // it in first, or it may come out of D's queue ahead of the loss (it was sent before).
+    let done = PeerEvent::Notification(Notification { from: agent("prefill"), payload: b"done".to_vec() });
+    until(Duration::from_secs(2), "the notification of P's read at D", || {
+        drain(&mut d, &mut events);
+        events.contains(&done)
+    });
     let status = |t: &TcpTransport| t.data_status();
     assert_eq!((status(&d).incoming, status(&d).outgoing), (1, 1), "a data connection each way");
     let id = d.post(read(d_pool.addr(0), p_pool.addr(0), len)).unwrap();
