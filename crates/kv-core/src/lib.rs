@@ -26,6 +26,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod agent;
 pub mod blocks;
 #[cfg(any(test, feature = "contract"))]
 pub mod contract;

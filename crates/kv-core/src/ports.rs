@@ -25,7 +25,7 @@ pub trait Clock: Send + Sync {
 }
 
 /// The kind of memory a region lives in; NIXL registers DRAM and VRAM differently.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, serde::Serialize, serde::Deserialize)]
 pub enum MemoryKind {
     /// Pageable host memory.
     Host,

@@ -177,7 +177,7 @@ pub enum WireError {
     /// The body is not a valid message.
     #[error("malformed {what}: {reason}")]
     Malformed {
-        /// `"message"` or `"handshake"`.
+        /// `"message"`, `"handshake"` or `"agent metadata"`.
         what: &'static str,
         /// The decoder's account.
         reason: String,
@@ -296,7 +296,9 @@ fn check_request_id(id: &RequestId) -> Result<(), WireError> {
     Ok(())
 }
 
-fn encode_frame<T: Serialize>(value: &T, max: usize, what: &'static str) -> Result<Vec<u8>, WireError> {
+/// `value` in a frame of `what`: the magic, the protocol version, then postcard; at most `max`
+/// bytes.
+pub(crate) fn encode_frame<T: Serialize>(value: &T, max: usize, what: &'static str) -> Result<Vec<u8>, WireError> {
     let mut frame = Vec::with_capacity(64);
     frame.extend_from_slice(&MAGIC);
     frame.extend_from_slice(&PROTOCOL_VERSION.to_be_bytes());
@@ -308,6 +310,19 @@ fn encode_frame<T: Serialize>(value: &T, max: usize, what: &'static str) -> Resu
 }
 
 fn decode_frame<T: for<'de> Deserialize<'de>>(bytes: &[u8], max: usize, what: &'static str) -> Result<T, WireError> {
+    let (value, rest) = take_frame(bytes, max, what)?;
+    if !rest.is_empty() {
+        return Err(WireError::Malformed { what, reason: format!("{} trailing bytes", rest.len()) });
+    }
+    Ok(value)
+}
+
+/// The value a frame of `what` at the front of `bytes` holds, and the bytes after it.
+pub(crate) fn take_frame<'a, T: for<'de> Deserialize<'de>>(
+    bytes: &'a [u8],
+    max: usize,
+    what: &'static str,
+) -> Result<(T, &'a [u8]), WireError> {
     if bytes.len() > max {
         return Err(WireError::Oversized { len: bytes.len(), max });
     }
@@ -318,12 +333,7 @@ fn decode_frame<T: for<'de> Deserialize<'de>>(bytes: &[u8], max: usize, what: &'
     if peer != PROTOCOL_VERSION {
         return Err(WireError::Version { peer, local: PROTOCOL_VERSION });
     }
-    let (value, rest) = postcard::take_from_bytes(&bytes[HEADER_LEN..])
-        .map_err(|e| WireError::Malformed { what, reason: e.to_string() })?;
-    if !rest.is_empty() {
-        return Err(WireError::Malformed { what, reason: format!("{} trailing bytes", rest.len()) });
-    }
-    Ok(value)
+    postcard::take_from_bytes(&bytes[HEADER_LEN..]).map_err(|e| WireError::Malformed { what, reason: e.to_string() })
 }
 
 /// A stable 64-bit FNV-1a hash of what must match for two engines to share KV: protocol

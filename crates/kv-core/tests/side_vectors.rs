@@ -103,15 +103,27 @@ fn layout(block_tokens: u32) -> KvLayout {
     KvLayout::llama3_8b(block_tokens)
 }
 
-/// kvflow's agent metadata for one host region, with a stand-in for NIXL's own bytes.
+/// A LEB128 varint, as postcard writes unsigned integers.
+fn varint(mut v: u64, out: &mut Vec<u8>) {
+    while v >= 0x80 {
+        out.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// kvflow's agent metadata (the registration table) for one host region of the NIXL transport,
+/// with a stand-in for NIXL's own bytes.
 fn metadata(addr: u64, len: u64, nixl: &str) -> Vec<u8> {
-    let mut md = b"KVNX".to_vec();
-    md.push(1);
-    md.extend_from_slice(&1u32.to_le_bytes());
-    md.extend_from_slice(&addr.to_le_bytes());
-    md.extend_from_slice(&len.to_le_bytes());
-    md.push(0);
-    md.extend_from_slice(&0u32.to_le_bytes());
+    let mut md = b"KV".to_vec();
+    md.extend_from_slice(&kv_core::wire::PROTOCOL_VERSION.to_be_bytes());
+    md.push(4);
+    md.extend_from_slice(b"nixl"); // transport
+    md.push(0); // no data address
+    md.push(1); // one registration:
+    varint(addr, &mut md);
+    varint(len, &mut md);
+    md.push(0); // host memory
     md.extend_from_slice(nixl.as_bytes());
     md
 }

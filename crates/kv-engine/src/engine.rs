@@ -128,6 +128,17 @@ where
         ranks: Vec<(S::Worker, Box<dyn Transport>)>,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, EngineError<S::Error>> {
+        Self::start_with(scheduler, ranks, clock, |_| RankOptions::default())
+    }
+
+    /// [`Engine::start`], each rank's thread running with `options(rank)` (an observer of its
+    /// commands, its idle wait).
+    pub fn start_with(
+        scheduler: S,
+        ranks: Vec<(S::Worker, Box<dyn Transport>)>,
+        clock: Arc<dyn Clock>,
+        mut options: impl FnMut(u32) -> RankOptions<<S::Worker as WorkerMachine>::Command>,
+    ) -> Result<Self, EngineError<S::Error>> {
         if scheduler.ranks() as usize != ranks.len() {
             return Err(EngineError::Ranks { scheduler: scheduler.ranks(), given: ranks.len() });
         }
@@ -137,7 +148,7 @@ where
             .zip(ranks)
             .map(|(rank, (worker, transport))| {
                 let driver = WorkerDriver::new(worker, transport);
-                RankThread::spawn(rank, driver, clock.clone(), tx.clone(), engine.clone(), RankOptions::default())
+                RankThread::spawn(rank, driver, clock.clone(), tx.clone(), engine.clone(), options(rank))
                     .map_err(|error| EngineError::Thread { rank, error })
             })
             .collect::<Result<_, _>>()?;

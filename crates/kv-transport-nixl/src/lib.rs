@@ -43,7 +43,8 @@
 //!
 //! Register every region before peers connect: NIXL's metadata, which peers load at
 //! handshake, lists the registrations that exist then. The handshake's agent metadata carries,
-//! ahead of NIXL's, a table of those registrations with their memory kind and GPU, so that each
+//! ahead of NIXL's, kvflow's table of those registrations ([`kv_core::agent::AgentTable`]) with
+//! their memory kind and GPU, so that each
 //! side builds the peer's descriptor lists with the peer's true memory type (DRAM or VRAM) and
 //! device id, and refuses a remote range outside them before NIXL sees it.
 
@@ -61,7 +62,7 @@ pub use inbox::{MAX_QUEUED_EVENTS, MAX_QUEUED_NOTIFICATION_BYTES, MAX_QUEUED_NOT
 /// The NIXL part of a handshake's agent metadata (after kvflow's registration table), for
 /// tools that drive NIXL themselves, such as `cargo xtask attack`. Never panics.
 pub fn nixl_agent_metadata(agent_metadata: &[u8]) -> Result<&[u8], String> {
-    metadata::decode(agent_metadata).map(|(_, nixl)| nixl)
+    metadata::decode(agent_metadata).map(|(_, nixl)| nixl).map_err(|e| e.to_string())
 }
 pub use transport::{nixl_name, NixlConfig, NixlTransport, DEFAULT_POLL_INTERVALS, DEFAULT_SIDE_CHANNEL_PORT};
 

@@ -228,7 +228,8 @@ impl NixlTransport {
         let backend =
             agent.create_backend("UCX", &params).map_err(|e| NixlError::Agent(format!("UCX backend: {e}")))?;
         let nixl_md = agent.get_local_md().map_err(|e| NixlError::Agent(format!("local metadata: {e}")))?;
-        offer.agent_metadata = metadata::encode(&[], &nixl_md);
+        offer.agent_metadata =
+            metadata::encode(&[], &nixl_md).map_err(|e| NixlError::Agent(format!("local metadata: {e}")))?;
         let side = SideChannel::start(config.bind, key, config.side_limits.clone(), offer, clock)?;
         Ok(NixlTransport {
             name,
@@ -378,12 +379,14 @@ impl NixlTransport {
 
     /// Local ranges typed by the local registrations that hold them.
     fn typed_local(&self, ranges: impl IntoIterator<Item = (u64, u64)>) -> Result<TypedRanges, TransportError> {
-        metadata::typed_ranges("local", ranges, |addr, len| metadata::kind_of(self.local_memory(), addr, len))
+        metadata::typed_ranges("local", ranges, |addr, len| Registration::kind_of(self.local_memory(), addr, len))
     }
 
     /// A peer's ranges typed by the peer's registrations that hold them.
     fn typed_remote(peer: &Peer, ranges: impl IntoIterator<Item = (u64, u64)>) -> Result<TypedRanges, TransportError> {
-        metadata::typed_ranges("remote", ranges, |addr, len| metadata::kind_of(peer.memory.iter().copied(), addr, len))
+        metadata::typed_ranges("remote", ranges, |addr, len| {
+            Registration::kind_of(peer.memory.iter().copied(), addr, len)
+        })
     }
 
     /// Hands the side channel the metadata that peers handshaking from now on load: NIXL's,
@@ -392,7 +395,8 @@ impl NixlTransport {
         let nixl_md = self.agent.get_local_md().map_err(|e| backend_error("local metadata", e))?;
         let table: Vec<Registration> = self.local_memory().collect();
         let mut offer = self.side.offer();
-        offer.agent_metadata = metadata::encode(&table, &nixl_md);
+        offer.agent_metadata =
+            metadata::encode(&table, &nixl_md).map_err(|e| TransportError::Backend(format!("local metadata: {e}")))?;
         self.side.set_offer(offer)
     }
 }

@@ -5,15 +5,17 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kv_core::side::{FrameTags, LINK_MAC_BYTES, LINK_TAG_BYTES, MAX_ENGINE_NAME_BYTES, NOTIFICATION_OVERHEAD};
+use kv_core::side::{
+    FrameHeader, FrameTags, LINK_MAC_BYTES, LINK_TAG_BYTES, MAX_ENGINE_NAME_BYTES, NOTIFICATION_OVERHEAD,
+};
 use kv_core::wire::MAX_MESSAGE_BYTES;
 use kv_core::{AgentName, EngineId};
 
 /// The label data links derive their secret from the side-channel session under
 /// (`kv_core::side::SideEndpoint::link_secret`).
 pub(crate) const LINK_LABEL: &str = "kvflow-tcp-data-v2";
-/// Bytes of a frame header: kind u8, body length u32.
-pub(crate) const HEADER_BYTES: usize = 5;
+/// Bytes of a frame header: the side channel's ([`FrameHeader`]), length u32 BE, kind u8.
+pub(crate) const HEADER_BYTES: usize = FrameHeader::BYTES;
 /// Bytes of a frame tag.
 pub(crate) const TAG_BYTES: usize = LINK_TAG_BYTES;
 /// Bytes of a link nonce.
@@ -29,7 +31,7 @@ pub const MAX_SEALED_NOTIFICATION: usize = MAX_MESSAGE_BYTES + NOTIFICATION_OVER
 /// HELLO's first bytes.
 const HELLO_MAGIC: &[u8; 4] = b"KVTD";
 /// The data protocol version HELLO carries.
-pub(crate) const DATA_PROTOCOL_VERSION: u8 = 2;
+pub(crate) const DATA_PROTOCOL_VERSION: u8 = 3;
 /// HELLO's bytes before the engine name: magic, version, flags, nonce, incarnation, rank.
 const HELLO_FIXED: usize = 4 + 1 + 1 + NONCE_BYTES + 8 + 4;
 /// The most bytes a HELLO's body has.
@@ -119,10 +121,11 @@ pub(crate) struct Header {
 
 /// Parses a header; the error says what is wrong, for the refusal.
 pub(crate) fn parse_header(bytes: [u8; HEADER_BYTES], allowed: &[Kind]) -> Result<Header, String> {
-    let kind = Kind::from_byte(bytes[0])
+    let header = FrameHeader::from_bytes(bytes).ok_or("a frame of length 0, with no room for its kind")?;
+    let kind = Kind::from_byte(header.kind)
         .filter(|k| allowed.contains(k))
-        .ok_or_else(|| format!("frame kind {:#04x} is not one this side accepts here", bytes[0]))?;
-    let len = u32::from_le_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]) as usize;
+        .ok_or_else(|| format!("frame kind {:#04x} is not one this side accepts here", header.kind))?;
+    let len = header.body_len;
     let (min, max) = kind.bounds();
     if len < min || len > max {
         return Err(format!("{kind:?} frame of {len} bytes is outside its {min}..={max}"));
@@ -130,10 +133,9 @@ pub(crate) fn parse_header(bytes: [u8; HEADER_BYTES], allowed: &[Kind]) -> Resul
     Ok(Header { kind, len })
 }
 
-/// A header for a frame of `kind` with a body of `len` bytes.
+/// A header for a frame of `kind` with a body of `len` bytes: the side channel's framing.
 pub(crate) fn header(kind: Kind, len: usize) -> [u8; HEADER_BYTES] {
-    let l = (len as u32).to_le_bytes();
-    [kind as u8, l[0], l[1], l[2], l[3]]
+    FrameHeader { kind: kind as u8, body_len: len }.to_bytes()
 }
 
 /// A whole small frame, untagged: the link's greetings, before it has keys.
@@ -552,9 +554,12 @@ mod tests {
         check(header(Kind::Write, CHUNK_PREFIX + MAX_CHUNK + 1), TO_LISTENER, Err("Write frame of"));
         check(header(Kind::Data, 100), TO_LISTENER, Err("kind 0x81 is not one"));
         check(header(Kind::Hello, 60), TO_LISTENER, Err("kind 0x01 is not one"));
-        check([0xff, 0, 0, 0, 0], TO_CONNECTOR, Err("kind 0xff"));
+        check([0, 0, 0, 1, 0xff], TO_CONNECTOR, Err("kind 0xff"));
+        check([0, 0, 0, 0, Kind::Notify as u8], TO_LISTENER, Err("length 0"));
         check(header(Kind::WriteAck, 28), TO_CONNECTOR, Err("outside its 29..=29"));
-        check([Kind::Hello as u8, 0xff, 0xff, 0xff, 0xff], &[Kind::Hello], Err("4294967295 bytes"));
+        check([0xff, 0xff, 0xff, 0xff, Kind::Hello as u8], &[Kind::Hello], Err("4294967294 bytes"));
+        // The side channel's framing: the length, big-endian, counts the kind.
+        assert_eq!(header(Kind::Notify, 10), [0, 0, 0, 11, 0x05]);
     }
 
     #[test]
@@ -582,7 +587,7 @@ mod tests {
         other[5] = 0x82;
         assert!(parse_hello(&other).unwrap_err().contains("flags 0x82"));
         other[4] = 1;
-        assert!(parse_hello(&other).unwrap_err().contains("version 1, this side speaks 2"));
+        assert!(parse_hello(&other).unwrap_err().contains("version 1, this side speaks 3"));
         other[0] = b'X';
         assert!(parse_hello(&other).unwrap_err().contains("KVTD"));
 

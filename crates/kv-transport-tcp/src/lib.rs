@@ -7,7 +7,7 @@
 //! [`DEFAULT_SIDE_CHANNEL_PORT`] by default, loopback unless configured): kv-core's
 //! authenticated handshake, whose loss is how a peer is seen gone. The handshake's
 //! `agent_metadata` carries the address of this transport's data listener and the table of
-//! registered regions (layout in `src/metadata.rs`). Register every region before peers
+//! registered regions, in kv-core's registration table ([`kv_core::agent::AgentTable`]). Register every region before peers
 //! connect, as with NIXL. Unlike NIXL's metadata it is no capability: a data connection is
 //! served only once it proved, by a challenge answered under a key derived from its own
 //! side-channel session ([`kv_core::side::link`]), that it belongs to that session's peer, and
@@ -91,18 +91,20 @@
 //! on it. Every frame is
 //!
 //! ```text
-//! kind u8 | length u32 | body (length bytes)                      HELLO, CHALLENGE, PROOF
-//! kind u8 | length u32 | control | tag [16] | data [| tag [16]]   every frame after them
+//! length u32 BE | kind u8 | body                                  HELLO, CHALLENGE, PROOF
+//! length u32 BE | kind u8 | control | tag [16] | data [| tag [16]]   every frame after them
 //! ```
 //!
-//! with integers little-endian. Each kind has bounds on its body length (below); a frame of a
-//! kind the receiver does not accept there, or outside its bounds, closes the connection, and so
-//! does a body that contradicts itself. The link handshake comes first, untagged (version 2;
-//! version 1 sent a static capability token in clear, and is refused):
+//! The header is the side channel's ([`kv_core::side::FrameHeader`]): the length counts the
+//! kind and the body. The body's integers are little-endian. Each kind has bounds on its body
+//! length (below); a frame of a kind the receiver does not accept there, or outside its bounds,
+//! closes the connection, and so does a body that contradicts itself. The link handshake comes
+//! first, untagged (version 3; version 2 wrote the header as kind, then the body's length
+//! little-endian, and version 1 sent a static capability token in clear; both are refused):
 //!
 //! | kind | frame | direction | body | body bytes |
 //! |---|---|---|---|---|
-//! | 0x01 | HELLO | connector to listener | `"KVTD"`, version u8 = 2, flags u8 (bit 0: tag the payloads you send me), `nonce_c` \[32\], the sender's incarnation u64, its rank u32, its engine name (UTF-8, the rest of the body) | 51..=114 |
+//! | 0x01 | HELLO | connector to listener | `"KVTD"`, version u8 = 3, flags u8 (bit 0: tag the payloads you send me), `nonce_c` \[32\], the sender's incarnation u64, its rank u32, its engine name (UTF-8, the rest of the body) | 51..=114 |
 //! | 0x84 | CHALLENGE | listener to connector | `nonce_l` \[32\], flags u8 (as HELLO's), `mac_l` \[32\] | 65 |
 //! | 0x06 | PROOF | connector to listener | `mac_c` \[32\] | 32 |
 //!

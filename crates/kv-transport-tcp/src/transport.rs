@@ -124,7 +124,8 @@ impl TcpTransport {
         let bind = SocketAddr::new(config.data_bind, 0);
         let listener = kv_side_tcp::listen(bind).map_err(|e| TcpError::Listen { addr: bind, reason: e.to_string() })?;
         let data_addr = listener.local_addr().map_err(|e| TcpError::Listen { addr: bind, reason: e.to_string() })?;
-        offer.agent_metadata = metadata::encode(data_addr, &[]);
+        offer.agent_metadata =
+            metadata::encode(data_addr, &[]).map_err(|e| TcpError::Start(format!("local metadata: {e}")))?;
         let incarnation = offer.instance;
         let side = SideChannel::start(config.bind, key, config.side_limits.clone(), offer, clock)?;
         let limits = config.side_limits.clone();
@@ -175,7 +176,8 @@ impl TcpTransport {
     /// Hands the side channel the metadata peers handshaking from now on learn.
     fn publish_metadata(&self) -> Result<(), TransportError> {
         let mut offer = self.shared.side.offer();
-        offer.agent_metadata = metadata::encode(self.data_addr, &self.shared.registry.table());
+        offer.agent_metadata = metadata::encode(self.data_addr, &self.shared.registry.table())
+            .map_err(|e| TransportError::Backend(format!("local metadata: {e}")))?;
         self.shared.side.set_offer(offer)
     }
 

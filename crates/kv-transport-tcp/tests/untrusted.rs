@@ -213,8 +213,7 @@ fn payload_tags_refuse_bytes_altered_on_the_way() {
     assert_eq!((kind, &body[20..]), (0x81, &p_pool.bytes()[64..96]));
     // A WRITE chunk whose bytes differ from what its tag covers: refused as forged.
     let addr = p_pool.addr(0);
-    let mut head = vec![0x03];
-    head.extend_from_slice(&(20u32 + 16).to_le_bytes());
+    let mut head = common::head(0x03, 20 + 16);
     head.extend_from_slice(&3u64.to_le_bytes());
     head.extend_from_slice(&0u32.to_le_bytes());
     head.extend_from_slice(&addr.to_le_bytes());

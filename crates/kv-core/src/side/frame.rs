@@ -1,6 +1,7 @@
 //! The side channel's framing and its clear-text frames (HELLO, CHALLENGE, PROOF, ERROR).
 //!
-//! A frame is a `u32` big-endian length of what follows, a `u8` kind, and the body.
+//! A frame is a `u32` big-endian length of what follows, a `u8` kind, and the body
+//! ([`FrameHeader`], which the links bound to a session share).
 //! [`docs/side-channel.md`] at the workspace root describes every field.
 
 use crate::id::{AgentName, EngineId};
@@ -53,13 +54,42 @@ impl Kind {
 pub(crate) const RECORD_OFFER: u8 = 1;
 pub(crate) const RECORD_REFUSE: u8 = 2;
 
+/// The header of every frame on kvflow's own connections, the side channel's and the links
+/// an adapter binds to a session (kv-transport-tcp's data path): the length of what follows
+/// (the kind and the body) as a `u32` big-endian, then the kind. Each protocol gives its kinds
+/// and their bounds; this is only the framing they share.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct FrameHeader {
+    /// What the frame is, in its protocol's numbering.
+    pub kind: u8,
+    /// Bytes of the body (after the kind).
+    pub body_len: usize,
+}
+
+impl FrameHeader {
+    /// Bytes of a header.
+    pub const BYTES: usize = HEADER_BYTES;
+
+    /// The header's bytes. A body is bounded far below 4 GiB by every protocol's limits; a
+    /// longer one is written as the longest length, which every receiver refuses.
+    pub fn to_bytes(self) -> [u8; HEADER_BYTES] {
+        let mut header = [0u8; HEADER_BYTES];
+        let len = u32::try_from(self.body_len).ok().and_then(|n| n.checked_add(1)).unwrap_or(u32::MAX);
+        header[..4].copy_from_slice(&len.to_be_bytes());
+        header[4] = self.kind;
+        header
+    }
+
+    /// A header from its bytes; `None` for a length of 0, which leaves no room for the kind.
+    pub fn from_bytes(bytes: [u8; HEADER_BYTES]) -> Option<FrameHeader> {
+        let len = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
+        Some(FrameHeader { kind: bytes[4], body_len: len.checked_sub(1)? })
+    }
+}
+
 /// The length prefix and kind of a frame whose length field (kind and body) is `len`.
 pub(crate) fn header(kind: Kind, len: usize) -> [u8; HEADER_BYTES] {
-    let mut header = [0u8; HEADER_BYTES];
-    // Every frame this module builds is bounded far below 4 GiB by the frame limits.
-    header[..4].copy_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
-    header[4] = kind as u8;
-    header
+    FrameHeader { kind: kind as u8, body_len: len.saturating_sub(1) }.to_bytes()
 }
 
 /// A whole frame of `kind` around `body`.
@@ -232,6 +262,16 @@ mod tests {
 
     fn identity() -> Identity {
         Identity { role: Role::Decode, engine: EngineId::new("dec"), rank: 3, incarnation: 9 }
+    }
+
+    #[test]
+    fn a_header_counts_the_kind_in_its_big_endian_length() {
+        let challenge = FrameHeader { kind: 0x84, body_len: 0x0102 };
+        assert_eq!(challenge.to_bytes(), [0, 0, 0x01, 0x03, 0x84]);
+        assert_eq!(FrameHeader::from_bytes(challenge.to_bytes()), Some(challenge));
+        assert_eq!(FrameHeader::from_bytes([0, 0, 0, 0, 1]), None, "no room for the kind");
+        assert_eq!(FrameHeader::from_bytes([0, 0, 0, 1, 7]), Some(FrameHeader { kind: 7, body_len: 0 }));
+        assert_eq!(header(Kind::Error, 3), [0, 0, 0, 3, 5]);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
-use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint, SideEvent, MAX_SEALED_FRAME};
+use kv_core::side::{ClusterKey, ConnId, FrameHeader, SideConfig, SideEndpoint, SideEvent, MAX_SEALED_FRAME};
 use kv_core::wire::MAX_HANDSHAKE_BYTES;
 use kv_core::{AgentName, Message, PeerAddress, RequestId, Time, Transport};
 use kv_transport_nixl::KeySource;
@@ -247,7 +247,7 @@ impl Attacker {
         let mut offer = self.offer("intruder3", 1);
         // The TCP transport's metadata (a data address where nothing listens, no regions), so
         // that P keeps the session open.
-        offer.agent_metadata = super::TCP_STUB_METADATA.to_vec();
+        offer.agent_metadata = super::tcp_stub_metadata();
         let mut raw = RawSide::connect(self.p_socket(), key, offer)?;
         let (event, _) = raw.until_event(usize::MAX)?;
         let Some(SideEvent::Connected { info, .. }) = event else {
@@ -255,10 +255,9 @@ impl Attacker {
         };
         let p: AgentName = info.agent;
         let secret = raw.side.link_secret(&p, "kvflow-tcp-data-v2").ok_or_else(|| anyhow!("no session with P"))?;
-        let mut hello = vec![0x01];
         let name = self.config.live_decode.as_bytes();
-        hello.extend_from_slice(&((4 + 1 + 1 + 32 + 8 + 4 + name.len()) as u32).to_le_bytes());
-        hello.extend_from_slice(b"KVTD\x02\x00");
+        let mut hello = FrameHeader { kind: 0x01, body_len: 4 + 1 + 1 + 32 + 8 + 4 + name.len() }.to_bytes().to_vec();
+        hello.extend_from_slice(b"KVTD\x03\x00");
         hello.extend_from_slice(&[0x33; 32]);
         hello.extend_from_slice(&self.config.live_instance.to_le_bytes());
         hello.extend_from_slice(&0u32.to_le_bytes());
@@ -271,8 +270,7 @@ impl Attacker {
         let mut transcript = hello.clone();
         transcript.extend_from_slice(&challenge[..5 + 33]);
         let ours = secret.verify_listener_mac(&transcript, &challenge[5 + 33..]);
-        let mut proof = vec![0x06];
-        proof.extend_from_slice(&32u32.to_le_bytes());
+        let mut proof = FrameHeader { kind: 0x06, body_len: 32 }.to_bytes().to_vec();
         proof.extend_from_slice(&secret.connector_mac(&transcript, &challenge[5 + 33..]));
         s.write_all(&proof)?;
         let closed = closed_within(&mut s, Duration::from_secs(2));

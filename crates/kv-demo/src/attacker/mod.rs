@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 use clap::Parser;
+use kv_core::agent::AgentTable;
 use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint, SideEvent};
 use kv_core::{
     AgentName, EngineId, Handshake, Message, PeerAddress, PeerEvent, PeerInfo, RequestId, Role, Time, Transport,
@@ -122,9 +123,12 @@ fn storms(a: &mut Attacker) -> Result<()> {
     Ok(())
 }
 
-/// The TCP transport's agent metadata as its crate lays it out, for a peer with no data path:
-/// version 2, a data address where nothing listens (127.0.0.1:9), no registered regions.
-const TCP_STUB_METADATA: &[u8] = b"KVTC\x02\x04\x7f\x00\x00\x01\x09\x00\x00\x00\x00\x00";
+/// The TCP transport's agent metadata for a peer with no data path: a data address where
+/// nothing listens (127.0.0.1:9), no registered regions.
+fn tcp_stub_metadata() -> Vec<u8> {
+    let table = AgentTable { data: Some(([127, 0, 0, 1], 9).into()), ..AgentTable::new("tcp") };
+    table.encode(&[]).expect("a table of no registrations fits a handshake")
+}
 
 /// Deterministic junk for connection `i`.
 fn random_bytes(i: usize, len: usize) -> Vec<u8> {
@@ -222,7 +226,7 @@ impl Attacker {
         let mut offer = self.offer(&format!("probe-{}", self.probes), 1);
         if self.config.transport == TransportKind::Tcp {
             // So that P's transport takes the probe as a peer rather than dropping it.
-            offer.agent_metadata = TCP_STUB_METADATA.to_vec();
+            offer.agent_metadata = tcp_stub_metadata();
         }
         let mut side = SideEndpoint::new(SideConfig::new(key), offer).map_err(|e| e.to_string())?;
         let mut nonce = [0u8; 32];

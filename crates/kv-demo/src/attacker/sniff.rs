@@ -15,6 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
+use kv_core::side::FrameHeader;
 
 use super::{Attacker, Outcome};
 
@@ -218,9 +219,7 @@ fn frames(bytes: &[u8], from_start: bool) -> Vec<(u8, Vec<u8>)> {
     if !from_start {
         return out;
     }
-    while at + 5 <= bytes.len() {
-        let kind = bytes[at];
-        let len = u32::from_le_bytes([bytes[at + 1], bytes[at + 2], bytes[at + 3], bytes[at + 4]]) as usize;
+    while let Some(FrameHeader { kind, body_len: len }) = header_at(bytes, at) {
         let tagged = !matches!(kind, 0x01 | 0x06);
         let size = 5 + len + if tagged { 16 } else { 0 };
         if len > 2 << 20 || at + size > bytes.len() {
@@ -272,18 +271,23 @@ fn replay(addr: SocketAddr, bytes: &[u8]) -> (Vec<u8>, bool) {
     // Replies: CHALLENGE is untagged; anything after it would be tagged.
     let mut kinds = Vec::new();
     let mut at = 0;
-    while at + 5 <= got.len() {
-        let len = u32::from_le_bytes([got[at + 1], got[at + 2], got[at + 3], got[at + 4]]) as usize;
-        kinds.push(got[at]);
-        at += 5 + len + if got[at] == 0x84 { 0 } else { 16 };
+    while let Some(FrameHeader { kind, body_len }) = header_at(&got, at) {
+        kinds.push(kind);
+        at += 5 + body_len + if kind == 0x84 { 0 } else { 16 };
     }
     (kinds, closed)
 }
 
-/// A frame: kind, length, body, and a tag of the sniffer's making (it has no key).
+/// The header of the frame at `at`, if `bytes` hold one (the side channel's framing, which
+/// the TCP data path shares).
+fn header_at(bytes: &[u8], at: usize) -> Option<FrameHeader> {
+    let head = bytes.get(at..at.checked_add(FrameHeader::BYTES)?)?;
+    FrameHeader::from_bytes(head.try_into().ok()?)
+}
+
+/// A frame: header, body, and a tag of the sniffer's making (it has no key).
 fn forged(kind: u8, body: &[u8]) -> Vec<u8> {
-    let mut out = vec![kind];
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    let mut out = FrameHeader { kind, body_len: body.len() }.to_bytes().to_vec();
     out.extend_from_slice(body);
     if !matches!(kind, 0x01 | 0x06) {
         out.extend_from_slice(&[0x5a; 16]);
@@ -321,7 +325,7 @@ impl Attacker {
         let mut attempts: Vec<Vec<u8>> = links.iter().take(8).cloned().collect();
         let mut frames_sent: u64 = attempts.iter().map(|l| frames(l, true).len() as u64).sum();
         // Writes of 0xEE where P's pool is, under the live D's name.
-        let mut hello_body = b"KVTD\x02\x00".to_vec();
+        let mut hello_body = b"KVTD\x03\x00".to_vec();
         hello_body.extend_from_slice(&[0x11; 32]);
         hello_body.extend_from_slice(&self.config.live_instance.to_le_bytes());
         hello_body.extend_from_slice(&0u32.to_le_bytes());
@@ -335,7 +339,8 @@ impl Attacker {
             chunk.extend_from_slice(&addr.to_le_bytes());
             let mut frame = forged(0x03, &chunk);
             // The data follows the chunk's tag.
-            frame[1..5].copy_from_slice(&((20 + len.min(4096)) as u32).to_le_bytes());
+            let body_len = 20 + len.min(4096) as usize;
+            frame[..FrameHeader::BYTES].copy_from_slice(&FrameHeader { kind: 0x03, body_len }.to_bytes());
             frame.extend(std::iter::repeat_n(0xee, len.min(4096) as usize));
             bytes.extend(frame);
             written += 1;

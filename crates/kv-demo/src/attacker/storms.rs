@@ -12,6 +12,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
+use kv_core::agent::AgentTable;
 use kv_core::{DescriptorPair, MemoryKind, Region, RegionId, TransferOp, TransferRequest, TransferStatus, Transport};
 use kv_transport_tcp::{KeySource, TcpConfig, TcpTransport};
 
@@ -216,11 +217,8 @@ impl Attacker {
         t.0.connect(&kv_core::PeerAddress(p.to_string())).map_err(|e| anyhow!("{e}"))?;
         let info = connected(&mut t.0, Duration::from_secs(5)).map_err(|e| anyhow!("the scout's handshake: {e}"))?;
         let md = &info.handshake.agent_metadata;
-        // "KVTC" | version 2 | family 4 | IPv4 | port u16 LE: the crate's documented layout.
-        if md.len() < 12 || &md[..6] != b"KVTC\x02\x04" {
-            return Err(anyhow!("P's metadata is not the TCP transport's version 2 over IPv4"));
-        }
-        let addr = SocketAddr::from(([md[6], md[7], md[8], md[9]], u16::from_le_bytes([md[10], md[11]])));
+        let (table, _) = AgentTable::decode(md, "tcp").map_err(|e| anyhow!("P's metadata: {e}"))?;
+        let addr = table.data.ok_or_else(|| anyhow!("P's metadata names no data address"))?;
         self.data = Some(addr);
         Ok(addr)
     }

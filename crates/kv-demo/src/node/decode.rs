@@ -25,9 +25,8 @@ pub(super) struct Prepared {
     at_ns: u64,
 }
 
-/// D's side: its scheduler, and the requests it knows of.
+/// D's side: the requests it knows of.
 pub(super) struct DecodeSide {
-    scheduler: DecodeScheduler,
     loads: HashMap<RequestId, Load>,
     /// Arrived, not yet given blocks, in arrival order.
     waiting: VecDeque<RequestId>,
@@ -35,20 +34,17 @@ pub(super) struct DecodeSide {
 
 impl Side for DecodeSide {
     type Worker = DecodeWorker;
+    type Scheduler = DecodeScheduler;
     const ROLE: Role = Role::Decode;
 
-    fn new(config: &NodeConfig, _offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<Self> {
+    fn new(config: &NodeConfig, _offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<(Self, DecodeScheduler)> {
         let scheduler =
             DecodeScheduler::new(EngineId::new(config.name.clone()), addresses.len() as u32, config.connector())?;
-        Ok(DecodeSide { scheduler, loads: HashMap::new(), waiting: VecDeque::new() })
+        Ok((DecodeSide { loads: HashMap::new(), waiting: VecDeque::new() }, scheduler))
     }
 
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<DecodeWorker> {
         Ok(DecodeWorker::new(offer.clone(), config.connector(), pool)?)
-    }
-
-    fn handle_report(&mut self, rank: u32, report: DecodeReport) -> Result<()> {
-        Ok(self.scheduler.handle_report(rank, report)?)
     }
 
     fn settle(node: &mut Node<Self>) -> Result<()> {
@@ -60,7 +56,7 @@ impl Side for DecodeSide {
         match command {
             Command::Arrive { id, remote, cached_tokens } => {
                 let id = RequestId::new(id);
-                match node.side.scheduler.handle_arrive(id.clone(), remote.clone()) {
+                match node.connector.scheduler().handle_arrive(id.clone(), remote.clone()) {
                     Ok(()) => {
                         let load = Load {
                             remote,
@@ -80,7 +76,7 @@ impl Side for DecodeSide {
             }
             Command::Reject { id, remote } => {
                 let id = RequestId::new(id);
-                match node.side.scheduler.handle_reject(id.clone(), remote.clone()) {
+                match node.connector.scheduler().handle_reject(id.clone(), remote.clone()) {
                     Ok(()) => node.outcome(&id, Outcome::Rejected, 0),
                     Err(err) => {
                         node.engine.emit(&Event::Error { message: format!("{}: {err}", node.engine.name) });
@@ -88,14 +84,14 @@ impl Side for DecodeSide {
                     }
                 }
             }
-            Command::Connect { prefill } => node.side.scheduler.handle_connect(prefill),
+            Command::Connect { prefill } => node.connector.scheduler().handle_connect(prefill),
             Command::Abort { id } => {
                 let id = RequestId::new(id);
                 if let Some(load) = node.side.loads.get_mut(&id) {
                     load.aborted = true;
                 }
                 // The outcome follows with the scheduler's `Ended`; a request already done stays done.
-                node.side.scheduler.handle_abort(&id);
+                node.connector.scheduler().handle_abort(&id);
             }
             other => node.engine.emit(&Event::Error { message: format!("a decode engine cannot {other:?}") }),
         }
@@ -141,7 +137,7 @@ impl Node<DecodeSide> {
     /// Gives blocks to waiting requests, first come first served, while the pool has them.
     fn schedule(&mut self) -> Result<()> {
         while let Some(id) = self.side.waiting.front().cloned() {
-            if self.side.scheduler.state(&id) != Some(DecodeState::Waiting) {
+            if self.connector.scheduler().state(&id) != Some(DecodeState::Waiting) {
                 self.side.waiting.pop_front();
                 continue;
             }
@@ -169,13 +165,13 @@ impl Node<DecodeSide> {
     /// prefix-cache fills, which the KV latency leaves out): hands them to the scheduler, or
     /// frees them if the request ended meanwhile.
     fn prepared(&mut self, id: RequestId, blocks: Vec<BlockId>, cached: usize, took: Duration) -> Result<()> {
-        let waiting = self.side.scheduler.state(&id) == Some(DecodeState::Waiting);
+        let waiting = self.connector.scheduler().state(&id) == Some(DecodeState::Waiting);
         let Some(load) = self.side.loads.get_mut(&id).filter(|_| waiting) else {
             return self.engine.release(&blocks);
         };
         load.blocks = blocks.clone();
         load.prepared = Prepared { took, at_ns: wall_ns() };
-        if let Err(err) = self.side.scheduler.handle_schedule_cached(id.clone(), blocks.clone(), cached) {
+        if let Err(err) = self.connector.scheduler().handle_schedule_cached(id.clone(), blocks.clone(), cached) {
             self.side.loads.remove(&id);
             self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });
             self.outcome(&id, Outcome::Refused, 0);
@@ -184,11 +180,12 @@ impl Node<DecodeSide> {
         Ok(())
     }
 
-    /// Carries the scheduler's events to the worker and the pool until none is left.
+    /// Carries the scheduler's events to the ranks and the pool until none is left.
     fn drain(&mut self) -> Result<()> {
-        while let Some(event) = self.side.scheduler.poll_event() {
+        for event in self.poll()? {
             match event {
-                DecodeEvent::ToWorker { rank, command } => self.pass_to_worker(rank, command)?,
+                // kv-engine hands the ranks their commands itself.
+                DecodeEvent::ToWorker { rank, .. } => return Err(anyhow!("a command for rank {rank} was not sent")),
                 DecodeEvent::Ended { request, state: DecodeState::Ready, .. } => {
                     // The KV is in place now; checking it is the demo's work, not the load's.
                     let ready_at_ns = wall_ns();

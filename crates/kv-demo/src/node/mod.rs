@@ -21,7 +21,7 @@
 //! counted too. A D engine connects to P when the router says (`Command::Connect`), ahead of
 //! the first request.
 //!
-//! This file runs the process (the engine's thread, the pool, the ranks on kv-engine);
+//! This file runs the process (the engine's thread, the pool, kv-engine's `Engine` and its ranks);
 //! `prefill.rs` and `decode.rs` are P's and D's sides, `payload.rs` the payload threads,
 //! `transport.rs` the transports, `metrics.rs` the metrics endpoint.
 
@@ -40,11 +40,12 @@ use kv_core::{
     AgentName, BlockId, Clock, EngineId, Handshake, Memory, MemoryKind, PeerAddress, PoolShape, RegionBase, RequestId,
     Role, Time,
 };
-use kv_engine::{CommandObserver, Found, ProcessClock, RankOptions, RankThread, Registration};
-use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
+use kv_engine::Engine as Connector;
+use kv_engine::{CommandObserver, Found, ProcessClock, RankOptions, Registration};
+use kv_sched_adapter::driver::WorkerMachine;
 use kv_sched_adapter::{
-    Consumer, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LocalPool, PrefillCommand,
-    PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker, RemoteRef,
+    Consumer, DecodeEvent, DecodeScheduler, DecodeState, DecodeWorker, LocalPool, PrefillCommand, PrefillEvent,
+    PrefillScheduler, PrefillWorker, RemoteRef,
 };
 use kv_testkit::BlockPool;
 
@@ -343,14 +344,13 @@ fn host_memory() -> Box<dyn Memory> {
     Box::new(kv_cuda::CudaMemory::new())
 }
 
-/// An engine process, P or D: the engine, its rank's worker, and what only its side keeps.
+/// An engine process, P or D: kv-engine's engine (the connector's scheduler and a thread per
+/// rank), the demo's engine around it, and what only its side keeps.
 struct Node<S: Side> {
-    /// Each TP rank's thread, by rank. Declared before `engine`: the ranks' transports let go
-    /// of the pool before the memory behind it is freed.
-    ranks: Vec<RankThread<S::Worker>>,
+    /// The scheduler, and each TP rank's thread. Declared before `engine`: the ranks'
+    /// transports let go of the pool before the memory behind it is freed.
+    connector: Connector<S::Scheduler>,
     engine: Engine,
-    /// What the ranks' workers report, by rank.
-    reports: Receiver<(u32, <S::Worker as WorkerMachine>::Report)>,
     side: S,
     /// The engine's registration in etcd, and the engines it finds lost; `None` without etcd.
     registration: Option<(Registration, Receiver<Found>)>,
@@ -363,12 +363,14 @@ type Cmd<S> = <<S as Side>::Worker as WorkerMachine>::Command;
 /// router's commands and the scheduler's events.
 trait Side: Sized {
     /// A rank's worker.
-    type Worker: WorkerMachine<Report: Send, Command: Send + 'static> + Send + 'static;
+    type Worker: WorkerMachine<Report: Send + 'static, Command: Send + 'static> + Send + 'static;
+    /// Its scheduler.
+    type Scheduler: kv_engine::Scheduler<Worker = Self::Worker, Error: Send + Sync + 'static>;
     /// The role the ranks' handshake offers carry.
     const ROLE: Role;
-    /// The scheduler side of engine `config`, whose ranks make offers like `offer` (rank 0's)
-    /// and listen at `addresses`, by rank.
-    fn new(config: &NodeConfig, offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<Self>;
+    /// The side and the scheduler of engine `config`, whose ranks make offers like `offer`
+    /// (rank 0's) and listen at `addresses`, by rank.
+    fn new(config: &NodeConfig, offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<(Self, Self::Scheduler)>;
     /// The worker of the rank that offers `offer` and keeps `pool`.
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<Self::Worker>;
     /// What a command says of the request the worker writes ahead for (P's chunked prefill).
@@ -376,8 +378,6 @@ trait Side: Sized {
         let _ = command;
         WritesAhead::Same
     }
-    /// Hands the scheduler a report of rank `rank`'s worker.
-    fn handle_report(&mut self, rank: u32, report: <Self::Worker as WorkerMachine>::Report) -> Result<()>;
     /// Carries out what the scheduler asks until nothing is left.
     fn settle(node: &mut Node<Self>) -> Result<()>;
     /// Handles a command of the router other than `Stats` and `Shutdown`.
@@ -399,12 +399,11 @@ impl<S: Side> Node<S> {
         let ip = config.host.unwrap_or(std::net::Ipv4Addr::LOCALHOST);
         let addresses = ports.iter().map(|port| PeerAddress(format!("{ip}:{port}"))).collect();
         let offer = &starts.first().context("an engine of no ranks")?.offer;
-        let side = S::new(config, offer, addresses).context("the connector")?;
-        let (tx, reports) = mpsc::channel();
-        let mut ranks = Vec::new();
-        for (rank, start) in (0u32..).zip(starts) {
+        let (side, scheduler) = S::new(config, offer, addresses).context("the connector")?;
+        let (mut ranks, mut observers) = (Vec::new(), Vec::new());
+        for start in starts {
             let worker = S::worker(config, &start.offer, start.pool).context("the connector")?;
-            let driver = WorkerDriver::new(worker, Box::new(start.transport));
+            ranks.push((worker, Box::new(start.transport) as Box<dyn kv_core::Transport>));
             // The demo names each write ahead for the prompt it writes from (its report).
             let ahead_of = start.ahead_of;
             let observer: CommandObserver<Cmd<S>> = Box::new(move |command| match S::writes_ahead(command) {
@@ -412,12 +411,14 @@ impl<S: Side> Node<S> {
                 WritesAhead::Computed(request, blocks) => ahead_of.computed(&request, &blocks),
                 WritesAhead::Ended(request) => ahead_of.ended(&request),
             });
-            let options = RankOptions { observer: Some(observer), ..RankOptions::default() };
-            let clock: Arc<dyn Clock> = engine.clock.clone();
-            let thread = RankThread::spawn(rank, driver, clock, tx.clone(), std::thread::current(), options)
-                .with_context(|| format!("the thread of rank {rank}"))?;
-            ranks.push(thread);
+            observers.push(Some(observer));
         }
+        let clock: Arc<dyn Clock> = engine.clock.clone();
+        let connector = Connector::start_with(scheduler, ranks, clock, |rank| RankOptions {
+            observer: observers.get_mut(rank as usize).and_then(Option::take),
+            ..RankOptions::default()
+        })
+        .map_err(|e| anyhow!("{e}"))?;
         let registration = match &config.discovery {
             None => None,
             Some(settings) => {
@@ -434,7 +435,7 @@ impl<S: Side> Node<S> {
                 Some(Registration::start(connect, record, std::thread::current(), PUBLISH_TIMEOUT)?)
             }
         };
-        let mut node = Node { engine, ranks, reports, side, registration };
+        let mut node = Node { connector, engine, side, registration };
         node.engine.emit(&Event::Ready { ports, metrics_port });
         Ok(node)
     }
@@ -471,23 +472,16 @@ impl<S: Side> Node<S> {
         let Some((_, found)) = &self.registration else { return Ok(()) };
         while let Ok(found) = found.try_recv() {
             match found {
-                Found::Lost { engine, instance } => {
-                    for rank in &self.ranks {
-                        rank.engine_lost(&engine, instance);
-                    }
-                }
+                Found::Lost { engine, instance } => self.connector.engine_lost(&engine, instance),
                 Found::Fatal(message) => return Err(anyhow!("discovery: {message}")),
             }
         }
         Ok(())
     }
 
-    /// Hands the scheduler what the ranks reported and the side the payload work done, and
-    /// carries out what follows.
+    /// Hands the side the payload work done, and carries out what follows (the side's
+    /// `settle` polls the connector, which hands the scheduler what the ranks reported).
     fn step(&mut self) -> Result<()> {
-        while let Ok((rank, report)) = self.reports.try_recv() {
-            self.side.handle_report(rank, report)?;
-        }
         while let Some((tag, took, intact)) = self.engine.take_done()? {
             S::handle_done(self, tag, took, intact)?;
         }
@@ -498,8 +492,9 @@ impl<S: Side> Node<S> {
     fn handle(&mut self, command: Command) -> Result<bool> {
         match command {
             Command::Stats => {
-                let connected = self.ranks.iter().map(|r| r.status().connected as u64).collect();
-                let writes_ahead = self.ranks.iter().map(|r| r.status().counters.writes_ahead).sum();
+                let status = self.connector.status();
+                let connected = status.iter().map(|r| r.connected as u64).collect();
+                let writes_ahead = status.iter().map(|r| r.counters.writes_ahead).sum();
                 self.engine.stats(connected, writes_ahead);
             }
             Command::Shutdown => return Ok(false),
@@ -509,11 +504,9 @@ impl<S: Side> Node<S> {
         Ok(true)
     }
 
-    /// Hands rank `rank`'s worker a command of the scheduler; what it reports comes back
-    /// through `reports`.
-    fn pass_to_worker(&mut self, rank: u32, command: Cmd<S>) -> Result<()> {
-        let worker = self.ranks.get(rank as usize).ok_or_else(|| anyhow!("the scheduler named rank {rank}"))?;
-        worker.send(command);
-        Ok(())
+    /// Hands the ranks the scheduler's commands and the scheduler the ranks' reports until
+    /// neither has more; the scheduler's events for the engine, in order.
+    fn poll(&mut self) -> Result<Vec<<S::Scheduler as kv_engine::Scheduler>::Event>> {
+        self.connector.poll().map_err(|e| anyhow!("{}: {e}", self.engine.name))
     }
 }

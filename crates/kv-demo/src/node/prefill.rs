@@ -3,9 +3,8 @@
 
 use super::*;
 
-/// P's side: its scheduler, and its simulated GPU.
+/// P's side: its simulated GPU.
 pub(super) struct PrefillSide {
-    scheduler: PrefillScheduler,
     /// Simulated compute per prompt token.
     per_token: Duration,
     /// When the GPU is done with the prompts it was given.
@@ -36,13 +35,14 @@ impl PrefillSide {
 
 impl Side for PrefillSide {
     type Worker = PrefillWorker;
+    type Scheduler = PrefillScheduler;
     const ROLE: Role = Role::Prefill;
 
-    fn new(config: &NodeConfig, offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<Self> {
+    fn new(config: &NodeConfig, offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<(Self, PrefillScheduler)> {
         let scheduler = PrefillScheduler::new(offer, addresses, config.connector())?;
         let per_token = Duration::from_micros(config.prefill_us_per_token);
         let chunk = (config.prefill_chunk_tokens > 0 && !per_token.is_zero()).then_some(config.prefill_chunk_tokens);
-        Ok(PrefillSide { scheduler, per_token, gpu_free: Instant::now(), prompts: Vec::new(), chunk })
+        Ok((PrefillSide { per_token, gpu_free: Instant::now(), prompts: Vec::new(), chunk }, scheduler))
     }
 
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<PrefillWorker> {
@@ -58,10 +58,6 @@ impl Side for PrefillSide {
                 WritesAhead::Ended(request.as_str().to_owned())
             }
         }
-    }
-
-    fn handle_report(&mut self, rank: u32, report: PrefillReport) -> Result<()> {
-        Ok(self.scheduler.handle_report(rank, report)?)
     }
 
     fn settle(node: &mut Node<Self>) -> Result<()> {
@@ -169,7 +165,7 @@ impl Node<PrefillSide> {
             let (id, done, consumer) =
                 (RequestId::new(prompt.id.clone()), prompt.blocks[..blocks].to_vec(), prompt.consumer.clone());
             self.side.prompts[i].reported = blocks;
-            self.side.scheduler.handle_progress(id, done, consumer)?;
+            self.connector.scheduler().handle_progress(id, done, consumer)?;
         }
         Ok(())
     }
@@ -184,7 +180,7 @@ impl Node<PrefillSide> {
         let ids: Vec<String> = if n > 1 { (0..n).map(|i| format!("{i}_{id}")).collect() } else { vec![id.clone()] };
         let now = self.engine.now();
         for export in ids {
-            let remote = self.side.scheduler.handle_finished(
+            let remote = self.connector.scheduler().handle_finished(
                 now,
                 RequestId::new(export),
                 blocks.clone(),
@@ -197,11 +193,12 @@ impl Node<PrefillSide> {
         self.drain()
     }
 
-    /// Carries the scheduler's events to the worker and the pool until none is left.
+    /// Carries the scheduler's events to the ranks and the pool until none is left.
     fn drain(&mut self) -> Result<()> {
-        while let Some(event) = self.side.scheduler.poll_event() {
+        for event in self.poll()? {
             match event {
-                PrefillEvent::ToWorker { rank, command } => self.pass_to_worker(rank, command)?,
+                // kv-engine hands the ranks their commands itself.
+                PrefillEvent::ToWorker { rank, .. } => return Err(anyhow!("a command for rank {rank} was not sent")),
                 PrefillEvent::Free { request, blocks, reason } => {
                     self.engine.release(&blocks)?;
                     let event = Event::Freed { id: request.as_str().to_owned(), reason, at_ns: wall_ns() };

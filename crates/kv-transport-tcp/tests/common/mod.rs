@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
+use kv_core::agent::AgentTable;
 use kv_core::side::{ClusterKey, ConnId, FrameTags, LinkRole, SideConfig, SideEndpoint, SideEvent};
 use kv_core::{
     AgentName, Clock, EngineId, Handshake, KvLayout, MemoryKind, PeerAddress, PeerEvent, Region, RegionId, Role, Time,
@@ -189,26 +190,35 @@ impl Flag {
     }
 }
 
-/// The data address in a peer's agent metadata, read by hand from the layout the crate
-/// documents: "KVTC" | version | family | IP | port u16 | ...
+/// The data address in a peer's agent metadata, read through kv-core's registration table.
 pub fn data_address(metadata: &[u8]) -> SocketAddr {
-    assert_eq!(&metadata[..6], b"KVTC\x02\x04", "an IPv4 data address");
-    let ip = std::net::Ipv4Addr::new(metadata[6], metadata[7], metadata[8], metadata[9]);
-    let port = u16::from_le_bytes([metadata[10], metadata[11]]);
-    SocketAddr::from((ip, port))
+    let (table, _) = AgentTable::decode(metadata, "tcp").expect("the TCP transport's agent metadata");
+    table.data.expect("a data address")
 }
 
-/// A frame: kind, little-endian length, body.
+/// A frame header as the crate docs lay it out (the side channel's): the length of the kind and
+/// the body, u32 big-endian, then the kind.
+pub fn head(kind: u8, body_len: usize) -> Vec<u8> {
+    let mut out = ((body_len + 1) as u32).to_be_bytes().to_vec();
+    out.push(kind);
+    out
+}
+
+/// The kind and body length a header says.
+pub fn parse_head(head: [u8; 5]) -> (u8, usize) {
+    (head[4], u32::from_be_bytes([head[0], head[1], head[2], head[3]]) as usize - 1)
+}
+
+/// A frame: header, body.
 pub fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
-    let mut out = vec![kind];
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    let mut out = head(kind, body.len());
     out.extend_from_slice(body);
     out
 }
 
 /// HELLO as the crate docs lay it out.
 pub fn hello(engine: &str, rank: u32, incarnation: u64, nonce: [u8; 32], flags: u8) -> Vec<u8> {
-    let mut body = b"KVTD\x02".to_vec();
+    let mut body = b"KVTD\x03".to_vec();
     body.push(flags);
     body.extend_from_slice(&nonce);
     body.extend_from_slice(&incarnation.to_le_bytes());
@@ -238,11 +248,12 @@ pub fn closed_by_peer(stream: &mut TcpStream) -> bool {
 
 /// Reads one untagged frame: kind and body.
 pub fn read_frame(stream: &mut TcpStream) -> (u8, Vec<u8>) {
-    let mut head = [0u8; 5];
-    stream.read_exact(&mut head).unwrap();
-    let mut body = vec![0u8; u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize];
+    let mut header = [0u8; 5];
+    stream.read_exact(&mut header).unwrap();
+    let (kind, len) = parse_head(header);
+    let mut body = vec![0u8; len];
     stream.read_exact(&mut body).unwrap();
-    (head[0], body)
+    (kind, body)
 }
 
 /// A key holder written from the documents alone: kv-core's side-channel endpoint over a plain
@@ -259,9 +270,10 @@ pub struct RawPeer {
 impl RawPeer {
     /// Handshakes with the side channel at `addr` under the zero key the tests' transports use.
     pub fn handshake(addr: SocketAddr, engine: &str, incarnation: u64) -> RawPeer {
-        // Metadata as the crate lays it out: a data address where nothing listens, no regions.
+        // The TCP transport's metadata: a data address where nothing listens, no regions.
         let mut my_offer = offer(engine, Role::Decode, incarnation);
-        my_offer.agent_metadata = b"KVTC\x02\x04\x7f\x00\x00\x01\x09\x00\x00\x00\x00\x00".to_vec();
+        let table = AgentTable { data: Some(([127, 0, 0, 1], 9).into()), ..AgentTable::new("tcp") };
+        my_offer.agent_metadata = table.encode(&[]).unwrap();
         let mut side = SideEndpoint::new(SideConfig::new(ClusterKey::none()), my_offer).unwrap();
         let mut socket = TcpStream::connect(addr).unwrap();
         socket.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -324,8 +336,7 @@ impl RawLink {
 
     /// Sends a WRITE chunk: transfer, pair, P's address, then the data (tagged if P asked).
     pub fn write_chunk(&mut self, transfer: u64, pair: u32, addr: u64, data: &[u8]) {
-        let mut head = vec![0x03];
-        head.extend_from_slice(&((20 + data.len()) as u32).to_le_bytes());
+        let mut head = head(0x03, 20 + data.len());
         head.extend_from_slice(&transfer.to_le_bytes());
         head.extend_from_slice(&pair.to_le_bytes());
         head.extend_from_slice(&addr.to_le_bytes());
@@ -341,11 +352,11 @@ impl RawLink {
 
     /// Reads one frame and checks its tag (and DATA's payload tag if asked for): kind and body.
     pub fn recv(&mut self) -> (u8, Vec<u8>) {
-        let mut head = [0u8; 5];
-        self.stream.read_exact(&mut head).unwrap();
-        let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
-        let control = if head[0] == 0x81 { 20 } else { len };
-        let mut covered = head.to_vec();
+        let mut header = [0u8; 5];
+        self.stream.read_exact(&mut header).unwrap();
+        let (kind, len) = parse_head(header);
+        let control = if kind == 0x81 { 20 } else { len };
+        let mut covered = header.to_vec();
         covered.resize(5 + control, 0);
         self.stream.read_exact(&mut covered[5..]).unwrap();
         let mut tag = [0u8; 16];
@@ -361,6 +372,6 @@ impl RawLink {
             }
             body.extend_from_slice(&data);
         }
-        (head[0], body)
+        (kind, body)
     }
 }
