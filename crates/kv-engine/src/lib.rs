@@ -19,7 +19,8 @@
 //! - [`metrics`]: the process's recorder of the connectors' metrics, and
 //!   [`MetricsEndpoint`](metrics::MetricsEndpoint), which serves them to Prometheus with a bound
 //!   on the connections a peer can hold.
-//! - [`ProcessClock`]: the one clock of the engine's process.
+//! - [`ProcessClock`]: the one clock of the engine's process; [`HostClock`], the one clock of
+//!   every process of the host, for an engine whose ranks run in processes of their own.
 //!
 //! It names no adapter: the binary picks the transport (NIXL, TCP) and the registry (etcd,
 //! static) and hands them in.
@@ -30,7 +31,7 @@ mod engine;
 pub mod metrics;
 mod rank;
 
-pub use clock::ProcessClock;
+pub use clock::{HostClock, ProcessClock};
 pub use discovery::{Found, Registration, RegistrationError};
 pub use engine::{Engine, EngineError, Next, Scheduler};
 pub use rank::{CommandObserver, RankOptions, RankStatus, RankThread, IDLE_WAIT};

@@ -11,6 +11,7 @@ use crate::metrics::DecodeMetrics;
 
 /// What D's scheduler tells a worker rank.
 #[derive(Clone, PartialEq, Eq, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize), serde(rename_all = "snake_case"))]
 pub enum DecodeCommand {
     /// A request with P's parameters entered the waiting queue: claim and renew its lease.
     Track {
@@ -49,6 +50,7 @@ pub enum DecodeCommand {
 
 /// How a rank's part of a load ended.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize), serde(rename_all = "snake_case"))]
 pub enum LoadOutcome {
     /// The KV is in place.
     Loaded,
@@ -60,6 +62,7 @@ pub enum LoadOutcome {
 
 /// What a D worker rank tells its scheduler.
 #[derive(Clone, PartialEq, Eq, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize), serde(rename_all = "snake_case"))]
 pub enum DecodeReport {
     /// The rank is done with the request: no transfer of it can touch D's blocks any more.
     Finished {

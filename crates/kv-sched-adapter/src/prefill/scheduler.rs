@@ -13,6 +13,7 @@ use crate::metrics::PrefillMetrics;
 
 /// What P's scheduler tells a worker rank.
 #[derive(Clone, PartialEq, Eq, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize), serde(rename_all = "snake_case"))]
 pub enum PrefillCommand {
     /// A finished request's blocks are exported under a lease until `deadline`.
     Export {
@@ -46,6 +47,7 @@ pub enum PrefillCommand {
 
 /// What a P worker rank tells its scheduler.
 #[derive(Clone, PartialEq, Eq, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize), serde(rename_all = "snake_case"))]
 pub enum PrefillReport {
     /// The rank released the export; it will not touch its blocks again.
     Released {
