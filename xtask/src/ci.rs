@@ -12,7 +12,8 @@ use crate::workspace::{self, cargo, cargo_env};
 /// Runs the fmt check, provisions libclang, protoc, etcd, promtool and the NIXL runtime (see
 /// [`provision::ensure`]), then clippy with `-D warnings` and every test of the workspace, with
 /// the provisioned paths in their environment, the examples, `cargo package` of every library
-/// crate, then a short demo in each mode over each transport, and the attack suite.
+/// crate, then a short demo in each mode over each transport, the attack suite, and kvflow's
+/// Python package beside vLLM (`cargo xtask vllm`).
 pub fn run() -> Result<()> {
     let root = workspace::root();
     cargo(&root, &["fmt", "--all", "--", "--check"])?;
@@ -53,6 +54,9 @@ pub fn run() -> Result<()> {
         "xtask",
         "--exclude",
         "kv-demo",
+        // A Python wheel, which maturin packages (`cargo xtask vllm` builds and installs it).
+        "--exclude",
+        "kvflow-py",
         "--locked",
         "--allow-dirty",
         "--target-dir",
@@ -108,6 +112,10 @@ pub fn run() -> Result<()> {
     // The engines under attack, and stopped past their lease, in both modes (about a minute).
     eprintln!("xtask: cargo xtask attack");
     crate::demo::attack(&crate::demo::AttackArgs::default()).context("the attack suite")?;
+    // vLLM on this CPU in a pinned virtualenv (provisioned once, about 3 minutes), kvflow's
+    // wheel built and installed beside it, and the Python tests.
+    eprintln!("xtask: cargo xtask vllm");
+    crate::vllm::run().context("cargo xtask vllm")?;
     Ok(())
 }
 

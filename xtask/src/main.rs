@@ -10,6 +10,7 @@ mod demo;
 mod provision;
 mod sim;
 mod sim_random;
+mod vllm;
 mod workspace;
 
 use std::process::ExitCode;
@@ -34,7 +35,7 @@ enum Task {
     /// says what it tried and what held.
     Attack(demo::AttackArgs),
     /// The fmt check, setup, clippy with -D warnings, every test of the workspace, packaging,
-    /// a short demo in each mode and the attack suite.
+    /// a short demo in each mode, the attack suite and the Python package beside vLLM.
     Ci,
     /// Fetch what the builds and the demo need: libclang, protoc, etcd and promtool (apt-get as
     /// root) and the NIXL runtime (.nixl/).
@@ -44,6 +45,9 @@ enum Task {
     /// The criterion benches, each against its baseline in the same run, then the transport
     /// and end-to-end benches.
     Bench(bench::BenchArgs),
+    /// vLLM's CPU build in an ignored virtualenv (pinned, reused), kvflow's wheel built with
+    /// maturin and installed there, and the Python tests run with pytest.
+    Vllm,
 }
 
 fn main() -> ExitCode {
@@ -54,6 +58,7 @@ fn main() -> ExitCode {
         Task::Setup => provision::run(),
         Task::Bench(args) => bench::run(&args),
         Task::Sim(args) => sim::run(&args),
+        Task::Vllm => vllm::run(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -401,7 +401,7 @@ fn resource_header_dirs(lib_dir: &Path) -> Vec<PathBuf> {
 }
 
 /// Whether this process runs as root (effective uid 0), read from `/proc/self/status`.
-fn is_root() -> bool {
+pub(crate) fn is_root() -> bool {
     let Ok(status) = fs::read_to_string("/proc/self/status") else { return false };
     status
         .lines()
@@ -655,7 +655,7 @@ fn remove_dir_if_exists(dir: &Path) -> Result<()> {
 }
 
 /// The last lines of a command's stderr and stdout, for error messages.
-fn output_tail(output: &Output) -> String {
+pub(crate) fn output_tail(output: &Output) -> String {
     let text = format!("{}{}", String::from_utf8_lossy(&output.stderr), String::from_utf8_lossy(&output.stdout));
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(20)..].join("\n")

@@ -1,0 +1,42 @@
+//! The connector's settings from vLLM's whole `kv_transfer_config`, checked as kvflow's
+//! connectors check them when they are built: the connector's name gives the mode, its
+//! `kv_connector_extra_config` kvflow's keys (durations in seconds, unknown keys refused).
+
+use kv_sched_adapter::{Config, KvRole, KvTransferConfig};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::scheduler::{from_json, refuse};
+
+/// vLLM's whole `kv_transfer_config` (JSON text), and the connector's settings from it.
+pub(crate) fn parse(kv_transfer_config: &str) -> PyResult<(KvTransferConfig, Config)> {
+    let transfer: KvTransferConfig = from_json("kv_transfer_config", kv_transfer_config)?;
+    let config = Config::from_kv_transfer_config(&transfer).map_err(|e| refuse("kv_transfer_config", e))?;
+    Ok((transfer, config))
+}
+
+/// The settings a `kv_transfer_config` (its JSON text) gives kvflow's connector, as a dict:
+/// `mode`, `kv_role`, `kv_connector_module_path`, `engine_id`, `kv_lease_duration`,
+/// `heartbeat_interval`, `heartbeat_lease_extension`, `read_safety_margin` (seconds),
+/// `kv_load_failure_policy` and `num_threads`. Raises `ValueError` naming what is wrong.
+#[pyfunction]
+pub fn connector_settings<'py>(py: Python<'py>, kv_transfer_config: &str) -> PyResult<Bound<'py, PyDict>> {
+    let (transfer, config) = parse(kv_transfer_config)?;
+    let settings = PyDict::new(py);
+    settings.set_item("mode", config.mode.as_str())?;
+    let role = transfer.kv_role.map(|role| match role {
+        KvRole::Producer => "kv_producer",
+        KvRole::Consumer => "kv_consumer",
+        KvRole::Both => "kv_both",
+    });
+    settings.set_item("kv_role", role)?;
+    settings.set_item("kv_connector_module_path", transfer.kv_connector_module_path)?;
+    settings.set_item("engine_id", transfer.engine_id)?;
+    settings.set_item("kv_lease_duration", config.kv_lease_duration.as_secs_f64())?;
+    settings.set_item("heartbeat_interval", config.heartbeat_interval.as_secs_f64())?;
+    settings.set_item("heartbeat_lease_extension", config.lease_extension.as_secs_f64())?;
+    settings.set_item("read_safety_margin", config.read_safety_margin.as_secs_f64())?;
+    settings.set_item("kv_load_failure_policy", config.kv_load_failure_policy.as_str())?;
+    settings.set_item("num_threads", config.num_threads)?;
+    Ok(settings)
+}

@@ -1,0 +1,198 @@
+//! An engine's scheduler side, for the process that runs vLLM's scheduler: P's or D's
+//! scheduler from kv-sched-adapter. Its commands for the ranks and the ranks' reports cross
+//! as JSON (the serde forms of `PrefillCommand`, `DecodeReport`, ...), since vLLM's workers
+//! are processes of their own; the handoff (`RemoteRef`) is one JSON object, as it travels in
+//! `kv_transfer_params`.
+
+use kv_core::{BlockId, EngineId, Handshake, PeerAddress, RequestId, Time};
+use kv_sched_adapter::{
+    Config, Consumer, DecodeEvent, DecodeScheduler as Decode, PrefillEngine, PrefillEvent, PrefillScheduler as Prefill,
+    RemoteRef,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::IntoPyObjectExt;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// A `ValueError` that says `what` failed and why.
+pub(crate) fn refuse(what: &str, why: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(format!("{what}: {why}"))
+}
+
+/// `T` from JSON text; the error names `what`.
+pub(crate) fn from_json<T: DeserializeOwned>(what: &str, text: &str) -> PyResult<T> {
+    serde_json::from_str(text).map_err(|e| refuse(what, e))
+}
+
+/// `value` as JSON text.
+pub(crate) fn to_json(value: &impl Serialize) -> PyResult<String> {
+    serde_json::to_string(value).map_err(|e| refuse("serializing", e))
+}
+
+/// The connector's settings from vLLM's whole `kv_transfer_config` (JSON text).
+pub(crate) fn config(kv_transfer_config: &str) -> PyResult<Config> {
+    crate::config::parse(kv_transfer_config).map(|(_, config)| config)
+}
+
+fn blocks(ids: Vec<u32>) -> Vec<BlockId> {
+    ids.into_iter().map(BlockId).collect()
+}
+
+/// An event of a scheduler, as Python takes it: `("to_rank", (rank, command_json))`,
+/// `("free", (request, blocks[, reason]))` or `("ended", (request, state))`.
+type Event = (&'static str, Py<PyAny>);
+
+/// The event `name` with its `fields`.
+fn event<'py, T: IntoPyObject<'py>>(py: Python<'py>, name: &'static str, fields: T) -> PyResult<Event> {
+    let fields = fields.into_bound_py_any(py)?;
+    Ok((name, fields.unbind()))
+}
+
+/// Block ids as Python takes them.
+fn ids(blocks: &[BlockId]) -> Vec<u32> {
+    blocks.iter().map(|b| b.0).collect()
+}
+
+/// P's scheduler: exports a finished prompt's blocks to every rank, and says when every rank
+/// released them.
+#[pyclass(module = "kvflow._kvflow")]
+pub struct PrefillScheduler {
+    inner: Prefill,
+}
+
+#[pymethods]
+impl PrefillScheduler {
+    /// The scheduler of the engine whose rank 0 offers `offer` (its wire bytes: `Rank.offer()`)
+    /// and whose ranks' side channels listen at `addresses`, in rank order.
+    #[new]
+    fn new(offer: &[u8], addresses: Vec<String>, kv_transfer_config: &str) -> PyResult<Self> {
+        let offer = Handshake::decode(offer).map_err(|e| refuse("offer", e))?;
+        let addresses = addresses.into_iter().map(PeerAddress).collect();
+        let inner = Prefill::new(&offer, addresses, config(kv_transfer_config)?).map_err(|e| refuse("scheduler", e))?;
+        Ok(PrefillScheduler { inner })
+    }
+
+    /// Request `request` finished its prompt at `now_ns` (`now_ns()`, the host clock) in
+    /// `blocks`: export them, bound to `consumer` (engine, incarnation) if the router named
+    /// one; returns the handoff for D, one JSON object.
+    #[pyo3(signature = (now_ns, request, blocks, prompt_tokens, consumer=None))]
+    fn finished(
+        &mut self,
+        now_ns: u64,
+        request: &str,
+        blocks: Vec<u32>,
+        prompt_tokens: u64,
+        consumer: Option<(String, u64)>,
+    ) -> PyResult<String> {
+        let consumer = consumer.map(|(engine, instance)| Consumer { engine: EngineId::new(engine), instance });
+        let remote = self
+            .inner
+            .handle_finished(
+                Time::from_nanos(now_ns),
+                RequestId::new(request),
+                self::blocks(blocks),
+                prompt_tokens,
+                consumer,
+            )
+            .map_err(|e| refuse("finished", e))?;
+        to_json(&remote)
+    }
+
+    /// A report of rank `rank` (JSON, as `Rank.reports()` gives it).
+    fn report(&mut self, rank: u32, report: &str) -> PyResult<()> {
+        let report = from_json("report", report)?;
+        self.inner.handle_report(rank, report).map_err(|e| refuse("report", e))
+    }
+
+    /// Every event since the last call, in order.
+    fn poll(&mut self, py: Python<'_>) -> PyResult<Vec<Event>> {
+        let mut events = Vec::new();
+        while let Some(next) = self.inner.poll_event() {
+            events.push(match next {
+                PrefillEvent::ToWorker { rank, command } => event(py, "to_rank", (rank, to_json(&command)?))?,
+                PrefillEvent::Free { request, blocks, reason } => {
+                    event(py, "free", (request.as_str(), ids(&blocks), reason.as_str()))?
+                }
+            });
+        }
+        Ok(events)
+    }
+}
+
+/// D's scheduler: tracks requests carrying P's handoff, loads them into the blocks the engine
+/// gives, and says how each ended.
+#[pyclass(module = "kvflow._kvflow")]
+pub struct DecodeScheduler {
+    inner: Decode,
+}
+
+#[pymethods]
+impl DecodeScheduler {
+    /// The scheduler of D engine `engine`, of `tp` ranks.
+    #[new]
+    fn new(engine: &str, tp: u32, kv_transfer_config: &str) -> PyResult<Self> {
+        let inner =
+            Decode::new(EngineId::new(engine), tp, config(kv_transfer_config)?).map_err(|e| refuse("scheduler", e))?;
+        Ok(DecodeScheduler { inner })
+    }
+
+    /// Connect the ranks to P engine `prefill` (JSON: the handoff's `prefill`) ahead of its
+    /// first request.
+    fn connect(&mut self, prefill: &str) -> PyResult<()> {
+        let prefill: PrefillEngine = from_json("prefill", prefill)?;
+        self.inner.handle_connect(prefill);
+        Ok(())
+    }
+
+    /// Request `request` arrived with P's handoff (`remote`, JSON) and waits for blocks.
+    fn arrive(&mut self, request: &str, remote: &str) -> PyResult<()> {
+        let remote: RemoteRef = from_json("remote", remote)?;
+        self.inner.handle_arrive(RequestId::new(request), remote).map_err(|e| refuse("arrive", e))
+    }
+
+    /// The engine gave `request` its `blocks`, of which the first `cached_blocks` its own prefix
+    /// cache holds: load the rest.
+    #[pyo3(signature = (request, blocks, cached_blocks=0))]
+    fn schedule(&mut self, request: &str, blocks: Vec<u32>, cached_blocks: usize) -> PyResult<()> {
+        let request = RequestId::new(request);
+        self.inner
+            .handle_schedule_cached(request, self::blocks(blocks), cached_blocks)
+            .map_err(|e| refuse("schedule", e))
+    }
+
+    /// D rejects `request` (P's handoff `remote`) before admission: P is told and frees it.
+    fn reject(&mut self, request: &str, remote: &str) -> PyResult<()> {
+        let remote: RemoteRef = from_json("remote", remote)?;
+        self.inner.handle_reject(RequestId::new(request), remote).map_err(|e| refuse("reject", e))
+    }
+
+    /// The engine aborted `request`.
+    fn abort(&mut self, request: &str) {
+        self.inner.handle_abort(&RequestId::new(request));
+    }
+
+    /// Where `request` stands (`waiting`, `loading`, `ready`, ...), if D knows it.
+    fn state(&self, request: &str) -> Option<&'static str> {
+        self.inner.state(&RequestId::new(request)).map(|state| state.as_str())
+    }
+
+    /// A report of rank `rank` (JSON, as `Rank.reports()` gives it).
+    fn report(&mut self, rank: u32, report: &str) -> PyResult<()> {
+        let report = from_json("report", report)?;
+        self.inner.handle_report(rank, report).map_err(|e| refuse("report", e))
+    }
+
+    /// Every event since the last call, in order.
+    fn poll(&mut self, py: Python<'_>) -> PyResult<Vec<Event>> {
+        let mut events = Vec::new();
+        while let Some(next) = self.inner.poll_event() {
+            events.push(match next {
+                DecodeEvent::ToWorker { rank, command } => event(py, "to_rank", (rank, to_json(&command)?))?,
+                DecodeEvent::Ended { request, state, .. } => event(py, "ended", (request.as_str(), state.as_str()))?,
+                DecodeEvent::Free { request, blocks } => event(py, "free", (request.as_str(), ids(&blocks)))?,
+            });
+        }
+        Ok(events)
+    }
+}

