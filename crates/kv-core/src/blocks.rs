@@ -12,6 +12,7 @@
 use std::ops::Range;
 
 use crate::id::BlockId;
+use crate::layout::KvLayout;
 
 /// A block-size pairing kvflow refuses.
 #[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
@@ -19,6 +20,16 @@ pub enum BlockSizeError {
     /// A block size is zero.
     #[error("block size is 0 (prefill {prefill_tokens} tokens, decode {decode_tokens} tokens)")]
     Zero {
+        /// P's tokens per block.
+        prefill_tokens: u32,
+        /// D's tokens per block.
+        decode_tokens: u32,
+    },
+    /// The layout moves whole blocks only (fused K/V), and the sizes differ.
+    #[error(
+        "block size mismatch: a FusedKv layout moves whole blocks only, and the prefill block holds {prefill_tokens} tokens, the decode block {decode_tokens}"
+    )]
+    WholeBlocksOnly {
         /// P's tokens per block.
         prefill_tokens: u32,
         /// D's tokens per block.
@@ -111,6 +122,17 @@ impl BlockSizeMapping {
             return Err(BlockSizeError::NotMultiple { prefill_tokens, decode_tokens });
         }
         Ok(BlockSizeMapping { prefill_tokens, decode_tokens })
+    }
+
+    /// [`BlockSizeMapping::new`] for P's `layout` and D's `decode_tokens` a block, refusing
+    /// sizes that differ where the layout moves whole blocks only
+    /// ([`KvLayout::whole_blocks_only`]).
+    pub fn for_layout(layout: &KvLayout, decode_tokens: u32) -> Result<Self, BlockSizeError> {
+        let prefill_tokens = layout.block_tokens;
+        if layout.whole_blocks_only() && prefill_tokens != decode_tokens {
+            return Err(BlockSizeError::WholeBlocksOnly { prefill_tokens, decode_tokens });
+        }
+        BlockSizeMapping::new(prefill_tokens, decode_tokens)
     }
 
     /// P's tokens per block.

@@ -122,7 +122,7 @@ pub fn check_compatible(local: &Handshake, peer: &Handshake) -> Result<Compatibl
     if p.compat_hash != d.compat_hash || p.compat_hash != compatibility_hash(&p.model, pl) {
         return Err(HandshakeError::Hash { prefill: p.compat_hash, decode: d.compat_hash });
     }
-    let blocks = BlockSizeMapping::new(pl.block_tokens, dl.block_tokens)?;
+    let blocks = BlockSizeMapping::for_layout(pl, dl.block_tokens)?;
     let tp = TpMapping::new(p.tp_size, d.tp_size, pl.kv_heads, pl.is_mla())?;
     if p.pp_size == 0 || pl.layers % p.pp_size != 0 {
         return Err(HandshakeError::PrefillStages { pp: p.pp_size, layers: pl.layers });
@@ -214,6 +214,26 @@ mod tests {
         let mut rank = d.clone();
         rank.rank = 2;
         assert_eq!(refusal(&p, &rank), "decode rank 2 is out of range for tp 2 x pp 1");
+    }
+
+    #[test]
+    fn fused_kv_splits_heads_across_ranks_but_moves_blocks_only_whole() {
+        let fused = |role, tp, block| {
+            let mut o = offer(role, tp, block);
+            o.layout.attention = crate::Attention::FusedKv;
+            o.compat_hash = compatibility_hash("m", &o.layout);
+            o
+        };
+        let ok = check_compatible(&fused(Role::Prefill, 2, 16), &fused(Role::Decode, 1, 16)).unwrap();
+        assert_eq!(ok.tp.consumers_per_prefill_rank(), 1);
+        assert_eq!(
+            refusal(&fused(Role::Prefill, 1, 32), &fused(Role::Decode, 1, 16)),
+            "block size mismatch: a FusedKv layout moves whole blocks only, and the prefill block holds 32 tokens, the decode block 16"
+        );
+        assert_eq!(
+            refusal(&fused(Role::Prefill, 1, 16), &offer(Role::Decode, 1, 16)),
+            "kv layout mismatch in attention: prefill FusedKv, decode SplitKv"
+        );
     }
 
     #[test]

@@ -75,6 +75,12 @@ pub enum Attention {
     SplitKv,
     /// One latent plane (multi-head latent attention), replicated on every TP rank.
     Mla,
+    /// One plane in which each head keeps its K and V together, `2 × head_dim` elements a
+    /// token (vLLM's CPU attention: each head's K, transposed, then its V), heads sharded across
+    /// TP ranks as with [`Attention::SplitKv`]. The tokens of a head inside a block cannot be
+    /// told apart, so blocks move whole: P's and D's block sizes must be equal, and the order
+    /// is [`MemoryOrder::Hnd`] (a head's part of a block is contiguous).
+    FusedKv,
 }
 
 /// The order of heads and tokens within one plane of one block.
@@ -124,6 +130,12 @@ pub enum LayoutError {
     Zero {
         /// The field that is zero.
         field: &'static str,
+    },
+    /// A fused K/V layout whose heads are not contiguous.
+    #[error("a FusedKv layout keeps each head's part of a block contiguous (order Hnd), not {order:?}")]
+    FusedOrder {
+        /// The order given.
+        order: MemoryOrder,
     },
     /// The pool's byte size does not fit in 64 bits.
     #[error("kv pool of {num_blocks} blocks overflows 64-bit sizes")]
@@ -176,15 +188,32 @@ impl KvLayout {
                 return Err(LayoutError::Zero { field });
             }
         }
+        if self.attention == Attention::FusedKv && self.order != MemoryOrder::Hnd {
+            return Err(LayoutError::FusedOrder { order: self.order });
+        }
         Ok(())
     }
 
-    /// Planes per layer: 2 for K/V, 1 for the MLA latent.
+    /// Planes per layer: 2 for K/V, 1 for the MLA latent and for fused K/V.
     pub fn planes(&self) -> u32 {
         match self.attention {
             Attention::SplitKv => 2,
-            Attention::Mla => 1,
+            Attention::Mla | Attention::FusedKv => 1,
         }
+    }
+
+    /// Elements of one head for one token in one plane: `head_dim`, twice that for fused K/V.
+    pub fn head_elements(&self) -> u64 {
+        let per_plane = match self.attention {
+            Attention::SplitKv | Attention::Mla => 1,
+            Attention::FusedKv => 2,
+        };
+        u64::from(self.head_dim) * per_plane
+    }
+
+    /// Whether blocks move only whole (fused K/V): P's and D's block sizes must be equal.
+    pub fn whole_blocks_only(&self) -> bool {
+        self.attention == Attention::FusedKv
     }
 
     /// Whether the KV is replicated on every rank (MLA).
@@ -197,7 +226,7 @@ impl KvLayout {
     pub fn heads_per_rank(&self, tp: u32) -> u32 {
         match self.attention {
             Attention::Mla => 1,
-            Attention::SplitKv => (self.kv_heads / tp.max(1)).max(1),
+            Attention::SplitKv | Attention::FusedKv => (self.kv_heads / tp.max(1)).max(1),
         }
     }
 
@@ -208,8 +237,8 @@ impl KvLayout {
         let tp = tp.max(1);
         match self.attention {
             Attention::Mla => 0,
-            Attention::SplitKv if tp <= self.kv_heads => rank * (self.kv_heads / tp),
-            Attention::SplitKv => rank / (tp / self.kv_heads.max(1)),
+            Attention::SplitKv | Attention::FusedKv if tp <= self.kv_heads => rank * (self.kv_heads / tp),
+            Attention::SplitKv | Attention::FusedKv => rank / (tp / self.kv_heads.max(1)),
         }
     }
 
@@ -303,9 +332,9 @@ impl PoolShape {
             .checked_mul(self.head_bytes_per_token())
     }
 
-    /// Bytes of one head for one token.
+    /// Bytes of one head for one token in one plane.
     pub fn head_bytes_per_token(&self) -> u64 {
-        u64::from(self.layout.head_dim) * u64::from(self.layout.dtype.bytes())
+        self.layout.head_elements() * u64::from(self.layout.dtype.bytes())
     }
 
     /// Bytes of one plane of one layer of one block.
@@ -432,6 +461,21 @@ pub(crate) mod tests {
         assert_eq!(heads(16)[..4], [(0, 1), (0, 1), (1, 1), (1, 1)], "two ranks to a head");
         let mla = KvLayout { attention: Attention::Mla, kv_heads: 1, ..split };
         assert_eq!((mla.first_head(3, 4), mla.heads_per_rank(4)), (0, 1), "every rank holds the latent");
+    }
+
+    #[test]
+    fn fused_kv_is_one_plane_of_whole_heads() {
+        let fused = KvLayout { attention: Attention::FusedKv, ..llama_like(Placement::LayerMajor) };
+        let shape = PoolShape::new(fused, 4, 10).unwrap();
+        // K and V of a head together: what SplitKv keeps in two planes, in one.
+        assert_eq!(shape.layer_block_bytes(), 2 * 4 * 16 * 128 * 2);
+        assert_eq!((fused.planes(), shape.head_bytes_per_token()), (1, 2 * 128 * 2));
+        assert_eq!((fused.first_head(1, 2), fused.heads_per_rank(2)), (4, 4), "heads split as K/V's");
+        let nhd = KvLayout { order: MemoryOrder::Nhd, ..fused };
+        assert_eq!(
+            nhd.validate().unwrap_err().to_string(),
+            "a FusedKv layout keeps each head's part of a block contiguous (order Hnd), not Nhd"
+        );
     }
 
     #[test]

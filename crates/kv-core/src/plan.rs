@@ -173,7 +173,7 @@ impl TransferPlan {
         if p.blocks.is_empty() {
             return Err(PlanError::Empty);
         }
-        let mapping = BlockSizeMapping::new(p.shape.layout.block_tokens, d.shape.layout.block_tokens)?;
+        let mapping = BlockSizeMapping::for_layout(&p.shape.layout, d.shape.layout.block_tokens)?;
         for (side, pool) in [("prefill", p), ("decode", d)] {
             check_side(side, pool)?;
         }
@@ -532,6 +532,17 @@ mod tests {
                         for p_pp in [1, 2] {
                             check_bytes(layout, (p_tp, p_pp), d_tp, sizes, prompt, cached);
                         }
+                    }
+                }
+                if order == MemoryOrder::Hnd {
+                    // Each head's K and V together (vLLM's CPU attention): heads split across
+                    // ranks, blocks of one size moved whole, a partial prefix hit included.
+                    let fused = small(order, placement, Attention::FusedKv);
+                    for (p_tp, d_tp) in [(1, 1), (2, 1), (1, 2), (4, 2), (2, 4)] {
+                        for (prompt, cached) in [(12, 0), (10, 0), (12, 1)] {
+                            check_bytes(fused, (p_tp, 1), d_tp, (4, 4), prompt, cached);
+                        }
+                        check_bytes(fused, (p_tp, 2), d_tp, (4, 4), 9, 0);
                     }
                 }
                 let mla = KvLayout { kv_heads: 1, ..small(order, placement, Attention::Mla) };
