@@ -15,9 +15,23 @@ fn version() -> &'static str {
     env!("CARGO_PKG_VERSION")
 }
 
+/// Sends kvflow's tracing events to stderr, filtered by `KVFLOW_LOG` (`tracing-subscriber`'s
+/// `EnvFilter` syntax; warnings and errors when unset or unreadable), unless the process
+/// already has a subscriber.
+fn install_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = std::env::var("KVFLOW_LOG")
+        .ok()
+        .and_then(|spec| EnvFilter::try_new(spec).ok())
+        .unwrap_or_else(|| EnvFilter::new("warn"));
+    let _already =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).try_init();
+}
+
 /// kvflow's native module.
 #[pymodule]
 fn _kvflow(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    install_logging();
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(config::connector_settings, m)?)?;
     m.add_function(wrap_pyfunction!(rank::prepare_nixl, m)?)?;

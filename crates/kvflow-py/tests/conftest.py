@@ -9,12 +9,13 @@ import pytest
 ENGINES = pathlib.Path(__file__).parent / "engines"
 
 
-def run(script, *args, env=None):
-    """Runs ``engines/script`` with this Python and returns its stdout; fails with its stderr."""
+def run(script, *args, env=None, returncode=0):
+    """Runs ``engines/script`` with this Python and returns its stdout; fails with its stderr
+    unless it exits with ``returncode``."""
     done = subprocess.run(
         [sys.executable, str(ENGINES / script), *args], capture_output=True, text=True, timeout=600, env=env
     )
-    assert done.returncode == 0, f"{script} {args[:1]} failed:\n{done.stderr[-4000:]}"
+    assert done.returncode == returncode, f"{script} {args[:1]} exited {done.returncode}:\n{done.stderr[-4000:]}"
     return done.stdout
 
 

@@ -2,13 +2,17 @@
 over NIXL: a prefill engine (kv_producer, max_tokens 1) and a decode engine (kv_consumer) that
 decodes 16 greedy tokens from the KV it loaded. Its tokens equal a no-transfer engine's on
 every prompt, P frees every request's blocks once D has read them, and with P's KV overwritten
-by noise before D reads, every output changes: the tokens come from what moved."""
+by noise before D reads, every output changes: the tokens come from what moved. Through vLLM's
+own scheduler: requests waiting in D's queue past the lease while D renews it, aborted while
+they wait, a D that cannot use P's KV, and a D killed while they wait."""
 
 import json
 import os
 import subprocess
 import sys
 import time
+
+import pytest
 
 from conftest import ENGINES, run
 
@@ -17,47 +21,157 @@ from conftest import ENGINES, run
 LENGTHS = [3, 17, 64, 127, 128, 129, 300, 520]
 
 
-def disaggregated(model, prompts, tmp_path, port, *flags):
-    """D's output (tokens and finish reasons per prompt), and how many requests P freed (None
-    if P left)."""
+def result(out):
+    """What an engine script printed on its RESULT line."""
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"no RESULT line in:\n{out[-4000:]}"
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def disaggregated(model, prompts, tmp_path, port, *flags, decode=(), lease=60, d_exit=0, policy="fail"):
+    """D's output (tokens and finish reasons per prompt), and P's (how many requests it freed,
+    by reason, and when the last; None if P left)."""
     handoffs, tokens, done = tmp_path / "handoffs.json", tmp_path / "tokens.json", tmp_path / "done"
-    env = dict(os.environ, PD_PORT=str(port))
-    args = ["prefill", model, prompts, str(handoffs), str(done), *flags]
+    env = dict(os.environ, PD_PORT=str(port), PD_LEASE=str(lease), PD_POLICY=policy, PD_READY=str(tmp_path / "ready"))
+    # A queued D starts with P: P computes once D is up, and D takes the handoffs at once.
+    queued = "queued" in decode
+    args = ["prefill", model, prompts, str(handoffs), str(done), *flags, *(["after-ready"] if queued else [])]
     prefill = subprocess.Popen(
         [sys.executable, str(ENGINES / "pd.py"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     try:
         deadline = time.monotonic() + 300
-        while not handoffs.exists() and prefill.poll() is None and time.monotonic() < deadline:
+        while not queued and not handoffs.exists() and prefill.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert handoffs.exists(), f"P wrote no handoffs:\n{prefill.stderr.read()[-4000:] if prefill.poll() is not None else ''}"
-        run("pd.py", "decode", model, prompts, str(tokens), str(handoffs), str(done), env=env)
+        assert queued or handoffs.exists(), f"P wrote no handoffs:\n{prefill.stderr.read()[-4000:] if prefill.poll() is not None else ''}"
+        run("pd.py", "decode", model, prompts, str(tokens), str(handoffs), str(done), *decode, env=env, returncode=d_exit)
         out, err = prefill.communicate(timeout=120)
     finally:
         if prefill.poll() is None:
             prefill.kill()
     assert prefill.returncode == 0, f"P failed:\n{err[-4000:]}"
-    freed = None if "leave" in flags else json.loads(out.strip().splitlines()[-1])["freed"]
+    freed = None if "leave" in flags else result(out)
     return json.loads(tokens.read_text()), freed
 
 
-def test_decode_from_kv_moved_by_kvflow_equals_one_engine(model, tmp_path):
-    prompts = tmp_path / "prompts.json"
+@pytest.fixture(scope="module")
+def prompts(model, tmp_path_factory):
+    """The prompts (a file of token ids) and one engine's 16 greedy tokens for each."""
+    path = tmp_path_factory.mktemp("prompts")
+    prompts = path / "prompts.json"
     prompts.write_text(json.dumps([[(11 * i + 5 * j) % 1000 + 1 for j in range(n)] for i, n in enumerate(LENGTHS)]))
-    run("pd.py", "plain", model, str(prompts), str(tmp_path / "plain.json"))
-    alone = json.loads((tmp_path / "plain.json").read_text())
+    run("pd.py", "plain", model, str(prompts), str(path / "plain.json"))
+    alone = json.loads((path / "plain.json").read_text())
     assert [len(t) for t in alone] == [16] * len(LENGTHS)
+    return str(prompts), alone
 
+
+def test_decode_from_kv_moved_by_kvflow_equals_one_engine(model, prompts, tmp_path):
+    prompts, alone = prompts
     (tmp_path / "moved").mkdir()
-    output, freed = disaggregated(model, str(prompts), tmp_path / "moved", 5610)
+    output, freed = disaggregated(model, prompts, tmp_path / "moved", 5610)
     assert output["tokens"] == alone
-    assert freed == len(LENGTHS), "P frees every request's blocks once D read them"
+    assert freed["freed"] == len(LENGTHS), "P frees every request's blocks once D read them"
+    assert freed["reasons"] == {"transferred": len(LENGTHS)}
 
     (tmp_path / "noise").mkdir()
-    output, freed = disaggregated(model, str(prompts), tmp_path / "noise", 5630, "noise")
+    output, freed = disaggregated(model, prompts, tmp_path / "noise", 5630, "noise")
     changed = [t != a for t, a in zip(output["tokens"], alone)]
     assert all(changed), f"with P's KV replaced by noise, outputs {[i for i, c in enumerate(changed) if not c]} did not change"
-    assert freed == len(LENGTHS)
+    assert freed["freed"] == len(LENGTHS)
+
+
+def test_push_from_p_into_blocks_d_registered_first_equals_one_engine(model, prompts, tmp_path):
+    """KvflowPushConnector, the requests at D first: D's ranks register its blocks with P's
+    before P has computed anything, P writes each prompt's KV into them once computed, and D's
+    tokens equal one engine's; P frees every export once its writes are done."""
+    prompts, alone = prompts
+    tokens, done, go = tmp_path / "tokens.json", tmp_path / "done", tmp_path / "go"
+    env = dict(os.environ, PD_PORT="5780", PD_LEASE="60")
+    prefill = subprocess.Popen(
+        [sys.executable, str(ENGINES / "pd.py"), "push-prefill", model, prompts, "-", str(done), str(go)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        ready = tmp_path / "go.ready"
+        while not ready.exists() and prefill.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert ready.exists(), f"P did not start:\n{prefill.stderr.read()[-4000:] if prefill.poll() is not None else ''}"
+        run("pd.py", "push-decode", model, prompts, str(tokens), str(done), str(go), env=env)
+        out, err = prefill.communicate(timeout=120)
+    finally:
+        if prefill.poll() is None:
+            prefill.kill()
+    assert prefill.returncode == 0, f"P failed:\n{err[-4000:]}"
+    output, freed = json.loads(tokens.read_text()), result(out)
+    assert output["reasons"] == ["length"] * len(LENGTHS), output
+    assert output["tokens"] == alone
+    assert freed == {"freed": len(LENGTHS), "reasons": {"transferred": len(LENGTHS)}}, freed
+
+
+def test_p_at_two_workers_into_d_at_one_equals_one_engine(model, prompts, tmp_path):
+    """P at TP 2 (two worker processes, each a rank with half the KV heads) and D at TP 1:
+    D's rank reads each P rank's heads of every block into its own, and its tokens equal one
+    engine's; P frees every request once D read both ranks' blocks."""
+    prompts, alone = prompts
+    output, freed = disaggregated(model, prompts, tmp_path, 5800, "tp2")
+    assert output["tokens"] == alone
+    assert freed["reasons"] == {"transferred": len(LENGTHS)}, freed
+
+
+def test_requests_wait_in_d_queue_past_the_lease_while_d_renews_it_and_aborts_reach_p(model, prompts, tmp_path):
+    """A 2 s lease; D's KV cache is full with a request of its own, so the others wait in vLLM's
+    queue for blocks, tracked from on_new_request: D's ranks renew their leases, and each waits
+    more than twice the lease, yet every one loads and decodes as one engine does (none expired
+    at P). The last two are aborted while they wait: P frees them as aborted at once."""
+    prompts, alone = prompts
+    lease = 2
+    output, freed = disaggregated(model, prompts, tmp_path, 5650, decode=["queued", "abort"], lease=lease)
+    kept = len(LENGTHS) - 2
+    assert output["tokens"][:kept] == alone[:kept]
+    assert output["reasons"][kept:] == ["abort", "abort"]
+    assert min(output["waited"][:kept]) > 2 * lease, output["waited"]
+    assert freed["reasons"] == {"transferred": kept, "aborted": 2}, freed
+    assert freed["freed"] == len(LENGTHS)
+
+
+def test_parallel_sampling_siblings_at_p_are_all_freed_when_d_reads_one(model, prompts, tmp_path):
+    """P runs each prompt with n = 2: two sibling requests, each exported, of which vLLM hands
+    the proxy one handoff (NixlConnector strands the other until its lease ends). D reads that
+    one; its completion releases both siblings at P at once."""
+    prompts, alone = prompts
+    output, freed = disaggregated(model, prompts, tmp_path, 5760, "n2")
+    assert output["tokens"] == alone
+    assert freed["freed"] == 2 * len(LENGTHS), freed
+    assert freed["reasons"] == {"transferred": len(LENGTHS), "sibling": len(LENGTHS)}, freed
+
+
+def test_a_decode_engine_killed_while_requests_wait_has_p_release_them_at_once(model, prompts, tmp_path):
+    """D queues every request behind one of its own (its ranks claim them: D owns their
+    exports), then is killed with SIGKILL: P sees its side channel close and frees every export
+    at once (peer lost), long before their 60 s leases end."""
+    prompts, _ = prompts
+    output, freed = disaggregated(model, prompts, tmp_path, 5670, decode=["queued", "die"], d_exit=-9)
+    reasons = freed["reasons"]
+    assert freed["freed"] == len(LENGTHS), freed
+    assert reasons == {"peer_lost": len(LENGTHS)}, reasons
+    released_after = freed["freed_at"] - output["died_at"]
+    assert released_after < 10, f"P freed the last export {released_after:.1f} s after D died"
+
+
+def test_a_decode_engine_whose_blocks_differ_from_p_computes_the_prompt_itself(model, prompts, tmp_path):
+    """D's blocks are 64 tokens, P's 128: vLLM's CPU blocks keep each head's K transposed, so
+    they move only whole and these engines cannot exchange KV. D computes each prompt itself,
+    with one engine's tokens; P frees every export when its (3 s) lease ends."""
+    prompts, alone = prompts
+    output, freed = disaggregated(model, prompts, tmp_path, 5690, decode=["block64"], lease=3)
+    assert output["reasons"] == ["length"] * len(LENGTHS)
+    assert output["tokens"] == alone
+    assert freed["reasons"] == {"expired": len(LENGTHS)}, freed
 
 
 def test_a_load_from_a_prefill_engine_that_left_fails_and_nothing_decodes_from_it(model, tmp_path):
@@ -66,5 +180,15 @@ def test_a_load_from_a_prefill_engine_that_left_fails_and_nothing_decodes_from_i
     blocks that hold no KV."""
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([[(13 * i + 7 * j) % 1000 + 1 for j in range(n)] for i, n in enumerate([40, 300])]))
-    output, _ = disaggregated(model, str(prompts), tmp_path, 5650, "leave")
+    output, _ = disaggregated(model, str(prompts), tmp_path, 5720, "leave")
     assert output["reasons"] == ["error", "error"], output
+
+
+def test_a_load_that_fails_under_recompute_is_computed_by_d_as_one_engine_would(model, prompts, tmp_path):
+    """P exits right after its prefill; D's kv_load_failure_policy is "recompute": every read
+    fails, the connector reports the blocks invalid, and vLLM computes the prompts itself, with
+    the tokens one engine gives."""
+    prompts, alone = prompts
+    output, _ = disaggregated(model, prompts, tmp_path, 5740, "leave", policy="recompute")
+    assert output["reasons"] == ["length"] * len(LENGTHS), output
+    assert output["tokens"] == alone

@@ -1,16 +1,31 @@
-"""kvflow's KV connector for vLLM's v1 interface, loaded by module path
-(``kv_connector="KvflowConnector"``, ``kv_connector_module_path="kvflow.vllm"``).
+"""kvflow's KV connectors for vLLM's v1 interface, loaded by module path
+(``kv_connector="KvflowConnector"`` for pull, ``"KvflowPushConnector"`` for push, with
+``kv_connector_module_path="kvflow.vllm"``).
 
-So far: pull mode, ``kv_role`` ``kv_producer`` or ``kv_consumer``, vLLM's CPU attention backend
-with P and D at the same TP size and block size (whole blocks move; a layout it cannot
-describe is refused). The scheduler side runs kvflow's P or D scheduler, the worker side one
+So far: ``kv_role`` ``kv_producer`` or ``kv_consumer``, vLLM's CPU attention backend with P
+and D at one block size and TP sizes whose heads divide (each head's part of a block moves
+whole; a layout it cannot describe is refused). The scheduler side runs kvflow's P or D scheduler, the worker side one
 TP rank on a NIXL agent over vLLM's own KV tensors, registered in place; the scheduler's
 commands reach the workers in the connector metadata and their reports come back in the
 worker metadata, and each worker tells vLLM which requests it finished sending or receiving.
+
+D tracks a request from the moment vLLM queues it (``on_new_request``): its ranks claim P's
+export and renew the lease while it waits, so a request may wait past the lease; a D that
+cannot use P's KV (another block size) computes the prompt itself; a request aborted while it waits or loads is aborted at P too, and the blocks of a load in flight
+go back to vLLM only once every rank's reads have ended.
+
+In push mode D may learn of a request before P has computed it: the proxy sends it to D and
+P under one request id, and to D with P's engine (``{"kvflow": {"prefill": {"engine",
+"addresses", "tp_size", "pp_size"}, "request": <that id>, "instance": null, "prompt_tokens",
+"export": null, "consumer": null}, "do_remote_prefill": true}``). D's ranks register its blocks
+with P's under D's request id, which P matches to its export by the id without vLLM's random
+suffix (as NixlConnector's push matches them), and P writes into them once it has computed the
+prompt.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -85,7 +100,16 @@ class KvflowConnector(KVConnectorBase_V1):
         # Scheduler side.
         self._prefill = None
         self._decode = native.DecodeScheduler(self._engine, self._tp, self._config) if self._consumer else None
-        self._arrived: set[str] = set()
+        # D: requests tracked since vLLM queued them, and the tokens of each that D's own
+        # prefix cache holds, from vLLM's last match.
+        self._tracked: set[str] = set()
+        self._local_tokens: dict[str, int] = {}
+        # P: exports held, and how many were freed, by reason (transferred,
+        # expired, rejected, aborted, sibling, peer_lost).
+        self._exports: set[str] = set()
+        # Commands for each rank, until the next metadata carries them.
+        self._commands: dict[int, list[str]] = {}
+        self.freed_by_reason: collections.Counter[str] = collections.Counter()
         # Worker side.
         self._rank = None
         self._pending_reports: list[tuple[int, str]] = []
@@ -103,42 +127,68 @@ class KvflowConnector(KVConnectorBase_V1):
         addresses = [m.address for _, m in ranks]
         self._prefill = native.PrefillScheduler(offer, addresses, self._config)
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def on_new_request(self, request):
         params = request.kv_transfer_params or {}
-        if not self._consumer or "kvflow" not in params or not params.get("do_remote_prefill"):
-            return 0, False
-        if request.request_id in self._arrived:
-            return 0, False
-        # Whole blocks move as they are: P's layout must be D's (vLLM's CPU blocks interleave
-        # each head's K and V in an order kvflow's layout does not describe, so no head or
-        # token range of a block can be split off).
-        theirs = params.get("kvflow_layout", {})
-        ours = {"block_size": self._block_size, "tp_size": self._tp}
-        if theirs != ours:
-            logger.warning("kvflow: %s's prefill engine has %s, this engine %s: computing it here", request.request_id, theirs, ours)
+        if self._decode is None or "kvflow" not in params or not params.get("do_remote_prefill"):
+            return
+        rid, remote = request.request_id, json.dumps(params["kvflow"])
+        # vLLM's CPU attention keeps each head's K (transposed) and V together in a block, so a
+        # head's part of a block moves whole and P's block size must be D's (any TP sizes
+        # whose heads divide). Engines whose layouts cannot exchange KV refuse each other's
+        # handshake, so D cannot tell P either: P frees the export when its lease ends. (A
+        # proxy that sends D the request before P computed it may not know P's layout: the
+        # handshake then refuses, and the load fails.)
+        theirs = params.get("kvflow_layout", {}).get("block_size", self._block_size)
+        try:
+            if theirs != self._block_size:
+                logger.warning(
+                    "kvflow: %s's prefill engine has blocks of %s tokens, this engine %s: computing it here "
+                    "(the engines cannot exchange KV; P frees it when its lease ends)",
+                    rid, theirs, self._block_size,
+                )
+                return
+            # D's ranks claim the export and renew its lease while the request waits.
+            self._decode.arrive(rid, remote)
+            self._tracked.add(rid)
+        except ValueError as error:
+            logger.warning("kvflow: %s: %s; computing it here", rid, error)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        rid = request.request_id
+        if rid not in self._tracked or self._decode.state(rid) != "waiting":
             return 0, False
         count = len(request.prompt_token_ids) - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        self._local_tokens[rid] = num_computed_tokens
+        return count, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        if num_external_tokens == 0 or self._decode is None:
+        rid = request.request_id
+        if num_external_tokens == 0 or rid not in self._tracked:
             return
-        params = request.kv_transfer_params
-        remote = params["kvflow"]
         block_ids = blocks.get_block_ids()[0]
-        needed = math.ceil(remote["prompt_tokens"] / self._block_size)
-        self._decode.arrive(request.request_id, json.dumps(remote))
-        self._decode.schedule(request.request_id, list(block_ids[:needed]))
-        self._arrived.add(request.request_id)
+        needed = math.ceil(len(request.prompt_token_ids) / self._block_size)
+        # The blocks vLLM's prefix cache filled stay as they are; the rest are read.
+        cached = self._local_tokens.pop(rid, 0) // self._block_size
+        self._decode.schedule(rid, list(block_ids[:needed]), cached)
 
-    def build_connector_meta(self, scheduler_output):
-        meta = KvflowMetadata()
+    def _take_events(self):
+        """The schedulers' events since the last call: commands wait for the next metadata,
+        P's frees are counted at once."""
         for scheduler in (self._prefill, self._decode):
             if scheduler is None:
                 continue
             for what, event in scheduler.poll():
                 if what == "to_rank":
-                    meta.commands.setdefault(event[0], []).append(event[1])
+                    self._commands.setdefault(event[0], []).append(event[1])
+                elif what == "free" and scheduler is self._prefill:
+                    self._exports.discard(event[0])
+                    self.freed_by_reason[event[2]] += 1
+
+    def build_connector_meta(self, scheduler_output):
+        self._take_events()
+        meta, self._commands = KvflowMetadata(commands=self._commands), {}
         return meta
 
     def update_connector_output(self, connector_output):
@@ -151,16 +201,39 @@ class KvflowConnector(KVConnectorBase_V1):
             scheduler = self._prefill if to_prefill else self._decode
             if scheduler is not None:
                 scheduler.report(rank, report)
+        # What the reports made of the schedulers' state shows now, not at the next step.
+        self._take_events()
 
     def request_finished(self, request, block_ids):
-        # D: the request's load, if it had one, is over for good.
-        self._arrived.discard(request.request_id)
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        self._local_tokens.pop(rid, None)
+        if rid in self._tracked:
+            # D: a request that ends while it waits or loads (aborted) is aborted at P too. A
+            # load's reads may still land in its blocks: vLLM keeps them until every rank has
+            # reported the load over (finished receiving).
+            self._tracked.discard(rid)
+            state = self._decode.state(rid)
+            if state in ("waiting", "loading"):
+                self._decode.abort(rid)
+                return state == "loading", None
+            return False, None
         params = request.kv_transfer_params or {}
         if self._prefill is None or not params.get("do_remote_decode"):
             return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            # An aborted prefill has no KV for D: nothing to export.
+            return False, None
         prompt = len(request.prompt_token_ids)
         blocks = list(block_ids[: math.ceil(prompt / self._block_size)])
-        remote = json.loads(self._prefill.finished(native.now_ns(), request.request_id, blocks, prompt))
+        try:
+            remote = json.loads(self._prefill.finished(native.now_ns(), rid, blocks, prompt))
+        except ValueError as error:
+            # (An id that named an export before, say.) No handoff: D computes the prompt.
+            logger.error("kvflow: %s is not exported: %s", rid, error)
+            return False, None
+        self._exports.add(rid)
         return True, {
             "kvflow": remote,
             "do_remote_prefill": True,
@@ -169,6 +242,11 @@ class KvflowConnector(KVConnectorBase_V1):
             "remote_engine_id": self._engine,
             "kvflow_layout": {"block_size": self._block_size, "tp_size": self._tp},
         }
+
+    def has_pending_push_work(self):
+        # P keeps stepping while it holds exports, so that its ranks' reports (releases) come
+        # back and vLLM frees the blocks at once, not at the next request.
+        return bool(self._exports)
 
     # ---- worker side ----
 
@@ -181,13 +259,15 @@ class KvflowConnector(KVConnectorBase_V1):
             raise ValueError(f"kvflow: a KV cache of shape {tuple(first.shape)} on {first.device} is not one it can describe yet")
         num_blocks, kv_heads, block_size, twice_head = first.shape
         dtype = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}[str(first.dtype)]
+        # Each layer's tensor is one region; inside a block, each head's K (transposed) then
+        # its V: one plane of whole heads (kvflow's FusedKv), heads split across TP ranks.
         layout = {
             "layers": len(layers),
             "block_tokens": block_size,
             "kv_heads": kv_heads * self._tp,
             "head_dim": twice_head // 2,
             "dtype": dtype,
-            "attention": "SplitKv",
+            "attention": "FusedKv",
             "order": "Hnd",
             "placement": "LayerMajor",
         }
@@ -240,9 +320,11 @@ class KvflowConnector(KVConnectorBase_V1):
             parsed = json.loads(report)
             if "released" in parsed:
                 sending.add(parsed["released"]["request"])
-            elif "finished" in parsed:
+            elif "finished" in parsed and parsed["finished"]["request"] in self._load_blocks:
+                # A load this rank was given (a request tracked and aborted before it had
+                # blocks holds none of vLLM's: nothing to tell it).
                 finished = parsed["finished"]
-                blocks = self._load_blocks.pop(finished["request"], [])
+                blocks = self._load_blocks.pop(finished["request"])
                 if finished["outcome"] == "failed":
                     # vLLM must not decode from these: they hold no valid KV (those before
                     # `kept_blocks` do). It recomputes or fails the request, as its
@@ -265,3 +347,8 @@ class KvflowConnector(KVConnectorBase_V1):
         if self._rank is not None:
             self._rank.close()
             self._rank = None
+
+
+class KvflowPushConnector(KvflowConnector):
+    """Push: P writes into the blocks D registered (``kv_connector="KvflowPushConnector"``
+    selects push in the connectors' settings; the rest is KvflowConnector's)."""

@@ -1,17 +1,37 @@
 """One vLLM engine of the disaggregated test, in a process of its own:
 
 ``pd.py plain MODEL PROMPTS OUT``: no transfer, 16 greedy tokens per prompt.
-``pd.py prefill MODEL PROMPTS OUT DONE [noise] [leave]``: P (kv_producer) computes each prompt
-with max_tokens 1, writes the handoffs (kv_transfer_params) to OUT, optionally overwrites its
+``pd.py prefill MODEL PROMPTS OUT DONE [noise] [leave] [n2] [tp2] [after-ready]``: P
+(kv_producer; with ``after-ready``, once the file ``PD_READY`` names exists) computes each prompt with max_tokens 1 (with ``n2``, n = 2: two parallel-sampling siblings, of which vLLM
+returns one handoff; with ``tp2``, at TP 2: two worker processes, each a rank of its own), writes the handoffs (kv_transfer_params) to OUT, optionally overwrites its
 whole KV cache with noise (or exits at once: leave), serves D's reads until DONE exists, then steps until vLLM has freed every
 request's blocks (the connector reported them finished sending) and prints ``{"freed": n}``.
-``pd.py decode MODEL PROMPTS OUT HANDOFFS DONE``: D (kv_consumer) decodes 16 greedy tokens per
-prompt from the KV it loads through the handoff, writes them and each request's finish reason
-to OUT, then creates DONE.
+``pd.py decode MODEL PROMPTS OUT HANDOFFS DONE [queued] [abort] [die] [block64]``: D
+(kv_consumer) decodes 16 greedy tokens per prompt from the KV it loads through the handoff,
+writes them and each request's finish reason to OUT, then creates DONE. One request at a time,
+or with ``queued`` all of them at once into an engine whose KV cache (8 blocks, 1024 tokens) a
+request computed there first fills for 120 tokens of decode (50 ms a step), so they wait in
+vLLM's queue for blocks (OUT also gets how long each waited for its first token); with
+``abort`` the last two are aborted while they wait, with ``die`` D kills itself (SIGKILL) a
+second after they were queued, writing the time first. ``block64``: D's blocks are 64 tokens,
+P's 128.
+
+``pd.py push-prefill MODEL PROMPTS OUT DONE GO`` and ``pd.py push-decode MODEL PROMPTS OUT DONE
+GO``: push (``KvflowPushConnector``), with the requests at D first, as a proxy sends them. P
+starts, creates GO.ready and waits for GO; D queues every request with a handoff it built from what a proxy knows
+ahead (P's engine id and side-channel address, the request id it gives P, the prompt's length),
+so its ranks register its blocks with P's, then creates GO; P computes the prompts under those
+ids and writes their KV into D's blocks; D decodes 16 greedy tokens per prompt as above.
+
+``PD_LEASE`` (seconds, 60 by default) is both engines' ``kv_lease_duration``, ``PD_POLICY``
+their ``kv_load_failure_policy`` (``fail`` by default); P's output also
+gives its exports freed by reason and when its last request was freed, on a line of its own
+that starts with ``RESULT`` (vLLM's workers log to stdout too).
 """
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -20,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def engine(model, role, port):
+def engine(model, role, port, connector="KvflowConnector", engine_id=None, **options):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -28,10 +48,12 @@ def engine(model, role, port):
     if role:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         config = KVTransferConfig(
-            kv_connector="KvflowConnector",
+            kv_connector=connector,
+            **({"engine_id": engine_id} if engine_id else {}),
             kv_connector_module_path="kvflow.vllm",
             kv_role=role,
-            kv_connector_extra_config={"kv_lease_duration": 60},
+            kv_connector_extra_config={"kv_lease_duration": float(os.environ.get("PD_LEASE", "60"))},
+            kv_load_failure_policy=os.environ.get("PD_POLICY", "fail"),
         )
     return LLM(
         model=model,
@@ -41,14 +63,125 @@ def engine(model, role, port):
         max_model_len=1024,
         seed=0,
         kv_transfer_config=config,
+        **options,
     )
 
 
-def params(max_tokens, kv_transfer_params=None):
+def params(max_tokens, kv_transfer_params=None, n=1):
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
-    return SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False, extra_args=extra)
+    # vLLM refuses n > 1 with greedy sampling: siblings sample (P's one token is not D's).
+    sampling = {"temperature": 1.0, "seed": 0} if n > 1 else {"temperature": 0}
+    return SamplingParams(max_tokens=max_tokens, n=n, detokenize=False, extra_args=extra, **sampling)
+
+
+def queued(llm, prompts, handoffs_path, flags, out, done):
+    """Every prompt into an engine whose KV cache a request of its own fills while it decodes
+    (stepping 80 ms apart), so that they wait in vLLM's queue for blocks. Once that request
+    runs, D creates ``PD_READY`` (P waits for it before it computes anything, so that no lease
+    starts before D is up) and takes the handoffs as soon as P has written them."""
+    engine, ids = llm.llm_engine, [f"r{i}" for i in range(len(prompts))]
+    added, first, tokens, reasons = {}, {}, {}, {}
+    handoffs = []
+
+    def add(i):
+        added[ids[i]] = time.monotonic()
+        engine.add_request(ids[i], prompts[i], params(16, handoffs[i]))
+
+    def step(until, seconds=120):
+        deadline = time.monotonic() + seconds
+        while not until() and time.monotonic() < deadline:
+            for output in engine.step():
+                got = list(output.outputs[0].token_ids)
+                tokens[output.request_id] = got
+                if got:
+                    first.setdefault(output.request_id, time.monotonic())
+                if output.finished:
+                    reasons[output.request_id] = output.outputs[0].finish_reason
+            time.sleep(0.08)
+
+    engine.add_request("hog", {"prompt_token_ids": [7] * 900}, params(120))
+    step(lambda: "hog" in first)
+    open(os.environ["PD_READY"], "w").write("ready")
+    step(lambda: os.path.exists(handoffs_path))
+    handoffs.extend(json.load(open(handoffs_path)))
+    for i in range(len(prompts)):
+        add(i)
+    if "die" in flags:
+        step(lambda: False, 1.0)
+        json.dump({"died_at": time.time()}, open(out, "w"))
+        open(done, "w").write("done")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if "abort" in flags:
+        step(lambda: False, 0.5)
+        engine.abort_request(ids[-2:])
+        for rid in ids[-2:]:
+            reasons.setdefault(rid, "abort")
+    step(lambda: all(rid in reasons for rid in ids + ["hog"]))
+    return {
+        "tokens": [tokens.get(rid) for rid in ids],
+        "reasons": [reasons.get(rid) for rid in ids],
+        "waited": [first[rid] - added[rid] if rid in first else None for rid in ids],
+    }
+
+
+PUSH_PREFILL = "kvflow-push-prefill"
+
+
+def push_prefill(model, prompts, done, go):
+    port = int(os.environ.get("PD_PORT", "5610"))
+    llm = engine(model, "kv_producer", port, connector="KvflowPushConnector", engine_id=PUSH_PREFILL)
+    open(go + ".ready", "w").write("ready")
+    for _ in wait_for(go, 300):
+        time.sleep(0.05)
+    engine_ = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine_.add_request(f"p{i}", prompt, params(1, {"do_remote_decode": True}))
+    scheduler = engine_.engine_core.engine_core.scheduler
+    for _ in wait_for(done, 300):
+        engine_.step()
+        time.sleep(0.01)
+    deadline = time.monotonic() + 30
+    while scheduler.requests and time.monotonic() < deadline:
+        engine_.step()
+        time.sleep(0.01)
+    return {"freed": len(prompts) - len(scheduler.requests), "reasons": dict(scheduler.connector.freed_by_reason)}
+
+
+def push_decode(model, prompts, done, go):
+    port = int(os.environ.get("PD_PORT", "5610"))
+    llm = engine(model, "kv_consumer", port + 100, connector="KvflowPushConnector")
+    # The proxy gives both legs of a request one id.
+    engine_, ids = llm.llm_engine, [f"p{i}" for i in range(len(prompts))]
+    prefill = {"engine": PUSH_PREFILL, "addresses": [f"127.0.0.1:{port}"], "tp_size": 1, "pp_size": 1}
+    for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+        remote = {
+            "prefill": prefill,
+            "request": rid,
+            "instance": None,
+            "prompt_tokens": len(prompt["prompt_token_ids"]),
+            "export": None,
+            "consumer": None,
+        }
+        engine_.add_request(rid, prompt, params(16, {"kvflow": remote, "do_remote_prefill": True}))
+    tokens, reasons = {}, {}
+
+    def step():
+        for output in engine_.step():
+            tokens[output.request_id] = list(output.outputs[0].token_ids)
+            if output.finished:
+                reasons[output.request_id] = output.outputs[0].finish_reason
+        time.sleep(0.01)
+
+    # A few steps: vLLM allocates the blocks and the ranks register them with P's.
+    for _ in range(20):
+        step()
+    open(go, "w").write("go")
+    deadline = time.monotonic() + 180
+    while len(reasons) < len(ids) and time.monotonic() < deadline:
+        step()
+    return {"tokens": [tokens.get(rid) for rid in ids], "reasons": [reasons.get(rid) for rid in ids]}
 
 
 def wait_for(path, seconds):
@@ -65,8 +198,17 @@ if __name__ == "__main__":
         json.dump([list(o.outputs[0].token_ids) for o in outputs], open(out, "w"))
     elif what == "prefill":
         done, noise, leave = sys.argv[5], "noise" in sys.argv[6:], "leave" in sys.argv[6:]
-        llm = engine(model, "kv_producer", int(os.environ.get("PD_PORT", "5610")))
-        outputs = llm.generate(prompts, params(1, {"do_remote_decode": True}))
+        n = 2 if "n2" in sys.argv[6:] else 1
+        tp = {}
+        if "tp2" in sys.argv[6:]:
+            tp = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+            # vLLM binds each CPU worker to a NUMA node of its own unless told otherwise.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        llm = engine(model, "kv_producer", int(os.environ.get("PD_PORT", "5610")), **tp)
+        if "after-ready" in sys.argv[6:]:
+            for _ in wait_for(os.environ["PD_READY"], 300):
+                time.sleep(0.1)
+        outputs = llm.generate(prompts, params(1, {"do_remote_decode": True}, n))
         if noise:
             import torch
             from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -87,14 +229,32 @@ if __name__ == "__main__":
         while scheduler.requests and time.monotonic() < deadline:
             llm.llm_engine.step()
             time.sleep(0.01)
-        print(json.dumps({"freed": len(prompts) - len(scheduler.requests)}))
+        freed = {
+            "freed": n * len(prompts) - len(scheduler.requests),
+            "reasons": dict(scheduler.connector.freed_by_reason),
+            "freed_at": time.time(),
+        }
+        print("RESULT", json.dumps(freed))
+    elif what == "push-prefill":
+        print("RESULT", json.dumps(push_prefill(model, prompts, sys.argv[5], sys.argv[6])))
+    elif what == "push-decode":
+        json.dump(push_decode(model, prompts, sys.argv[5], sys.argv[6]), open(out, "w"))
+        open(sys.argv[5], "w").write("done")
     elif what == "decode":
-        handoffs, done = json.load(open(sys.argv[5])), sys.argv[6]
-        llm = engine(model, "kv_consumer", int(os.environ.get("PD_PORT", "5610")) + 100)
-        tokens, reasons = [], []
-        for prompt, handoff in zip(prompts, handoffs):
-            output = llm.generate([prompt], params(16, handoff))[0]
-            tokens.append(list(output.outputs[0].token_ids))
-            reasons.append(output.outputs[0].finish_reason)
-        json.dump({"tokens": tokens, "reasons": reasons}, open(out, "w"))
+        handoffs, done, flags = sys.argv[5], sys.argv[6], sys.argv[7:]
+        options = {"block_size": 64} if "block64" in flags else {}
+        if "queued" in flags:
+            # 8 blocks and vLLM's null block.
+            options["num_gpu_blocks_override"] = 9
+        llm = engine(model, "kv_consumer", int(os.environ.get("PD_PORT", "5610")) + 100, **options)
+        if "queued" in flags:
+            result = queued(llm, prompts, handoffs, flags, out, done)
+        else:
+            tokens, reasons = [], []
+            for prompt, handoff in zip(prompts, json.load(open(handoffs))):
+                output = llm.generate([prompt], params(16, handoff))[0]
+                tokens.append(list(output.outputs[0].token_ids))
+                reasons.append(output.outputs[0].finish_reason)
+            result = {"tokens": tokens, "reasons": reasons}
+        json.dump(result, open(out, "w"))
         open(done, "w").write("done")
