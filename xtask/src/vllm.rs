@@ -65,7 +65,8 @@ pub fn run() -> Result<()> {
     let tests = root.join("crates/kvflow-py/tests");
     let pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider"].map(str::to_owned);
     let pytest = pytest.into_iter().chain([tests.display().to_string()]).collect::<Vec<_>>();
-    run_python(&python, &pytest, &root, "kvflow's Python tests")
+    // The wheel itself too: a test installs it into a fresh virtualenv.
+    run_python_with(&python, &pytest, &root, "kvflow's Python tests", &[("KVFLOW_WHEEL", &wheel)])
 }
 
 /// The virtualenv, provisioned from the lock file unless it already was from this one.
@@ -121,12 +122,18 @@ fn create_venv(venv: &Path) -> Result<()> {
 /// Runs the virtualenv's `python args...` in `root`, its output shown; `what` names it in the
 /// error.
 fn run_python(python: &Path, args: &[String], root: &Path, what: &str) -> Result<()> {
+    run_python_with(python, args, root, what, &[])
+}
+
+/// [`run_python`] with more environment variables.
+fn run_python_with(python: &Path, args: &[String], root: &Path, what: &str, env: &[(&str, &Path)]) -> Result<()> {
     eprintln!("xtask: {} {}", python.display(), args.join(" "));
     let status = Command::new(python)
         .args(args)
         .current_dir(root)
         // The tests' engines find nothing online and need nothing: the model is local.
         .env("HF_HUB_OFFLINE", "1")
+        .envs(env.iter().copied())
         .status()
         .with_context(|| format!("cannot start {}", python.display()))?;
     if !status.success() {

@@ -12,7 +12,7 @@ use kv_core::{
 use kv_engine::{HostClock, RankOptions, RankThread};
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{DecodeWorker, LocalPool, PrefillWorker};
-use kv_transport_nixl::{NixlConfig, NixlTransport};
+use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
 use pyo3::prelude::*;
 
 use crate::scheduler::{config, from_json, refuse, to_json};
@@ -27,7 +27,7 @@ enum Running {
 }
 
 /// One TP rank: `Rank(role, engine, instance, rank, tp, layout, num_blocks, regions,
-/// side_bind, kv_transfer_config, model)`.
+/// side_bind, kv_transfer_config, model, key=None)`.
 #[pyclass(module = "kvflow._kvflow")]
 pub struct Rank {
     /// `None` once closed. Declared first: the thread, and the transport on it, stop before
@@ -58,10 +58,12 @@ impl Rank {
     /// `"decode"`: its pool of `num_blocks` blocks of `layout` (JSON, kv-core's `KvLayout`)
     /// lies in `regions` (`(address, length)` of host memory the caller keeps alive and
     /// unmoved while the rank runs), and its side channel listens at `side_bind`
-    /// (`"host:port"`, port 0 for any). NIXL's runtime must be prepared first
-    /// (`prepare_nixl`).
+    /// (`"host:port"`, port 0 for any), proving the cluster key `key` holds (`("file", path)`
+    /// or `("env", variable)`; without one, the side channel listens on loopback only). NIXL's
+    /// runtime must be prepared first (`prepare_nixl`).
     #[new]
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (role, engine, instance, rank, tp, layout, num_blocks, regions, side_bind, kv_transfer_config, model, key=None))]
     fn new(
         role: &str,
         engine: &str,
@@ -74,6 +76,7 @@ impl Rank {
         side_bind: &str,
         kv_transfer_config: &str,
         model: &str,
+        key: Option<(String, String)>,
     ) -> PyResult<Self> {
         let role = match role {
             "prefill" => Role::Prefill,
@@ -89,7 +92,13 @@ impl Rank {
         let offer = pool.offer(&AgentName::new(EngineId::new(engine), rank), tp, instance, role, model);
         let bind = side_bind.parse().map_err(|e| refuse("side_bind", format!("{side_bind:?}: {e}")))?;
         // The connector's `num_threads` sizes NIXL's UCX thread pool.
-        let nixl = NixlConfig { bind, ucx_params: config.ucx_params(), ..NixlConfig::default() };
+        let key = match key {
+            None => KeySource::None,
+            Some((kind, at)) if kind == "file" => KeySource::File(at.into()),
+            Some((kind, at)) if kind == "env" => KeySource::Env(at),
+            Some((kind, _)) => return Err(refuse("key", format!("{kind:?}, not \"file\" or \"env\""))),
+        };
+        let nixl = NixlConfig { bind, key, ucx_params: config.ucx_params(), ..NixlConfig::default() };
         let mut transport = NixlTransport::new(offer.clone(), &nixl, Arc::new(HostClock))
             .map_err(|e| refuse("the NIXL transport", e))?;
         for (i, &(addr, len)) in (0u64..).zip(&regions) {

@@ -8,6 +8,7 @@ they wait, a D that cannot use P's KV, and a D killed while they wait."""
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -28,11 +29,11 @@ def result(out):
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def disaggregated(model, prompts, tmp_path, port, *flags, decode=(), lease=60, d_exit=0, policy="fail"):
+def disaggregated(model, prompts, tmp_path, port, *flags, decode=(), lease=60, d_exit=0, policy="fail", env=None, d_env=None):
     """D's output (tokens and finish reasons per prompt), and P's (how many requests it freed,
     by reason, and when the last; None if P left)."""
     handoffs, tokens, done = tmp_path / "handoffs.json", tmp_path / "tokens.json", tmp_path / "done"
-    env = dict(os.environ, PD_PORT=str(port), PD_LEASE=str(lease), PD_POLICY=policy, PD_READY=str(tmp_path / "ready"))
+    env = dict(os.environ, **(env or {}), PD_PORT=str(port), PD_LEASE=str(lease), PD_POLICY=policy, PD_READY=str(tmp_path / "ready"))
     # A queued D starts with P: P computes once D is up, and D takes the handoffs at once.
     queued = "queued" in decode
     args = ["prefill", model, prompts, str(handoffs), str(done), *flags, *(["after-ready"] if queued else [])]
@@ -44,7 +45,7 @@ def disaggregated(model, prompts, tmp_path, port, *flags, decode=(), lease=60, d
         while not queued and not handoffs.exists() and prefill.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
         assert queued or handoffs.exists(), f"P wrote no handoffs:\n{prefill.stderr.read()[-4000:] if prefill.poll() is not None else ''}"
-        run("pd.py", "decode", model, prompts, str(tokens), str(handoffs), str(done), *decode, env=env, returncode=d_exit)
+        run("pd.py", "decode", model, prompts, str(tokens), str(handoffs), str(done), *decode, env=dict(env, **(d_env or {})), returncode=d_exit)
         out, err = prefill.communicate(timeout=120)
     finally:
         if prefill.poll() is None:
@@ -123,6 +124,16 @@ def test_p_at_two_workers_into_d_at_one_equals_one_engine(model, prompts, tmp_pa
     assert freed["reasons"] == {"transferred": len(LENGTHS)}, freed
 
 
+def test_engines_in_both_roles_move_kv_as_producer_and_consumer_do(model, prompts, tmp_path):
+    """Both engines kv_both (each worker a P rank and a D rank on agents of their own): the
+    requests P was sent with do_remote_decode are exported, those D was sent with
+    do_remote_prefill loaded, and D's tokens equal one engine's."""
+    prompts, alone = prompts
+    output, freed = disaggregated(model, prompts, tmp_path, 5820, "both", decode=["both"])
+    assert output["tokens"] == alone
+    assert freed["reasons"] == {"transferred": len(LENGTHS)}, freed
+
+
 def test_requests_wait_in_d_queue_past_the_lease_while_d_renews_it_and_aborts_reach_p(model, prompts, tmp_path):
     """A 2 s lease; D's KV cache is full with a request of its own, so the others wait in vLLM's
     queue for blocks, tracked from on_new_request: D's ranks renew their leases, and each waits
@@ -148,6 +159,19 @@ def test_parallel_sampling_siblings_at_p_are_all_freed_when_d_reads_one(model, p
     assert output["tokens"] == alone
     assert freed["freed"] == 2 * len(LENGTHS), freed
     assert freed["reasons"] == {"transferred": len(LENGTHS), "sibling": len(LENGTHS)}, freed
+
+
+def test_parallel_sampling_siblings_at_d_share_one_read(model, prompts, tmp_path):
+    """D runs each request with n = 2 (sampled, seeded): vLLM's two siblings share the handoff,
+    the first reads P's export and the second waits for that load and takes its blocks from D's
+    prefix cache. Both sample what one engine's siblings sample; P frees each export once, as
+    transferred."""
+    prompts, _ = prompts
+    run("pd.py", "plain", model, prompts, str(tmp_path / "plain.json"), "n2")
+    alone = json.loads((tmp_path / "plain.json").read_text())
+    output, freed = disaggregated(model, prompts, tmp_path, 5840, decode=["n2"])
+    assert output["tokens"] == alone
+    assert freed["reasons"] == {"transferred": len(LENGTHS)}, freed
 
 
 def test_a_decode_engine_killed_while_requests_wait_has_p_release_them_at_once(model, prompts, tmp_path):
@@ -192,3 +216,25 @@ def test_a_load_that_fails_under_recompute_is_computed_by_d_as_one_engine_would(
     output, _ = disaggregated(model, prompts, tmp_path, 5740, "leave", policy="recompute")
     assert output["reasons"] == ["length"] * len(LENGTHS), output
     assert output["tokens"] == alone
+
+
+def test_a_cluster_key_admits_its_holders_only(model, prompts, tmp_path):
+    """Both engines read one cluster key from KVFLOW_CLUSTER_KEY_FILE: D loads as before. A D
+    with another key never gets past P's side channel: its loads fail (under "fail" its
+    requests end in error), and P holds the exports for their lease, freeing none for it."""
+    prompts, alone = prompts
+    keys = []
+    for name in ("key-a", "key-b"):
+        path = tmp_path / name
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+        keys.append({"KVFLOW_CLUSTER_KEY_FILE": str(path)})
+    (tmp_path / "same").mkdir()
+    output, freed = disaggregated(model, prompts, tmp_path / "same", 5860, env=keys[0])
+    assert output["tokens"] == alone
+    assert freed["reasons"] == {"transferred": len(LENGTHS)}, freed
+    (tmp_path / "other").mkdir()
+    drain = dict(keys[0], PD_DRAIN="3")
+    output, freed = disaggregated(model, prompts, tmp_path / "other", 5880, env=drain, d_env=keys[1])
+    assert output["reasons"] == ["error"] * len(LENGTHS), output
+    assert freed == dict(freed, freed=0, reasons={}), freed

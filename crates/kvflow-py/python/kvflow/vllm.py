@@ -2,17 +2,21 @@
 (``kv_connector="KvflowConnector"`` for pull, ``"KvflowPushConnector"`` for push, with
 ``kv_connector_module_path="kvflow.vllm"``).
 
-So far: ``kv_role`` ``kv_producer`` or ``kv_consumer``, vLLM's CPU attention backend with P
-and D at one block size and TP sizes whose heads divide (each head's part of a block moves
-whole; a layout it cannot describe is refused). The scheduler side runs kvflow's P or D scheduler, the worker side one
-TP rank on a NIXL agent over vLLM's own KV tensors, registered in place; the scheduler's
-commands reach the workers in the connector metadata and their reports come back in the
-worker metadata, and each worker tells vLLM which requests it finished sending or receiving.
+So far: ``kv_role`` ``kv_producer``, ``kv_consumer`` or ``kv_both`` (requests with
+``do_remote_decode`` exported, those with ``do_remote_prefill`` loaded), vLLM's CPU attention
+backend with P and D at one block size and TP sizes whose heads divide (each head's part of a
+block moves whole; a layout it cannot describe is refused). The scheduler side runs kvflow's P
+or D scheduler (or both), the worker side one TP rank on a NIXL agent (kv_both: a P rank and a
+D rank, each on an agent of its own) over vLLM's own KV tensors, registered in place; the
+schedulers' commands reach the workers in the connector metadata and their reports come back
+in the worker metadata, and each worker tells vLLM which requests it finished sending or
+receiving.
 
 D tracks a request from the moment vLLM queues it (``on_new_request``): its ranks claim P's
 export and renew the lease while it waits, so a request may wait past the lease; a D that
-cannot use P's KV (another block size) computes the prompt itself; a request aborted while it waits or loads is aborted at P too, and the blocks of a load in flight
-go back to vLLM only once every rank's reads have ended.
+cannot use P's KV (another block size) computes the prompt itself; a request aborted while it
+waits or loads is aborted at P too, and the blocks of a load in flight go back to vLLM only
+once every rank's reads have ended.
 
 In push mode D may learn of a request before P has computed it: the proxy sends it to D and
 P under one request id, and to D with P's engine (``{"kvflow": {"prefill": {"engine",
@@ -55,18 +59,33 @@ class KvflowHandshake(KVConnectorHandshakeMetadata):
 
 @dataclasses.dataclass
 class KvflowMetadata(KVConnectorMetadata):
-    commands: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    # The commands of P's scheduler and of D's, for each TP rank.
+    prefill: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    decode: dict[int, list[str]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class KvflowWorkerMetadata(KVConnectorWorkerMetadata):
-    reports: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    # (role, TP rank, report): the reports of P's ranks ("prefill") and of D's ("decode").
+    reports: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
 
     def aggregate(self, other: "KvflowWorkerMetadata") -> "KvflowWorkerMetadata":
         return KvflowWorkerMetadata(self.reports + other.reports)
 
 
 logger = init_logger(__name__)
+
+
+def _cluster_key():
+    """Where the cluster key is: the file ``KVFLOW_CLUSTER_KEY_FILE`` names (readable by the
+    engine's user alone), else the variable ``KVFLOW_CLUSTER_KEY`` itself, else nowhere (the
+    side channels then listen on loopback only, and accept peers of the same host)."""
+    path = os.environ.get("KVFLOW_CLUSTER_KEY_FILE")
+    if path:
+        return ("file", path)
+    if os.environ.get("KVFLOW_CLUSTER_KEY"):
+        return ("env", "KVFLOW_CLUSTER_KEY")
+    return None
 
 
 def _incarnation(vllm_config) -> int:
@@ -97,22 +116,28 @@ class KvflowConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._model = str(vllm_config.model_config.model)
         self._vllm_config = vllm_config
-        # Scheduler side.
+        # Scheduler side (kv_both: P's scheduler and D's).
+        scheduler = role == KVConnectorRole.SCHEDULER
         self._prefill = None
-        self._decode = native.DecodeScheduler(self._engine, self._tp, self._config) if self._consumer else None
+        self._decode = native.DecodeScheduler(self._engine, self._tp, self._config) if self._consumer and scheduler else None
         # D: requests tracked since vLLM queued them, and the tokens of each that D's own
         # prefix cache holds, from vLLM's last match.
         self._tracked: set[str] = set()
         self._local_tokens: dict[str, int] = {}
+        # D: the tracked request loading each export (P's engine, P's request), and siblings
+        # of it that wait for that load (their leader's id).
+        self._loading_export: dict[tuple[str, str], str] = {}
+        self._exports_loading: dict[str, tuple[str, str]] = {}
+        self._followers: dict[str, str] = {}
         # P: exports held, and how many were freed, by reason (transferred,
         # expired, rejected, aborted, sibling, peer_lost).
         self._exports: set[str] = set()
         # Commands for each rank, until the next metadata carries them.
-        self._commands: dict[int, list[str]] = {}
+        self._commands = KvflowMetadata()
         self.freed_by_reason: collections.Counter[str] = collections.Counter()
-        # Worker side.
-        self._rank = None
-        self._pending_reports: list[tuple[int, str]] = []
+        # Worker side: this TP rank's P rank and D rank (kv_both: both, on agents of their own).
+        self._ranks: dict[str, Any] = {}
+        self._pending_reports: list[tuple[str, int, str]] = []
         # D: each load's blocks, and the blocks of failed loads not yet told to vLLM.
         self._load_blocks: dict[str, list[int]] = {}
         self._invalid: set[int] = set()
@@ -147,14 +172,30 @@ class KvflowConnector(KVConnectorBase_V1):
                     rid, theirs, self._block_size,
                 )
                 return
+            export = (params["kvflow"]["prefill"]["engine"], params["kvflow"]["request"])
+            leader = self._loading_export.get(export)
+            if leader is not None:
+                # Parallel sampling at D (n > 1): vLLM's siblings share one handoff, and one
+                # export is read once. The others wait for that load and then take its blocks
+                # from vLLM's prefix cache.
+                self._followers[rid] = leader
+                return
             # D's ranks claim the export and renew its lease while the request waits.
             self._decode.arrive(rid, remote)
             self._tracked.add(rid)
-        except ValueError as error:
-            logger.warning("kvflow: %s: %s; computing it here", rid, error)
+            self._loading_export[export] = rid
+            self._exports_loading[rid] = export
+        except (ValueError, KeyError, TypeError) as error:
+            logger.warning("kvflow: %s: %r; computing it here", rid, error)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         rid = request.request_id
+        leader = self._followers.get(rid)
+        if leader is not None:
+            if leader in self._tracked and self._decode.state(leader) in ("waiting", "loading"):
+                return None, False  # Asked again at a later step.
+            del self._followers[rid]
+            return 0, False
         if rid not in self._tracked or self._decode.state(rid) != "waiting":
             return 0, False
         count = len(request.prompt_token_ids) - num_computed_tokens
@@ -179,26 +220,26 @@ class KvflowConnector(KVConnectorBase_V1):
         for scheduler in (self._prefill, self._decode):
             if scheduler is None:
                 continue
+            commands = self._commands.prefill if scheduler is self._prefill else self._commands.decode
             for what, event in scheduler.poll():
                 if what == "to_rank":
-                    self._commands.setdefault(event[0], []).append(event[1])
+                    commands.setdefault(event[0], []).append(event[1])
                 elif what == "free" and scheduler is self._prefill:
                     self._exports.discard(event[0])
                     self.freed_by_reason[event[2]] += 1
 
     def build_connector_meta(self, scheduler_output):
         self._take_events()
-        meta, self._commands = KvflowMetadata(commands=self._commands), {}
+        meta, self._commands = self._commands, KvflowMetadata()
         return meta
 
     def update_connector_output(self, connector_output):
         worker = connector_output.kv_connector_worker_meta
         if not isinstance(worker, KvflowWorkerMetadata):
             return
-        for rank, report in worker.reports:
+        for role, rank, report in worker.reports:
             # P's ranks report releases; D's, loads finished or quarantined.
-            to_prefill = "released" in json.loads(report)
-            scheduler = self._prefill if to_prefill else self._decode
+            scheduler = self._prefill if role == "prefill" else self._decode
             if scheduler is not None:
                 scheduler.report(rank, report)
         # What the reports made of the schedulers' state shows now, not at the next step.
@@ -209,6 +250,10 @@ class KvflowConnector(KVConnectorBase_V1):
 
         rid = request.request_id
         self._local_tokens.pop(rid, None)
+        self._followers.pop(rid, None)
+        export = self._exports_loading.pop(rid, None)
+        if export is not None:
+            self._loading_export.pop(export, None)
         if rid in self._tracked:
             # D: a request that ends while it waits or loads (aborted) is aborted at P too. A
             # load's reads may still land in its blocks: vLLM keeps them until every rank has
@@ -272,32 +317,42 @@ class KvflowConnector(KVConnectorBase_V1):
             "placement": "LayerMajor",
         }
         regions = [(t.data_ptr(), t.numel() * t.element_size()) for t in layers]
-        # The rank reads and writes these tensors in place: they must outlive it.
+        # The ranks read and write these tensors in place: they must outlive them.
         self._kv_caches = kv_caches
         native.prepare_nixl(str(runtime_dir()))
         self._tp_rank = get_tensor_model_parallel_rank()
         host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
-        port = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")) + self._tp_rank
-        role = "prefill" if self._producer else "decode"
-        self._rank = native.Rank(
-            role, self._engine, _incarnation(self._vllm_config), self._tp_rank, self._tp,
-            json.dumps(layout), num_blocks, regions, f"{host}:{port}", self._config, self._model,
-        )
+        base = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+        roles = [role for role, on in (("prefill", self._producer), ("decode", self._consumer)) if on]
+        incarnation = _incarnation(self._vllm_config)
+        for i, role in enumerate(roles):
+            # Each rank listens at the base port plus its TP rank; kv_both's D ranks after
+            # all of its P ranks.
+            port = base + i * self._tp + self._tp_rank
+            self._ranks[role] = native.Rank(
+                role, self._engine, incarnation, self._tp_rank, self._tp,
+                json.dumps(layout), num_blocks, regions, f"{host}:{port}", self._config, self._model,
+                _cluster_key(),
+            )
 
     def get_handshake_metadata(self):
-        if self._rank is None:
+        # P's scheduler is built from its ranks' offers and addresses.
+        rank = self._ranks.get("prefill")
+        if rank is None:
             return None
-        return KvflowHandshake(offer=bytes(self._rank.offer()), address=self._rank.address())
+        return KvflowHandshake(offer=bytes(rank.offer()), address=rank.address())
 
     def bind_connector_metadata(self, connector_metadata):
         super().bind_connector_metadata(connector_metadata)
-        if self._rank is None:
-            return
-        for command in connector_metadata.commands.get(self._tp_rank, []):
-            load = json.loads(command).get("load")
-            if load is not None:
-                self._load_blocks[load["request"]] = load["blocks"]
-            self._rank.command(command)
+        if "prefill" in self._ranks:
+            for command in connector_metadata.prefill.get(self._tp_rank, []):
+                self._ranks["prefill"].command(command)
+        if "decode" in self._ranks:
+            for command in connector_metadata.decode.get(self._tp_rank, []):
+                load = json.loads(command).get("load")
+                if load is not None:
+                    self._load_blocks[load["request"]] = load["blocks"]
+                self._ranks["decode"].command(command)
 
     def start_load_kv(self, forward_context, **kwargs):
         pass
@@ -312,25 +367,24 @@ class KvflowConnector(KVConnectorBase_V1):
         pass
 
     def get_finished(self, finished_req_ids):
-        if self._rank is None:
-            return None, None
         sending, recving = set(), set()
-        for report in self._rank.reports():
-            self._pending_reports.append((self._tp_rank, report))
-            parsed = json.loads(report)
-            if "released" in parsed:
-                sending.add(parsed["released"]["request"])
-            elif "finished" in parsed and parsed["finished"]["request"] in self._load_blocks:
-                # A load this rank was given (a request tracked and aborted before it had
-                # blocks holds none of vLLM's: nothing to tell it).
-                finished = parsed["finished"]
-                blocks = self._load_blocks.pop(finished["request"])
-                if finished["outcome"] == "failed":
-                    # vLLM must not decode from these: they hold no valid KV (those before
-                    # `kept_blocks` do). It recomputes or fails the request, as its
-                    # kv_load_failure_policy says.
-                    self._invalid.update(blocks[finished["kept_blocks"] :])
-                recving.add(finished["request"])
+        for role, rank in self._ranks.items():
+            for report in rank.reports():
+                self._pending_reports.append((role, self._tp_rank, report))
+                parsed = json.loads(report)
+                if "released" in parsed:
+                    sending.add(parsed["released"]["request"])
+                elif "finished" in parsed and parsed["finished"]["request"] in self._load_blocks:
+                    # A load this rank was given (a request tracked and aborted before it
+                    # had blocks holds none of vLLM's: nothing to tell it).
+                    finished = parsed["finished"]
+                    blocks = self._load_blocks.pop(finished["request"])
+                    if finished["outcome"] == "failed":
+                        # vLLM must not decode from these: they hold no valid KV (those before
+                        # `kept_blocks` do). It recomputes or fails the request, as its
+                        # kv_load_failure_policy says.
+                        self._invalid.update(blocks[finished["kept_blocks"] :])
+                    recving.add(finished["request"])
         return (sending or None), (recving or None)
 
     def get_block_ids_with_load_errors(self):
@@ -344,9 +398,9 @@ class KvflowConnector(KVConnectorBase_V1):
         return meta
 
     def shutdown(self):
-        if self._rank is not None:
-            self._rank.close()
-            self._rank = None
+        for rank in self._ranks.values():
+            rank.close()
+        self._ranks = {}
 
 
 class KvflowPushConnector(KvflowConnector):

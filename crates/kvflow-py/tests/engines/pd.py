@@ -1,14 +1,19 @@
 """One vLLM engine of the disaggregated test, in a process of its own:
 
-``pd.py plain MODEL PROMPTS OUT``: no transfer, 16 greedy tokens per prompt.
-``pd.py prefill MODEL PROMPTS OUT DONE [noise] [leave] [n2] [tp2] [after-ready]``: P
-(kv_producer; with ``after-ready``, once the file ``PD_READY`` names exists) computes each prompt with max_tokens 1 (with ``n2``, n = 2: two parallel-sampling siblings, of which vLLM
-returns one handoff; with ``tp2``, at TP 2: two worker processes, each a rank of its own), writes the handoffs (kv_transfer_params) to OUT, optionally overwrites its
-whole KV cache with noise (or exits at once: leave), serves D's reads until DONE exists, then steps until vLLM has freed every
-request's blocks (the connector reported them finished sending) and prints ``{"freed": n}``.
-``pd.py decode MODEL PROMPTS OUT HANDOFFS DONE [queued] [abort] [die] [block64]``: D
-(kv_consumer) decodes 16 greedy tokens per prompt from the KV it loads through the handoff,
-writes them and each request's finish reason to OUT, then creates DONE. One request at a time,
+``pd.py plain MODEL PROMPTS OUT [n2]``: no transfer, 16 greedy tokens per prompt (with ``n2``,
+n = 2, sampled with a seed: both siblings' tokens).
+``pd.py prefill MODEL PROMPTS OUT DONE [noise] [leave] [n2] [tp2] [after-ready] [both]``: P
+(kv_producer, or kv_both with ``both``; with ``after-ready``, once the file ``PD_READY`` names
+exists) computes each prompt with max_tokens 1 (with ``n2``, n = 2: two parallel-sampling
+siblings, of which vLLM returns one handoff; with ``tp2``, at TP 2: two worker processes, each
+a rank of its own), writes the handoffs (kv_transfer_params) to OUT, optionally overwrites its
+whole KV cache with noise (or exits at once: leave), serves D's reads until DONE exists, then
+steps until vLLM has freed every request's blocks (the connector reported them finished
+sending) and prints what it freed.
+``pd.py decode MODEL PROMPTS OUT HANDOFFS DONE [queued] [abort] [die] [block64] [both] [n2]``: D
+(kv_consumer, or kv_both with ``both``; with ``n2``, n = 2, sampled with a seed, both
+siblings' tokens per prompt) decodes 16 greedy tokens per prompt from the KV it loads through
+the handoff, writes them and each request's finish reason to OUT, then creates DONE. One request at a time,
 or with ``queued`` all of them at once into an engine whose KV cache (8 blocks, 1024 tokens) a
 request computed there first fills for 120 tokens of decode (50 ms a step), so they wait in
 vLLM's queue for blocks (OUT also gets how long each waited for its first token); with
@@ -23,6 +28,7 @@ ahead (P's engine id and side-channel address, the request id it gives P, the pr
 so its ranks register its blocks with P's, then creates GO; P computes the prompts under those
 ids and writes their KV into D's blocks; D decodes 16 greedy tokens per prompt as above.
 
+``PD_DRAIN`` is how long P steps after DONE for its requests to be freed (30 s by default).
 ``PD_LEASE`` (seconds, 60 by default) is both engines' ``kv_lease_duration``, ``PD_POLICY``
 their ``kv_load_failure_policy`` (``fail`` by default); P's output also
 gives its exports freed by reason and when its last request was freed, on a line of its own
@@ -67,12 +73,13 @@ def engine(model, role, port, connector="KvflowConnector", engine_id=None, **opt
     )
 
 
-def params(max_tokens, kv_transfer_params=None, n=1):
+def params(max_tokens, kv_transfer_params=None, n=1, temperature=1.0):
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
-    # vLLM refuses n > 1 with greedy sampling: siblings sample (P's one token is not D's).
-    sampling = {"temperature": 1.0, "seed": 0} if n > 1 else {"temperature": 0}
+    # vLLM refuses n > 1 with greedy sampling: siblings sample, seeded (sibling i with seed i),
+    # so two engines that compute the same logits sample the same tokens.
+    sampling = {"temperature": temperature, "seed": 0} if n > 1 else {"temperature": 0}
     return SamplingParams(max_tokens=max_tokens, n=n, detokenize=False, extra_args=extra, **sampling)
 
 
@@ -194,8 +201,12 @@ if __name__ == "__main__":
     what, model, prompts, out = sys.argv[1:5]
     prompts = [{"prompt_token_ids": p} for p in json.load(open(prompts))]
     if what == "plain":
-        outputs = engine(model, None, 0).generate(prompts, params(16))
-        json.dump([list(o.outputs[0].token_ids) for o in outputs], open(out, "w"))
+        if "n2" in sys.argv[5:]:
+            outputs = engine(model, None, 0).generate(prompts, params(16, n=2))
+            json.dump([[list(c.token_ids) for c in o.outputs] for o in outputs], open(out, "w"))
+        else:
+            outputs = engine(model, None, 0).generate(prompts, params(16))
+            json.dump([list(o.outputs[0].token_ids) for o in outputs], open(out, "w"))
     elif what == "prefill":
         done, noise, leave = sys.argv[5], "noise" in sys.argv[6:], "leave" in sys.argv[6:]
         n = 2 if "n2" in sys.argv[6:] else 1
@@ -204,7 +215,8 @@ if __name__ == "__main__":
             tp = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
             # vLLM binds each CPU worker to a NUMA node of its own unless told otherwise.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        llm = engine(model, "kv_producer", int(os.environ.get("PD_PORT", "5610")), **tp)
+        role = "kv_both" if "both" in sys.argv[6:] else "kv_producer"
+        llm = engine(model, role, int(os.environ.get("PD_PORT", "5610")), **tp)
         if "after-ready" in sys.argv[6:]:
             for _ in wait_for(os.environ["PD_READY"], 300):
                 time.sleep(0.1)
@@ -225,7 +237,7 @@ if __name__ == "__main__":
             llm.llm_engine.step()
             time.sleep(0.01)
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + float(os.environ.get("PD_DRAIN", "30"))
         while scheduler.requests and time.monotonic() < deadline:
             llm.llm_engine.step()
             time.sleep(0.01)
@@ -246,15 +258,21 @@ if __name__ == "__main__":
         if "queued" in flags:
             # 8 blocks and vLLM's null block.
             options["num_gpu_blocks_override"] = 9
-        llm = engine(model, "kv_consumer", int(os.environ.get("PD_PORT", "5610")) + 100, **options)
+        role = "kv_both" if "both" in flags else "kv_consumer"
+        llm = engine(model, role, int(os.environ.get("PD_PORT", "5610")) + 100, **options)
         if "queued" in flags:
             result = queued(llm, prompts, handoffs, flags, out, done)
         else:
             tokens, reasons = [], []
+            n = 2 if "n2" in flags else 1
             for prompt, handoff in zip(prompts, json.load(open(handoffs))):
-                output = llm.generate([prompt], params(16, handoff))[0]
-                tokens.append(list(output.outputs[0].token_ids))
-                reasons.append(output.outputs[0].finish_reason)
+                output = llm.generate([prompt], params(16, handoff, n))[0]
+                if n == 1:
+                    tokens.append(list(output.outputs[0].token_ids))
+                    reasons.append(output.outputs[0].finish_reason)
+                else:
+                    tokens.append([list(o.token_ids) for o in output.outputs])
+                    reasons.append([o.finish_reason for o in output.outputs])
             result = {"tokens": tokens, "reasons": reasons}
         json.dump(result, open(out, "w"))
         open(done, "w").write("done")

@@ -1,0 +1,48 @@
+"""The wheel installs into a fresh virtualenv beside vLLM, and vLLM loads both connector classes
+from their module path in every kv_role, in its scheduler and its worker roles."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ENGINES
+
+
+def test_the_wheel_installs_into_a_fresh_virtualenv_and_vllm_loads_both_connectors_in_every_role(model, tmp_path):
+    wheel = os.environ.get("KVFLOW_WHEEL")
+    if not wheel:
+        pytest.fail("KVFLOW_WHEEL names no wheel: run the tests with `cargo xtask vllm`")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    # Beside vLLM: the environment's packages are visible, kvflow is not among them.
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    beside = [p for p in sys.path if p.endswith("site-packages")]
+    (pathlib.Path(site) / "beside_vllm.pth").write_text("\n".join(beside) + "\n")
+    where = subprocess.run([str(python), "-c", "import kvflow; print(kvflow.__file__)"], capture_output=True, text=True)
+    assert where.returncode == 0 and not where.stdout.startswith(site)
+    # Shadow the environment's own install: the fresh one comes first on the path.
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--no-deps", "--ignore-installed", "--no-cache-dir", "-q", "--disable-pip-version-check", wheel],
+        check=True,
+    )
+    where = subprocess.run([str(python), "-c", "import kvflow; print(kvflow.__file__)"], capture_output=True, text=True, check=True)
+    assert where.stdout.startswith(site), f"kvflow came from {where.stdout.strip()}, not the fresh virtualenv {site}"
+    done = subprocess.run([str(python), str(ENGINES / "load.py"), model], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    loaded = json.loads(line[len("RESULT ") :])
+    got = {(c["class"], c["kv_role"], c["role"], c["decode_scheduler"]) for c in loaded}
+    want = {
+        (f"kvflow.vllm.{name}", kv_role, role, role == "SCHEDULER" and kv_role != "kv_producer")
+        for name in ("KvflowConnector", "KvflowPushConnector")
+        for kv_role in ("kv_producer", "kv_consumer", "kv_both")
+        for role in ("SCHEDULER", "WORKER")
+    }
+    assert got == want
