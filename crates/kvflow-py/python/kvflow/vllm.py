@@ -303,7 +303,17 @@ class KvflowConnector(KVConnectorBase_V1):
         if first.device.type != "cpu" or first.dim() != 4:
             raise ValueError(f"kvflow: a KV cache of shape {tuple(first.shape)} on {first.device} is not one it can describe yet")
         num_blocks, kv_heads, block_size, twice_head = first.shape
-        dtype = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}[str(first.dtype)]
+        # vLLM's kv_cache_dtype names the element format (fp8's two are one byte each).
+        dtypes = {
+            "torch.float32": "float32",
+            "torch.bfloat16": "bfloat16",
+            "torch.float16": "float16",
+            "torch.float8_e4m3fn": "fp8_e4m3",
+            "torch.float8_e5m2": "fp8_e5m2",
+        }
+        dtype = dtypes.get(str(first.dtype))
+        if dtype is None:
+            raise ValueError(f"kvflow: a KV cache of {first.dtype} is not one it can describe (it moves {sorted(dtypes)})")
         # Each layer's tensor is one region; inside a block, each head's K (transposed) then
         # its V: one plane of whole heads (kvflow's FusedKv), heads split across TP ranks.
         layout = {
