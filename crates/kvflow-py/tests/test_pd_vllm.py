@@ -198,6 +198,17 @@ def test_a_decode_engine_whose_blocks_differ_from_p_computes_the_prompt_itself(m
     assert freed["reasons"] == {"expired": len(LENGTHS)}, freed
 
 
+def test_handoffs_a_client_made_up_are_computed_by_d_and_never_break_it(model, prompts, tmp_path):
+    """Three requests reach D with kv_transfer_params no P made (a string for the handoff, a
+    handoff of the wrong types, a layout that is a number): D computes them itself, the others
+    load as before, and every token is one engine's. P frees the 5 D read; the 3 it exported
+    for the made-up ones wait for their lease."""
+    prompts, alone = prompts
+    output, freed = disaggregated(model, prompts, tmp_path, 6100, decode=["garbage"], env={"PD_DRAIN": "5"})
+    assert output["tokens"] == alone
+    assert freed["reasons"] == {"transferred": len(LENGTHS) - 3}, freed
+
+
 def test_a_load_from_a_prefill_engine_that_left_fails_and_nothing_decodes_from_it(model, tmp_path):
     """P exits right after its prefill: D's reads fail, and with vLLM's default
     kv_load_failure_policy ("fail") every request ends in error rather than decoding from

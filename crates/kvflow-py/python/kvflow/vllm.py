@@ -156,15 +156,18 @@ class KvflowConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         if self._decode is None or "kvflow" not in params or not params.get("do_remote_prefill"):
             return
-        rid, remote = request.request_id, json.dumps(params["kvflow"])
+        rid = request.request_id
+        # The parameters come from the client: whatever they hold, a request whose handoff does
+        # not parse is computed here, never an exception in vLLM's scheduler.
         # vLLM's CPU attention keeps each head's K (transposed) and V together in a block, so a
         # head's part of a block moves whole and P's block size must be D's (any TP sizes
         # whose heads divide). Engines whose layouts cannot exchange KV refuse each other's
         # handshake, so D cannot tell P either: P frees the export when its lease ends. (A
         # proxy that sends D the request before P computed it may not know P's layout: the
         # handshake then refuses, and the load fails.)
-        theirs = params.get("kvflow_layout", {}).get("block_size", self._block_size)
         try:
+            remote = json.dumps(params["kvflow"])
+            theirs = (params.get("kvflow_layout") or {}).get("block_size", self._block_size)
             if theirs != self._block_size:
                 logger.warning(
                     "kvflow: %s's prefill engine has blocks of %s tokens, this engine %s: computing it here "
@@ -185,8 +188,8 @@ class KvflowConnector(KVConnectorBase_V1):
             self._tracked.add(rid)
             self._loading_export[export] = rid
             self._exports_loading[rid] = export
-        except (ValueError, KeyError, TypeError) as error:
-            logger.warning("kvflow: %s: %r; computing it here", rid, error)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            logger.warning("kvflow: %s's kvflow handoff is unusable (%r): computing it here", rid, error)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         rid = request.request_id
@@ -198,7 +201,7 @@ class KvflowConnector(KVConnectorBase_V1):
             return 0, False
         if rid not in self._tracked or self._decode.state(rid) != "waiting":
             return 0, False
-        count = len(request.prompt_token_ids) - num_computed_tokens
+        count = request.num_prompt_tokens - num_computed_tokens
         if count <= 0:
             return 0, False
         self._local_tokens[rid] = num_computed_tokens
@@ -209,7 +212,7 @@ class KvflowConnector(KVConnectorBase_V1):
         if num_external_tokens == 0 or rid not in self._tracked:
             return
         block_ids = blocks.get_block_ids()[0]
-        needed = math.ceil(len(request.prompt_token_ids) / self._block_size)
+        needed = math.ceil(request.num_prompt_tokens / self._block_size)
         # The blocks vLLM's prefix cache filled stay as they are; the rest are read.
         cached = self._local_tokens.pop(rid, 0) // self._block_size
         self._decode.schedule(rid, list(block_ids[:needed]), cached)
@@ -270,7 +273,7 @@ class KvflowConnector(KVConnectorBase_V1):
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             # An aborted prefill has no KV for D: nothing to export.
             return False, None
-        prompt = len(request.prompt_token_ids)
+        prompt = request.num_prompt_tokens
         blocks = list(block_ids[: math.ceil(prompt / self._block_size)])
         try:
             remote = json.loads(self._prefill.finished(native.now_ns(), rid, blocks, prompt))

@@ -10,9 +10,10 @@ a rank of its own), writes the handoffs (kv_transfer_params) to OUT, optionally 
 whole KV cache with noise (or exits at once: leave), serves D's reads until DONE exists, then
 steps until vLLM has freed every request's blocks (the connector reported them finished
 sending) and prints what it freed.
-``pd.py decode MODEL PROMPTS OUT HANDOFFS DONE [queued] [abort] [die] [block64] [both] [n2]``: D
-(kv_consumer, or kv_both with ``both``; with ``n2``, n = 2, sampled with a seed, both
-siblings' tokens per prompt) decodes 16 greedy tokens per prompt from the KV it loads through
+``pd.py decode MODEL PROMPTS OUT HANDOFFS DONE [queued] [abort] [die] [block64] [both] [n2]
+[garbage]``: D (kv_consumer, or kv_both with ``both``; with ``n2``, n = 2, sampled with a seed,
+both siblings' tokens per prompt; with ``garbage``, prompts 1, 3 and 5 come with handoffs a
+client made up) decodes 16 greedy tokens per prompt from the KV it loads through
 the handoff, writes them and each request's finish reason to OUT, then creates DONE. One request at a time,
 or with ``queued`` all of them at once into an engine whose KV cache (8 blocks, 1024 tokens) a
 request computed there first fills for 120 tokens of decode (50 ms a step), so they wait in
@@ -265,7 +266,13 @@ if __name__ == "__main__":
         else:
             tokens, reasons = [], []
             n = 2 if "n2" in flags else 1
-            for prompt, handoff in zip(prompts, json.load(open(handoffs))):
+            handoffs = json.load(open(handoffs))
+            if "garbage" in flags:
+                # What a client may send instead of P's handoff.
+                handoffs[1] = {"do_remote_prefill": True, "kvflow": "not a handoff"}
+                handoffs[3] = {"do_remote_prefill": True, "kvflow": {"prefill": [], "request": {}}}
+                handoffs[5] = dict(handoffs[5], kvflow_layout=5)
+            for prompt, handoff in zip(prompts, handoffs):
                 output = llm.generate([prompt], params(16, handoff, n))[0]
                 if n == 1:
                     tokens.append(list(output.outputs[0].token_ids))
