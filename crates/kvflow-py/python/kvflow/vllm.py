@@ -120,15 +120,14 @@ class KvflowConnector(KVConnectorBase_V1):
         scheduler = role == KVConnectorRole.SCHEDULER
         self._prefill = None
         self._decode = native.DecodeScheduler(self._engine, self._tp, self._config) if self._consumer and scheduler else None
-        # D: requests tracked since vLLM queued them, and the tokens of each that D's own
-        # prefix cache holds, from vLLM's last match.
-        self._tracked: set[str] = set()
-        self._local_tokens: dict[str, int] = {}
-        # D: the tracked request loading each export (P's engine, P's request), and siblings
-        # of it that wait for that load (their leader's id).
+        # D: requests tracked since vLLM queued them, each with the export it loads (P's
+        # engine, P's request); the tracked request of each export; siblings waiting for
+        # another's load of their export (their leader's id); and the tokens of each request
+        # that D's own prefix cache holds, from vLLM's last match.
+        self._tracked: dict[str, tuple[str, str]] = {}
         self._loading_export: dict[tuple[str, str], str] = {}
-        self._exports_loading: dict[str, tuple[str, str]] = {}
         self._followers: dict[str, str] = {}
+        self._local_tokens: dict[str, int] = {}
         # P: exports held, and how many were freed, by reason (transferred,
         # expired, rejected, aborted, sibling, peer_lost).
         self._exports: set[str] = set()
@@ -185,9 +184,8 @@ class KvflowConnector(KVConnectorBase_V1):
                 return
             # D's ranks claim the export and renew its lease while the request waits.
             self._decode.arrive(rid, remote)
-            self._tracked.add(rid)
+            self._tracked[rid] = export
             self._loading_export[export] = rid
-            self._exports_loading[rid] = export
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             logger.warning("kvflow: %s's kvflow handoff is unusable (%r): computing it here", rid, error)
 
@@ -254,14 +252,12 @@ class KvflowConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._local_tokens.pop(rid, None)
         self._followers.pop(rid, None)
-        export = self._exports_loading.pop(rid, None)
+        export = self._tracked.pop(rid, None)
         if export is not None:
-            self._loading_export.pop(export, None)
-        if rid in self._tracked:
             # D: a request that ends while it waits or loads (aborted) is aborted at P too. A
             # load's reads may still land in its blocks: vLLM keeps them until every rank has
             # reported the load over (finished receiving).
-            self._tracked.discard(rid)
+            self._loading_export.pop(export, None)
             state = self._decode.state(rid)
             if state in ("waiting", "loading"):
                 self._decode.abort(rid)

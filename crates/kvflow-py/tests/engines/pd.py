@@ -146,15 +146,25 @@ def push_prefill(model, prompts, done, go):
     engine_ = llm.llm_engine
     for i, prompt in enumerate(prompts):
         engine_.add_request(f"p{i}", prompt, params(1, {"do_remote_decode": True}))
-    scheduler = engine_.engine_core.engine_core.scheduler
+    return serve_until_freed(llm, len(prompts), done)
+
+
+def serve_until_freed(llm, requests, done):
+    """P steps, serving D, until ``done`` exists, then for ``PD_DRAIN`` seconds at most (30 by
+    default) until vLLM freed every request's blocks; what it freed, by reason, and when."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     for _ in wait_for(done, 300):
-        engine_.step()
+        llm.llm_engine.step()
         time.sleep(0.01)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + float(os.environ.get("PD_DRAIN", "30"))
     while scheduler.requests and time.monotonic() < deadline:
-        engine_.step()
+        llm.llm_engine.step()
         time.sleep(0.01)
-    return {"freed": len(prompts) - len(scheduler.requests), "reasons": dict(scheduler.connector.freed_by_reason)}
+    return {
+        "freed": requests - len(scheduler.requests),
+        "reasons": dict(scheduler.connector.freed_by_reason),
+        "freed_at": time.time(),
+    }
 
 
 def push_decode(model, prompts, done, go):
@@ -234,20 +244,7 @@ if __name__ == "__main__":
         if leave:
             # Gone before D reads: its side channel closes with the process.
             os._exit(0)
-        for _ in wait_for(done, 300):
-            llm.llm_engine.step()
-            time.sleep(0.01)
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        deadline = time.monotonic() + float(os.environ.get("PD_DRAIN", "30"))
-        while scheduler.requests and time.monotonic() < deadline:
-            llm.llm_engine.step()
-            time.sleep(0.01)
-        freed = {
-            "freed": n * len(prompts) - len(scheduler.requests),
-            "reasons": dict(scheduler.connector.freed_by_reason),
-            "freed_at": time.time(),
-        }
-        print("RESULT", json.dumps(freed))
+        print("RESULT", json.dumps(serve_until_freed(llm, n * len(prompts), done)))
     elif what == "push-prefill":
         print("RESULT", json.dumps(push_prefill(model, prompts, sys.argv[5], sys.argv[6])))
     elif what == "push-decode":
