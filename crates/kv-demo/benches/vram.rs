@@ -156,9 +156,13 @@ fn main() {
     let copy_gbps = gbps(POOL_BYTES, results[0].2);
     let what = if host { "host to host" } else { "VRAM to VRAM on one GPU" };
     println!("\nvram: {} MiB {what}, two processes for NIXL, median of {iters}", POOL_BYTES >> 20);
-    // Set by the transport unless the environment set it: it decides UCX's path for reads.
-    let get = kv_transport_nixl::runtime::UCX_CUDA_IPC_GET_ENV;
-    println!("{get}={}", std::env::var(get).unwrap_or_default());
+    // Given to UCX by the transport unless the environment sets it: it decides UCX's path for
+    // reads.
+    let get = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY";
+    match std::env::var(get) {
+        Ok(value) => println!("{get}={value} (from the environment)"),
+        Err(_) => println!("UCX settings from the transport: {}", kv_transport_nixl::engine_config(None)),
+    }
     println!("{:<18} {:>12} {:>10} {:>10} {:>10}", "way", "descriptors", "ms", "GB/s", "vs copy");
     for (name, descriptors, d) in &results {
         let g = gbps(POOL_BYTES, *d);

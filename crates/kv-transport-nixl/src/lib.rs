@@ -8,9 +8,9 @@
 //! reports a remote disconnect only as a generic backend error.
 //!
 //! The NIXL runtime is the `nixl-cu12` wheel that `cargo xtask setup` unpacks into the
-//! workspace's `.nixl/` folder; [`runtime::prepare`], which an engine calls once at startup
-//! before it starts threads, loads it from where it is told or `KVFLOW_NIXL_DIR` says (nothing
-//! is baked in at build time), with no library path exported.
+//! workspace's `.nixl/` folder; [`runtime::prepare`], which an engine calls before its first
+//! transport, loads it from where it is told or `KVFLOW_NIXL_DIR` says (nothing is baked in at
+//! build time), with no library path exported and no environment variable set.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -25,8 +25,8 @@
 //!     }
 //! }
 //!
-//! // Once, at startup, before the engine starts threads (this example stops where no runtime
-//! // is set up: the error says how to set one up).
+//! // Before the first transport (this example stops where no runtime is set up: the error
+//! // says how to set one up).
 //! if runtime::prepare(None).is_err() {
 //!     return Ok(());
 //! }
@@ -64,7 +64,10 @@ pub use inbox::{MAX_QUEUED_EVENTS, MAX_QUEUED_NOTIFICATION_BYTES, MAX_QUEUED_NOT
 pub fn nixl_agent_metadata(agent_metadata: &[u8]) -> Result<&[u8], String> {
     metadata::decode(agent_metadata).map(|(_, nixl)| nixl).map_err(|e| e.to_string())
 }
-pub use transport::{nixl_name, NixlConfig, NixlTransport, DEFAULT_POLL_INTERVALS, DEFAULT_SIDE_CHANNEL_PORT};
+pub use transport::{
+    engine_config, nixl_name, NixlConfig, NixlTransport, DEFAULT_POLL_INTERVALS, DEFAULT_SIDE_CHANNEL_PORT,
+    UCX_ENGINE_CONFIG,
+};
 
 /// Why a [`NixlTransport`] could not be made.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -84,9 +87,7 @@ pub enum NixlError {
     )]
     RuntimeNotConfigured,
     /// A transport was made before the engine called [`runtime::prepare`].
-    #[error(
-        "the NIXL runtime is not prepared: call kv_transport_nixl::runtime::prepare once at startup, before starting threads (it sets process-wide environment NIXL reads)"
-    )]
+    #[error("the NIXL runtime is not prepared: call kv_transport_nixl::runtime::prepare before the first transport")]
     RuntimeNotPrepared,
     /// The runtime is there but does not load.
     #[error("cannot load the NIXL runtime {}: {reason}", path.display())]

@@ -195,6 +195,29 @@ fn backend_error(what: &str, e: nixl_sys::NixlError) -> TransportError {
     TransportError::backend(what, e)
 }
 
+/// UCX settings kvflow gives NIXL's UCX backend, by UCX's names without `UCX_`: NIXL hands
+/// its `engine_config` parameter (`KEY=VALUE` pairs, comma-separated) to `ucp_config_modify`
+/// when it creates the backend, where a `UCX_` environment variable of the same name wins. So
+/// kvflow configures UCX without touching the process's environment.
+///
+/// `CUDA_IPC_ENABLE_GET_ZCOPY=y` turns on UCX's zero-copy GET over CUDA IPC: under UCX's
+/// default, `auto`, it is off on platforms that UCX judges slower for GET than for PUT (an H100
+/// with no NVLink peer among them), and a read of VRAM from another process then falls back to
+/// UCX's software emulation over TCP. Seen on an H100: a 256 MiB VRAM-to-VRAM NIXL read at
+/// 0.44 GB/s under `auto`, where a write of the same bytes took the CUDA IPC path at 739 GB/s.
+/// Reads are kvflow's pull path, so it wants GET. Where UCX loads no CUDA transport the key
+/// applies to nothing (UCX says so at debug level only).
+pub const UCX_ENGINE_CONFIG: &[(&str, &str)] = &[("CUDA_IPC_ENABLE_GET_ZCOPY", "y")];
+
+/// The backend's `engine_config`: `theirs` (what the engine's `ucx_params` set, if anything),
+/// then each of [`UCX_ENGINE_CONFIG`] whose key `theirs` does not set.
+pub fn engine_config(theirs: Option<&str>) -> String {
+    let theirs: Vec<&str> = theirs.into_iter().flat_map(|t| t.split(',')).filter(|pair| !pair.is_empty()).collect();
+    let named = |key: &str| theirs.iter().any(|pair| pair.split('=').next() == Some(key));
+    let ours = UCX_ENGINE_CONFIG.iter().filter(|(key, _)| !named(key)).map(|(key, value)| format!("{key}={value}"));
+    theirs.iter().map(|pair| pair.to_string()).chain(ours).collect::<Vec<_>>().join(",")
+}
+
 impl NixlTransport {
     /// Creates the agent of the rank that `offer` describes, with the UCX backend, and starts
     /// its side channel; the agent's metadata is filled into the offer.
@@ -225,6 +248,9 @@ impl NixlTransport {
         for (key, value) in &config.ucx_params {
             params.set(key, value).map_err(|e| NixlError::Agent(format!("UCX parameter {key}={value}: {e}")))?;
         }
+        let theirs = config.ucx_params.iter().rev().find(|(key, _)| key == "engine_config").map(|(_, value)| value);
+        let ucx = engine_config(theirs.map(String::as_str));
+        params.set("engine_config", &ucx).map_err(|e| NixlError::Agent(format!("UCX engine_config {ucx}: {e}")))?;
         let backend =
             agent.create_backend("UCX", &params).map_err(|e| NixlError::Agent(format!("UCX backend: {e}")))?;
         let nixl_md = agent.get_local_md().map_err(|e| NixlError::Agent(format!("local metadata: {e}")))?;
@@ -607,6 +633,15 @@ impl NixlTransport {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn ucx_settings_join_the_engines_own_which_win() {
+        use super::engine_config;
+        assert_eq!(engine_config(None), "CUDA_IPC_ENABLE_GET_ZCOPY=y");
+        assert_eq!(engine_config(Some("")), "CUDA_IPC_ENABLE_GET_ZCOPY=y");
+        assert_eq!(engine_config(Some("TLS=tcp")), "TLS=tcp,CUDA_IPC_ENABLE_GET_ZCOPY=y");
+        assert_eq!(engine_config(Some("CUDA_IPC_ENABLE_GET_ZCOPY=n,TLS=^ib")), "CUDA_IPC_ENABLE_GET_ZCOPY=n,TLS=^ib");
+    }
+
     use super::thread_pool;
 
     #[test]

@@ -1,5 +1,6 @@
-//! kv-core's Transport contract, kept by two NIXL agents over UCX in one process (the tests
-//! of this binary are one, so no two pairs of agents run at once).
+//! kv-core's Transport contract, kept by two NIXL agents over UCX in one process, and the UCX
+//! settings an engine gives (the tests of this binary take turns, so no two pairs of agents
+//! run at once).
 
 mod common;
 
@@ -7,9 +8,9 @@ use std::time::Duration;
 
 use kv_core::contract::{Side, TransportPair};
 use kv_core::{PeerEvent, Region, Role, Transport};
-use kv_transport_nixl::NixlTransport;
+use kv_transport_nixl::{runtime, NixlConfig, NixlTransport};
 
-use common::{next_event, nixl_or_skip, offer, transport, HostPool};
+use common::{clock, next_event, nixl_or_skip, offer, serial, transport, HostPool};
 
 /// D (A) connected to P (B), each with one host pool of one 128 KiB block registered.
 struct NixlPair {
@@ -75,9 +76,45 @@ fn two_nixl_agents_keep_the_transport_contract() {
     if !nixl_or_skip("two_nixl_agents_keep_the_transport_contract") {
         return;
     }
+    let _turn = serial();
     let mut made = 0;
     kv_core::contract::transport(&mut || {
         made += 1;
         Box::new(connected_pair(made))
     });
+}
+
+#[test]
+fn ucx_settings_reach_ucx_as_backend_parameters_and_no_environment_is_set() {
+    if !nixl_or_skip("ucx_settings_reach_ucx_as_backend_parameters_and_no_environment_is_set") {
+        return;
+    }
+    let _turn = serial();
+    runtime::prepare(None).expect("the NIXL runtime");
+    let pool = HostPool::new(1);
+    let with = |n: u32, ucx: &str| {
+        let config = NixlConfig {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            ucx_params: vec![("engine_config".to_owned(), ucx.to_owned())],
+            ..NixlConfig::default()
+        };
+        NixlTransport::new(offer(&format!("settings{n}"), Role::Decode, 1, 16, &pool, 1), &config, clock())
+    };
+    // (UCX's own environment wins over the parameter: a UCX_TLS there would decide this.)
+    if std::env::var_os("UCX_TLS").is_none() {
+        let Err(refused) = with(0, "TLS=no_such_transport") else {
+            panic!("UCX offered no transport, yet the backend started");
+        };
+        assert!(refused.to_string().contains("UCX backend"), "{refused}");
+    }
+    with(1, "TLS=tcp,self").expect("UCX with its TCP and self transports");
+    with(2, "").expect("UCX with kvflow's settings alone");
+    // The environment the process started with (the kernel keeps it) is the one it has.
+    let started = std::fs::read("/proc/self/environ").expect("the environment the process started with");
+    let mut started: Vec<Vec<u8>> = started.split(|b| *b == 0).filter(|v| !v.is_empty()).map(<[u8]>::to_vec).collect();
+    let mut now: Vec<Vec<u8>> =
+        std::env::vars_os().map(|(k, v)| [k.as_encoded_bytes(), b"=", v.as_encoded_bytes()].concat()).collect();
+    started.sort();
+    now.sort();
+    assert!(started == now, "loading NIXL and making agents changed the process's environment");
 }

@@ -169,8 +169,8 @@ impl Rank {
 }
 
 /// Loads NIXL's runtime from `dir` (the folder holding `libnixl_capi.so`, as the `nixl_cu12`
-/// wheel installs it) and sets what NIXL reads, once per process, before any rank: call it
-/// before the process starts threads of its own. Returns the folder loaded.
+/// wheel installs it), before any rank; it sets no environment variable, so it is safe in a
+/// process whose threads run (vLLM's workers). Returns the folder loaded.
 #[pyfunction]
 pub fn prepare_nixl(dir: std::path::PathBuf) -> PyResult<String> {
     kv_transport_nixl::runtime::prepare(Some(&dir))
