@@ -209,6 +209,23 @@ def test_handoffs_a_client_made_up_are_computed_by_d_and_never_break_it(model, p
     assert freed["reasons"] == {"transferred": len(LENGTHS) - 3}, freed
 
 
+def test_requests_d_rejects_before_admission_are_freed_at_p_at_once(model, prompts, tmp_path):
+    """Two requests vLLM's serving layer refuses before admission (submitted aborted with their
+    handoffs, as vLLM's OpenAI server does) and two whose prompt is not the one P computed (its
+    first token dropped; its first token changed): D rejects all four and P frees them at once, as
+    rejected, long before their 60 s leases end; D decodes each edited prompt from its own
+    compute, as it does with no handoff, and loads the other four as one engine decodes."""
+    prompts, alone = prompts
+    output, freed = disaggregated(model, prompts, tmp_path, 6140, decode=["reject"], env={"PD_DRAIN": "5"})
+    loaded = [1, 3, 5, 7]
+    assert [output["tokens"][i] for i in loaded] == [alone[i] for i in loaded]
+    assert [output["tokens"][i] for i in (0, 4)] == [alone[0], alone[4]]
+    for with_handoff, computed in output["edited"]:
+        assert with_handoff == computed
+    assert freed["reasons"] == {"transferred": 4, "rejected": 4}, freed
+    assert freed["freed"] == len(LENGTHS), freed
+
+
 def test_a_load_from_a_prefill_engine_that_left_fails_and_nothing_decodes_from_it(model, tmp_path):
     """P exits right after its prefill: D's reads fail, and with vLLM's default
     kv_load_failure_policy ("fail") every request ends in error rather than decoding from

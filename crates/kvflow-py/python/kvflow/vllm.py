@@ -13,7 +13,10 @@ in the worker metadata, and each worker tells vLLM which requests it finished se
 receiving.
 
 D tracks a request from the moment vLLM queues it (``on_new_request``): its ranks claim P's
-export and renew the lease while it waits, so a request may wait past the lease; a D that
+export and renew the lease while it waits, so a request may wait past the lease. D rejects
+(P frees the export at once) a request vLLM's serving layer refused before admission and one
+whose prompt is not the one P computed (its length, or the digest P adds to the handoff), and
+computes the latter itself; a D that
 cannot use P's KV (another block size) computes the prompt itself; a request aborted while it
 waits or loads is aborted at P too, and the blocks of a load in flight go back to vLLM only
 once every rank's reads have ended.
@@ -29,8 +32,10 @@ prompt.
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -101,6 +106,27 @@ def _incarnation(vllm_config) -> int:
     return boot * 1_000_000_000 + ticks * (1_000_000_000 // hz)
 
 
+def _prompt_digest(token_ids) -> str | None:
+    """A digest of a prompt's token ids (None for a prompt of embeddings): D checks that the
+    prompt it was sent is the one P computed."""
+    if token_ids is None:
+        return None
+    return hashlib.blake2b(array.array("q", token_ids).tobytes(), digest_size=16).hexdigest()
+
+
+def _prompt_mismatch(request, params) -> str | None:
+    """How the prompt D was sent differs from the one P computed, if it does: another length
+    than the handoff's, or tokens whose digest is not P's (a proxy that routed the wrong
+    handoff, a client that edited the prompt)."""
+    theirs = params["kvflow"]["prompt_tokens"]
+    if theirs != request.num_prompt_tokens:
+        return f"has {request.num_prompt_tokens} prompt tokens, P computed {theirs}"
+    digest = params.get("kvflow_prompt")
+    if digest is not None and digest != _prompt_digest(request.prompt_token_ids):
+        return "has other prompt tokens than P computed (their digests differ)"
+    return None
+
+
 class KvflowConnector(KVConnectorBase_V1):
     """Pull: D reads P's blocks."""
 
@@ -166,6 +192,18 @@ class KvflowConnector(KVConnectorBase_V1):
         # handshake then refuses, and the load fails.)
         try:
             remote = json.dumps(params["kvflow"])
+            if getattr(request, "abort_immediately", False):
+                # vLLM's serving layer refused the request before admission (a render error, a
+                # validation) and submits it aborted only so that the connector can free P's
+                # blocks: D rejects it, and P frees them at once.
+                self._decode.reject(rid, remote)
+                return
+            mismatch = _prompt_mismatch(request, params)
+            if mismatch:
+                # P's KV is another prompt's: decoding from it would be silently wrong.
+                logger.warning("kvflow: %s %s: rejected (P frees its export), computing it here", rid, mismatch)
+                self._decode.reject(rid, remote)
+                return
             theirs = (params.get("kvflow_layout") or {}).get("block_size", self._block_size)
             if theirs != self._block_size:
                 logger.warning(
@@ -285,6 +323,7 @@ class KvflowConnector(KVConnectorBase_V1):
             "remote_block_ids": blocks,
             "remote_engine_id": self._engine,
             "kvflow_layout": {"block_size": self._block_size, "tp_size": self._tp},
+            "kvflow_prompt": _prompt_digest(request.prompt_token_ids),
         }
 
     def has_pending_push_work(self):

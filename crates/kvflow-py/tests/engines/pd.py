@@ -11,7 +11,7 @@ whole KV cache with noise (or exits at once: leave), serves D's reads until DONE
 steps until vLLM has freed every request's blocks (the connector reported them finished
 sending) and prints what it freed.
 ``pd.py decode MODEL PROMPTS OUT HANDOFFS DONE [queued] [abort] [die] [block64] [both] [n2]
-[garbage]``: D (kv_consumer, or kv_both with ``both``; with ``n2``, n = 2, sampled with a seed,
+[garbage] [reject]``: D (kv_consumer, or kv_both with ``both``; with ``n2``, n = 2, sampled with a seed,
 both siblings' tokens per prompt; with ``garbage``, prompts 1, 3 and 5 come with handoffs a
 client made up) decodes 16 greedy tokens per prompt from the KV it loads through
 the handoff, writes them and each request's finish reason to OUT, then creates DONE. One request at a time,
@@ -19,7 +19,8 @@ or with ``queued`` all of them at once into an engine whose KV cache (8 blocks, 
 request computed there first fills for 120 tokens of decode (50 ms a step), so they wait in
 vLLM's queue for blocks (OUT also gets how long each waited for its first token); with
 ``abort`` the last two are aborted while they wait, with ``die`` D kills itself (SIGKILL) a
-second after they were queued, writing the time first. ``block64``: D's blocks are 64 tokens,
+second after they were queued, writing the time first. ``reject``: as ``rejected`` says.
+``block64``: D's blocks are 64 tokens,
 P's 128.
 
 ``pd.py push-prefill MODEL PROMPTS OUT DONE GO`` and ``pd.py push-decode MODEL PROMPTS OUT DONE
@@ -132,6 +133,38 @@ def queued(llm, prompts, handoffs_path, flags, out, done):
         "reasons": [reasons.get(rid) for rid in ids],
         "waited": [first[rid] - added[rid] if rid in first else None for rid in ids],
     }
+
+
+def rejected(llm, prompts, handoffs):
+    """Requests D does not load: 0 and 4 vLLM's serving layer refused before admission (it
+    submits them aborted, with their handoffs, through ``notify_kv_transfer_request_rejected``,
+    called here as vLLM's OpenAI server calls it), 2 comes without its first token and 6 with
+    its first token changed. The others load. Every prompt's tokens are then what D
+    decodes for it (the refused ones sent again without a handoff, as a client would), and
+    ``edited`` those of the edited prompts with their handoffs and without."""
+    import asyncio
+    import types
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    core = llm.llm_engine.engine_core
+
+    async def add_request_async(request):
+        core.add_request(request)
+
+    serving = types.SimpleNamespace(engine_core=types.SimpleNamespace(add_request_async=add_request_async))
+    for i in (0, 4):
+        asyncio.run(AsyncLLM.notify_kv_transfer_request_rejected(serving, f"refused{i}", handoffs[i]))
+        handoffs[i] = None
+    # (vLLM computes a prompt's last token again after a load: edits before it are what count.)
+    edited = {2: prompts[2]["prompt_token_ids"][1:], 6: [2] + prompts[6]["prompt_token_ids"][1:]}
+    tokens, edited_tokens = [], []
+    for i, prompt in enumerate(prompts):
+        prompt = {"prompt_token_ids": edited[i]} if i in edited else prompt
+        tokens.append(list(llm.generate([prompt], params(16, handoffs[i]))[0].outputs[0].token_ids))
+        if i in edited:
+            edited_tokens.append([tokens[-1], list(llm.generate([prompt], params(16))[0].outputs[0].token_ids)])
+    return {"tokens": tokens, "edited": edited_tokens}
 
 
 PUSH_PREFILL = "kvflow-push-prefill"
@@ -260,6 +293,8 @@ if __name__ == "__main__":
         llm = engine(model, role, int(os.environ.get("PD_PORT", "5610")) + 100, **options)
         if "queued" in flags:
             result = queued(llm, prompts, handoffs, flags, out, done)
+        elif "reject" in flags:
+            result = rejected(llm, prompts, json.load(open(handoffs)))
         else:
             tokens, reasons = [], []
             n = 2 if "n2" in flags else 1
