@@ -127,6 +127,15 @@ def _prompt_mismatch(request, params) -> str | None:
     return None
 
 
+def side_channel_port(base: int, dp_index: int, roles: int, role: int, tp: int, tp_rank: int) -> int:
+    """Where a worker's rank listens: the base port (``VLLM_NIXL_SIDE_CHANNEL_PORT``) plus its
+    TP rank, after the ranks of every lower data-parallel engine (whose ranks each take ``roles
+    * tp`` ports) and, in kv_both (``roles`` 2), a D rank (``role`` 1) after the engine's P
+    ranks. So every rank of a host's engines has a port of its own, as NixlConnector's listener
+    of each data-parallel engine (the base plus its index) has."""
+    return base + (dp_index * roles + role) * tp + tp_rank
+
+
 class KvflowConnector(KVConnectorBase_V1):
     """Pull: D reads P's blocks."""
 
@@ -137,6 +146,9 @@ class KvflowConnector(KVConnectorBase_V1):
         self._settings = _settings(transfer)
         self._engine = transfer.engine_id
         self._tp = vllm_config.parallel_config.tensor_parallel_size
+        pp = vllm_config.parallel_config.pipeline_parallel_size
+        if pp != 1:
+            raise ValueError(f"kvflow: the vLLM connector runs at pipeline parallel size 1, not {pp}")
         self._producer = transfer.kv_role in ("kv_producer", "kv_both")
         self._consumer = transfer.kv_role in ("kv_consumer", "kv_both")
         self._block_size = vllm_config.cache_config.block_size
@@ -373,10 +385,9 @@ class KvflowConnector(KVConnectorBase_V1):
         base = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
         roles = [role for role, on in (("prefill", self._producer), ("decode", self._consumer)) if on]
         incarnation = _incarnation(self._vllm_config)
+        dp_index = self._vllm_config.parallel_config.data_parallel_index
         for i, role in enumerate(roles):
-            # Each rank listens at the base port plus its TP rank; kv_both's D ranks after
-            # all of its P ranks.
-            port = base + i * self._tp + self._tp_rank
+            port = side_channel_port(base, dp_index, len(roles), i, self._tp, self._tp_rank)
             self._ranks[role] = native.Rank(
                 role, self._engine, incarnation, self._tp_rank, self._tp,
                 json.dumps(layout), num_blocks, regions, f"{host}:{port}", self._config, self._model,
