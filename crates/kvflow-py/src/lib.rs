@@ -1,11 +1,12 @@
 //! kvflow's Python module, `kvflow._kvflow`: what the `kvflow` package's connectors call into
 //! the connector's settings from vLLM's `kv_transfer_config`, checked (`config`); an engine's
-//! scheduler side, for vLLM's scheduler process (`scheduler`); and one TP rank over NIXL, for a
-//! vLLM worker process (`rank`).
+//! scheduler side, for vLLM's scheduler process (`scheduler`); one TP rank over NIXL, for a
+//! vLLM worker process (`rank`); and the process's metrics, for vLLM's stats (`metrics`).
 
 use pyo3::prelude::*;
 
 mod config;
+mod metrics;
 mod rank;
 mod scheduler;
 
@@ -32,10 +33,16 @@ fn install_logging() {
 #[pymodule]
 fn _kvflow(m: &Bound<'_, PyModule>) -> PyResult<()> {
     install_logging();
+    // Before any scheduler or rank registers its metrics.
+    if !metrics::install() {
+        tracing::warn!("this process has another metrics recorder: kvflow's metrics go there, not to vLLM's stats");
+    }
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(config::connector_settings, m)?)?;
     m.add_function(wrap_pyfunction!(rank::prepare_nixl, m)?)?;
     m.add_function(wrap_pyfunction!(rank::now_ns, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics::metrics_delta, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics::metric_docs, m)?)?;
     m.add_class::<rank::Rank>()?;
     m.add_class::<scheduler::PrefillScheduler>()?;
     m.add_class::<scheduler::DecodeScheduler>()?;

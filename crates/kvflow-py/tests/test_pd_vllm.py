@@ -67,13 +67,28 @@ def prompts(model, tmp_path_factory):
     return str(prompts), alone
 
 
+def total(samples, name, **labels):
+    """The sum of the samples of ``name`` whose labels include ``labels``."""
+    return sum(value for n, have, value in samples if n == name and labels.items() <= have.items())
+
+
 def test_decode_from_kv_moved_by_kvflow_equals_one_engine(model, prompts, tmp_path):
+    """... and kvflow's metrics reach vLLM's Prometheus registry from the scheduler and the
+    workers: P's releases, D's loads and the bytes its reads moved (every prompt block of
+    every layer: 15 blocks of 256 KiB)."""
     prompts, alone = prompts
     (tmp_path / "moved").mkdir()
-    output, freed = disaggregated(model, prompts, tmp_path / "moved", 5610)
+    output, freed = disaggregated(model, prompts, tmp_path / "moved", 5610, env={"PD_STATS": "1"})
     assert output["tokens"] == alone
     assert freed["freed"] == len(LENGTHS), "P frees every request's blocks once D read them"
     assert freed["reasons"] == {"transferred": len(LENGTHS)}
+    p, d = freed["metrics"], output["metrics"]
+    assert total(p, "vllm:kvflow_releases_total", reason="transferred") == len(LENGTHS), p
+    assert total(p, "vllm:kvflow_exports_live") == 0, p
+    assert total(d, "vllm:kvflow_loads_total", outcome="ready") == len(LENGTHS), d
+    blocks = sum(-(-n // 128) for n in LENGTHS)
+    assert total(d, "vllm:kvflow_bytes_transferred_sum") == blocks * 4 * 2 * 128 * 64 * 4, d
+    assert total(d, "vllm:kvflow_transfers_posted_total", rank="0") >= len(LENGTHS), d
 
     (tmp_path / "noise").mkdir()
     output, freed = disaggregated(model, prompts, tmp_path / "noise", 5630, "noise")

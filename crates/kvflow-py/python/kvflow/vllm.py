@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.logger import init_logger
 
 from kvflow import _kvflow as native
@@ -79,6 +80,103 @@ class KvflowWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 logger = init_logger(__name__)
+
+_PARTS = ("counters", "gauges", "histograms")
+
+
+@dataclasses.dataclass
+class KvflowStats(KVConnectorStats):
+    """kvflow's metrics over an interval, from the processes of one engine (its scheduler and
+    every worker): each counter's increase, each gauge's latest value and each histogram's
+    samples, under a key that names the metric and its labels (``[name, [[label, value],
+    ...]]`` as JSON). The metrics are kv-sched-adapter's (``kvflow._kvflow.metric_docs()``)."""
+
+    def __post_init__(self):
+        for part in _PARTS:
+            self.data.setdefault(part, {})
+
+    def reset(self):
+        self.data = {part: {} for part in _PARTS}
+
+    def aggregate(self, other: "KVConnectorStats") -> "KvflowStats":
+        counters, gauges, histograms = (self.data[part] for part in _PARTS)
+        for key, value in other.data.get("counters", {}).items():
+            counters[key] = counters.get(key, 0) + value
+        gauges.update(other.data.get("gauges", {}))
+        for key, samples in other.data.get("histograms", {}).items():
+            histograms.setdefault(key, []).extend(samples)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """For vLLM's log line: each counter's increase over its labels, and each histogram's
+        count and mean."""
+        totals: dict[str, int | float] = collections.Counter()
+        for key, value in self.data["counters"].items():
+            totals[json.loads(key)[0].removeprefix("kvflow_")] += value
+        samples: dict[str, list[float]] = collections.defaultdict(list)
+        for key, values in self.data["histograms"].items():
+            samples[json.loads(key)[0].removeprefix("kvflow_")].extend(values)
+        for name, values in samples.items():
+            totals[f"{name}_count"] = len(values)
+            totals[f"{name}_mean"] = round(sum(values) / len(values), 6)
+        return dict(totals)
+
+    def is_empty(self) -> bool:
+        return not any(self.data[part] for part in _PARTS)
+
+
+def _process_stats() -> KvflowStats | None:
+    """What kvflow's metrics in this process did since the last call (whichever connector of
+    the process asks first gets it: nothing is counted twice), None if nothing."""
+    parts = native.metrics_delta()
+    data = {part: {json.dumps([name, sorted(labels)]): value for (name, labels), value in entries} for part, entries in zip(_PARTS, parts)}
+    stats = KvflowStats(data=data)
+    return None if stats.is_empty() else stats
+
+
+class KvflowPromMetrics(KVConnectorPromMetrics):
+    """kvflow's metrics on vLLM's Prometheus endpoint, as ``vllm:kvflow_...`` (counters end in
+    ``_total``), with vLLM's labels (model, engine index), the metric's own (``reason``,
+    ``cause``, ``outcome``) and ``rank``, the TP rank of a worker's metric (empty for the
+    scheduler's)."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._docs = {name: (kind, labels, text, buckets) for name, kind, labels, text, buckets in native.metric_docs()}
+        self._metrics: dict[str, Any] = {}
+
+    def _child(self, key: str, kind: str, engine_idx: int):
+        name, labels = json.loads(key)
+        doc = self._docs.get(name)
+        if doc is None or doc[0] != kind:
+            return None
+        _, own, text, buckets = doc
+        extra = [*own, "rank"]
+        metric = self._metrics.get(name)
+        if metric is None:
+            prom = "vllm:" + (name.removesuffix("_total") if kind == "counter" else name)
+            options = {"name": prom, "documentation": f"kvflow: {text}", "labelnames": [*self._labelnames, *extra]}
+            if kind == "counter":
+                metric = self._counter_cls(**options)
+            elif kind == "gauge":
+                metric = self._gauge_cls(**options, multiprocess_mode="mostrecent")
+            else:
+                metric = self._histogram_cls(**options, buckets=buckets) if buckets else self._histogram_cls(**options)
+            self._metrics[name] = metric
+        values = dict(labels)
+        return metric.labels(*self.per_engine_labelvalues[engine_idx], *(values.get(label, "") for label in extra))
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for key, value in transfer_stats_data.get("counters", {}).items():
+            if (child := self._child(key, "counter", engine_idx)) is not None:
+                child.inc(value)
+        for key, value in transfer_stats_data.get("gauges", {}).items():
+            if (child := self._child(key, "gauge", engine_idx)) is not None:
+                child.set(value)
+        for key, samples in transfer_stats_data.get("histograms", {}).items():
+            if (child := self._child(key, "histogram", engine_idx)) is not None:
+                for sample in samples:
+                    child.observe(sample)
 
 
 def _cluster_key():
@@ -337,6 +435,19 @@ class KvflowConnector(KVConnectorBase_V1):
             "kvflow_layout": {"block_size": self._block_size, "tp_size": self._tp},
             "kvflow_prompt": _prompt_digest(request.prompt_token_ids),
         }
+
+    # ---- metrics (both sides) ----
+
+    def get_kv_connector_stats(self):
+        return _process_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return KvflowStats(data=data) if data is not None else KvflowStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvflowPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def has_pending_push_work(self):
         # P keeps stepping while it holds exports, so that its ranks' reports (releases) come

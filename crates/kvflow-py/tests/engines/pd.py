@@ -30,7 +30,8 @@ ahead (P's engine id and side-channel address, the request id it gives P, the pr
 so its ranks register its blocks with P's, then creates GO; P computes the prompts under those
 ids and writes their KV into D's blocks; D decodes 16 greedy tokens per prompt as above.
 
-``PD_DRAIN`` is how long P steps after DONE for its requests to be freed (30 s by default).
+With ``PD_STATS=1`` both engines keep vLLM's stats, and their outputs give kvflow's samples on
+vLLM's Prometheus registry. ``PD_DRAIN`` is how long P steps after DONE for its requests to be freed (30 s by default).
 ``PD_LEASE`` (seconds, 60 by default) is both engines' ``kv_lease_duration``, ``PD_POLICY``
 their ``kv_load_failure_policy`` (``fail`` by default); P's output also
 gives its exports freed by reason and when its last request was freed, on a line of its own
@@ -71,8 +72,22 @@ def engine(model, role, port, connector="KvflowConnector", engine_id=None, **opt
         max_model_len=1024,
         seed=0,
         kv_transfer_config=config,
+        disable_log_stats=os.environ.get("PD_STATS") != "1",
         **options,
     )
+
+
+def kvflow_metrics():
+    """kvflow's samples on this process's Prometheus registry (vLLM's endpoint shows it):
+    ``[name, labels, value]`` without vLLM's own labels."""
+    from prometheus_client import REGISTRY
+
+    return [
+        [sample.name, {k: v for k, v in sample.labels.items() if k not in ("model_name", "engine")}, sample.value]
+        for family in REGISTRY.collect()
+        for sample in family.samples
+        if sample.name.startswith("vllm:kvflow_") and not sample.name.endswith("_created")
+    ]
 
 
 def params(max_tokens, kv_transfer_params=None, n=1, temperature=1.0):
@@ -197,6 +212,7 @@ def serve_until_freed(llm, requests, done):
         "freed": requests - len(scheduler.requests),
         "reasons": dict(scheduler.connector.freed_by_reason),
         "freed_at": time.time(),
+        "metrics": kvflow_metrics(),
     }
 
 
@@ -312,6 +328,6 @@ if __name__ == "__main__":
                 else:
                     tokens.append([list(o.token_ids) for o in output.outputs])
                     reasons.append([o.finish_reason for o in output.outputs])
-            result = {"tokens": tokens, "reasons": reasons}
+            result = {"tokens": tokens, "reasons": reasons, "metrics": kvflow_metrics()}
         json.dump(result, open(out, "w"))
         open(done, "w").write("done")
