@@ -187,7 +187,12 @@ impl BlockSizeMapping {
             let (decode_blocks, decode_tokens) = (decode.len(), self.decode_tokens);
             return Err(BlockSizeError::TooFewDecodeBlocks { decode_blocks, decode_tokens, prefill_tokens });
         }
-        if self.prefill_tokens > self.decode_tokens && prefill_tokens < decode_tokens {
+        // P's must reach into every D block: a D block past them would hold no KV, and the
+        // engine would decode from it. (P smaller: the prompt's last D block may be part-full;
+        // P larger: each D block must be there whole.)
+        let reach =
+            if self.prefill_tokens <= self.decode_tokens { decode_tokens.saturating_sub(d) + 1 } else { decode_tokens };
+        if prefill_tokens < reach {
             let (decode_blocks, decode_tokens) = (decode.len(), self.decode_tokens);
             return Err(BlockSizeError::TooFewPrefillBlocks { decode_blocks, decode_tokens, prefill_tokens });
         }
@@ -291,5 +296,25 @@ mod tests {
             "cannot skip 8 tokens of a prefill block of 32 tokens in pieces of 16 tokens"
         );
         assert!(matches!(big.pieces(&ids(&[1, 2]), 32, &ids(&[4])), Err(BlockSizeError::Skip { .. })));
+    }
+
+    #[test]
+    fn prefill_blocks_that_do_not_reach_every_decode_block_are_refused() {
+        // An export cut short (a made-up handoff): D's blocks past P's would hold no KV.
+        let same = BlockSizeMapping::new(16, 16).unwrap();
+        assert_eq!(
+            same.pieces(&ids(&[1]), 0, &ids(&[4, 5, 6, 7, 8])).unwrap_err(),
+            BlockSizeError::TooFewPrefillBlocks { decode_blocks: 5, decode_tokens: 16, prefill_tokens: 16 }
+        );
+        assert_eq!(same.pieces(&ids(&[1, 2]), 0, &ids(&[4, 5])).unwrap().len(), 2);
+        // P smaller: reaching into D's last block is enough (the prompt ends there).
+        let small = BlockSizeMapping::new(4, 16).unwrap();
+        let eight: Vec<u32> = (20..28).collect();
+        assert!(matches!(
+            small.pieces(&ids(&eight), 0, &ids(&[1, 2, 3])),
+            Err(BlockSizeError::TooFewPrefillBlocks { .. })
+        ));
+        let nine: Vec<u32> = (20..29).collect();
+        assert_eq!(small.pieces(&ids(&nine), 0, &ids(&[1, 2, 3])).unwrap().len(), 9);
     }
 }
