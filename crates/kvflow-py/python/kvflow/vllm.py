@@ -15,8 +15,8 @@ receiving.
 D tracks a request from the moment vLLM queues it (``on_new_request``): its ranks claim P's
 export and renew the lease while it waits, so a request may wait past the lease. D rejects
 (P frees the export at once) a request vLLM's serving layer refused before admission and one
-whose prompt is not the one P computed (its length, or the digest P adds to the handoff), and
-computes the latter itself; a D that
+whose prompt is not the one P computed (its length, or the digest P adds to the handoff) or
+whose export does not fit its prompt, and computes the latter itself; a D that
 cannot use P's KV (another block size) computes the prompt itself; a request aborted while it
 waits or loads is aborted at P too, and the blocks of a load in flight go back to vLLM only
 once every rank's reads have ended.
@@ -212,16 +212,20 @@ def _prompt_digest(token_ids) -> str | None:
     return hashlib.blake2b(array.array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
-def _prompt_mismatch(request, params) -> str | None:
-    """How the prompt D was sent differs from the one P computed, if it does: another length
-    than the handoff's, or tokens whose digest is not P's (a proxy that routed the wrong
-    handoff, a client that edited the prompt)."""
+def _handoff_mismatch(request, params, block_size: int) -> str | None:
+    """How the handoff does not fit the request D was sent, if it does not: its prompt has
+    another length than the handoff's, or tokens whose digest is not P's (a proxy that routed
+    the wrong handoff, a client that edited the prompt), or P's export has another number of
+    blocks than that prompt fills at P's block size (``block_size``)."""
     theirs = params["kvflow"]["prompt_tokens"]
     if theirs != request.num_prompt_tokens:
         return f"has {request.num_prompt_tokens} prompt tokens, P computed {theirs}"
     digest = params.get("kvflow_prompt")
     if digest is not None and digest != _prompt_digest(request.prompt_token_ids):
         return "has other prompt tokens than P computed (their digests differ)"
+    export = params["kvflow"].get("export")
+    if export is not None and len(export["blocks"]) != math.ceil(theirs / block_size):
+        return f"comes with an export of {len(export['blocks'])} blocks, where its {theirs} tokens fill {math.ceil(theirs / block_size)} of {block_size}"
     return None
 
 
@@ -308,13 +312,13 @@ class KvflowConnector(KVConnectorBase_V1):
                 # blocks: D rejects it, and P frees them at once.
                 self._decode.reject(rid, remote)
                 return
-            mismatch = _prompt_mismatch(request, params)
+            theirs = (params.get("kvflow_layout") or {}).get("block_size", self._block_size)
+            mismatch = _handoff_mismatch(request, params, theirs)
             if mismatch:
-                # P's KV is another prompt's: decoding from it would be silently wrong.
+                # P's KV is not this prompt's: decoding from it would be silently wrong.
                 logger.warning("kvflow: %s %s: rejected (P frees its export), computing it here", rid, mismatch)
                 self._decode.reject(rid, remote)
                 return
-            theirs = (params.get("kvflow_layout") or {}).get("block_size", self._block_size)
             if theirs != self._block_size:
                 logger.warning(
                     "kvflow: %s's prefill engine has blocks of %s tokens, this engine %s: computing it here "
