@@ -99,6 +99,10 @@ pub enum Placement {
     BlockMajor,
     /// One region per layer; a layer's blocks are adjacent (`[layer][block]`).
     LayerMajor,
+    /// One region per layer, its planes outermost: a plane's blocks are adjacent
+    /// (`[layer][plane][block]`), as vLLM's FlashAttention keeps a layer (one tensor of
+    /// `(2, num_blocks, block_size, kv_heads, head_size)`, K's blocks then V's).
+    LayerPlaneMajor,
 }
 
 /// The model-level shape of a KV cache; a TP rank's share follows from it and the TP size.
@@ -320,7 +324,7 @@ impl PoolShape {
     fn checked_region_len(&self) -> Option<u64> {
         let per_region_blocks = match self.layout.placement {
             Placement::BlockMajor => u64::from(self.layers.count),
-            Placement::LayerMajor => 1,
+            Placement::LayerMajor | Placement::LayerPlaneMajor => 1,
         };
         self.checked_layer_block_bytes()?.checked_mul(per_region_blocks)?.checked_mul(u64::from(self.num_blocks))
     }
@@ -356,7 +360,18 @@ impl PoolShape {
     pub fn region_count(&self) -> u32 {
         match self.layout.placement {
             Placement::BlockMajor => 1,
+            Placement::LayerMajor | Placement::LayerPlaneMajor => self.layers.count,
+        }
+    }
+
+    /// Groups of [`PoolShape::block_descriptors`], each one entry per block: one in a
+    /// block-major pool, one per layer in a layer-major one, one per (layer, plane) in a
+    /// layer-plane-major one.
+    pub fn descriptor_groups(&self) -> u32 {
+        match self.layout.placement {
+            Placement::BlockMajor => 1,
             Placement::LayerMajor => self.layers.count,
+            Placement::LayerPlaneMajor => self.layers.count * self.layout.planes(),
         }
     }
 
@@ -371,49 +386,68 @@ impl PoolShape {
     }
 
     /// The pool's blocks as `(address, length)` ranges to prepare once with a transport: one
-    /// per block in a block-major pool, one per (layer, block) in a layer-major one, in the
-    /// order [`PoolShape::descriptor_index`] numbers them. `bases` are the regions' addresses.
+    /// per block in a block-major pool, one per (layer, block) in a layer-major one, one per
+    /// (layer, plane, block) in a layer-plane-major one, in the order
+    /// [`PoolShape::descriptor_index`] numbers them. `bases` are the regions' addresses.
     pub fn block_descriptors(&self, bases: &[u64]) -> Vec<(u64, u64)> {
-        let blocks = u64::from(self.num_blocks);
+        (0..self.descriptor_groups()).flat_map(|group| self.group_ranges(bases, group)).collect()
+    }
+
+    /// Descriptor group `group`'s range of each block, in block order.
+    fn group_ranges(&self, bases: &[u64], group: u32) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let (base, first, len) = self.group_base(bases, group);
+        (0..u64::from(self.num_blocks)).map(move |b| (base + first + b * len, len))
+    }
+
+    /// Descriptor group `group`'s region base, the offset of its block 0 there, and the bytes
+    /// of each block's range in it.
+    fn group_base(&self, bases: &[u64], group: u32) -> (u64, u64, u64) {
         match self.layout.placement {
-            Placement::BlockMajor => {
-                let base = bases.first().copied().unwrap_or(0);
-                (0..blocks).map(|b| (base + b * self.block_bytes(), self.block_bytes())).collect()
+            Placement::BlockMajor => (bases.first().copied().unwrap_or(0), 0, self.block_bytes()),
+            Placement::LayerMajor => (bases.get(group as usize).copied().unwrap_or(0), 0, self.layer_block_bytes()),
+            Placement::LayerPlaneMajor => {
+                let (layer, plane) = (group / self.layout.planes(), group % self.layout.planes());
+                let base = bases.get(layer as usize).copied().unwrap_or(0);
+                (base, u64::from(plane) * u64::from(self.num_blocks) * self.plane_bytes(), self.plane_bytes())
             }
-            Placement::LayerMajor => bases
-                .iter()
-                .take(self.layers.count as usize)
-                .flat_map(|&base| {
-                    (0..blocks).map(move |b| (base + b * self.layer_block_bytes(), self.layer_block_bytes()))
-                })
-                .collect(),
         }
     }
 
     /// Where block `block` lies in the pool: one `(address, length)` range in a block-major
-    /// pool, one per layer in a layer-major one. `bases` are the regions' addresses.
+    /// pool, one per layer in a layer-major one, one per (layer, plane) in a layer-plane-major
+    /// one. `bases` are the regions' addresses.
     pub fn block_ranges(&self, bases: &[u64], block: u32) -> Vec<(u64, u64)> {
-        let b = u64::from(block);
+        (0..self.descriptor_groups())
+            .map(|group| {
+                let (base, first, len) = self.group_base(bases, group);
+                (base + first + u64::from(block) * len, len)
+            })
+            .collect()
+    }
+
+    /// The entry of [`PoolShape::block_descriptors`] that holds `block` in descriptor group
+    /// `group` (the layer, counted from the pool's first, in a layer-major pool; `layer *
+    /// planes + plane` in a layer-plane-major one; 0 in a block-major one).
+    pub fn descriptor_index(&self, group: u32, block: u32) -> u32 {
         match self.layout.placement {
-            Placement::BlockMajor => {
-                let base = bases.first().copied().unwrap_or(0);
-                vec![(base + b * self.block_bytes(), self.block_bytes())]
-            }
-            Placement::LayerMajor => bases
-                .iter()
-                .take(self.layers.count as usize)
-                .map(|&base| (base + b * self.layer_block_bytes(), self.layer_block_bytes()))
-                .collect(),
+            Placement::BlockMajor => block,
+            Placement::LayerMajor | Placement::LayerPlaneMajor => group * self.num_blocks + block,
         }
     }
 
-    /// The entry of [`PoolShape::block_descriptors`] that holds `(layer, block)`, `layer`
-    /// counted from the pool's first.
-    pub fn descriptor_index(&self, layer: u32, block: u32) -> u32 {
-        match self.layout.placement {
-            Placement::BlockMajor => block,
-            Placement::LayerMajor => layer * self.num_blocks + block,
+    /// The block whose bytes `offset` of region `region` is in; none past the pool.
+    pub fn block_at(&self, region: u32, offset: u64) -> Option<u32> {
+        if region >= self.region_count() || offset >= self.region_len() {
+            return None;
         }
+        let block = match self.layout.placement {
+            Placement::BlockMajor => offset / self.block_bytes(),
+            Placement::LayerMajor => offset / self.layer_block_bytes(),
+            Placement::LayerPlaneMajor => {
+                offset % (u64::from(self.num_blocks) * self.plane_bytes()) / self.plane_bytes()
+            }
+        };
+        u32::try_from(block).ok()
     }
 
     /// Where `(layer, block, plane)` starts, `layer` as the model numbers it (one of the pool's
@@ -431,6 +465,11 @@ impl PoolShape {
             Placement::LayerMajor => {
                 PlaneOffset { region: layer, offset: u64::from(block) * self.layer_block_bytes() + plane_start }
             }
+            Placement::LayerPlaneMajor => PlaneOffset {
+                region: layer,
+                offset: u64::from(plane) * u64::from(self.num_blocks) * self.plane_bytes()
+                    + u64::from(block) * self.plane_bytes(),
+            },
         }
     }
 }
@@ -516,40 +555,57 @@ pub(crate) mod tests {
         assert!(stage.layers.common(&model.for_stage(0, 2).unwrap().layers).is_empty());
     }
 
+    const PLACEMENTS: [Placement; 3] = [Placement::BlockMajor, Placement::LayerMajor, Placement::LayerPlaneMajor];
+
+    /// The descriptor group that holds `(layer, plane)`.
+    fn group(shape: &PoolShape, layer: u32, plane: u32) -> u32 {
+        match shape.layout.placement {
+            Placement::BlockMajor => 0,
+            Placement::LayerMajor => layer,
+            Placement::LayerPlaneMajor => layer * shape.layout.planes() + plane,
+        }
+    }
+
     #[test]
     fn block_descriptors_cover_the_pool_in_index_order() {
-        for placement in [Placement::BlockMajor, Placement::LayerMajor] {
+        for placement in PLACEMENTS {
             let shape = PoolShape::new(llama_like(placement), 8, 10).unwrap();
             let bases: Vec<u64> =
                 (0..u64::from(shape.region_count())).map(|i| (1 << 40) + i * shape.region_len()).collect();
             let descs = shape.block_descriptors(&bases);
             let total: u64 = descs.iter().map(|&(_, len)| len).sum();
             assert_eq!(total, shape.pool_bytes(), "{placement:?}");
-            for layer in 0..32 {
-                for block in 0..10 {
-                    let (addr, len) = descs[shape.descriptor_index(layer, block) as usize];
-                    let at = shape.plane_offset(layer, block, 0);
-                    let start = bases[at.region as usize] + at.offset;
-                    assert!(
-                        addr <= start && start + shape.layer_block_bytes() <= addr + len,
-                        "{placement:?} {layer} {block}"
-                    );
-                }
+            assert_eq!(descs.len() as u32, shape.descriptor_groups() * 10, "{placement:?}");
+            for (layer, block, plane) in (0..32).flat_map(|l| (0..10).flat_map(move |b| (0..2).map(move |p| (l, b, p))))
+            {
+                let (addr, len) = descs[shape.descriptor_index(group(&shape, layer, plane), block) as usize];
+                let at = shape.plane_offset(layer, block, plane);
+                let start = bases[at.region as usize] + at.offset;
+                assert!(
+                    addr <= start && start + shape.plane_bytes() <= addr + len,
+                    "{placement:?} {layer} {block} {plane}"
+                );
+                assert_eq!(shape.block_at(at.region, at.offset), Some(block), "{placement:?} {layer} {block} {plane}");
             }
         }
+        // FlashAttention's layer: K's blocks, then V's.
+        let shape = PoolShape::new(llama_like(Placement::LayerPlaneMajor), 8, 10).unwrap();
+        let v = shape.plane_offset(3, 2, 1);
+        assert_eq!((v.region, v.offset), (3, (10 + 2) * shape.plane_bytes()));
+        assert_eq!(shape.block_at(0, shape.region_len()), None);
     }
 
     #[test]
     fn a_blocks_ranges_are_its_descriptors() {
-        for placement in [Placement::BlockMajor, Placement::LayerMajor] {
+        for placement in PLACEMENTS {
             let shape = PoolShape::new(llama_like(placement), 8, 10).unwrap();
             let bases: Vec<u64> =
                 (0..u64::from(shape.region_count())).map(|i| (1 << 40) + i * shape.region_len()).collect();
             let descs = shape.block_descriptors(&bases);
             for block in 0..10 {
-                let layers = if placement == Placement::BlockMajor { 1 } else { 32 };
-                let want: Vec<(u64, u64)> =
-                    (0..layers).map(|layer| descs[shape.descriptor_index(layer, block) as usize]).collect();
+                let want: Vec<(u64, u64)> = (0..shape.descriptor_groups())
+                    .map(|group| descs[shape.descriptor_index(group, block) as usize])
+                    .collect();
                 assert_eq!(shape.block_ranges(&bases, block), want, "{placement:?} {block}");
             }
         }

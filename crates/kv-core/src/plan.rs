@@ -203,12 +203,12 @@ impl TransferPlan {
 
         let mut plan = TransferPlan::default();
         let mut last_group = usize::MAX;
-        // One (piece, layer): every plane and head of the slice. The group is the P block's
-        // position in the prompt, which bounds merging at per-block granularity.
-        let mut emit_piece_layer = |piece: &Piece, layer: u32| {
+        // One (piece, layer) of the planes given: every head of the slice. The group is the P
+        // block's position in the prompt, which bounds merging at per-block granularity.
+        let mut emit_piece_layer = |piece: &Piece, layer: u32, planes: std::ops::Range<u32>| {
             let group = piece.prefill_index;
             let (p_token0, d_token0) = (u64::from(piece.prefill_token), u64::from(piece.decode_token));
-            for plane in 0..layout.planes() {
+            for plane in planes {
                 let po = p.shape.plane_offset(layer, piece.prefill_block.0, plane);
                 let dof = d.shape.plane_offset(layer, piece.decode_block.0, plane);
                 let mut emit = |p_off: u64, d_off: u64, len: u64| {
@@ -249,14 +249,23 @@ impl TransferPlan {
             Placement::BlockMajor => {
                 for piece in &pieces {
                     for layer in layers.clone() {
-                        emit_piece_layer(piece, layer);
+                        emit_piece_layer(piece, layer, 0..layout.planes());
                     }
                 }
             }
             Placement::LayerMajor => {
                 for layer in layers {
                     for piece in &pieces {
-                        emit_piece_layer(piece, layer);
+                        emit_piece_layer(piece, layer, 0..layout.planes());
+                    }
+                }
+            }
+            Placement::LayerPlaneMajor => {
+                for layer in layers {
+                    for plane in 0..layout.planes() {
+                        for piece in &pieces {
+                            emit_piece_layer(piece, layer, plane..plane + 1);
+                        }
                     }
                 }
             }
@@ -288,7 +297,8 @@ impl TransferPlan {
     }
 
     /// The descriptor pairs, in memory order (block-major pools: by block, then layer;
-    /// layer-major pools: by layer, then block).
+    /// layer-major pools: by layer, then block; layer-plane-major pools: by layer, plane,
+    /// then block).
     pub fn pairs(&self) -> &[DescriptorPair] {
         &self.pairs
     }
@@ -515,7 +525,7 @@ mod tests {
             placement,
         };
         for order in [MemoryOrder::Hnd, MemoryOrder::Nhd] {
-            for placement in [Placement::BlockMajor, Placement::LayerMajor] {
+            for placement in [Placement::BlockMajor, Placement::LayerMajor, Placement::LayerPlaneMajor] {
                 let layout = small(order, placement, Attention::SplitKv);
                 for (p_tp, d_tp) in [(1, 1), (2, 2), (1, 2), (2, 4), (2, 1), (4, 2), (4, 1), (2, 8)] {
                     // Equal, P smaller, P larger; prompts that end inside a block of either side;

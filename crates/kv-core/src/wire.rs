@@ -493,6 +493,16 @@ mod tests {
             agent_metadata: vec![7; 10_000],
         };
         assert_eq!(Handshake::decode(&hs.encode().unwrap()).unwrap(), hs);
+        // vLLM's FlashAttention layer (placement index 2), in either order.
+        for order in [MemoryOrder::Nhd, MemoryOrder::Hnd] {
+            let flash = KvLayout { placement: crate::Placement::LayerPlaneMajor, order, ..layout };
+            let hs = Handshake { layout: flash, compat_hash: compatibility_hash("llama", &flash), ..hs.clone() };
+            assert_eq!(Handshake::decode(&hs.encode().unwrap()).unwrap(), hs);
+            assert_ne!(
+                hs.compat_hash,
+                compatibility_hash("llama", &KvLayout { placement: crate::Placement::LayerMajor, ..flash })
+            );
+        }
         // The offer's own version must be its header's (the vectors once disagreed).
         let older = Handshake { protocol_version: 1, ..hs.clone() };
         assert_eq!(

@@ -69,6 +69,7 @@ fn layout(model: &BTreeMap<String, String>) -> KvLayout {
     };
     layout.placement = match model.get("placement").map_or("BlockMajor", String::as_str) {
         "LayerMajor" => Placement::LayerMajor,
+        "LayerPlaneMajor" => Placement::LayerPlaneMajor,
         _ => Placement::BlockMajor,
     };
     layout

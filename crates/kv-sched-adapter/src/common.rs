@@ -4,8 +4,8 @@ use std::collections::{BTreeMap, VecDeque};
 
 use kv_core::Role;
 use kv_core::{
-    AgentName, BlockId, Compatible, EngineId, Handshake, Message, PeerAddress, PeerInfo, Placement, PoolShape,
-    PreparedId, PreparedTransfer, RefusalCause, RegionBase, RequestId, Time, TransferRequest, TransportError,
+    AgentName, BlockId, Compatible, EngineId, Handshake, Message, PeerAddress, PeerInfo, PoolShape, PreparedId,
+    PreparedTransfer, RefusalCause, RegionBase, RequestId, Time, TransferRequest, TransportError,
 };
 use kv_lease::ClockOffset;
 
@@ -459,7 +459,8 @@ pub(crate) fn by_index(a: &PoolShape, b: &PoolShape, slice: &kv_core::HeadSlice)
 }
 
 /// The prepared-list entries of a transfer of whole blocks, `local_blocks[i]` with
-/// `remote_blocks[i]`, in memory order (by layer, then block, in a layer-major pool), so that
+/// `remote_blocks[i]`, in memory order (by descriptor group, then block: a layer-major pool's
+/// groups are its layers, a layer-plane-major pool's its layers' planes), so that
 /// runs contiguous on both sides are adjacent entries the transport merges.
 pub(crate) fn block_indices(
     local: &PoolShape,
@@ -467,16 +468,12 @@ pub(crate) fn block_indices(
     remote: &PoolShape,
     remote_blocks: &[BlockId],
 ) -> (Vec<u32>, Vec<u32>) {
-    let layers = match local.layout.placement {
-        Placement::BlockMajor => 1,
-        Placement::LayerMajor => local.layout.layers,
-    };
-    (0..layers)
-        .flat_map(|layer| {
+    (0..local.descriptor_groups())
+        .flat_map(|group| {
             local_blocks
                 .iter()
                 .zip(remote_blocks)
-                .map(move |(l, r)| (local.descriptor_index(layer, l.0), remote.descriptor_index(layer, r.0)))
+                .map(move |(l, r)| (local.descriptor_index(group, l.0), remote.descriptor_index(group, r.0)))
         })
         .unzip()
 }

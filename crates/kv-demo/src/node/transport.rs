@@ -85,12 +85,9 @@ impl AheadOf {
 
     /// The request owning the P block that pair `pair` writes from.
     fn at_pair(&self, pair: &DescriptorPair) -> Option<String> {
-        let shape = &self.pool.shape;
         let region = self.pool.regions.get(pair.local_region as usize)?;
-        // One region of whole blocks (block-major), or one per layer (layer-major).
-        let stride = if shape.region_count() == 1 { shape.block_bytes() } else { shape.layer_block_bytes() };
-        let block = pair.local_addr.checked_sub(region.addr)? / stride.max(1);
-        self.owners().get(&u32::try_from(block).ok()?).cloned()
+        let block = self.pool.shape.block_at(pair.local_region, pair.local_addr.checked_sub(region.addr)?)?;
+        self.owners().get(&block).cloned()
     }
 
     /// The request owning the P block of entry `index` of the rank's prepared local list
@@ -262,7 +259,7 @@ mod tests {
     /// placement, by address or by prepared index, whichever request progressed last.
     #[test]
     fn a_write_ahead_is_named_for_the_owner_of_its_first_block() {
-        for placement in [Placement::BlockMajor, Placement::LayerMajor] {
+        for placement in [Placement::BlockMajor, Placement::LayerMajor, Placement::LayerPlaneMajor] {
             let layout = KvLayout { placement, ..KvLayout::split_kv(3, 16, 2, 8, Dtype::Float16) };
             let shape = PoolShape::new(layout, 2, 10).expect("shape");
             let regions: Vec<RegionBase> = (0..u64::from(shape.region_count()))
@@ -273,7 +270,9 @@ mod tests {
             ahead.computed("b", &[BlockId(7)]);
             let last = regions.len() - 1;
             for (block, owner) in [(3, Some("a")), (4, Some("a")), (7, Some("b")), (5, None)] {
-                let (addr, _) = shape.block_ranges(&regions.iter().map(|r| r.addr).collect::<Vec<_>>(), block)[last];
+                // The block's last range lies in the last region.
+                let ranges = shape.block_ranges(&regions.iter().map(|r| r.addr).collect::<Vec<_>>(), block);
+                let (addr, _) = *ranges.last().expect("a block has a range");
                 let pair = DescriptorPair {
                     local_region: last as u32,
                     local_addr: addr + 16,
@@ -282,7 +281,7 @@ mod tests {
                     len: 16,
                 };
                 assert_eq!(ahead.at_pair(&pair).as_deref(), owner, "{placement:?} block {block} by address");
-                let index = shape.descriptor_index(shape.layers.count - 1, block);
+                let index = shape.descriptor_index(shape.descriptor_groups() - 1, block);
                 assert_eq!(ahead.at_descriptor(index).as_deref(), owner, "{placement:?} block {block} by index");
             }
             ahead.ended("a");
