@@ -27,7 +27,7 @@ enum Running {
 }
 
 /// One TP rank: `Rank(role, engine, instance, rank, tp, layout, num_blocks, regions,
-/// side_bind, kv_transfer_config, model, key=None)`.
+/// side_bind, kv_transfer_config, model, key=None, device=None)`.
 #[pyclass(module = "kvflow._kvflow")]
 pub struct Rank {
     /// `None` once closed. Declared first: the thread, and the transport on it, stop before
@@ -56,14 +56,15 @@ where
 impl Rank {
     /// Rank `rank` of `tp` of engine `engine` (incarnation `instance`), `role` `"prefill"` or
     /// `"decode"`: its pool of `num_blocks` blocks of `layout` (JSON, kv-core's `KvLayout`)
-    /// lies in `regions` (`(address, length)` of host memory the caller keeps alive and
-    /// unmoved while the rank runs), and its side channel listens at `side_bind`
+    /// lies in `regions` (`(address, length)` the caller keeps alive and unmoved while the
+    /// rank runs: host memory, or memory of GPU `device`), and its side channel listens at
+    /// `side_bind`
     /// (`"host:port"`, port 0 for any), proving the cluster key `key` holds (`("file", path)`
     /// or `("env", variable)`; without one, the side channel listens on loopback only). NIXL's
     /// runtime must be prepared first (`prepare_nixl`).
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (role, engine, instance, rank, tp, layout, num_blocks, regions, side_bind, kv_transfer_config, model, key=None))]
+    #[pyo3(signature = (role, engine, instance, rank, tp, layout, num_blocks, regions, side_bind, kv_transfer_config, model, key=None, device=None))]
     fn new(
         role: &str,
         engine: &str,
@@ -77,6 +78,7 @@ impl Rank {
         kv_transfer_config: &str,
         model: &str,
         key: Option<(String, String)>,
+        device: Option<u32>,
     ) -> PyResult<Self> {
         let role = match role {
             "prefill" => Role::Prefill,
@@ -102,7 +104,8 @@ impl Rank {
         let mut transport = NixlTransport::new(offer.clone(), &nixl, Arc::new(HostClock))
             .map_err(|e| refuse("the NIXL transport", e))?;
         for (i, &(addr, len)) in (0u64..).zip(&regions) {
-            let region = Region { id: RegionId(i), kind: MemoryKind::Host, addr, len };
+            let kind = device.map_or(MemoryKind::Host, MemoryKind::Device);
+            let region = Region { id: RegionId(i), kind, addr, len };
             transport.register(&region).map_err(|e| refuse("registering the pool", e))?;
         }
         let address = transport.side_channel_addr().to_string();

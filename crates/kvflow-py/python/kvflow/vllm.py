@@ -3,9 +3,11 @@
 ``kv_connector_module_path="kvflow.vllm"``).
 
 So far: ``kv_role`` ``kv_producer``, ``kv_consumer`` or ``kv_both`` (requests with
-``do_remote_decode`` exported, those with ``do_remote_prefill`` loaded), vLLM's CPU attention
-backend with P and D at one block size and TP sizes whose heads divide (each head's part of a
-block moves whole; a layout it cannot describe is refused). The scheduler side runs kvflow's P
+``do_remote_decode`` exported, those with ``do_remote_prefill`` loaded), TP sizes whose heads
+divide, the layouts ``kvflow.layout`` reads from vLLM's tensors (vLLM's CPU attention, whose
+blocks move only whole, so P and D share a block size; FlashAttention's NHD and HND;
+FlashInfer's; MLA), in host memory or a GPU's; a layout it cannot describe is refused, and
+pipeline parallelism too. The scheduler side runs kvflow's P
 or D scheduler (or both), the worker side one TP rank on a NIXL agent (kv_both: a P rank and a
 D rank, each on an agent of its own) over vLLM's own KV tensors, registered in place; the
 schedulers' commands reach the workers in the connector metadata and their reports come back
@@ -54,6 +56,7 @@ from vllm.logger import init_logger
 
 from kvflow import _kvflow as native
 from kvflow.config import settings as _settings
+from kvflow.layout import describe
 from kvflow.nixl import runtime_dir
 
 
@@ -189,6 +192,24 @@ def _cluster_key():
     if os.environ.get("KVFLOW_CLUSTER_KEY"):
         return ("env", "KVFLOW_CLUSTER_KEY")
     return None
+
+
+def _total_kv_heads(vllm_config) -> int | None:
+    """The model's KV heads, where vLLM's config says."""
+    try:
+        return vllm_config.model_config.get_total_num_kv_heads()
+    except Exception:  # noqa: BLE001 - a config without a model (tests) has none to say
+        return None
+
+
+def _backend_name(vllm_config) -> str | None:
+    """The name of the attention backend vLLM chose, where it says."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backend
+
+        return get_current_attn_backend(vllm_config).get_name()
+    except Exception:  # noqa: BLE001 - older or newer vLLM without it: the shapes decide
+        return None
 
 
 def _incarnation(vllm_config) -> int:
@@ -463,35 +484,10 @@ class KvflowConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        layers = list(kv_caches.values())
-        first = layers[0]
-        if first.device.type != "cpu" or first.dim() != 4:
-            raise ValueError(f"kvflow: a KV cache of shape {tuple(first.shape)} on {first.device} is not one it can describe yet")
-        num_blocks, kv_heads, block_size, twice_head = first.shape
-        # vLLM's kv_cache_dtype names the element format (fp8's two are one byte each).
-        dtypes = {
-            "torch.float32": "float32",
-            "torch.bfloat16": "bfloat16",
-            "torch.float16": "float16",
-            "torch.float8_e4m3fn": "fp8_e4m3",
-            "torch.float8_e5m2": "fp8_e5m2",
-        }
-        dtype = dtypes.get(str(first.dtype))
-        if dtype is None:
-            raise ValueError(f"kvflow: a KV cache of {first.dtype} is not one it can describe (it moves {sorted(dtypes)})")
-        # Each layer's tensor is one region; inside a block, each head's K (transposed) then
-        # its V: one plane of whole heads (kvflow's FusedKv), heads split across TP ranks.
-        layout = {
-            "layers": len(layers),
-            "block_tokens": block_size,
-            "kv_heads": kv_heads * self._tp,
-            "head_dim": twice_head // 2,
-            "dtype": dtype,
-            "attention": "FusedKv",
-            "order": "Hnd",
-            "placement": "LayerMajor",
-        }
-        regions = [(t.data_ptr(), t.numel() * t.element_size()) for t in layers]
+        # The layout from the tensors' shapes and strides (the backend's name only where they
+        # cannot tell): vLLM's CPU attention, FlashAttention's NHD and HND, FlashInfer's, MLA.
+        described = describe(kv_caches, self._tp, _total_kv_heads(self._vllm_config), _backend_name(self._vllm_config))
+        layout, num_blocks, regions = described.layout, described.num_blocks, described.regions
         # The ranks read and write these tensors in place: they must outlive them.
         self._kv_caches = kv_caches
         native.prepare_nixl(str(runtime_dir()))
@@ -506,7 +502,7 @@ class KvflowConnector(KVConnectorBase_V1):
             self._ranks[role] = native.Rank(
                 role, self._engine, incarnation, self._tp_rank, self._tp,
                 json.dumps(layout), num_blocks, regions, f"{host}:{port}", self._config, self._model,
-                _cluster_key(),
+                _cluster_key(), described.device,
             )
 
     def get_handshake_metadata(self):

@@ -1,0 +1,138 @@
+"""The layouts kvflow reads from vLLM's KV cache tensors (their shapes and strides), and that
+the bytes land where those layouts say: FlashAttention's tensors in NHD and HND, moved between
+ranks of different TP sizes by kvflow's schedulers and NIXL ranks, as the connector drives them
+(host memory here: a GPU's tensors differ only in where the memory is)."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from kvflow import _kvflow as native
+from kvflow.layout import describe
+from kvflow.nixl import runtime_dir
+
+CONFIG = json.dumps(
+    {"kv_connector": "KvflowConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"kv_lease_duration": 10}}
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nixl():
+    native.prepare_nixl(str(runtime_dir()))
+
+
+def flash(blocks, tokens, heads, dim, hnd=False, dtype=torch.float16):
+    """A FlashAttention layer tensor, ``(2, blocks, tokens, heads, dim)``: as allocated (NHD),
+    or a view of ``(2, blocks, heads, tokens, dim)`` memory (HND), as vLLM makes them."""
+    if hnd:
+        return torch.zeros(2, blocks, heads, tokens, dim, dtype=dtype).permute(0, 1, 3, 2, 4)
+    return torch.zeros(2, blocks, tokens, heads, dim, dtype=dtype)
+
+
+def test_layouts_are_read_from_shapes_and_strides():
+    nhd = describe({"a": flash(10, 16, 2, 8), "b": flash(10, 16, 2, 8)}, tp=2, total_kv_heads=4)
+    assert nhd.layout == {
+        "layers": 2,
+        "dtype": "float16",
+        "block_tokens": 16,
+        "head_dim": 8,
+        "attention": "SplitKv",
+        "order": "Nhd",
+        "placement": "LayerPlaneMajor",
+        "kv_heads": 4,
+    }
+    assert (nhd.num_blocks, nhd.device, [size for _, size in nhd.regions]) == (10, None, [2 * 10 * 16 * 2 * 8 * 2] * 2)
+    layer = flash(10, 16, 2, 8, hnd=True)
+    hnd = describe({"a": layer}, tp=1)
+    assert (hnd.layout["order"], hnd.layout["placement"], hnd.layout["kv_heads"]) == ("Hnd", "LayerPlaneMajor", 2)
+    assert hnd.regions == [(layer.data_ptr(), layer.numel() * 2)]
+    flashinfer = describe({"a": torch.zeros(10, 2, 16, 2, 8, dtype=torch.bfloat16)}, tp=1)
+    assert (flashinfer.layout["placement"], flashinfer.layout["order"], flashinfer.layout["dtype"]) == ("LayerMajor", "Nhd", "bfloat16")
+    cpu = describe({"a": torch.zeros(10, 2, 128, 64)}, tp=1)
+    assert (cpu.layout["attention"], cpu.layout["head_dim"], cpu.layout["block_tokens"]) == ("FusedKv", 32, 128)
+    mla = describe({"a": torch.zeros(10, 64, 576, dtype=torch.bfloat16)}, tp=4)
+    assert (mla.layout["attention"], mla.layout["kv_heads"], mla.layout["head_dim"]) == ("Mla", 1, 576)
+    # Two blocks: only the backend's name says which comes first.
+    with pytest.raises(ValueError, match="cannot say"):
+        describe({"a": flash(2, 16, 2, 8)}, tp=1)
+    assert describe({"a": flash(2, 16, 2, 8)}, tp=1, backend="FLASH_ATTN").layout["placement"] == "LayerPlaneMajor"
+    assert describe({"a": flash(2, 16, 2, 8)}, tp=1, backend="FLASHINFER").layout["placement"] == "LayerMajor"
+
+
+def test_what_kvflow_cannot_describe_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"shape \(2, 10, 16, 2, 8\), strides .*neither NHD nor HND"):
+        describe({"a": torch.zeros(2, 10, 8, 16, 2).permute(0, 1, 3, 4, 2)}, tp=1)
+    with pytest.raises(ValueError, match="layer b is"):
+        describe({"a": flash(10, 16, 2, 8), "b": flash(10, 16, 2, 8, hnd=True)}, tp=1)
+    with pytest.raises(ValueError, match="kvflow moves"):
+        describe({"a": flash(10, 16, 2, 8, dtype=torch.int8)}, tp=1)
+    with pytest.raises(ValueError, match="not laid out one after another"):
+        describe({"a": torch.zeros(2, 20, 16, 2, 8)[:, ::2]}, tp=1)
+    with pytest.raises(ValueError, match="K and V"):
+        describe({"a": torch.zeros(3, 10, 16, 2, 8)}, tp=1)
+    with pytest.raises(ValueError, match="FlashAttention"):
+        describe({"a": torch.zeros(10, 16)}, tp=1)
+
+
+def rank(role, engine, index, tp, described):
+    return native.Rank(
+        role, engine, 1, index, tp, json.dumps(described.layout), described.num_blocks, described.regions,
+        "127.0.0.1:0", CONFIG, "tiny",
+    )
+
+
+def carry(schedulers, until, seconds=20):
+    """Carries each rank's reports to its scheduler and the schedulers' commands to their
+    ranks until ``until(events)``; ``schedulers`` pairs each scheduler with its ranks."""
+    deadline = time.monotonic() + seconds
+    events = []
+    while not until(events) and time.monotonic() < deadline:
+        for scheduler, ranks in schedulers:
+            for index, r in enumerate(ranks):
+                for report in r.reports():
+                    scheduler.report(index, report)
+            for what, event in scheduler.poll():
+                if what == "to_rank":
+                    ranks[event[0]].command(event[1])
+                else:
+                    events.append((what, event))
+        time.sleep(0.002)
+    return events
+
+
+@pytest.mark.parametrize("hnd", [False, True], ids=["nhd", "hnd"])
+def test_flash_attention_kv_moves_from_p_at_tp_2_into_d_at_tp_1_byte_for_byte(hnd):
+    """P at TP 2 (each rank half of 4 KV heads), D at TP 1, both in FlashAttention's layout:
+    D's rank reads both P ranks' heads of every prompt block of both layers, K and V, into its
+    own blocks, and P frees the export as transferred."""
+    layers, blocks, tokens, dim, prompt = 2, 12, 16, 8, 40
+    p_caches = [{f"l{i}": flash(blocks, tokens, 2, dim, hnd) for i in range(layers)} for _ in range(2)]
+    for r, caches in enumerate(p_caches):
+        for i, layer in enumerate(caches.values()):
+            layer.copy_(torch.randn(layer.shape, generator=torch.Generator().manual_seed(10 * r + i)).to(layer.dtype))
+    d_caches = {f"l{i}": flash(blocks, tokens, 4, dim, hnd) for i in range(layers)}
+    p_ranks = [rank("prefill", "flash-p", r, 2, describe(p_caches[r], 2, 4)) for r in range(2)]
+    d_ranks = [rank("decode", "flash-d", 0, 1, describe(d_caches, 1, 4))]
+    try:
+        p_scheduler = native.PrefillScheduler(p_ranks[0].offer(), [r.address() for r in p_ranks], CONFIG)
+        d_scheduler = native.DecodeScheduler("flash-d", 1, CONFIG)
+        p_blocks, d_blocks = [7, 2, 9], [1, 5, 11]
+        remote = p_scheduler.finished(native.now_ns(), "req-1", p_blocks, prompt)
+        d_scheduler.arrive("req-1", remote)
+        d_scheduler.schedule("req-1", d_blocks)
+        events = carry([(p_scheduler, p_ranks), (d_scheduler, d_ranks)], lambda ev: {w for w, _ in ev} >= {"free", "ended"})
+        assert ("ended", ("req-1", "ready")) in events, events
+        assert ("free", ("req-1", p_blocks, "transferred")) in events, events
+        for name, d_layer in d_caches.items():
+            for i, (pb, db) in enumerate(zip(p_blocks, d_blocks)):
+                held = min(tokens, prompt - i * tokens)
+                for r in range(2):
+                    want = p_caches[r][name][:, pb, :held]
+                    assert torch.equal(d_layer[:, db, :held, 2 * r : 2 * r + 2], want), (name, i, r)
+        untouched = [b for b in range(blocks) if b not in d_blocks]
+        assert not any(d_layer[:, untouched].any() for d_layer in d_caches.values()), "bytes landed outside D's blocks"
+    finally:
+        for r in d_ranks + p_ranks:
+            r.close()
