@@ -73,9 +73,9 @@ def total(samples, name, **labels):
 
 
 def test_decode_from_kv_moved_by_kvflow_equals_one_engine(model, prompts, tmp_path):
-    """... and kvflow's metrics reach vLLM's Prometheus registry from the scheduler and the
-    workers: P's releases, D's loads and the bytes its reads moved (every prompt block of
-    every layer: 15 blocks of 256 KiB)."""
+    """... D's external cache hit covers every prompt, and kvflow's metrics reach vLLM's
+    Prometheus registry from the scheduler and the workers: P's releases, D's loads and the
+    bytes its reads moved (every prompt block of every layer: 15 blocks of 256 KiB)."""
     prompts, alone = prompts
     (tmp_path / "moved").mkdir()
     output, freed = disaggregated(model, prompts, tmp_path / "moved", 5610, env={"PD_STATS": "1"})
@@ -89,6 +89,8 @@ def test_decode_from_kv_moved_by_kvflow_equals_one_engine(model, prompts, tmp_pa
     blocks = sum(-(-n // 128) for n in LENGTHS)
     assert total(d, "vllm:kvflow_bytes_transferred_sum") == blocks * 4 * 2 * 128 * 64 * 4, d
     assert total(d, "vllm:kvflow_transfers_posted_total", rank="0") >= len(LENGTHS), d
+    # vLLM counted every prompt token as held by the connector (an external prefix cache hit).
+    assert total(d, "vllm:external_prefix_cache_hits_total") == sum(LENGTHS), d
 
     (tmp_path / "noise").mkdir()
     output, freed = disaggregated(model, prompts, tmp_path / "noise", 5630, "noise")

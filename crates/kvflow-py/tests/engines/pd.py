@@ -78,15 +78,16 @@ def engine(model, role, port, connector="KvflowConnector", engine_id=None, **opt
 
 
 def kvflow_metrics():
-    """kvflow's samples on this process's Prometheus registry (vLLM's endpoint shows it):
-    ``[name, labels, value]`` without vLLM's own labels."""
+    """kvflow's samples on this process's Prometheus registry (vLLM's endpoint shows it), and
+    vLLM's count of prompt tokens a connector held (external prefix cache): ``[name, labels,
+    value]`` without vLLM's own labels."""
     from prometheus_client import REGISTRY
 
     return [
         [sample.name, {k: v for k, v in sample.labels.items() if k not in ("model_name", "engine")}, sample.value]
         for family in REGISTRY.collect()
         for sample in family.samples
-        if sample.name.startswith("vllm:kvflow_") and not sample.name.endswith("_created")
+        if sample.name.startswith(("vllm:kvflow_", "vllm:external_prefix_cache_")) and not sample.name.endswith("_created")
     ]
 
 
