@@ -2,12 +2,15 @@
 //! in an ignored virtualenv of the workspace (`.venv-vllm/`, every package pinned by
 //! `crates/kvflow-py/vllm-lock.txt` and installed without the resolver; reused while the lock
 //! file is unchanged), builds kvflow's wheel there with maturin, installs it, and runs the
-//! Python tests (`crates/kvflow-py/tests`) with pytest.
+//! Python tests (`crates/kvflow-py/tests`) with pytest. Beside it, `.venv-vllm033/` holds vLLM
+//! 0.33's Python code over `.venv-vllm`'s packages (`crates/kvflow-py/vllm033-lock.txt`), for
+//! the test that loads the connectors in the vLLM GPU users install.
 //!
 //! What it costs on a 2-core machine: the first provisioning downloads about 3.4 GB and takes
 //! 2 to 4 minutes (a 6.5 GB virtualenv); the wheel builds in under a minute once the workspace
 //! is built; the tests start each engine in a process of its own (about 15 s each: vLLM's
-//! import, then its engine).
+//! import, then its engine). vLLM 0.33's overlay downloads about 340 MB and installs in
+//! seconds.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -24,12 +27,17 @@ const VENV: &str = ".venv-vllm";
 const LOCK: &str = "crates/kvflow-py/vllm-lock.txt";
 /// Inside the virtualenv: the lock it was provisioned from, once provisioning completed.
 const STAMP: &str = "kvflow-vllm-lock.txt";
+/// vLLM 0.33's overlay on [`VENV`], relative to the workspace root (in `.gitignore`).
+const OVERLAY: &str = ".venv-vllm033";
+/// What the overlay installs over [`VENV`]'s packages.
+const OVERLAY_LOCK: &str = "crates/kvflow-py/vllm033-lock.txt";
 
 /// Provisions the virtualenv, builds and installs the wheel, runs the Python tests.
 pub fn run() -> Result<()> {
     let root = workspace::root();
     let venv = ensure_venv(&root)?;
     let python = venv.join("bin").join("python");
+    let overlay = ensure_overlay(&root, &python)?.join("bin").join("python");
     let wheels = workspace::target_dir(&root).join("wheels");
     let _ = fs::remove_dir_all(&wheels);
     // The dev profile: the tests' engines move KV over NIXL, whose copies are UCX's, built
@@ -65,8 +73,50 @@ pub fn run() -> Result<()> {
     let tests = root.join("crates/kvflow-py/tests");
     let pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider"].map(str::to_owned);
     let pytest = pytest.into_iter().chain([tests.display().to_string()]).collect::<Vec<_>>();
-    // The wheel itself too: a test installs it into a fresh virtualenv.
-    run_python_with(&python, &pytest, &root, "kvflow's Python tests", &[("KVFLOW_WHEEL", &wheel)])
+    // The wheel itself too: a test installs it into a fresh virtualenv; and vLLM 0.33's
+    // Python, which finds this wheel through the overlay's path.
+    let env = [("KVFLOW_WHEEL", wheel.as_path()), ("KVFLOW_VLLM_033", overlay.as_path())];
+    run_python_with(&python, &pytest, &root, "kvflow's Python tests", &env)
+}
+
+/// vLLM 0.33's overlay: a virtualenv that sees `base`'s packages (a `.pth` file) with the
+/// overlay lock installed over them without their dependencies; rebuilt when either lock
+/// changes.
+fn ensure_overlay(root: &Path, base: &Path) -> Result<PathBuf> {
+    let venv = root.join(OVERLAY);
+    let lock_path = root.join(OVERLAY_LOCK);
+    let lock = fs::read_to_string(&lock_path).with_context(|| format!("cannot read {}", lock_path.display()))?;
+    let base_lock = fs::read_to_string(root.join(VENV).join(STAMP)).unwrap_or_default();
+    let stamp = format!("{lock}\n{base_lock}");
+    if fs::read_to_string(venv.join(STAMP)).is_ok_and(|s| s == stamp) {
+        eprintln!("xtask: {OVERLAY} is provisioned from {OVERLAY_LOCK}; reusing it");
+        return Ok(venv);
+    }
+    let _ = fs::remove_dir_all(&venv);
+    create_venv(&venv)?;
+    let python = venv.join("bin").join("python");
+    let purelib = |python: &Path| -> Result<PathBuf> {
+        let out = Command::new(python)
+            .args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+            .output()
+            .with_context(|| format!("cannot start {}", python.display()))?;
+        if !out.status.success() {
+            bail!("{} cannot say where its packages are:\n{}", python.display(), provision::output_tail(&out));
+        }
+        Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+    };
+    let (base_site, site) = (purelib(base)?, purelib(&python)?);
+    fs::write(site.join("kvflow_beside_vllm.pth"), format!("{}\n", base_site.display()))
+        .with_context(|| format!("cannot write the .pth file into {}", site.display()))?;
+    eprintln!("xtask: installing vLLM 0.33's Python code into {OVERLAY} over {VENV}'s packages (about 340 MB)");
+    let install = ["-m", "pip", "install", "--no-deps", "--no-cache-dir", "-q", "--disable-pip-version-check", "-r"]
+        .map(str::to_owned)
+        .into_iter()
+        .chain([lock_path.display().to_string()])
+        .collect::<Vec<_>>();
+    run_python(&python, &install, root, "installing vLLM 0.33")?;
+    fs::write(venv.join(STAMP), stamp).with_context(|| format!("cannot write {OVERLAY}/{STAMP}"))?;
+    Ok(venv)
 }
 
 /// The virtualenv, provisioned from the lock file unless it already was from this one.

@@ -1,5 +1,5 @@
 """The wheel installs into a fresh virtualenv beside vLLM, and vLLM loads both connector classes
-from their module path in every kv_role, in its scheduler and its worker roles."""
+from their module path in every kv_role, in its scheduler and its worker roles; vLLM 0.33 too."""
 
 import json
 import os
@@ -34,7 +34,15 @@ def test_the_wheel_installs_into_a_fresh_virtualenv_and_vllm_loads_both_connecto
     )
     where = subprocess.run([str(python), "-c", "import kvflow; print(kvflow.__file__)"], capture_output=True, text=True, check=True)
     assert where.stdout.startswith(site), f"kvflow came from {where.stdout.strip()}, not the fresh virtualenv {site}"
-    done = subprocess.run([str(python), str(ENGINES / "load.py"), model], capture_output=True, text=True, timeout=300)
+    assert_loads(python, model)
+
+
+def assert_loads(python, model, env=None):
+    """``python``'s vLLM builds both connector classes in every role, and a consumer's
+    scheduler side takes a request through the hooks before a load (load.py)."""
+    done = subprocess.run(
+        [str(python), str(ENGINES / "load.py"), model], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     line = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")][-1]
     loaded = json.loads(line[len("RESULT ") :])
@@ -46,3 +54,19 @@ def test_the_wheel_installs_into_a_fresh_virtualenv_and_vllm_loads_both_connecto
         for role in ("SCHEDULER", "WORKER")
     }
     assert got == want
+    # 300 prompt tokens matched for an asynchronous load, D's ranks told to track and load
+    # it, and vLLM told to keep its blocks once it is aborted while loading.
+    flows = [c["flow"] for c in loaded if "flow" in c]
+    assert flows == [{"matched": [300, True], "commands": ["load", "track"], "finished": [True, None]}] * 2, flows
+
+
+def test_vllm_0_33_loads_both_connectors_and_calls_their_hooks_as_0_32_does(model):
+    """vLLM 0.33 (the CUDA build GPU users install: its Python code over this environment's
+    packages, its platform set to CPU, since no GPU is here) builds both connectors in every
+    role, and D's scheduler side goes through the same hooks with the same results."""
+    python = os.environ.get("KVFLOW_VLLM_033")
+    if not python:
+        pytest.fail("KVFLOW_VLLM_033 names no Python with vLLM 0.33: run the tests with `cargo xtask vllm`")
+    version = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, check=True)
+    assert version.stdout.strip() == "0.33.0"
+    assert_loads(python, model, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
