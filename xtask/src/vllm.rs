@@ -109,12 +109,7 @@ fn ensure_overlay(root: &Path, base: &Path) -> Result<PathBuf> {
     fs::write(site.join("kvflow_beside_vllm.pth"), format!("{}\n", base_site.display()))
         .with_context(|| format!("cannot write the .pth file into {}", site.display()))?;
     eprintln!("xtask: installing vLLM 0.33's Python code into {OVERLAY} over {VENV}'s packages (about 340 MB)");
-    let install = ["-m", "pip", "install", "--no-deps", "--no-cache-dir", "-q", "--disable-pip-version-check", "-r"]
-        .map(str::to_owned)
-        .into_iter()
-        .chain([lock_path.display().to_string()])
-        .collect::<Vec<_>>();
-    run_python(&python, &install, root, "installing vLLM 0.33")?;
+    install_lock(&python, &lock_path, root, "installing vLLM 0.33")?;
     fs::write(venv.join(STAMP), stamp).with_context(|| format!("cannot write {OVERLAY}/{STAMP}"))?;
     Ok(venv)
 }
@@ -132,14 +127,20 @@ fn ensure_venv(root: &Path) -> Result<PathBuf> {
     create_venv(&venv)?;
     eprintln!("xtask: installing vLLM's CPU build and its pinned environment into {VENV} (about 3.4 GB from PyPI)");
     let python = venv.join("bin").join("python");
+    install_lock(&python, &lock_path, root, "installing the pinned environment")?;
+    fs::write(venv.join(STAMP), lock).with_context(|| format!("cannot write {VENV}/{STAMP}"))?;
+    Ok(venv)
+}
+
+/// Installs every package `lock` pins with the virtualenv's pip, without their dependencies
+/// (pip's resolver never runs: see the lock files).
+fn install_lock(python: &Path, lock: &Path, root: &Path, what: &str) -> Result<()> {
     let install = ["-m", "pip", "install", "--no-deps", "--no-cache-dir", "-q", "--disable-pip-version-check", "-r"]
         .map(str::to_owned)
         .into_iter()
-        .chain([lock_path.display().to_string()])
+        .chain([lock.display().to_string()])
         .collect::<Vec<_>>();
-    run_python(&python, &install, root, "installing the pinned environment")?;
-    fs::write(venv.join(STAMP), lock).with_context(|| format!("cannot write {VENV}/{STAMP}"))?;
-    Ok(venv)
+    run_python(python, &install, root, what)
 }
 
 /// `python3 -m venv`; where Python lacks its venv module, Debian's python3-venv is installed
