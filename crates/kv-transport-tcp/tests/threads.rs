@@ -41,8 +41,9 @@ fn dropping_transports_ends_every_thread_they_started() {
     let id = duo.d.post(request).unwrap();
     assert_eq!(settle(&mut duo.d, id, &mut duo.p, &mut duo.p_events), TransferStatus::Done);
     drain(&mut duo.p, &mut duo.p_events);
-    // Per transport: side channel, accept, an outgoing connection's two, an incoming one's.
-    assert!(kvflow_threads() >= 10, "the transports run threads of their own: {:?}", threads());
+    // Per transport: side channel, accept, an outgoing connection's two, an incoming one's;
+    // the last may start a moment after the transfer is done (seen on a loaded machine: 8).
+    until(Duration::from_secs(10), "the transports' threads to run", || kvflow_threads() >= 10);
     drop(duo);
     // Drop joined them; the kernel takes a joined thread out of /proc a moment after.
     until(Duration::from_millis(500), "every thread the transports started to be gone", || {
