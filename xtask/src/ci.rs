@@ -120,9 +120,10 @@ pub fn run() -> Result<()> {
 }
 
 /// The library crates `cargo package` verifies.
-const PACKAGES: [&str; 10] = [
+const PACKAGES: [&str; 11] = [
     "kv-discovery-etcd",
     "kv-engine",
+    "kv-model",
     "kv-core",
     "kv-lease",
     "kv-sched-adapter",

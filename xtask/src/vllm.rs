@@ -70,12 +70,19 @@ pub fn run() -> Result<()> {
         .chain([wheel.display().to_string()])
         .collect::<Vec<_>>();
     run_python(&python, &install, &root, "installing kvflow's wheel")?;
+    // tiny-llama's writer, whose model transformers checks from outside (issue 33).
+    workspace::cargo(&root, &["build", "--locked", "-p", "kv-model", "--example", "tiny_llama"])?;
+    let tiny_llama = workspace::target_dir(&root).join("debug/examples/tiny_llama");
     let tests = root.join("crates/kvflow-py/tests");
     let pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider"].map(str::to_owned);
     let pytest = pytest.into_iter().chain([tests.display().to_string()]).collect::<Vec<_>>();
     // The wheel itself too: a test installs it into a fresh virtualenv; and vLLM 0.33's
     // Python, which finds this wheel through the overlay's path.
-    let env = [("KVFLOW_WHEEL", wheel.as_path()), ("KVFLOW_VLLM_033", overlay.as_path())];
+    let env = [
+        ("KVFLOW_WHEEL", wheel.as_path()),
+        ("KVFLOW_VLLM_033", overlay.as_path()),
+        ("KVFLOW_TINY_LLAMA", tiny_llama.as_path()),
+    ];
     run_python_with(&python, &pytest, &root, "kvflow's Python tests", &env)
 }
 
