@@ -30,7 +30,7 @@
 mod kv;
 mod model;
 
-pub use kv::{KvStore, PoolKv, RankMemory};
+pub use kv::{KvStore, PoolKv, RankMemory, RankRegions};
 pub use model::{Choice, Decoded, ModelConfig, TinyLlama};
 
 /// What the model refuses or fails at.

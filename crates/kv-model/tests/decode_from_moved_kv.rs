@@ -6,7 +6,8 @@ use kv_core::{
     BlockId, Granularity, Initiator, MemoryOrder, Placement, PlanInput, PoolShape, PoolSide, RegionBase, TpMapping,
     TransferPlan,
 };
-use kv_model::{ModelConfig, ModelError, PoolKv, RankMemory, TinyLlama};
+use kv_core::{Memory, MemoryKind};
+use kv_model::{ModelConfig, ModelError, PoolKv, RankMemory, RankRegions, TinyLlama};
 
 const CONFIG: ModelConfig = ModelConfig::TINY_LLAMA;
 const BLOCKS: u32 = 48;
@@ -208,4 +209,32 @@ fn what_the_model_cannot_take_is_an_error_naming_it() {
     let mut memory = vec![0u8; shape.pool_bytes() as usize];
     let refused = PoolKv::new(vec![RankMemory { shape, regions: vec![&mut memory[..]] }], &ids);
     assert!(refused.err().is_some_and(|e| e.to_string().contains("f32 K/V-split")));
+}
+
+#[test]
+fn kv_behind_the_memory_port_decodes_as_one_engine_does() {
+    let model = TinyLlama::from_seed(CONFIG, 7).unwrap();
+    let prompt = prompt(40, 9);
+    let want = one_engine(&model, &prompt, 15);
+    // TP 2, each rank's layer-major pool in one host allocation, its regions one after another.
+    let mut memory = kv_cuda::CudaMemory::new();
+    let layout = CONFIG.kv_layout(16, MemoryOrder::Nhd, Placement::LayerMajor);
+    let ranks: Vec<RankRegions> = (0..2)
+        .map(|_| {
+            let shape = PoolShape::new(layout, layout.heads_per_rank(2), BLOCKS).unwrap();
+            let region = memory.allocate(MemoryKind::Host, shape.pool_bytes()).unwrap();
+            let regions = (0..u64::from(shape.region_count())).map(|i| (region.id, i * shape.region_len())).collect();
+            RankRegions { shape, regions }
+        })
+        .collect();
+    let ids = blocks(&[3, 8, 1, 12, 6]);
+    let mut kv = PoolKv::in_memory(&mut memory, ranks, &ids).unwrap();
+    let first = model.prefill(&prompt, 16, &mut kv).unwrap();
+    let rest = model.decode(first.token, prompt.len(), 15, &mut kv).unwrap();
+    assert_eq!([&[first.token][..], &rest.tokens].concat(), want);
+
+    let shape = PoolShape::new(layout, 4, BLOCKS).unwrap();
+    let wrong = vec![RankRegions { shape, regions: vec![] }];
+    let refused = PoolKv::in_memory(&mut memory, wrong, &ids).err().expect("a rank naming no regions");
+    assert!(refused.to_string().contains("names 0 regions, its pool shape has 4"), "{refused}");
 }
