@@ -334,6 +334,8 @@ class KvflowConnector(KVConnectorBase_V1):
                 self._decode.reject(rid, remote)
                 return
             theirs = (params.get("kvflow_layout") or {}).get("block_size", self._block_size)
+            if type(theirs) is not int or theirs <= 0:
+                raise ValueError(f"a prefill block size of {theirs!r}")
             mismatch = _handoff_mismatch(request, params, theirs)
             if mismatch:
                 # P's KV is not this prompt's: decoding from it would be silently wrong.
@@ -359,7 +361,7 @@ class KvflowConnector(KVConnectorBase_V1):
             self._decode.arrive(rid, remote)
             self._tracked[rid] = export
             self._loading_export[export] = rid
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
+        except (ValueError, KeyError, TypeError, AttributeError, ArithmeticError) as error:
             logger.warning("kvflow: %s's kvflow handoff is unusable (%r): computing it here", rid, error)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
