@@ -8,7 +8,7 @@ use kv_core::PeerAddress;
 use kv_transport_nixl::{runtime, NixlConfig, NixlTransport};
 
 fn main() -> pair::Fallible<()> {
-    // Once, before any thread: it loads the runtime and sets the environment NIXL reads.
+    // Once, before the first transport: it loads the runtime.
     runtime::prepare(None)?;
     let config = NixlConfig { bind: "127.0.0.1:0".parse()?, ..NixlConfig::default() };
     pair::pull_pair(&mut pair::Sockets::new(|offer, clock| {

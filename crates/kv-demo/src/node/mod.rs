@@ -117,7 +117,7 @@ fn run(config: &NodeConfig) -> Result<()> {
     // Every event of this process carries its engine and incarnation.
     let span = tracing::info_span!("node", engine = %config.name, instance = config.instance);
     let _entered = span.enter();
-    // Before any thread: it sets the environment NIXL reads.
+    // Before the first transport: it loads NIXL's runtime.
     if config.transport == TransportKind::Nixl {
         kv_transport_nixl::runtime::prepare(None).context("the NIXL runtime")?;
     }
