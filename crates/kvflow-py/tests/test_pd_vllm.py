@@ -134,11 +134,15 @@ def test_push_from_p_into_blocks_d_registered_first_equals_one_engine(model, pro
 def test_p_at_two_workers_into_d_at_one_equals_one_engine(model, prompts, tmp_path):
     """P at TP 2 (two worker processes, each a rank with half the KV heads) and D at TP 1:
     D's rank reads each P rank's heads of every block into its own, and its tokens equal one
-    engine's; P frees every request once D read both ranks' blocks."""
+    engine's; P frees every request once D read both ranks' blocks, and each worker process's
+    kvflow metrics reach vLLM's registry."""
     prompts, alone = prompts
-    output, freed = disaggregated(model, prompts, tmp_path, 5800, "tp2")
+    output, freed = disaggregated(model, prompts, tmp_path, 5800, "tp2", env={"PD_STATS": "1"})
     assert output["tokens"] == alone
     assert freed["reasons"] == {"transferred": len(LENGTHS)}, freed
+    # Both worker processes' kvflow metrics reach vLLM's registry, each under its rank.
+    ranks = {labels["rank"] for name, labels, _ in freed["metrics"] if name == "vllm:kvflow_peers_connected"}
+    assert ranks == {"0", "1"}, freed["metrics"]
 
 
 def test_engines_in_both_roles_move_kv_as_producer_and_consumer_do(model, prompts, tmp_path):
