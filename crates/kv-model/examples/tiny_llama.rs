@@ -3,8 +3,7 @@
 //! prompts of varied length and the 16 tokens one engine generates greedily for each, its
 //! prompt computed in chunks of 16, so that transformers can check every token from outside.
 
-use kv_core::{BlockId, MemoryOrder, Placement, PoolShape};
-use kv_model::{ModelConfig, PoolKv, RankMemory, TinyLlama};
+use kv_model::{ModelConfig, TinyLlama};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -13,18 +12,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let config = ModelConfig::TINY_LLAMA;
     let model = TinyLlama::from_seed(config, 7)?;
     model.save_hf(std::path::Path::new(&dir))?;
-    let layout = config.kv_layout(16, MemoryOrder::Hnd, Placement::BlockMajor);
     let mut out = Vec::new();
     for i in 0..requests {
         let prompt: Vec<u32> =
             (0..5 + 23 * i as u32).map(|t| (t * 37 + i as u32 * 101 + 5) % config.vocab as u32).collect();
-        let blocks: Vec<BlockId> = (0..(prompt.len() + 16).div_ceil(16) as u32).map(BlockId).collect();
-        let shape = PoolShape::new(layout, layout.heads_per_rank(1), blocks.len() as u32)?;
-        let mut pool = vec![0u8; shape.pool_bytes() as usize];
-        let mut kv = PoolKv::new(vec![RankMemory { shape, regions: vec![&mut pool[..]] }], &blocks)?;
-        let first = model.prefill(&prompt, 16, &mut kv)?;
-        let rest = model.decode(first.token, prompt.len(), 15, &mut kv)?;
-        let generated: Vec<u32> = [&[first.token][..], &rest.tokens].concat();
+        let generated = model.generate_alone(&prompt, 16, 15, 16)?.tokens;
         out.push(serde_json::json!({ "prompt_ids": prompt, "generated_ids": generated }));
     }
     println!("{}", serde_json::json!({ "requests": out }));

@@ -264,14 +264,45 @@ impl TinyLlama {
     /// Computes `prompt` into `kv` in chunks of `chunk` tokens (as a prefill engine does) and
     /// picks the first generated token: the greedy choice and its margin over the runner-up.
     pub fn prefill(&self, prompt: &[u32], chunk: usize, kv: &mut dyn KvStore) -> Result<Choice, ModelError> {
+        let mut run = self.start_prefill(prompt, chunk)?;
+        loop {
+            if let Some(first) = run.step(kv)? {
+                return Ok(first);
+            }
+        }
+    }
+
+    /// A prefill of `prompt` in chunks of `chunk` tokens, run one chunk at a time
+    /// ([`Prefill::step`]), so that an engine can say which blocks are computed as each chunk
+    /// ends (push writes them ahead).
+    pub fn start_prefill<'m>(&'m self, prompt: &[u32], chunk: usize) -> Result<Prefill<'m>, ModelError> {
         if prompt.is_empty() || chunk == 0 {
             return Err(ModelError::Input(format!("a prompt of {} tokens in chunks of {chunk}", prompt.len())));
         }
-        let mut logits = Vec::new();
-        for (i, part) in prompt.chunks(chunk).enumerate() {
-            logits = self.forward(part, i * chunk, kv)?;
-        }
-        Ok(Choice::greedy(&logits))
+        Ok(Prefill { model: self, prompt: prompt.to_vec(), chunk, computed: 0 })
+    }
+
+    /// One engine alone, as the reference a disaggregated run must equal: `prompt` computed in
+    /// chunks of `chunk` into a pool of its own (TP 1, blocks of `block_tokens`), then `count`
+    /// tokens decoded after the first; all `count + 1` tokens, with the smallest margin.
+    pub fn generate_alone(
+        &self,
+        prompt: &[u32],
+        chunk: usize,
+        count: usize,
+        block_tokens: u32,
+    ) -> Result<Decoded, ModelError> {
+        let layout = self.config.kv_layout(block_tokens, MemoryOrder::Hnd, Placement::BlockMajor);
+        let blocks = (prompt.len() + count).div_ceil(block_tokens.max(1) as usize) as u32;
+        let shape = kv_core::PoolShape::new(layout, layout.heads_per_rank(1), blocks)
+            .map_err(|e| ModelError::Kv(format!("a pool of {blocks} blocks: {e}")))?;
+        let mut pool = vec![0u8; shape.pool_bytes() as usize];
+        let ids: Vec<kv_core::BlockId> = (0..blocks).map(kv_core::BlockId).collect();
+        let mut kv = crate::PoolKv::new(vec![crate::RankMemory { shape, regions: vec![&mut pool[..]] }], &ids)?;
+        let first = self.prefill(prompt, chunk, &mut kv)?;
+        let rest = self.decode(first.token, prompt.len(), count, &mut kv)?;
+        let tokens = [&[first.token][..], &rest.tokens].concat();
+        Ok(Decoded { tokens, min_margin: first.margin.min(rest.min_margin) })
     }
 
     /// Decodes greedily after `first`, the token at `position` (the prompt's length), `count`
@@ -335,6 +366,29 @@ impl TinyLlama {
         }
         candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
         Ok(())
+    }
+}
+
+/// A prompt's prefill, one chunk at a time.
+pub struct Prefill<'m> {
+    model: &'m TinyLlama,
+    prompt: Vec<u32>,
+    chunk: usize,
+    computed: usize,
+}
+
+impl Prefill<'_> {
+    /// Computes the next chunk into `kv`; after the last, the first generated token.
+    pub fn step(&mut self, kv: &mut dyn KvStore) -> Result<Option<Choice>, ModelError> {
+        let end = (self.computed + self.chunk).min(self.prompt.len());
+        let logits = self.model.forward(&self.prompt[self.computed..end], self.computed, kv)?;
+        self.computed = end;
+        Ok((end == self.prompt.len()).then(|| Choice::greedy(&logits)))
+    }
+
+    /// Prompt tokens computed so far.
+    pub fn computed(&self) -> usize {
+        self.computed
     }
 }
 

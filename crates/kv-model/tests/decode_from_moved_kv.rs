@@ -95,13 +95,7 @@ fn prompt(len: usize, salt: u32) -> Vec<u32> {
 
 /// One engine at TP 1: the prompt in chunks of 16, then `count` tokens after the first.
 fn one_engine(model: &TinyLlama, prompt: &[u32], count: usize) -> Vec<u32> {
-    let mut engine = Engine::new(1, 16, MemoryOrder::Hnd, Placement::BlockMajor);
-    let ids = blocks(&(0..32).collect::<Vec<_>>());
-    let mut kv = engine.kv(&ids);
-    let first = model.prefill(prompt, 16, &mut kv).unwrap();
-    let mut tokens = vec![first.token];
-    tokens.extend(model.decode(first.token, prompt.len(), count, &mut kv).unwrap().tokens);
-    tokens
+    model.generate_alone(prompt, 16, count, 16).unwrap().tokens
 }
 
 #[test]
@@ -177,18 +171,34 @@ fn prompts_decode_to_distinct_sequences_with_clear_greedy_choices() {
     let mut sequences = std::collections::BTreeSet::new();
     let mut min_margin = f32::INFINITY;
     for i in 0..20 {
-        let prompt = prompt(5 + 23 * i, i as u32);
-        let mut engine = Engine::new(1, 16, MemoryOrder::Hnd, Placement::BlockMajor);
-        let ids = blocks(&(0..BLOCKS).collect::<Vec<_>>());
-        let mut kv = engine.kv(&ids);
-        let first = model.prefill(&prompt, 16, &mut kv).unwrap();
-        let rest = model.decode(first.token, prompt.len(), 15, &mut kv).unwrap();
-        min_margin = min_margin.min(first.margin).min(rest.min_margin);
-        sequences.insert([&[first.token][..], &rest.tokens].concat());
+        let generated = model.generate_alone(&prompt(5 + 23 * i, i as u32), 16, 15, 16).unwrap();
+        min_margin = min_margin.min(generated.min_margin);
+        sequences.insert(generated.tokens);
     }
     println!("distinct sequences {} of 20, smallest top-1 margin {min_margin}", sequences.len());
     assert!(sequences.len() >= 18, "{} distinct sequences of 20", sequences.len());
     assert!(min_margin > 1e-3, "a greedy choice {min_margin} ahead of the next");
+}
+
+#[test]
+fn a_prefill_steps_chunk_by_chunk_to_the_same_first_token() {
+    let model = TinyLlama::from_seed(CONFIG, 7).unwrap();
+    let prompt = prompt(70, 4);
+    let mut engine = Engine::new(1, 16, MemoryOrder::Hnd, Placement::BlockMajor);
+    let ids = blocks(&(0..8).collect::<Vec<_>>());
+    let mut kv = engine.kv(&ids);
+    let mut run = model.start_prefill(&prompt, 32).unwrap();
+    let mut computed = Vec::new();
+    let first = loop {
+        let step = run.step(&mut kv).unwrap();
+        computed.push(run.computed());
+        if let Some(first) = step {
+            break first;
+        }
+    };
+    assert_eq!(computed, [32, 64, 70]);
+    let alone = model.generate_alone(&prompt, 32, 0, 16).unwrap();
+    assert_eq!((vec![first.token], first.margin), (alone.tokens, alone.min_margin));
 }
 
 #[test]
