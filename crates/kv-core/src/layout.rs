@@ -81,6 +81,11 @@ pub enum Attention {
     /// told apart, so blocks move whole: P's and D's block sizes must be equal, and the order
     /// is [`MemoryOrder::Hnd`] (a head's part of a block is contiguous).
     FusedKv,
+    /// One plane in which each head's token holds its K then its V, `2 × head_dim` elements
+    /// (vLLM 0.33's caches: content `C` of its `[block, head, token, C]` layouts), heads sharded
+    /// across TP ranks as with [`Attention::SplitKv`]; tokens stand apart, so block sizes may
+    /// differ, in either order.
+    PackedKv,
 }
 
 /// The order of heads and tokens within one plane of one block.
@@ -198,19 +203,20 @@ impl KvLayout {
         Ok(())
     }
 
-    /// Planes per layer: 2 for K/V, 1 for the MLA latent and for fused K/V.
+    /// Planes per layer: 2 for K/V, 1 for the MLA latent and for fused or packed K/V.
     pub fn planes(&self) -> u32 {
         match self.attention {
             Attention::SplitKv => 2,
-            Attention::Mla | Attention::FusedKv => 1,
+            Attention::Mla | Attention::FusedKv | Attention::PackedKv => 1,
         }
     }
 
-    /// Elements of one head for one token in one plane: `head_dim`, twice that for fused K/V.
+    /// Elements of one head for one token in one plane: `head_dim`, twice that for fused or
+    /// packed K/V.
     pub fn head_elements(&self) -> u64 {
         let per_plane = match self.attention {
             Attention::SplitKv | Attention::Mla => 1,
-            Attention::FusedKv => 2,
+            Attention::FusedKv | Attention::PackedKv => 2,
         };
         u64::from(self.head_dim) * per_plane
     }
@@ -230,7 +236,7 @@ impl KvLayout {
     pub fn heads_per_rank(&self, tp: u32) -> u32 {
         match self.attention {
             Attention::Mla => 1,
-            Attention::SplitKv | Attention::FusedKv => (self.kv_heads / tp.max(1)).max(1),
+            Attention::SplitKv | Attention::FusedKv | Attention::PackedKv => (self.kv_heads / tp.max(1)).max(1),
         }
     }
 
@@ -241,8 +247,10 @@ impl KvLayout {
         let tp = tp.max(1);
         match self.attention {
             Attention::Mla => 0,
-            Attention::SplitKv | Attention::FusedKv if tp <= self.kv_heads => rank * (self.kv_heads / tp),
-            Attention::SplitKv | Attention::FusedKv => rank / (tp / self.kv_heads.max(1)),
+            Attention::SplitKv | Attention::FusedKv | Attention::PackedKv if tp <= self.kv_heads => {
+                rank * (self.kv_heads / tp)
+            }
+            Attention::SplitKv | Attention::FusedKv | Attention::PackedKv => rank / (tp / self.kv_heads.max(1)),
         }
     }
 

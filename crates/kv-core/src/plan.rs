@@ -555,6 +555,15 @@ mod tests {
                         check_bytes(fused, (p_tp, 2), d_tp, (4, 4), 9, 0);
                     }
                 }
+                // Each head's token its K then its V (vLLM 0.33): tokens stand apart, so every
+                // TP and block-size ratio moves as K/V-split layouts do.
+                let packed = small(order, placement, Attention::PackedKv);
+                for (p_tp, d_tp) in [(1, 1), (2, 1), (1, 2), (4, 2), (2, 8)] {
+                    for (sizes, prompt, cached) in [((4, 4), 12, 1), ((2, 8), 10, 0), ((8, 4), 20, 1)] {
+                        check_bytes(packed, (p_tp, 1), d_tp, sizes, prompt, cached);
+                    }
+                    check_bytes(packed, (p_tp, 2), d_tp, (4, 4), 9, 0);
+                }
                 let mla = KvLayout { kv_heads: 1, ..small(order, placement, Attention::Mla) };
                 for (p_tp, d_tp) in [(1, 2), (2, 1), (4, 2)] {
                     for p_pp in [1, 2] {

@@ -493,8 +493,12 @@ mod tests {
             agent_metadata: vec![7; 10_000],
         };
         assert_eq!(Handshake::decode(&hs.encode().unwrap()).unwrap(), hs);
-        // vLLM's FlashAttention layer (placement index 2), in either order.
+        // vLLM's FlashAttention layer (placement index 2) and vLLM 0.33's packed K and V
+        // (attention index 3), in either order.
         for order in [MemoryOrder::Nhd, MemoryOrder::Hnd] {
+            let packed = KvLayout { attention: crate::Attention::PackedKv, order, ..layout };
+            let hs = Handshake { layout: packed, compat_hash: compatibility_hash("llama", &packed), ..hs.clone() };
+            assert_eq!(Handshake::decode(&hs.encode().unwrap()).unwrap(), hs);
             let flash = KvLayout { placement: crate::Placement::LayerPlaneMajor, order, ..layout };
             let hs = Handshake { layout: flash, compat_hash: compatibility_hash("llama", &flash), ..hs.clone() };
             assert_eq!(Handshake::decode(&hs.encode().unwrap()).unwrap(), hs);

@@ -487,8 +487,12 @@ class KvflowConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         # The layout from the tensors' shapes and strides (the backend's name only where they
-        # cannot tell): vLLM's CPU attention, FlashAttention's NHD and HND, FlashInfer's, MLA.
-        described = describe(kv_caches, self._tp, _total_kv_heads(self._vllm_config), _backend_name(self._vllm_config))
+        # cannot tell): vLLM's CPU attention, FlashAttention's NHD and HND, FlashInfer's, vLLM
+        # 0.33's packed K and V, MLA.
+        mla = bool(getattr(self._vllm_config.model_config, "use_mla", False))
+        described = describe(
+            kv_caches, self._tp, _total_kv_heads(self._vllm_config), _backend_name(self._vllm_config), mla=mla
+        )
         layout, num_blocks, regions = described.layout, described.num_blocks, described.regions
         # The ranks read and write these tensors in place: they must outlive them.
         self._kv_caches = kv_caches
