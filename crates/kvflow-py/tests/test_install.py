@@ -54,6 +54,8 @@ def assert_loads(python, model, env=None):
         for role in ("SCHEDULER", "WORKER")
     }
     assert got == want
+    # Each asks vLLM for HND (LBHNC), so that no layout interleaves the layers.
+    assert {c["required_layout"] for c in loaded} == {"LBHNC"}
     # 300 prompt tokens matched for an asynchronous load, D's ranks told to track and load
     # it, and vLLM told to keep its blocks once it is aborted while loading.
     flows = [c["flow"] for c in loaded if "flow" in c]

@@ -463,6 +463,16 @@ class KvflowConnector(KVConnectorBase_V1):
             "kvflow_prompt": _prompt_digest(request.prompt_token_ids),
         }
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config):
+        """HND (vLLM's ``LBHNC``): each head's part of a block contiguous, so a TP slice is
+        one range per block and vLLM never picks a layout that interleaves the layers, which
+        kvflow does not describe. MLA's single plane needs none."""
+        model = vllm_config.model_config
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        return "LBHNC"
+
     # ---- metrics (both sides) ----
 
     def get_kv_connector_stats(self):

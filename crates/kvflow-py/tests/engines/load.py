@@ -85,6 +85,8 @@ if __name__ == "__main__":
                         "kv_role": kv_role,
                         "role": role.name,
                         "decode_scheduler": connector._decode is not None,
+                        # The KV cache layout the connector asks vLLM for.
+                        "required_layout": type(connector).get_required_kvcache_layout(config),
                     }
                 )
                 if role == KVConnectorRole.SCHEDULER and kv_role == "kv_consumer":
