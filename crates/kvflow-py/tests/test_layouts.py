@@ -4,24 +4,15 @@ ranks of different TP sizes by kvflow's schedulers and NIXL ranks, as the connec
 (host memory here: a GPU's tensors differ only in where the memory is)."""
 
 import json
-import time
 
 import pytest
 import torch
 
+from conftest import RANK_CONFIG, carry
 from kvflow import _kvflow as native
-from kvflow.layout import describe
-from kvflow.nixl import runtime_dir
+from kvflow.layout import Described, describe
 
-CONFIG = json.dumps(
-    {"kv_connector": "KvflowConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"kv_lease_duration": 10}}
-)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nixl():
-    native.prepare_nixl(str(runtime_dir()))
-
+pytestmark = pytest.mark.usefixtures("nixl")
 
 def flash(blocks, tokens, heads, dim, hnd=False, dtype=torch.float16):
     """A FlashAttention layer tensor, ``(2, blocks, tokens, heads, dim)``: as allocated (NHD),
@@ -124,30 +115,28 @@ def test_what_kvflow_cannot_describe_is_refused_naming_it():
         describe({"a": torch.zeros(10, 2, 64, 576)}, tp=1, mla=True)
 
 
-def rank(role, engine, index, tp, described):
-    return native.Rank(
-        role, engine, 1, index, tp, json.dumps(described.layout), described.num_blocks, described.regions,
-        "127.0.0.1:0", CONFIG, "tiny",
-    )
+def move(engine, p_pools, d_pool, p_blocks, d_blocks, prompt):
+    """Exports `prompt` tokens in `p_blocks` of P (a rank per described pool of `p_pools`) and
+    loads them into `d_blocks` of D (one rank, `d_pool`), as kvflow's schedulers and NIXL
+    ranks do; asserts that the load is ready and P freed the export as transferred."""
 
+    def rank(role, name, index, tp, described):
+        layout, blocks = json.dumps(described.layout), described.num_blocks
+        return native.Rank(role, name, 1, index, tp, layout, blocks, described.regions, "127.0.0.1:0", RANK_CONFIG, "tiny")
 
-def carry(schedulers, until, seconds=20):
-    """Carries each rank's reports to its scheduler and the schedulers' commands to their
-    ranks until ``until(events)``; ``schedulers`` pairs each scheduler with its ranks."""
-    deadline = time.monotonic() + seconds
-    events = []
-    while not until(events) and time.monotonic() < deadline:
-        for scheduler, ranks in schedulers:
-            for index, r in enumerate(ranks):
-                for report in r.reports():
-                    scheduler.report(index, report)
-            for what, event in scheduler.poll():
-                if what == "to_rank":
-                    ranks[event[0]].command(event[1])
-                else:
-                    events.append((what, event))
-        time.sleep(0.002)
-    return events
+    p_ranks = [rank("prefill", f"{engine}-p", r, len(p_pools), pool) for r, pool in enumerate(p_pools)]
+    d_ranks = [rank("decode", f"{engine}-d", 0, 1, d_pool)]
+    try:
+        p_scheduler = native.PrefillScheduler(p_ranks[0].offer(), [r.address() for r in p_ranks], RANK_CONFIG)
+        d_scheduler = native.DecodeScheduler(f"{engine}-d", 1, RANK_CONFIG)
+        d_scheduler.arrive("req-1", p_scheduler.finished(native.now_ns(), "req-1", p_blocks, prompt))
+        d_scheduler.schedule("req-1", d_blocks)
+        events = carry([(p_scheduler, p_ranks), (d_scheduler, d_ranks)], lambda ev: {w for w, _ in ev} >= {"free", "ended"})
+        assert ("ended", ("req-1", "ready")) in events, events
+        assert ("free", ("req-1", p_blocks, "transferred")) in events, events
+    finally:
+        for r in d_ranks + p_ranks:
+            r.close()
 
 
 @pytest.mark.parametrize("hnd", [False, True], ids=["nhd", "hnd"])
@@ -161,29 +150,16 @@ def test_flash_attention_kv_moves_from_p_at_tp_2_into_d_at_tp_1_byte_for_byte(hn
         for i, layer in enumerate(caches.values()):
             layer.copy_(torch.randn(layer.shape, generator=torch.Generator().manual_seed(10 * r + i)).to(layer.dtype))
     d_caches = {f"l{i}": flash(blocks, tokens, 4, dim, hnd) for i in range(layers)}
-    p_ranks = [rank("prefill", "flash-p", r, 2, describe(p_caches[r], 2, 4)) for r in range(2)]
-    d_ranks = [rank("decode", "flash-d", 0, 1, describe(d_caches, 1, 4))]
-    try:
-        p_scheduler = native.PrefillScheduler(p_ranks[0].offer(), [r.address() for r in p_ranks], CONFIG)
-        d_scheduler = native.DecodeScheduler("flash-d", 1, CONFIG)
-        p_blocks, d_blocks = [7, 2, 9], [1, 5, 11]
-        remote = p_scheduler.finished(native.now_ns(), "req-1", p_blocks, prompt)
-        d_scheduler.arrive("req-1", remote)
-        d_scheduler.schedule("req-1", d_blocks)
-        events = carry([(p_scheduler, p_ranks), (d_scheduler, d_ranks)], lambda ev: {w for w, _ in ev} >= {"free", "ended"})
-        assert ("ended", ("req-1", "ready")) in events, events
-        assert ("free", ("req-1", p_blocks, "transferred")) in events, events
-        for name, d_layer in d_caches.items():
-            for i, (pb, db) in enumerate(zip(p_blocks, d_blocks)):
-                held = min(tokens, prompt - i * tokens)
-                for r in range(2):
-                    want = p_caches[r][name][:, pb, :held]
-                    assert torch.equal(d_layer[:, db, :held, 2 * r : 2 * r + 2], want), (name, i, r)
-        untouched = [b for b in range(blocks) if b not in d_blocks]
-        assert not any(d_layer[:, untouched].any() for d_layer in d_caches.values()), "bytes landed outside D's blocks"
-    finally:
-        for r in d_ranks + p_ranks:
-            r.close()
+    p_blocks, d_blocks = [7, 2, 9], [1, 5, 11]
+    move("flash", [describe(p_caches[r], 2, 4) for r in range(2)], describe(d_caches, 1, 4), p_blocks, d_blocks, prompt)
+    for name, d_layer in d_caches.items():
+        for i, (pb, db) in enumerate(zip(p_blocks, d_blocks)):
+            held = min(tokens, prompt - i * tokens)
+            for r in range(2):
+                want = p_caches[r][name][:, pb, :held]
+                assert torch.equal(d_layer[:, db, :held, 2 * r : 2 * r + 2], want), (name, i, r)
+    untouched = [b for b in range(blocks) if b not in d_blocks]
+    assert not any(d_layer[:, untouched].any() for d_layer in d_caches.values()), "bytes landed outside D's blocks"
 
 
 @pytest.mark.parametrize("order", ["Hnd", "Nhd"])
@@ -191,8 +167,6 @@ def test_packed_kv_moves_from_p_at_tp_2_into_d_at_tp_1_across_block_sizes(order)
     """vLLM 0.33's packed K and V (each head's token its K then its V), from P at TP 2 with
     16-token blocks into D at TP 1 with 32-token ones (host tensors in that layout: no GPU
     here): every prompt token of every head lands where D's layout says."""
-    from kvflow.layout import Described
-
     layers, tokens, content, prompt = 2, 16, 16, 40
 
     def layer(blocks, heads, block_tokens):
@@ -214,23 +188,13 @@ def test_packed_kv_moves_from_p_at_tp_2_into_d_at_tp_1_across_block_sizes(order)
         for i, t in enumerate(caches.values()):
             t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(10 * r + i)).to(t.dtype))
     d_caches = {f"l{i}": layer(6, 4, 2 * tokens) for i in range(layers)}
-    p_ranks = [rank("prefill", "packed-p", r, 2, described(p_caches[r], 2, tokens)) for r in range(2)]
-    d_ranks = [rank("decode", "packed-d", 0, 1, described(d_caches, 4, 2 * tokens))]
-    try:
-        p_scheduler = native.PrefillScheduler(p_ranks[0].offer(), [r.address() for r in p_ranks], CONFIG)
-        d_scheduler = native.DecodeScheduler("packed-d", 1, CONFIG)
-        p_blocks, d_blocks = [5, 0, 3], [4, 1]
-        d_scheduler.arrive("req-1", p_scheduler.finished(native.now_ns(), "req-1", p_blocks, prompt))
-        d_scheduler.schedule("req-1", d_blocks)
-        events = carry([(p_scheduler, p_ranks), (d_scheduler, d_ranks)], lambda ev: {w for w, _ in ev} >= {"free", "ended"})
-        assert ("ended", ("req-1", "ready")) in events, events
-        for name, d_layer in d_caches.items():
-            for position in range(prompt):
-                p_block, d_block = p_blocks[position // tokens], d_blocks[position // (2 * tokens)]
-                for r in range(2):
-                    want = p_caches[r][name][p_block, :, position % tokens]
-                    got = d_layer[d_block, 2 * r : 2 * r + 2, position % (2 * tokens)]
-                    assert torch.equal(got, want), (name, position, r)
-    finally:
-        for r in d_ranks + p_ranks:
-            r.close()
+    p_blocks, d_blocks = [5, 0, 3], [4, 1]
+    p_pools = [described(p_caches[r], 2, tokens) for r in range(2)]
+    move("packed", p_pools, described(d_caches, 4, 2 * tokens), p_blocks, d_blocks, prompt)
+    for name, d_layer in d_caches.items():
+        for position in range(prompt):
+            p_block, d_block = p_blocks[position // tokens], d_blocks[position // (2 * tokens)]
+            for r in range(2):
+                want = p_caches[r][name][p_block, :, position % tokens]
+                got = d_layer[d_block, 2 * r : 2 * r + 2, position % (2 * tokens)]
+                assert torch.equal(got, want), (name, position, r)

@@ -5,12 +5,11 @@ registered in place."""
 
 import ctypes
 import json
-import time
 
 import pytest
 
+from conftest import RANK_CONFIG, carry
 from kvflow import _kvflow as native
-from kvflow.nixl import runtime_dir
 
 LAYOUT = json.dumps(
     {
@@ -26,14 +25,9 @@ LAYOUT = json.dumps(
 )
 BLOCK = 2 * 2 * 4 * 16 * 8 * 2  # layers x (K, V) x heads x tokens x dims x bytes
 BLOCKS = 8
-CONFIG = json.dumps(
-    {"kv_connector": "KvflowConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"kv_lease_duration": 10}}
-)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def nixl():
-    native.prepare_nixl(str(runtime_dir()))
+pytestmark = pytest.mark.usefixtures("nixl")
 
 
 def pool():
@@ -42,24 +36,7 @@ def pool():
 
 
 def rank(role, engine, regions):
-    return native.Rank(role, engine, 1, 0, 1, LAYOUT, BLOCKS, regions, "127.0.0.1:0", CONFIG, "tiny")
-
-
-def run(pairs, until, seconds=20):
-    """Carries reports to the schedulers and commands to the ranks until ``until()``."""
-    deadline = time.monotonic() + seconds
-    events = []
-    while not until(events) and time.monotonic() < deadline:
-        for scheduler, rank in pairs:
-            for report in rank.reports():
-                scheduler.report(0, report)
-            for what, event in scheduler.poll():
-                if what == "to_rank":
-                    rank.command(event[1])
-                else:
-                    events.append((what, event))
-        time.sleep(0.002)
-    return events
+    return native.Rank(role, engine, 1, 0, 1, LAYOUT, BLOCKS, regions, "127.0.0.1:0", RANK_CONFIG, "tiny")
 
 
 def test_d_reads_p_s_blocks_and_p_frees_them_as_transferred():
@@ -69,14 +46,14 @@ def test_d_reads_p_s_blocks_and_p_frees_them_as_transferred():
         p_memory[i] = i % 251
     p, d = rank("prefill", "prefill0", p_regions), rank("decode", "decode0", d_regions)
     try:
-        p_scheduler = native.PrefillScheduler(p.offer(), [p.address()], CONFIG)
-        d_scheduler = native.DecodeScheduler("decode0", 1, CONFIG)
+        p_scheduler = native.PrefillScheduler(p.offer(), [p.address()], RANK_CONFIG)
+        d_scheduler = native.DecodeScheduler("decode0", 1, RANK_CONFIG)
         remote = p_scheduler.finished(native.now_ns(), "req-1", [0, 1], 32)
         assert json.loads(remote)["export"]["blocks"] == [0, 1]
         d_scheduler.arrive("req-1", remote)
         d_scheduler.schedule("req-1", [4, 5])
-        pairs = [(p_scheduler, p), (d_scheduler, d)]
-        events = run(pairs, lambda ev: {w for w, _ in ev} >= {"free", "ended"})
+        pairs = [(p_scheduler, [p]), (d_scheduler, [d])]
+        events = carry(pairs, lambda ev: {w for w, _ in ev} >= {"free", "ended"})
         assert ("ended", ("req-1", "ready")) in events
         assert ("free", ("req-1", [0, 1], "transferred")) in events
         assert bytes(d_memory[4 * BLOCK : 6 * BLOCK]) == bytes(p_memory[: 2 * BLOCK])
@@ -85,7 +62,7 @@ def test_d_reads_p_s_blocks_and_p_frees_them_as_transferred():
         # D rejects the next request before admission: P frees its blocks at once.
         remote = p_scheduler.finished(native.now_ns(), "req-2", [2, 3], 32)
         d_scheduler.reject("req-2", remote)
-        events = run(pairs, lambda ev: any(w == "free" for w, _ in ev))
+        events = carry(pairs, lambda ev: any(w == "free" for w, _ in ev))
         assert ("free", ("req-2", [2, 3], "rejected")) in events
     finally:
         d.close()
@@ -94,9 +71,9 @@ def test_d_reads_p_s_blocks_and_p_frees_them_as_transferred():
 
 def test_bad_input_is_a_value_error_that_names_it():
     with pytest.raises(ValueError, match='role: "both"'):
-        native.Rank("both", "x", 1, 0, 1, LAYOUT, BLOCKS, [], "127.0.0.1:0", CONFIG, "tiny")
+        native.Rank("both", "x", 1, 0, 1, LAYOUT, BLOCKS, [], "127.0.0.1:0", RANK_CONFIG, "tiny")
     with pytest.raises(ValueError, match="offer"):
-        native.PrefillScheduler(b"not an offer", ["127.0.0.1:1"], CONFIG)
-    scheduler = native.DecodeScheduler("decode0", 1, CONFIG)
+        native.PrefillScheduler(b"not an offer", ["127.0.0.1:1"], RANK_CONFIG)
+    scheduler = native.DecodeScheduler("decode0", 1, RANK_CONFIG)
     with pytest.raises(ValueError, match="remote"):
         scheduler.arrive("req-1", '{"request": "req-1"}')
