@@ -31,7 +31,7 @@ mod kv;
 mod model;
 
 pub use kv::{KvStore, PoolKv, RankMemory, RankRegions};
-pub use model::{Choice, Decoded, ModelConfig, Prefill, TinyLlama};
+pub use model::{Alone, Choice, Decoded, ModelConfig, Prefill, TinyLlama};
 
 /// What the model refuses or fails at.
 #[derive(Debug, thiserror::Error)]

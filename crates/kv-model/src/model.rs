@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use kv_core::{Dtype, KvLayout, MemoryOrder, Placement};
@@ -67,6 +68,9 @@ impl ModelConfig {
         }
     }
 }
+
+/// Attention's positions are padded to a multiple of this (see [`TinyLlama::forward`]).
+const ATTENTION_SPAN: usize = 64;
 
 /// One layer's weights: linear weights `(out, in)` as Hugging Face stores them, and their
 /// transposes, contiguous, for the matmuls.
@@ -211,10 +215,14 @@ impl TinyLlama {
         let mut x = self.embed.index_select(&ids, 0)?;
         let cos = self.cos.narrow(0, start, n)?;
         let sin = self.sin.narrow(0, start, n)?;
-        let mask: Vec<f32> = (0..n)
-            .flat_map(|i| (0..total).map(move |j| if j <= start + i { 0.0 } else { f32::NEG_INFINITY }))
-            .collect();
-        let mask = Tensor::from_vec(mask, (1, n, total), &self.device)?;
+        // Attention runs over `span` positions, `total` padded with masked zeros to a whole
+        // number of `ATTENTION_SPAN`s: the sums over positions then have one shape whatever
+        // chunk a position was computed in, so a prefix computed alone (an engine's own prefix
+        // cache) holds the very bits a longer prompt's chunks computed for it.
+        let span = total.next_multiple_of(ATTENTION_SPAN);
+        let mask: Vec<f32> =
+            (0..n).flat_map(|i| (0..span).map(move |j| if j <= start + i { 0.0 } else { f32::NEG_INFINITY })).collect();
+        let mask = Tensor::from_vec(mask, (1, n, span), &self.device)?;
         let scale = 1.0 / (hd as f64).sqrt();
         for (l, layer) in self.layers.iter().enumerate() {
             let [q, k, v, o, gate, up, down] = &layer.linear;
@@ -237,14 +245,14 @@ impl TinyLlama {
             }
             let mut planes = Vec::with_capacity(2);
             for plane in 0..2 {
-                let mut values = vec![0f32; kvh * total * hd];
+                let mut values = vec![0f32; kvh * span * hd];
                 for head in 0..kvh {
                     for p in 0..total {
-                        let at = (head * total + p) * hd;
+                        let at = (head * span + p) * hd;
                         kv.read(l, plane, head, p, &mut values[at..at + hd])?;
                     }
                 }
-                let t = Tensor::from_vec(values, (kvh, total, hd), &self.device)?;
+                let t = Tensor::from_vec(values, (kvh, span, hd), &self.device)?;
                 planes.push(t.index_select(&self.kv_of_head, 0)?);
             }
             let q = q.squeeze(0)?;
@@ -284,14 +292,16 @@ impl TinyLlama {
 
     /// One engine alone, as the reference a disaggregated run must equal: `prompt` computed in
     /// chunks of `chunk` into a pool of its own (TP 1, blocks of `block_tokens`), then `count`
-    /// tokens decoded after the first; all `count + 1` tokens, with the smallest margin.
+    /// tokens decoded after the first; all `count + 1` tokens, with the smallest margin, the
+    /// fingerprint of the prompt's KV ([`TinyLlama::kv_fingerprint`]) and how long the prefill
+    /// and the decode took.
     pub fn generate_alone(
         &self,
         prompt: &[u32],
         chunk: usize,
         count: usize,
         block_tokens: u32,
-    ) -> Result<Decoded, ModelError> {
+    ) -> Result<Alone, ModelError> {
         let layout = self.config.kv_layout(block_tokens, MemoryOrder::Hnd, Placement::BlockMajor);
         let blocks = (prompt.len() + count).div_ceil(block_tokens.max(1) as usize) as u32;
         let shape = kv_core::PoolShape::new(layout, layout.heads_per_rank(1), blocks)
@@ -299,10 +309,54 @@ impl TinyLlama {
         let mut pool = vec![0u8; shape.pool_bytes() as usize];
         let ids: Vec<kv_core::BlockId> = (0..blocks).map(kv_core::BlockId).collect();
         let mut kv = crate::PoolKv::new(vec![crate::RankMemory { shape, regions: vec![&mut pool[..]] }], &ids)?;
+        let started = Instant::now();
         let first = self.prefill(prompt, chunk, &mut kv)?;
+        let prefill = started.elapsed();
+        let kv_fingerprint = self.kv_fingerprint(&kv, prompt.len())?;
+        let started = Instant::now();
         let rest = self.decode(first.token, prompt.len(), count, &mut kv)?;
+        let decode = started.elapsed();
         let tokens = [&[first.token][..], &rest.tokens].concat();
-        Ok(Decoded { tokens, min_margin: first.margin.min(rest.min_margin) })
+        Ok(Alone { tokens, min_margin: first.margin.min(rest.min_margin), kv_fingerprint, prefill, decode })
+    }
+
+    /// A fingerprint of the KV of a sequence's first `positions` tokens in `kv`: FNV-1a (64
+    /// bits) over every value's bits, layer by layer, K then V, head by head, position by
+    /// position; equal KV gives equal fingerprints whatever pools, TP size or layout hold it.
+    pub fn kv_fingerprint(&self, kv: &dyn KvStore, positions: usize) -> Result<u64, ModelError> {
+        let c = &self.config;
+        let mut values = vec![0f32; c.head_dim];
+        let mut hash = 0xcbf2_9ce4_8422_2325u64;
+        for layer in 0..c.layers {
+            for plane in 0..2 {
+                for head in 0..c.kv_heads {
+                    for position in 0..positions {
+                        kv.read(layer, plane, head, position, &mut values)?;
+                        for byte in values.iter().flat_map(|v| v.to_le_bytes()) {
+                            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(hash)
+    }
+
+    /// Writes zeros over the KV of a sequence's first `positions` tokens in `kv` (a control:
+    /// decoding from it must not give the tokens the real KV gives).
+    pub fn zero_kv(&self, kv: &mut dyn KvStore, positions: usize) -> Result<(), ModelError> {
+        let c = &self.config;
+        let zeros = vec![0f32; c.head_dim];
+        for layer in 0..c.layers {
+            for plane in 0..2 {
+                for head in 0..c.kv_heads {
+                    for position in 0..positions {
+                        kv.write(layer, plane, head, position, &zeros)?;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Decodes greedily after `first`, the token at `position` (the prompt's length), `count`
@@ -424,4 +478,19 @@ pub struct Decoded {
     pub tokens: Vec<u32>,
     /// The smallest lead of a chosen token over the runner-up.
     pub min_margin: f32,
+}
+
+/// One engine's run of a prompt ([`TinyLlama::generate_alone`]).
+#[derive(Clone, PartialEq, Debug)]
+pub struct Alone {
+    /// The first token and those decoded after it.
+    pub tokens: Vec<u32>,
+    /// The smallest lead of a chosen token over the runner-up.
+    pub min_margin: f32,
+    /// [`TinyLlama::kv_fingerprint`] of the prompt's KV.
+    pub kv_fingerprint: u64,
+    /// The prefill's time (to the first token).
+    pub prefill: Duration,
+    /// The decode's time (every token after the first).
+    pub decode: Duration,
 }

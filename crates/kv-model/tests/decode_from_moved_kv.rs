@@ -248,3 +248,30 @@ fn kv_behind_the_memory_port_decodes_as_one_engine_does() {
     let refused = PoolKv::in_memory(&mut memory, wrong, &ids).err().expect("a rank naming no regions");
     assert!(refused.to_string().contains("names 0 regions, its pool shape has 4"), "{refused}");
 }
+
+#[test]
+fn a_prefix_computed_alone_holds_the_kv_a_longer_prompt_computed_for_it() {
+    // D's own prefix cache in a partial prefix hit: the prompt's first 48 tokens computed
+    // alone (one chunk of 48), against the whole prompt of 100 in chunks of 64 and of 16
+    // (48 tokens inside the first chunk, or three whole ones); and the fingerprint of the same
+    // KV at TP 2 in another layout.
+    let model = TinyLlama::from_seed(CONFIG, 7).unwrap();
+    let prompt = prompt(100, 3);
+    let ids = blocks(&(0..8).collect::<Vec<_>>());
+    let mut whole = Engine::new(1, 16, MemoryOrder::Hnd, Placement::BlockMajor);
+    let mut kv = whole.kv(&ids);
+    model.prefill(&prompt, 64, &mut kv).unwrap();
+    let want = model.kv_fingerprint(&kv, 48).unwrap();
+    let mut sixteens = Engine::new(1, 16, MemoryOrder::Hnd, Placement::BlockMajor);
+    model.prefill(&prompt, 16, &mut sixteens.kv(&ids)).unwrap();
+    assert_eq!(model.kv_fingerprint(&sixteens.kv(&ids), 100).unwrap(), model.kv_fingerprint(&kv, 100).unwrap());
+    assert_ne!(want, model.kv_fingerprint(&kv, 47).unwrap(), "a position more changes the fingerprint");
+    let mut prefix = Engine::new(2, 32, MemoryOrder::Nhd, Placement::LayerMajor);
+    let mut kv = prefix.kv(&ids);
+    model.prefill(&prompt[..48], 64, &mut kv).unwrap();
+    assert_eq!(model.kv_fingerprint(&kv, 48).unwrap(), want);
+    let alone = model.generate_alone(&prompt, 64, 3, 16).unwrap();
+    assert_eq!(alone.kv_fingerprint, model.kv_fingerprint(&whole.kv(&ids), 100).unwrap());
+    model.zero_kv(&mut kv, 48).unwrap();
+    assert_ne!(model.kv_fingerprint(&kv, 48).unwrap(), want, "zeroed KV");
+}

@@ -9,28 +9,16 @@ import os
 import subprocess
 
 import pytest
-import torch
+from check_tokens import disagreements, load
 
 
 def test_transformers_agrees_with_every_token_tiny_llama_generates(tmp_path):
     binary = os.environ.get("KVFLOW_TINY_LLAMA")
     if not binary:
         pytest.fail("KVFLOW_TINY_LLAMA names no tiny_llama binary: run the tests with `cargo xtask vllm`")
-    from transformers import LlamaForCausalLM
-
     done = subprocess.run([binary, str(tmp_path / "model"), "20"], capture_output=True, text=True, timeout=300, check=True)
     requests = json.loads(done.stdout)["requests"]
     assert len(requests) == 20 and all(len(r["generated_ids"]) == 16 for r in requests)
-    model = LlamaForCausalLM.from_pretrained(str(tmp_path / "model"), torch_dtype=torch.float32).eval()
-    disagree = []
-    for r in requests:
-        prompt, generated = r["prompt_ids"], r["generated_ids"]
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + generated[:-1]])).logits[0]
-        for j, token in enumerate(generated):
-            row = logits[len(prompt) - 1 + j]
-            best = int(row.argmax())
-            if best != token and float(row[best] - row[token]) >= 1e-3 * float(row.abs().max()):
-                disagree.append((prompt[:3], j, token, best))
+    disagree = disagreements(load(tmp_path / "model"), requests)
     assert not disagree, f"transformers' argmax differs beyond rounding at {disagree}"
     assert len({tuple(r["generated_ids"]) for r in requests}) >= 18, "the prompts decode to too few distinct sequences"
