@@ -12,8 +12,9 @@ use crate::workspace::{self, cargo, cargo_env};
 /// Runs the fmt check, provisions libclang, protoc, etcd, promtool and the NIXL runtime (see
 /// [`provision::ensure`]), then clippy with `-D warnings` and every test of the workspace, with
 /// the provisioned paths in their environment, the examples, `cargo package` of every library
-/// crate, then a short demo in each mode over each transport, the attack suite, and kvflow's
-/// Python package beside vLLM (`cargo xtask vllm`).
+/// crate, then a short demo in each mode over each transport, short demos of a real model
+/// (tiny-llama), the attack suite, kvflow's Python package beside vLLM (`cargo xtask vllm`),
+/// and transformers' check of every token the model demos generated.
 pub fn run() -> Result<()> {
     let root = workspace::root();
     cargo(&root, &["fmt", "--all", "--", "--check"])?;
@@ -109,6 +110,37 @@ pub fn run() -> Result<()> {
         let args = DemoArgs::try_parse_from(std::iter::once("demo").chain(flags.iter().copied()))?;
         crate::demo::run(&args).with_context(|| format!("the short demo with {}", topology.join(" ")))?;
     }
+    // A real model's KV through kvflow (issue 33): tiny-llama computes every prompt on P (in
+    // chunks of 64 tokens, written ahead in push mode), D decodes 16 tokens from what it
+    // loaded, and each request's tokens and prompt KV must equal one engine's; one D is killed
+    // part-way (its requests sent again), and some requests are partial prefix hits whose
+    // prefix D computes itself. transformers checks every token once the virtualenv is up.
+    let model_demos = workspace::target_dir(&root).join("model-demos");
+    let _ = std::fs::remove_dir_all(&model_demos);
+    std::fs::create_dir_all(&model_demos)?;
+    let model_dir = model_demos.join("tiny-llama");
+    let model_topologies: [(&str, &[&str]); 5] = [
+        ("pull", &["--mode", "pull"]),
+        ("push", &["--mode", "push"]),
+        ("p-tp2-d-tp1", &["--p-tp", "2", "--d-tp", "1"]),
+        ("p-tp1-d-tp2-push", &["--p-tp", "1", "--d-tp", "2", "--mode", "push"]),
+        ("blocks-16-32", &["--p-block-tokens", "16", "--d-block-tokens", "32"]),
+    ];
+    let mut model_reports = Vec::new();
+    for (name, topology) in model_topologies {
+        let report = model_demos.join(format!("{name}.json"));
+        let (report_arg, model_arg) = (report.display().to_string(), model_dir.display().to_string());
+        let mut flags =
+            vec!["--model", "tiny-llama", "--requests", "24", "--lease-ms", "2000", "--json-out", &report_arg];
+        flags.extend(topology);
+        if model_reports.is_empty() {
+            flags.extend(["--save-model", &model_arg]);
+        }
+        eprintln!("xtask: cargo xtask demo {}", flags.join(" "));
+        let args = DemoArgs::try_parse_from(std::iter::once("demo").chain(flags.iter().copied()))?;
+        crate::demo::run(&args).with_context(|| format!("the model demo with {}", topology.join(" ")))?;
+        model_reports.push(report);
+    }
     // The engines under attack, and stopped past their lease, in both modes (about a minute).
     eprintln!("xtask: cargo xtask attack");
     crate::demo::attack(&crate::demo::AttackArgs::default()).context("the attack suite")?;
@@ -116,6 +148,7 @@ pub fn run() -> Result<()> {
     // wheel built and installed beside it, and the Python tests.
     eprintln!("xtask: cargo xtask vllm");
     crate::vllm::run().context("cargo xtask vllm")?;
+    crate::vllm::check_model_tokens(&model_dir, &model_reports)?;
     Ok(())
 }
 

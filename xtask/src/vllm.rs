@@ -86,6 +86,19 @@ pub fn run() -> Result<()> {
     run_python_with(&python, &pytest, &root, "kvflow's Python tests", &env)
 }
 
+/// Checks the tokens of the model demos' reports (`cargo xtask demo --model tiny-llama
+/// --json-out`) with transformers in the virtualenv (provisioned by [`run`]): every generated
+/// token, teacher-forced, is transformers' argmax or loses to it only by rounding, for the
+/// model written to `model_dir` (`--save-model`).
+pub fn check_model_tokens(model_dir: &Path, reports: &[PathBuf]) -> Result<()> {
+    let root = workspace::root();
+    let python = ensure_venv(&root)?.join("bin").join("python");
+    let script = root.join("crates/kvflow-py/tests/check_tokens.py");
+    let paths = [script.as_path(), model_dir].into_iter().chain(reports.iter().map(PathBuf::as_path));
+    let args: Vec<String> = paths.map(|p| p.display().to_string()).collect();
+    run_python(&python, &args, &root, "transformers' check of the model demos' tokens")
+}
+
 /// vLLM 0.33's overlay: a virtualenv that sees `base`'s packages (a `.pth` file) with the
 /// overlay lock installed over them without their dependencies; rebuilt when either lock
 /// changes.

@@ -73,6 +73,12 @@ impl Model {
         Model { layers, kv_heads, head_dim, dtype, block_tokens, mla: false }
     }
 
+    /// tiny-llama's KV (`--model tiny-llama`, kv-model's `ModelConfig::TINY_LLAMA`): 4 layers,
+    /// 4 KV heads of 32, f32. The engines check it against the model they run.
+    pub fn tiny_llama(block_tokens: u32) -> Model {
+        Model { layers: 4, kv_heads: 4, head_dim: 32, dtype: kv_core::Dtype::Float32, block_tokens, mla: false }
+    }
+
     /// A DeepSeek-like MLA model of `layers` layers: one latent of 576 bf16 elements (512 of
     /// compressed KV and 64 of rotary key) per token.
     pub fn mla(layers: u32, block_tokens: u32) -> Model {
@@ -138,6 +144,82 @@ pub struct NodeConfig {
     /// at the end moves everything).
     #[serde(default)]
     pub prefill_chunk_tokens: u64,
+    /// A real model instead of pattern bytes (`--model tiny-llama`): P computes each prompt
+    /// with it, in chunks of `prefill_chunk_tokens` (the whole prompt at once for 0), and D
+    /// decodes from the KV it loaded.
+    #[serde(default)]
+    pub engine_model: Option<EngineModel>,
+}
+
+/// The model an engine runs (`--model tiny-llama`): kv-model's tiny-llama, its weights drawn
+/// from `seed`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct EngineModel {
+    /// The weights' seed.
+    pub seed: u64,
+    /// Tokens D decodes after the first (P's).
+    pub generate: u32,
+}
+
+/// A greedy choice of the model: the token and its logit's lead over the runner-up.
+#[derive(Clone, Copy, PartialEq, Debug, Serialize, Deserialize)]
+pub struct Choice {
+    /// The token.
+    pub token: u32,
+    /// Its lead.
+    pub margin: f32,
+}
+
+/// What D generated for a request from the KV it loaded (`--model`).
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+pub struct Generated {
+    /// P's first token, then each D decoded.
+    pub ids: Vec<u32>,
+    /// The control: the tokens D decodes after the same first token from zeroed KV.
+    pub zeroed_ids: Vec<u32>,
+    /// kv-model's fingerprint of the prompt's KV as D held it when it began to decode.
+    pub kv_fingerprint: u64,
+    /// The smallest lead of a token D chose over its runner-up.
+    pub min_margin: f32,
+    /// When D held both the KV and P's first token (wall clock, ns): it could stream the
+    /// first token and decode on.
+    pub first_at_ns: u64,
+    /// D's decode of the tokens after the first, in nanoseconds.
+    pub decode_ns: u64,
+}
+
+/// What `kvflow-node --one-engine` computes, read from its stdin: every request in one engine
+/// at TP 1, the reference a disaggregated run must equal.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OneEngineJob {
+    /// The model.
+    pub model: EngineModel,
+    /// P's chunk size (0: the whole prompt at once).
+    pub chunk_tokens: u64,
+    /// Tokens per block of its pool.
+    pub block_tokens: u32,
+    /// Writes the model where transformers loads it from, first.
+    #[serde(default)]
+    pub save_model: Option<std::path::PathBuf>,
+    /// Each request's id and prompt.
+    pub requests: Vec<(String, Vec<u32>)>,
+}
+
+/// One request of a [`OneEngineJob`], as one engine runs it (one line of its stdout each).
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+pub struct OneEngineRun {
+    /// The request.
+    pub id: String,
+    /// The first token and those decoded after it.
+    pub ids: Vec<u32>,
+    /// The smallest lead of a chosen token.
+    pub min_margin: f32,
+    /// The prompt's KV's fingerprint.
+    pub kv_fingerprint: u64,
+    /// The prefill (to the first token) and the decode, in nanoseconds.
+    pub prefill_ns: u64,
+    /// See `prefill_ns`.
+    pub decode_ns: u64,
 }
 
 /// Where the run's etcd is and how long an engine's registration outlives its last renewal.
@@ -270,6 +352,9 @@ pub enum Command {
         /// The D engine (name and incarnation) the router has already chosen, if it has.
         #[serde(default)]
         consumer: Option<(String, u64)>,
+        /// The prompt's token ids, for an engine that runs a model (`prompt_tokens` of them).
+        #[serde(default)]
+        prompt_ids: Option<Vec<u32>>,
     },
     /// D: a request with P's parameters enters the waiting queue; D schedules it when it
     /// has blocks.
@@ -282,6 +367,20 @@ pub enum Command {
         /// from the start): D loads only the rest from P. Pull mode only.
         #[serde(default)]
         cached_tokens: u64,
+        /// For an engine that runs a model: the prompt's token ids, and P's first token once
+        /// P has chosen it (in push mode D hears first, and [`Command::FirstToken`] follows).
+        #[serde(default)]
+        prompt_ids: Option<Vec<u32>>,
+        /// See `prompt_ids`.
+        #[serde(default)]
+        first_token: Option<u32>,
+    },
+    /// D, with a model: P's first token for a request that arrived before P chose it.
+    FirstToken {
+        /// D's request id.
+        id: String,
+        /// The token.
+        token: u32,
     },
     /// D: reject a request before admission.
     Reject {
@@ -328,6 +427,9 @@ pub enum Event {
         remote: RemoteRef,
         /// When P finished the prompt.
         finished_at_ns: u64,
+        /// With a model: the first token P chose.
+        #[serde(default)]
+        first: Option<Choice>,
     },
     /// P has no room for the prompt now; the router tries again later.
     Busy {
@@ -363,6 +465,9 @@ pub enum Event {
         /// When that work ended (0: none was done).
         #[serde(default)]
         prepared_at_ns: u64,
+        /// With a model (`ok` only): what D generated from the KV.
+        #[serde(default)]
+        generated: Option<Generated>,
     },
     /// A transfer this engine posted ended.
     Transfer {

@@ -3,13 +3,14 @@
 //! starts.
 
 use std::collections::VecDeque;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
 use clap::{Args, Parser, ValueEnum};
 use kv_core::PoolShape;
 
-use crate::proto::{AttackPlan, Model, NodeConfig, NodeRole, TransportKind};
+use crate::proto::{AttackPlan, EngineModel, Model, NodeConfig, NodeRole, TransportKind};
 
 /// The flags of `cargo xtask demo`; the defaults are [`DemoConfig::default`]'s.
 #[derive(Parser, Debug)]
@@ -56,9 +57,22 @@ pub struct DemoArgs {
     /// computes the next (0: no chunks).
     #[arg(long, value_name = "TOKENS", default_value_t = DemoConfig::default().prefill_chunk_tokens)]
     prefill_chunk_tokens: u64,
-    /// The model's layers (8 KV heads of 128, bf16; or, with --mla, one latent of 576).
-    #[arg(long, value_name = "N", default_value_t = DemoConfig::default().model.layers)]
-    layers: u32,
+    /// The model's layers (8 KV heads of 128, bf16; or, with --mla, one latent of 576);
+    /// 32 by default. Not with --model, whose layers are its own.
+    #[arg(long, value_name = "N")]
+    layers: Option<u32>,
+    /// Run a real model instead of filling blocks with pattern bytes: P computes each prompt
+    /// with it (in chunks of --prefill-chunk-tokens), D decodes from the KV it loaded, and the
+    /// report compares every token, and the prompt's KV, with one engine's.
+    #[arg(long, value_enum, value_name = "MODEL")]
+    model: Option<ModelKind>,
+    /// With --model: tokens D decodes after P's first.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    generate: u32,
+    /// With --model: also write the model where Hugging Face's `LlamaForCausalLM` loads it
+    /// (config.json, model.safetensors), so that transformers can check the tokens.
+    #[arg(long, value_name = "DIR")]
+    save_model: Option<PathBuf>,
     #[command(flatten)]
     topology: TopologyArgs,
     /// Blocks in each engine's pool.
@@ -110,7 +124,30 @@ pub struct DemoArgs {
     /// Prints the report as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Also writes the report, as one JSON object, to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json_out: Option<PathBuf>,
 }
+
+/// The models `--model` runs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+pub enum ModelKind {
+    /// kv-model's tiny-llama: a Llama-architecture transformer of 4 layers, hidden 256, 8 query
+    /// heads over 4 KV heads of 32, vocabulary 4096, f32, its weights drawn from a seed.
+    TinyLlama,
+}
+
+/// A run with a real model (`--model`): what D generates, and where the model is written.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelRun {
+    /// Tokens D decodes after P's first.
+    pub generate: u32,
+    /// Where the model is written as transformers loads it, if anywhere.
+    pub save_dir: Option<PathBuf>,
+}
+
+/// The seed tiny-llama's weights are drawn from in every run.
+pub const MODEL_SEED: u64 = 7;
 
 /// How the engines of a run find each other.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
@@ -159,7 +196,7 @@ impl TopologyArgs {
             model: if self.mla {
                 Model::mla(layers, self.p_block_tokens)
             } else {
-                Model { layers, block_tokens: self.p_block_tokens, ..DemoConfig::default().model }
+                Model { block_tokens: self.p_block_tokens, mla: false, ..config.model }
             },
             d_block_tokens: self.d_block_tokens.unwrap_or(self.p_block_tokens),
             p_tp: self.p_tp,
@@ -189,7 +226,33 @@ impl DemoArgs {
     /// The run these flags ask for; an error names the flags whose values do not fit together.
     pub fn config(&self) -> Result<DemoConfig> {
         let defaults = DemoConfig::default();
+        let model = match self.model {
+            None => Model { layers: self.layers.unwrap_or(defaults.model.layers), ..defaults.model },
+            Some(ModelKind::TinyLlama) => {
+                if let Some(layers) = self.layers {
+                    bail!("--layers {layers} cannot go with --model tiny-llama, whose 4 layers are its own");
+                }
+                if self.topology.mla {
+                    bail!("--mla cannot go with --model tiny-llama, which caches K and V (no latent)");
+                }
+                Model::tiny_llama(defaults.model.block_tokens)
+            }
+        };
+        let engine_model = self.model.map(|_| ModelRun { generate: self.generate, save_dir: self.save_model.clone() });
+        if engine_model.is_none() && self.save_model.is_some() {
+            bail!("--save-model writes the model of --model, and no --model was given");
+        }
+        // The model's requests are each compared, token for token: every one is decoded, so
+        // D rejects none and the router aborts none, and each asks for one sample.
+        let (reject_rate, abort_rate, sibling_rate) = match engine_model {
+            Some(_) => (0.0, 0.0, 0.0),
+            None => (defaults.reject_rate, defaults.abort_rate, defaults.sibling_rate),
+        };
         let config = DemoConfig {
+            engine_model,
+            reject_rate,
+            abort_rate,
+            sibling_rate,
             push: self.mode == Mode::Push,
             decoders: self.decoders,
             requests: self.requests,
@@ -201,7 +264,7 @@ impl DemoArgs {
             partial_rate: self.partial_rate,
             prefill_us_per_token: self.prefill_us_per_token,
             prefill_chunk_tokens: self.prefill_chunk_tokens,
-            model: Model { layers: self.layers, ..defaults.model },
+            model,
             blocks: self.blocks,
             lease_ms: self.lease_ms,
             kill: !self.no_kill,
@@ -294,6 +357,8 @@ pub struct DemoConfig {
     pub kill_silently: bool,
     /// Print each engine's metrics endpoint as it comes up.
     pub print_metrics: bool,
+    /// Run a real model (`--model`) instead of pattern bytes.
+    pub engine_model: Option<ModelRun>,
 }
 
 impl Default for DemoConfig {
@@ -333,6 +398,7 @@ impl Default for DemoConfig {
             sibling_rate: 0.10,
             partial_rate: 0.15,
             time_limit: Duration::from_secs(40),
+            engine_model: None,
         }
     }
 }
@@ -419,8 +485,50 @@ impl DemoConfig {
                 );
             }
         }
+        if let Some(run) = &self.engine_model {
+            self.validate_model(run)?;
+        }
         if self.lease_ms < 600 {
             bail!("--lease-ms {} is too short: heartbeats go every lease / 6 and reads need a margin", self.lease_ms);
+        }
+        Ok(())
+    }
+
+    /// Checks what a run with a real model needs, naming the flags.
+    fn validate_model(&self, run: &ModelRun) -> Result<()> {
+        if self.prefill_us_per_token > 0 {
+            bail!(
+                "--prefill-us-per-token {} simulates compute, and --model computes for real: give one of them",
+                self.prefill_us_per_token
+            );
+        }
+        if !self.prefill_chunk_tokens.is_multiple_of(u64::from(self.model.block_tokens)) {
+            bail!(
+                "with --model, P reports a chunk's blocks computed as the chunk ends: --prefill-chunk-tokens {} \
+                 must be a whole number of --p-block-tokens {} (or 0, the whole prompt at once)",
+                self.prefill_chunk_tokens,
+                self.model.block_tokens
+            );
+        }
+        // tiny-llama's positions (its rotary table): the prompt and what D decodes.
+        if run.generate == 0 || self.max_tokens + u64::from(run.generate) > 4096 {
+            bail!(
+                "--generate {} must be positive, and with --max-tokens {} within the model's 4096 positions",
+                run.generate,
+                self.max_tokens
+            );
+        }
+        // D also holds the tokens it decodes.
+        let tokens = self.model.block_tokens.min(self.d_block_tokens);
+        let largest = (self.max_tokens + u64::from(run.generate)).div_ceil(u64::from(tokens));
+        if largest > u64::from(self.blocks) {
+            bail!(
+                "a prompt of --max-tokens {} and --generate {} needs {largest} blocks of {tokens} tokens on D, more \
+                 than a pool of --blocks {}",
+                self.max_tokens,
+                run.generate,
+                self.blocks
+            );
         }
         Ok(())
     }
@@ -467,6 +575,10 @@ impl DemoConfig {
             metrics_addr: None,
             prefill_us_per_token: self.prefill_us_per_token,
             prefill_chunk_tokens: self.prefill_chunk_tokens,
+            engine_model: self
+                .engine_model
+                .as_ref()
+                .map(|run| EngineModel { seed: MODEL_SEED, generate: run.generate }),
         }
     }
 
@@ -586,5 +698,26 @@ mod tests {
         check(&[&silent[..], &["--etcd-ttl-s", "3"]].concat(), &["--lease-ms (4000)", "--etcd-ttl-s (3)"]);
         check(&[&silent[..], &["--lease-ms", "5000", "--decoders", "1"]].concat(), &["--decoders 2", "not 1"]);
         check(&["--discovery", "etcd", "--etcd-ttl-s", "1"], &["--etcd-ttl-s 1"]);
+        check(&["--model", "tiny-llama", "--layers", "8"], &["--layers 8", "--model tiny-llama"]);
+        check(&["--model", "tiny-llama", "--mla"], &["--mla", "--model tiny-llama"]);
+        check(&["--model", "gpt-9"], &["--model", "gpt-9"]);
+        check(&["--model", "tiny-llama", "--prefill-us-per-token", "100"], &["--prefill-us-per-token 100"]);
+        check(&["--model", "tiny-llama", "--prefill-chunk-tokens", "24"], &["--prefill-chunk-tokens 24", "16"]);
+        check(&["--model", "tiny-llama", "--generate", "0"], &["--generate 0"]);
+        check(&["--model", "tiny-llama", "--max-tokens", "4090"], &["--generate 16", "--max-tokens 4090"]);
+        check(&["--save-model", "/tmp/m"], &["--save-model", "no --model"]);
+    }
+
+    #[test]
+    fn model_runs_tiny_llama_at_the_topology_asked() {
+        let c = parse(&["--model", "tiny-llama", "--p-tp", "2", "--d-block-tokens", "32", "--generate", "20"]).unwrap();
+        assert_eq!(c.model, Model::tiny_llama(16));
+        assert_eq!((c.p_tp, c.d_block_tokens), (2, 32));
+        assert_eq!(c.model_of(NodeRole::Decode), Model::tiny_llama(32));
+        assert_eq!(c.engine_model, Some(ModelRun { generate: 20, save_dir: None }));
+        assert_eq!((c.reject_rate, c.abort_rate, c.sibling_rate), (0.0, 0.0, 0.0));
+        let node = c.node(NodeRole::Decode, "decode0", 1);
+        assert_eq!(node.engine_model, Some(EngineModel { seed: MODEL_SEED, generate: 20 }));
+        assert_eq!(parse(&[]).unwrap().node(NodeRole::Prefill, "prefill0", 1).engine_model, None);
     }
 }

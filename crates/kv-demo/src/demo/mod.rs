@@ -34,22 +34,25 @@
 //! - [`router`]: the run itself, what the router does and hears.
 //! - [`etcd`]: the run's etcd server, with `--discovery etcd`.
 //! - [`processes`]: starting and stopping the engine processes and the attacker.
+//! - [`model`]: a run with a real model (`--model tiny-llama`): the reference and the checks
+//!   of every token.
 //! - [`metrics`]: scraping the engines' metrics endpoints, and promtool's check of them.
 //! - [`report`]: what the run measured, its checks, as text or JSON.
 
 mod config;
 mod etcd;
 mod metrics;
+mod model;
 mod netns;
 mod processes;
 mod report;
 mod router;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::proto::{AttackPlan, Model, TransportKind};
 
-pub use config::{DemoArgs, DemoConfig, TopologyArgs};
+pub use config::{DemoArgs, DemoConfig, ModelKind, ModelRun, TopologyArgs};
 pub use processes::NodeBinary;
 pub use router::Demo;
 
@@ -152,6 +155,9 @@ pub fn run(args: &DemoArgs, node: &NodeBinary) -> Result<()> {
         println!("{}", report.json());
     } else {
         report.print();
+    }
+    if let Some(path) = &args.json_out {
+        std::fs::write(path, report.json().to_string()).with_context(|| format!("writing {}", path.display()))?;
     }
     let failures = report.failures();
     if !failures.is_empty() {

@@ -9,7 +9,8 @@ use std::process::{Child, ChildStdin, Command as Process, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::proto::{
-    write_line, AttackConfig, AttackResult, Command, Event, NodeRole, Sighting, StormNotice, CLUSTER_KEY_ENV,
+    write_line, AttackConfig, AttackResult, Command, Event, NodeRole, OneEngineJob, OneEngineRun, Sighting,
+    StormNotice, CLUSTER_KEY_ENV,
 };
 use anyhow::{bail, Context, Result};
 
@@ -191,7 +192,43 @@ impl Demo {
             .env(CLUSTER_KEY_ENV, &self.key)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
+        self.model_threads(&mut command);
         command
+    }
+
+    /// With a model, every process computes with one thread (candle's matmuls take theirs
+    /// from `RAYON_NUM_THREADS`), the engines and the reference alike: the same thread count
+    /// everywhere, and no engine's compute spread over the cores its peers' transfers need.
+    fn model_threads(&self, command: &mut Process) {
+        if self.config.engine_model.is_some() {
+            command.env("RAYON_NUM_THREADS", "1");
+        }
+    }
+
+    /// `kvflow-node --one-engine`: every request of `job` in one engine at TP 1, the reference.
+    pub(super) fn one_engine(&self, job: &OneEngineJob) -> Result<Vec<OneEngineRun>> {
+        let mut command = Process::new(&self.binary.path);
+        command
+            .arg("--one-engine")
+            .envs(self.binary.envs.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        self.model_threads(&mut command);
+        let mut child = command.spawn().with_context(|| format!("cannot start {}", self.binary.path.display()))?;
+        let mut stdin = child.stdin.take().expect("piped");
+        serde_json::to_writer(&mut stdin, job)?;
+        drop(stdin);
+        let stdout = child.stdout.take().expect("piped");
+        let runs = BufReader::new(stdout)
+            .lines()
+            .map(|line| Ok(serde_json::from_str::<OneEngineRun>(&line?)?))
+            .collect::<Result<Vec<_>>>();
+        let status = child.wait()?;
+        if !status.success() {
+            bail!("kvflow-node --one-engine exited with {status}");
+        }
+        runs
     }
 
     /// The address engine `name` is reached at: its namespace's, or loopback.

@@ -12,6 +12,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::metrics::Promtool;
+use super::model::ModelReport;
 use super::Demo;
 use crate::proto::{AttackPlan, AttackResult, NodeRole, STORM_THROUGHPUT_SHARE};
 
@@ -113,10 +114,12 @@ struct PartialHits {
 impl PartialHits {
     fn new(demo: &Demo) -> PartialHits {
         let mut hits = PartialHits::default();
+        // In push mode P reports the bytes it wrote: a killed P's last reports die with it.
+        let killed_p = demo.p_kill.as_ref().filter(|_| demo.config.push).map(|k| k.instance);
         for (id, track) in &demo.tracks {
             let Some(partial) = track.partial else { continue };
             hits.sent += 1;
-            if track.outcome.as_deref() != Some("ok") {
+            if track.outcome.as_deref() != Some("ok") || killed_p == Some(track.exported_by) {
                 continue;
             }
             let (needed, read) = (partial.needed() as u64, partial.read(track.bytes_read));
@@ -210,13 +213,21 @@ pub struct Report {
     p_ignored: Option<BTreeMap<String, u64>>,
     /// `promtool check metrics` on every scrape.
     promtool: Promtool,
+    /// With a model: its tokens against one engine's.
+    model: Option<ModelReport>,
     errors: Vec<String>,
 }
 
 impl Report {
     /// What `demo` saw in `elapsed`, with every engine's pool checks after the drain (`stats`),
     /// its scrapes, and promtool's word on them.
-    pub(super) fn new(demo: &Demo, elapsed: Duration, stats: BTreeMap<String, Value>, promtool: Promtool) -> Report {
+    pub(super) fn new(
+        demo: &Demo,
+        elapsed: Duration,
+        stats: BTreeMap<String, Value>,
+        promtool: Promtool,
+        model: Option<ModelReport>,
+    ) -> Report {
         let mut outcomes = BTreeMap::new();
         // Releases by the P incarnation running at the end, and by the one killed, if one was.
         let (mut releases, mut killed_prefill_releases) = (BTreeMap::new(), BTreeMap::new());
@@ -298,6 +309,9 @@ impl Report {
         let scraped_releases = p.map(|p| counts(p.sum_by("kvflow_releases_total", "reason", &[])));
         let p_ignored = p.map(|p| counts(p.sum_by("kvflow_ignored_messages_total", "cause", &[])));
         corrupt_reads += outcomes.get("corrupt").copied().unwrap_or(0);
+        // With a model, D checks no pattern: a load is corrupt if the prompt's KV it decoded
+        // from is not one engine's.
+        corrupt_reads += model.as_ref().map_or(0, |m| m.kv_differs() as u64);
         Report {
             mode: if demo.config.push { "push" } else { "pull" },
             transport: demo.config.transport.name(),
@@ -373,6 +387,7 @@ impl Report {
             scraped_releases,
             p_ignored,
             promtool,
+            model,
             outcomes,
             errors: demo.errors.clone(),
         }
@@ -470,6 +485,7 @@ impl Report {
         if let Promtool::Failed(what) = &self.promtool {
             f.push(what.clone());
         }
+        f.extend(self.model.iter().flat_map(ModelReport::failures));
         f.extend(self.errors.iter().cloned());
         f
     }
@@ -537,6 +553,7 @@ impl Report {
             "releases_on_p_scraped": self.scraped_releases,
             "unscraped": self.unscraped,
             "promtool": self.promtool.describe(),
+            "model": self.model.as_ref().map(ModelReport::json),
             "errors": self.errors,
             "passed": self.failures().is_empty(),
         })
@@ -663,6 +680,9 @@ impl Report {
             );
         }
         println!("  held after drain     {}", list(&self.held_after_drain));
+        if let Some(model) = &self.model {
+            model.print();
+        }
         for (which, summary) in &self.metrics_summary {
             println!("  metrics {which:<12} {summary}");
         }

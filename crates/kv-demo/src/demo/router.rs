@@ -18,9 +18,10 @@ use serde_json::{json, Value};
 
 use super::config::{DemoConfig, DiscoveryKind, Hosts, Pause, ROUTER};
 use super::metrics::{promtool_check, Scrape};
+use super::model::ModelRequest;
 use super::processes::{signal, FromNode, Node, NodeBinary, ATTACKER};
 use super::report::Report;
-use crate::proto::{wall_ns, AttackResult, Command, EtcdSettings, Event, NodeRole, Sighting};
+use crate::proto::{wall_ns, AttackResult, Choice, Command, EtcdSettings, Event, Generated, NodeRole, Sighting};
 
 mod faults;
 mod hearing;
@@ -51,6 +52,9 @@ pub(super) struct Track {
     pub(super) partial: Option<Partial>,
     /// Bytes of the completed transfers whose notification named this request.
     pub(super) bytes_read: u64,
+    /// With a model: P's first token, and what D generated.
+    pub(super) first: Option<Choice>,
+    pub(super) generated: Option<Generated>,
 }
 
 impl Track {
@@ -118,6 +122,10 @@ struct Request {
     /// A partial prefix hit: the draw that picks how many of its D blocks D's own
     /// cache holds, once the D engine (and so its block size) is known.
     partial: Option<u64>,
+    /// With a model: the prompt's token ids, and the request of the workload this one
+    /// stands for (itself, or the one it sends again after a loss).
+    prompt_ids: Option<Vec<u32>>,
+    original: String,
 }
 
 /// A run: the engines and the router's view of the requests.
@@ -149,11 +157,15 @@ pub struct Demo {
     next_request: u32,
     /// Prompts a busy P sent back, to send again from this time.
     retries: VecDeque<(Instant, String)>,
+    /// With a model: requests lost, to send again from this time.
+    resends: VecDeque<(Instant, Request)>,
     /// Exports that found no live D engine, to hand over when one is up.
     undelivered: VecDeque<(String, String, RemoteRef, Fate)>,
     /// Requests sent, by id, with their exports.
     open: HashMap<String, (Request, Vec<String>)>,
     pub(super) tracks: BTreeMap<String, Track>,
+    /// With a model: each request of the workload, by id, with the ids it was sent as.
+    pub(super) model_requests: BTreeMap<String, ModelRequest>,
     aborts: Vec<(Instant, String)>,
     next_decode: usize,
     /// When the router last asked D engines not yet connected to P how far they are.
@@ -276,9 +288,11 @@ impl Demo {
             rng,
             next_request,
             retries: VecDeque::new(),
+            resends: VecDeque::new(),
             undelivered: VecDeque::new(),
             open: HashMap::new(),
             tracks: BTreeMap::new(),
+            model_requests: BTreeMap::new(),
             aborts: Vec::new(),
             next_decode: 0,
             cold_polled: Instant::now(),
@@ -490,17 +504,29 @@ impl Demo {
         self.scrape_live();
         self.shutdown();
         let promtool = promtool_check(&self.scrapes);
-        Ok(Report::new(&self, elapsed, drain, promtool))
+        // With a model, the reference: every request in one engine, with the engines stopped.
+        let model = self.config.engine_model.is_some().then(|| self.model_report());
+        Ok(Report::new(&self, elapsed, drain, promtool, model))
     }
 
     /// Sends prompts P sent back, then new requests while fewer than `concurrency` are open.
     fn issue(&mut self, now: Instant) {
+        while self.resends.front().is_some_and(|(at, _)| *at <= now) {
+            let (_, request) = self.resends.pop_front().expect("front");
+            self.queue.push_front(request);
+        }
         while self.retries.front().is_some_and(|(at, _)| *at <= now) {
             let (_, id) = self.retries.pop_front().expect("front");
             if let Some((r, exports)) = self.open.get(&id) {
                 // The same consumer as the first time: P binds the exports to it again.
                 let consumer = self.tracks.get(&exports[0]).and_then(|t| t.decode.clone());
-                let command = Command::Prefill { id: id.clone(), prompt_tokens: r.prompt_tokens, n: r.n, consumer };
+                let command = Command::Prefill {
+                    id: id.clone(),
+                    prompt_tokens: r.prompt_tokens,
+                    n: r.n,
+                    consumer,
+                    prompt_ids: r.prompt_ids.clone(),
+                };
                 self.send("prefill0", &command);
             }
         }
@@ -531,6 +557,11 @@ impl Demo {
             self.issued += 1;
             self.last_issued = now;
             let (id, tokens, n) = (request.id.clone(), request.prompt_tokens, request.n);
+            let prompt_ids = request.prompt_ids.clone();
+            if let Some(ids) = &prompt_ids {
+                let entry = self.model_requests.entry(request.original.clone());
+                entry.or_insert_with(|| ModelRequest::new(ids.clone())).sent_as.push(id.clone());
+            }
             let exports: Vec<String> =
                 if n > 1 { (0..n).map(|i| format!("{i}_{id}")).collect() } else { vec![id.clone()] };
             let submitted = wall_ns();
@@ -584,7 +615,7 @@ impl Demo {
                 }
             }
             let consumer = self.tracks.get(&exports[0]).and_then(|t| t.decode.clone());
-            self.send("prefill0", &Command::Prefill { id, prompt_tokens: tokens, n, consumer });
+            self.send("prefill0", &Command::Prefill { id, prompt_tokens: tokens, n, consumer, prompt_ids });
         }
     }
 
@@ -616,7 +647,9 @@ impl Demo {
             Fate::Reject => Command::Reject { id: export.to_owned(), remote },
             _ => {
                 let cached_tokens = partial.map_or(0, |p| p.cached as u64 * u64::from(p.block_tokens));
-                Command::Arrive { id: export.to_owned(), remote, cached_tokens }
+                let prompt_ids = self.open.get(parent).and_then(|(r, _)| r.prompt_ids.clone());
+                let first_token = track.first.map(|c| c.token);
+                Command::Arrive { id: export.to_owned(), remote, cached_tokens, prompt_ids, first_token }
             }
         };
         self.send(&decode, &command);
@@ -672,9 +705,12 @@ impl Demo {
         let parent = track.parent.clone();
         let Some((_, exports)) = self.open.get(&parent) else { return };
         if exports.iter().all(|e| self.tracks.get(e).is_some_and(|t| t.outcome.is_some())) {
-            self.open.remove(&parent);
+            let (request, _) = self.open.remove(&parent).expect("open");
             self.completed += 1;
             self.progress.inc(1);
+            if outcome != "ok" {
+                self.send_again(request);
+            }
         }
     }
 
@@ -741,5 +777,8 @@ fn workload(config: &DemoConfig, rng: &mut Rng, i: u32) -> Request {
     let d_blocks = kv_core::blocks_for_tokens(prompt_tokens, config.d_block_tokens);
     let eligible = n == 1 && fate != Fate::Reject && d_blocks >= 2;
     let partial = (eligible && rng.chance(config.partial_rate)).then(|| rng.below(1 << 30));
-    Request { id: format!("req-{i}"), prompt_tokens, n, fate, partial }
+    // tiny-llama's vocabulary: any of its 4096 tokens.
+    let prompt_ids = config.engine_model.as_ref().map(|_| (0..prompt_tokens).map(|_| rng.below(4096) as u32).collect());
+    let id = format!("req-{i}");
+    Request { original: id.clone(), id, prompt_tokens, n, fate, partial, prompt_ids }
 }

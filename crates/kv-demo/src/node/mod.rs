@@ -3,7 +3,10 @@
 //! host-memory KV pool from kv-cuda, one part per rank. It stands in for vLLM's engine core:
 //! it allocates blocks (the same ids on every rank), "computes" a prompt by filling its blocks
 //! with [`pattern`] bytes (each rank its heads), checks every byte D receives, and frees blocks
-//! when the connector says so.
+//! when the connector says so. With a model (`--model tiny-llama`), P computes each prompt's
+//! KV with it instead (kv-model's tiny-llama, in chunks, each KV head in the pool of the rank
+//! that owns it), and D decodes from the KV it loaded: the tokens, not the bytes, are checked,
+//! against one engine's (`kvflow-node --one-engine`, [`one_engine`]).
 //!
 //! The router drives it with [`Command`] lines on stdin and reads [`Event`] lines on stdout.
 //! The engine's thread keeps the scheduler side and the block allocator; each rank's worker and
@@ -57,11 +60,11 @@ mod transport;
 
 use decode::{DecodeSide, Prepared};
 use kv_testkit::pattern;
-use payload::{PoolBytes, RankPool, Work, Workers};
+use payload::{Done, ModelOut, PoolBytes, RankPool, Work, Workers};
 use prefill::PrefillSide;
 use transport::{transport, AheadOf, Ended, TimedTransport};
 
-use crate::proto::{from_json, wall_ns, write_line, Command, Event, NodeConfig, NodeRole, TransportKind};
+use crate::proto::{from_json, wall_ns, write_line, Command, EngineModel, Event, NodeConfig, NodeRole, TransportKind};
 
 /// What a command says of the request a P worker writes ahead for (its chunked prefill).
 enum WritesAhead {
@@ -88,8 +91,13 @@ use kv_engine::IDLE_WAIT;
 #[command(name = "kvflow-node", about = "An engine process of `cargo xtask demo`, P or D, driven by its router")]
 struct Args {
     /// The engine's configuration, `kv_demo::proto::NodeConfig` as JSON.
-    #[arg(value_name = "CONFIG", value_parser = from_json::<NodeConfig>)]
-    config: NodeConfig,
+    #[arg(value_name = "CONFIG", value_parser = from_json::<NodeConfig>, required_unless_present = "one_engine")]
+    config: Option<NodeConfig>,
+    /// Instead of an engine of a run: the reference, every request of the
+    /// `kv_demo::proto::OneEngineJob` on stdin in one engine at TP 1, a
+    /// `kv_demo::proto::OneEngineRun` line each on stdout.
+    #[arg(long, conflicts_with = "config")]
+    one_engine: bool,
     /// Serve the connectors' metrics in Prometheus's text format at http://ADDR/metrics
     /// (port 0: any free port, reported in `Ready`); overrides the configuration's
     /// `metrics_addr`.
@@ -99,10 +107,16 @@ struct Args {
 
 /// Runs the engine its argument describes; the exit code says whether it stopped cleanly.
 pub fn main() -> ExitCode {
-    let Args { mut config, metrics_addr } = Args::parse();
-    config.metrics_addr = metrics_addr.or(config.metrics_addr);
+    let Args { config, one_engine: reference, metrics_addr } = Args::parse();
     crate::logging::init();
-    match run(&config) {
+    let result = match config {
+        Some(mut config) if !reference => {
+            config.metrics_addr = metrics_addr.or(config.metrics_addr);
+            run(&config)
+        }
+        _ => one_engine(),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             let message = format!("{err:#}");
@@ -131,6 +145,51 @@ fn run(config: &NodeConfig) -> Result<()> {
         NodeRole::Prefill => Node::<PrefillSide>::start(config, metrics_port)?.run(rx),
         NodeRole::Decode => Node::<DecodeSide>::start(config, metrics_port)?.run(rx),
     }
+}
+
+/// `kvflow-node --one-engine`: the job on stdin, every request in one engine at TP 1 with P's
+/// chunk size, a result line each on stdout.
+fn one_engine() -> Result<()> {
+    let job: crate::proto::OneEngineJob =
+        serde_json::from_reader(std::io::stdin().lock()).context("the one-engine job on stdin")?;
+    let model = tiny_llama(job.model)?;
+    if let Some(dir) = &job.save_model {
+        model.save_hf(dir).with_context(|| format!("writing the model to {}", dir.display()))?;
+    }
+    let mut out = std::io::stdout();
+    for (id, prompt) in job.requests {
+        let chunk = if job.chunk_tokens == 0 { prompt.len() } else { job.chunk_tokens as usize };
+        let alone = model
+            .generate_alone(&prompt, chunk, job.model.generate as usize, job.block_tokens)
+            .with_context(|| format!("request {id} in one engine"))?;
+        let run = crate::proto::OneEngineRun {
+            id,
+            ids: alone.tokens,
+            min_margin: alone.min_margin,
+            kv_fingerprint: alone.kv_fingerprint,
+            prefill_ns: alone.prefill.as_nanos() as u64,
+            decode_ns: alone.decode.as_nanos() as u64,
+        };
+        write_line(&mut out, &run)?;
+    }
+    Ok(())
+}
+
+/// kv-model's tiny-llama with the weights `model` names.
+fn tiny_llama(model: EngineModel) -> Result<kv_model::TinyLlama> {
+    Ok(kv_model::TinyLlama::from_seed(kv_model::ModelConfig::TINY_LLAMA, model.seed)?)
+}
+
+/// The model engine `config` runs, if it runs one; an error if its KV is not the model's.
+fn engine_model(config: &NodeConfig) -> Result<Option<kv_model::TinyLlama>> {
+    let Some(model) = config.engine_model else { return Ok(None) };
+    let c = kv_model::ModelConfig::TINY_LLAMA;
+    let expected = crate::proto::Model::tiny_llama(config.model.block_tokens);
+    let dims = (c.layers as u32, c.kv_heads as u32, c.head_dim as u32);
+    if config.model != expected || dims != (expected.layers, expected.kv_heads, expected.head_dim) {
+        return Err(anyhow!("the engine's KV layout {:?} is not tiny-llama's {dims:?} in f32", config.model));
+    }
+    Ok(Some(tiny_llama(model)?))
 }
 
 /// Reads command lines until stdin closes (the router is gone), which means shut down; each
@@ -164,9 +223,11 @@ enum Tag {
     Filled { id: String, part: usize },
     /// D's blocks for a waiting request hold their scrub, and those of its prefix its own
     /// cache holds are filled: the load can start.
-    Prepared { id: RequestId, blocks: Vec<BlockId>, cached: usize },
-    /// D checked the bytes of a request whose KV it held at `ready_at_ns`.
-    Verified { id: RequestId, blocks: Vec<BlockId>, ready_at_ns: u64, prepared: Prepared, bytes: u64 },
+    /// `extra`: with a model, the blocks for the tokens D decodes, after the prompt's.
+    Prepared { id: RequestId, blocks: Vec<BlockId>, extra: Vec<BlockId>, cached: usize },
+    /// D checked the bytes of a request whose KV it held at `ready_at_ns` (with a model:
+    /// decoded from them, from `first_at_ns`, when it held P's first token too).
+    Verified { id: RequestId, blocks: Vec<BlockId>, ready_at_ns: u64, prepared: Prepared, bytes: u64, first_at_ns: u64 },
     /// Freed blocks hold their scrub: they can be allocated again.
     Scrubbed { blocks: Vec<BlockId> },
 }
@@ -188,6 +249,10 @@ struct Prompt {
     filled: Vec<bool>,
     /// Of its blocks, the first ones reported computed to the connector (chunked prefill).
     reported: usize,
+    /// With a model: the prompt's token ids (each part of the filling is a chunk of its
+    /// compute, one after another), and the first token once the last chunk chose it.
+    model: Option<Arc<[u32]>>,
+    first: Option<crate::proto::Choice>,
 }
 
 impl Prompt {
@@ -246,7 +311,7 @@ impl Engine {
             ranks.push(RankPool { region, shape, first_head: layout.first_head(rank, tp) });
             starts.push(RankStart { offer, pool, transport, ahead_of, port });
         }
-        let pool = Arc::new(PoolBytes::new(memory, ranks));
+        let pool = Arc::new(PoolBytes::new(memory, ranks, engine_model(config)?));
         let engine = Engine {
             name: config.name.clone(),
             clock,
@@ -280,6 +345,38 @@ impl Engine {
         blocks as u64 * self.shape().block_bytes() * self.pool.rank_count() as u64
     }
 
+    /// With a model, a request's prompt as the model takes it: `prompt_ids`, checked against
+    /// `prompt_tokens`, the model's vocabulary, and its positions with `decoded` tokens after
+    /// the prompt; `None` without a model. The error names the request and the values.
+    fn model_prompt(
+        &self,
+        id: &str,
+        prompt_tokens: u64,
+        prompt_ids: Option<Vec<u32>>,
+        decoded: usize,
+    ) -> Result<Option<Arc<[u32]>>, String> {
+        let Some(model) = self.pool.model() else {
+            return match prompt_ids {
+                Some(_) => Err(format!("{id}: prompt token ids, but this engine runs no model")),
+                None => Ok(None),
+            };
+        };
+        let c = model.config();
+        let ids = prompt_ids.ok_or_else(|| format!("{id}: no prompt token ids for the engine's model"))?;
+        if ids.len() as u64 != prompt_tokens || ids.is_empty() || ids.len() + decoded > c.max_positions {
+            return Err(format!(
+                "{id}: {} prompt token ids for a prompt of {prompt_tokens} tokens, and {decoded} to decode (the model \
+                 takes up to {} positions)",
+                ids.len(),
+                c.max_positions
+            ));
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= c.vocab) {
+            return Err(format!("{id}: prompt token {bad} is outside the model's vocabulary of {}", c.vocab));
+        }
+        Ok(Some(ids.into()))
+    }
+
     /// Takes `count` blocks, and says which of them were freed before: their scrub is to be
     /// checked (a write into a freed block, a late push, is counted).
     fn allocate(&mut self, count: usize) -> Option<(Vec<BlockId>, Vec<BlockId>)> {
@@ -300,20 +397,20 @@ impl Engine {
 
     /// Takes back the next payload work done, after counting what it found; scrubbed blocks
     /// go back to the pool here, and the rest is the side's.
-    fn take_done(&mut self) -> Result<Option<(Tag, Duration, bool)>> {
+    fn take_done(&mut self) -> Result<Option<Done<Tag>>> {
         while let Some(done) = self.payload.try_done() {
             if let Some(failed) = done.failed {
                 return Err(anyhow!("{}: payload work failed: {failed}", self.name));
             }
             self.written_after_free += done.written_after_free;
-            match done.tag {
+            match &done.tag {
                 Tag::Scrubbed { blocks } => {
-                    for block in &blocks {
+                    for block in blocks {
                         self.scrubbed[block.0 as usize] = true;
                     }
-                    self.blocks.give_back(&blocks);
+                    self.blocks.give_back(blocks);
                 }
-                tag => return Ok(Some((tag, done.took, done.intact))),
+                _ => return Ok(Some(done)),
             }
         }
         Ok(None)
@@ -382,8 +479,8 @@ trait Side: Sized {
     fn settle(node: &mut Node<Self>) -> Result<()>;
     /// Handles a command of the router other than `Stats` and `Shutdown`.
     fn handle(node: &mut Node<Self>, command: Command) -> Result<()>;
-    /// Takes back payload work done (`took` from handing it over; `intact` for a check).
-    fn handle_done(node: &mut Node<Self>, tag: Tag, took: Duration, intact: bool) -> Result<()>;
+    /// Takes back payload work done (its tag, what it found, how long it took).
+    fn handle_done(node: &mut Node<Self>, done: Done<Tag>) -> Result<()>;
     /// When the side next has something to do by itself, if ever.
     fn next_due(&self) -> Option<Instant> {
         None
@@ -482,8 +579,8 @@ impl<S: Side> Node<S> {
     /// Hands the side the payload work done, and carries out what follows (the side's
     /// `settle` polls the connector, which hands the scheduler what the ranks reported).
     fn step(&mut self) -> Result<()> {
-        while let Some((tag, took, intact)) = self.engine.take_done()? {
-            S::handle_done(self, tag, took, intact)?;
+        while let Some(done) = self.engine.take_done()? {
+            S::handle_done(self, done)?;
         }
         S::settle(self)
     }

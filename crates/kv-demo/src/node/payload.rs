@@ -1,7 +1,8 @@
 //! The engine's payload work, on threads of its own: filling a prompt's blocks (P's stand-in
 //! for computing them, D's for its prefix cache), checking every byte D received, checking
 //! that a freed block still holds its scrub when it is allocated again, and scrubbing freed
-//! blocks. Each is bytes in proportion to the prompt (tens of milliseconds for a large one);
+//! blocks; with a model (`--model`), computing a prompt's KV into its blocks chunk by chunk
+//! (P's prefill, D's prefix cache) and decoding from the KV D loaded instead of the pattern. Each is bytes in proportion to the prompt (tens of milliseconds for a large one);
 //! done on the engine's thread they held up the control plane behind them (every other
 //! request's reports, frees and readiness), which is what a real engine's GPU work does not do.
 //!
@@ -16,9 +17,12 @@ use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
-use kv_core::{BlockId, Memory, PoolShape, Region, RegionId};
+use kv_core::{BlockId, Memory, MemoryError, MemoryKind, PoolShape, Region, RegionId};
+use kv_model::{PoolKv, RankRegions, TinyLlama};
 
 use kv_testkit::pattern;
+
+use crate::proto::Generated;
 
 /// Payload threads per engine: as many as the machine has cores, up to four (each job is one
 /// prompt's bytes, so a few threads already keep several prompts apart).
@@ -40,11 +44,84 @@ pub(super) struct PoolBytes {
     memory: Mutex<Box<dyn Memory>>,
     /// By rank; the same block ids on every rank.
     ranks: Vec<RankPool>,
+    /// The model the engine runs, if it runs one (`--model`).
+    model: Option<TinyLlama>,
 }
 
 impl PoolBytes {
-    pub(super) fn new(memory: Box<dyn Memory>, ranks: Vec<RankPool>) -> Self {
-        PoolBytes { memory: Mutex::new(memory), ranks }
+    pub(super) fn new(memory: Box<dyn Memory>, ranks: Vec<RankPool>, model: Option<TinyLlama>) -> Self {
+        PoolBytes { memory: Mutex::new(memory), ranks, model }
+    }
+
+    /// The model the engine runs, if any.
+    pub(super) fn model(&self) -> Option<&TinyLlama> {
+        self.model.as_ref()
+    }
+
+    /// Runs `f` with the model and a sequence's KV in `blocks` of every rank's pool, as the
+    /// model reads and writes it (each KV head in the pool of the rank that owns it).
+    fn with_kv<R>(&self, blocks: &[BlockId], f: impl FnOnce(&TinyLlama, &mut PoolKv) -> Result<R>) -> Result<R> {
+        let model = self.model.as_ref().ok_or_else(|| anyhow!("model work for an engine that runs no model"))?;
+        let ranks = self
+            .ranks
+            .iter()
+            .map(|rank| RankRegions {
+                shape: rank.shape,
+                regions: (0..rank.shape.region_count())
+                    .map(|i| (rank.region.id, u64::from(i) * rank.shape.region_len()))
+                    .collect(),
+            })
+            .collect();
+        let mut memory = Locked(&self.memory);
+        let mut kv = PoolKv::in_memory(&mut memory, ranks, blocks)?;
+        f(model, &mut kv)
+    }
+
+    /// Computes `prompt[from..to]` into `blocks` (the prompt's, in order) in chunks of
+    /// `chunk`; the greedy choice after the prompt's last token, if `to` reaches it.
+    fn compute(
+        &self,
+        prompt: &[u32],
+        blocks: &[BlockId],
+        (from, to): (usize, usize),
+        chunk: usize,
+    ) -> Result<Option<crate::proto::Choice>> {
+        self.with_kv(blocks, |model, kv| {
+            let mut logits = Vec::new();
+            let mut at = from;
+            while at < to {
+                let end = (at + chunk.max(1)).min(to);
+                logits = model.forward(&prompt[at..end], at, kv)?;
+                at = end;
+            }
+            let last = to == prompt.len() && !logits.is_empty();
+            Ok(last.then(|| {
+                let choice = kv_model::Choice::greedy(&logits);
+                crate::proto::Choice { token: choice.token, margin: choice.margin }
+            }))
+        })
+    }
+
+    /// Decodes `count` tokens after `first` from the KV of a prompt of `prompt_tokens` in
+    /// `blocks` (the prompt's, then those for the tokens decoded); then, as the control,
+    /// decodes them again from the prompt's KV zeroed.
+    fn decode(&self, blocks: &[BlockId], prompt_tokens: usize, first: u32, count: usize) -> Result<Generated> {
+        self.with_kv(blocks, |model, kv| {
+            let kv_fingerprint = model.kv_fingerprint(kv, prompt_tokens)?;
+            let started = Instant::now();
+            let decoded = model.decode(first, prompt_tokens, count, kv)?;
+            let decode_ns = started.elapsed().as_nanos() as u64;
+            model.zero_kv(kv, prompt_tokens)?;
+            let zeroed = model.decode(first, prompt_tokens, count, kv)?;
+            Ok(Generated {
+                ids: [&[first][..], &decoded.tokens].concat(),
+                zeroed_ids: [&[first][..], &zeroed.tokens].concat(),
+                kv_fingerprint,
+                min_margin: decoded.min_margin,
+                first_at_ns: 0,
+                decode_ns,
+            })
+        })
     }
 
     /// The shape of one rank's part of the pool.
@@ -159,6 +236,30 @@ impl PoolBytes {
     }
 }
 
+/// The pool's memory as the model reads and writes it, the lock taken for each copy (as the
+/// other payload threads take it), so that a prompt's compute does not hold up their work.
+struct Locked<'a>(&'a Mutex<Box<dyn Memory>>);
+
+impl Memory for Locked<'_> {
+    fn allocate(&mut self, kind: MemoryKind, len: u64) -> Result<Region, MemoryError> {
+        let reason = "the model's view of the pool allocates nothing".to_owned();
+        Err(MemoryError::Allocation { kind, len, reason })
+    }
+
+    fn free(&mut self, region: RegionId) -> Result<(), MemoryError> {
+        Err(MemoryError::UnknownRegion(region))
+    }
+
+    fn read(&self, region: RegionId, offset: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+        // A payload thread that panicked fails the engine; the bytes are still the pool's.
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).read(region, offset, out)
+    }
+
+    fn write(&mut self, region: RegionId, offset: u64, data: &[u8]) -> Result<(), MemoryError> {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).write(region, offset, data)
+    }
+}
+
 /// Payload work on blocks the engine holds.
 pub(super) enum Work {
     /// Checks the scrub of `freed` (blocks freed before, allocated again), then fills
@@ -170,6 +271,21 @@ pub(super) enum Work {
     Check { seed: u64, blocks: Vec<BlockId>, tokens: u64 },
     /// Scrubs `blocks`.
     Scrub { blocks: Vec<BlockId> },
+    /// With a model: checks the scrub of `freed`, then computes `prompt[from..to]` into
+    /// `blocks` (the prompt's, in order) in chunks of `chunk` tokens; P's chunk of a prefill,
+    /// or D's own prefix cache of a partial prefix hit.
+    Compute { prompt: Arc<[u32]>, blocks: Vec<BlockId>, freed: Vec<BlockId>, from: usize, to: usize, chunk: usize },
+    /// With a model: decodes `count` tokens after P's `first` from the KV of a prompt of
+    /// `prompt_tokens` tokens in `blocks`, then the control from the same KV zeroed.
+    Decode { blocks: Vec<BlockId>, prompt_tokens: usize, first: u32, count: usize },
+}
+
+/// What model work gave.
+pub(super) enum ModelOut {
+    /// A `Compute` that reached the prompt's end: its first token.
+    First(crate::proto::Choice),
+    /// A `Decode`.
+    Generated(Generated),
 }
 
 /// Work done, with the engine's tag.
@@ -183,6 +299,8 @@ pub(super) struct Done<T> {
     pub(super) took: Duration,
     /// A failure of the memory port: the engine cannot go on.
     pub(super) failed: Option<String>,
+    /// What model work gave.
+    pub(super) model: Option<ModelOut>,
 }
 
 /// The payload threads, seen from the engine's.
@@ -263,7 +381,7 @@ fn lower_priority() {
 }
 
 fn run<T>(pool: &PoolBytes, chunk: &mut [u8], tag: T, work: Work, handed: Instant) -> Done<T> {
-    let (mut written_after_free, mut intact) = (0, true);
+    let (mut written_after_free, mut intact, mut model) = (0, true, None);
     let result = match work {
         Work::Fill { seed, blocks, freed, first } => pool.written_after_free(chunk, &freed).and_then(|written| {
             written_after_free = written;
@@ -271,6 +389,19 @@ fn run<T>(pool: &PoolBytes, chunk: &mut [u8], tag: T, work: Work, handed: Instan
         }),
         Work::Check { seed, blocks, tokens } => pool.check(chunk, seed, &blocks, tokens).map(|all| intact = all),
         Work::Scrub { blocks } => pool.scrub(chunk, &blocks),
+        Work::Compute { prompt, blocks, freed, from, to, chunk: tokens } => {
+            pool.written_after_free(chunk, &freed).and_then(|written| {
+                written_after_free = written;
+                model = pool.compute(&prompt, &blocks, (from, to), tokens)?.map(ModelOut::First);
+                Ok(())
+            })
+        }
+        Work::Decode { blocks, prompt_tokens, first, count } => {
+            pool.decode(&blocks, prompt_tokens, first, count).map(|generated| {
+                model = Some(ModelOut::Generated(generated));
+            })
+        }
     };
-    Done { tag, written_after_free, intact, took: handed.elapsed(), failed: result.err().map(|e| format!("{e:#}")) }
+    let failed = result.err().map(|e| format!("{e:#}"));
+    Done { tag, written_after_free, intact, took: handed.elapsed(), failed, model }
 }

@@ -1,5 +1,6 @@
 //! P's side of the engine process: its scheduler, its simulated GPU computing prompts in
-//! chunks, and the exports of what it computed.
+//! chunks (or, with a model, the model computing them chunk by chunk on the payload threads),
+//! and the exports of what it computed.
 
 use super::*;
 
@@ -41,7 +42,9 @@ impl Side for PrefillSide {
     fn new(config: &NodeConfig, offer: &Handshake, addresses: Vec<PeerAddress>) -> Result<(Self, PrefillScheduler)> {
         let scheduler = PrefillScheduler::new(offer, addresses, config.connector())?;
         let per_token = Duration::from_micros(config.prefill_us_per_token);
-        let chunk = (config.prefill_chunk_tokens > 0 && !per_token.is_zero()).then_some(config.prefill_chunk_tokens);
+        // A model computes for real, in chunks whether or not compute is simulated.
+        let computes = !per_token.is_zero() || config.engine_model.is_some();
+        let chunk = (config.prefill_chunk_tokens > 0 && computes).then_some(config.prefill_chunk_tokens);
         Ok((PrefillSide { per_token, gpu_free: Instant::now(), prompts: Vec::new(), chunk }, scheduler))
     }
 
@@ -85,22 +88,31 @@ impl Side for PrefillSide {
 
     fn handle(node: &mut Node<Self>, command: Command) -> Result<()> {
         match command {
-            Command::Prefill { id, prompt_tokens, n, consumer } => {
+            Command::Prefill { id, prompt_tokens, n, consumer, prompt_ids } => {
                 let consumer = consumer.map(|(engine, instance)| Consumer { engine: EngineId::new(engine), instance });
-                node.prefill(id, prompt_tokens, n, consumer)?;
+                node.prefill(id, prompt_tokens, n, consumer, prompt_ids)?;
             }
             other => node.engine.emit(&Event::Error { message: format!("a prefill engine cannot {other:?}") }),
         }
         Ok(())
     }
 
-    fn handle_done(node: &mut Node<Self>, tag: Tag, _took: Duration, _intact: bool) -> Result<()> {
+    fn handle_done(node: &mut Node<Self>, done: Done<Tag>) -> Result<()> {
+        let Done { tag, model, .. } = done;
         match tag {
             Tag::Filled { id, part } => {
                 let prompt = node.side.prompts.iter_mut().find(|p| p.id == id);
-                let filled = prompt.and_then(|p| p.filled.get_mut(part));
-                let filled = filled.ok_or_else(|| anyhow!("filled part {part} of {id}, which P does not compute"))?;
-                *filled = true;
+                let prompt = prompt.filter(|p| part < p.filled.len());
+                let prompt = prompt.ok_or_else(|| anyhow!("filled part {part} of {id}, which P does not compute"))?;
+                prompt.filled[part] = true;
+                if let Some(ModelOut::First(first)) = model {
+                    prompt.first = Some(first);
+                }
+                // A model's chunks compute one after another: each reads the KV of those before.
+                if prompt.model.is_some() && part + 1 < prompt.filled.len() {
+                    let work = node.compute_part(&id, part + 1, Vec::new())?;
+                    node.engine.payload.submit(Tag::Filled { id, part: part + 1 }, work);
+                }
                 Ok(())
             }
             _ => Err(anyhow!("a prefill engine handed over work it does not do")),
@@ -109,15 +121,29 @@ impl Side for PrefillSide {
 }
 
 impl Node<PrefillSide> {
-    /// Starts a prompt: allocates its blocks and hands their filling to the payload threads;
-    /// [`Node::computed`] exports them.
-    fn prefill(&mut self, id: String, prompt_tokens: u64, n: u32, consumer: Option<Consumer>) -> Result<()> {
+    /// Starts a prompt: allocates its blocks and hands their filling (or, with a model, its
+    /// first chunk's compute) to the payload threads; [`Node::computed`] exports them.
+    fn prefill(
+        &mut self,
+        id: String,
+        prompt_tokens: u64,
+        n: u32,
+        consumer: Option<Consumer>,
+        prompt_ids: Option<Vec<u32>>,
+    ) -> Result<()> {
         let count = kv_core::blocks_for_tokens(prompt_tokens, self.engine.shape().layout.block_tokens) as usize;
         if count == 0 || n == 0 {
             let message = format!("prefill of {id}: {prompt_tokens} prompt tokens and n = {n}; both must be positive");
             self.engine.emit(&Event::Error { message });
             return Ok(());
         }
+        let model = match self.engine.model_prompt(&id, prompt_tokens, prompt_ids, 0) {
+            Ok(model) => model,
+            Err(message) => {
+                self.engine.emit(&Event::Error { message: format!("prefill of {message}") });
+                return Ok(());
+            }
+        };
         if self.side.prompts.iter().any(|p| p.id == id) {
             self.engine.emit(&Event::Error { message: format!("prefill of {id}: P is computing it already") });
             return Ok(());
@@ -126,6 +152,9 @@ impl Node<PrefillSide> {
             self.engine.emit(&Event::Busy { id });
             return Ok(());
         };
+        if let Some(prompt) = model {
+            return self.prefill_model(id, prompt, n, consumer, blocks, freed);
+        }
         let seed = pattern::seed(&self.engine.name, &id);
         // A prompt computed in chunks is filled chunk by chunk, each part on its own payload
         // thread, so that the first chunks are ready for their writes ahead early.
@@ -146,9 +175,73 @@ impl Node<PrefillSide> {
         let due = start + compute;
         self.side.gpu_free = due;
         let filled = vec![false; parts];
-        let prompt = Prompt { id, prompt_tokens, n, consumer, blocks, start, due, part_blocks, filled, reported: 0 };
+        let prompt = Prompt {
+            id,
+            prompt_tokens,
+            n,
+            consumer,
+            blocks,
+            start,
+            due,
+            part_blocks,
+            filled,
+            reported: 0,
+            model: None,
+            first: None,
+        };
         self.side.prompts.push(prompt);
         Ok(())
+    }
+
+    /// Starts a prompt the model computes: in chunks of P's chunk size (the whole prompt for
+    /// none), one after another on the payload threads, each part of the prompt's filling;
+    /// the first checks the scrub of the blocks freed before.
+    fn prefill_model(
+        &mut self,
+        id: String,
+        prompt: Arc<[u32]>,
+        n: u32,
+        consumer: Option<Consumer>,
+        blocks: Vec<BlockId>,
+        freed: Vec<BlockId>,
+    ) -> Result<()> {
+        let block_tokens = u64::from(self.engine.shape().layout.block_tokens.max(1));
+        let part_blocks = match self.side.chunk {
+            Some(chunk) => usize::try_from(chunk / block_tokens).unwrap_or(usize::MAX).max(1),
+            None => blocks.len(),
+        };
+        let parts = blocks.len().div_ceil(part_blocks);
+        // The model's time is its own: nothing simulated to wait for.
+        let now = Instant::now();
+        let prompt = Prompt {
+            id: id.clone(),
+            prompt_tokens: prompt.len() as u64,
+            n,
+            consumer,
+            blocks,
+            start: now,
+            due: now,
+            part_blocks,
+            filled: vec![false; parts],
+            reported: 0,
+            model: Some(prompt),
+            first: None,
+        };
+        self.side.prompts.push(prompt);
+        let work = self.compute_part(&id, 0, freed)?;
+        self.engine.payload.submit(Tag::Filled { id, part: 0 }, work);
+        Ok(())
+    }
+
+    /// The compute of part `part` of model prompt `id`: its chunk's tokens into its blocks.
+    fn compute_part(&self, id: &str, part: usize, freed: Vec<BlockId>) -> Result<Work> {
+        let prompt = self.side.prompts.iter().find(|p| p.id == id);
+        let (prompt, ids) = prompt
+            .and_then(|p| Some((p, p.model.clone()?)))
+            .ok_or_else(|| anyhow!("compute of {id}, which P does not compute with its model"))?;
+        let tokens = prompt.part_blocks * self.engine.shape().layout.block_tokens as usize;
+        let (from, to) = ((part * tokens).min(ids.len()), ((part + 1) * tokens).min(ids.len()));
+        Ok(Work::Compute { prompt: ids, blocks: prompt.blocks.clone(), freed, from, to, chunk: tokens })
     }
 
     /// Tells the connector the blocks of the chunks computed by `now` and filled (a prompt
@@ -172,7 +265,7 @@ impl Node<PrefillSide> {
 
     /// A prompt is computed: exports its blocks, once per sibling.
     fn computed(&mut self, prompt: Prompt) -> Result<()> {
-        let Prompt { id, prompt_tokens, n, consumer, blocks, .. } = prompt;
+        let Prompt { id, prompt_tokens, n, consumer, blocks, first, .. } = prompt;
         // allocate() took one reference; each further sibling export holds its own.
         for _ in 1..n {
             self.engine.blocks.retain(&blocks);
@@ -187,7 +280,7 @@ impl Node<PrefillSide> {
                 prompt_tokens,
                 consumer.clone(),
             )?;
-            let event = Event::Exported { id: id.clone(), remote, finished_at_ns: wall_ns() };
+            let event = Event::Exported { id: id.clone(), remote, finished_at_ns: wall_ns(), first };
             self.engine.emit(&event);
         }
         self.drain()

@@ -1,10 +1,15 @@
-//! The faults a run makes: a D engine killed (loudly, or silently as a host dies) and restarted, engines and the router stopped with SIGSTOP, P killed mid-write and restarted.
+//! The faults a run makes: a D engine killed (loudly, or silently as a host dies) and restarted, engines and the router stopped with SIGSTOP, P killed mid-write and restarted; with a model, the requests lost sent again.
 
 use super::*;
 
 /// How long P, told to die right after its next write, has to post one before it is killed
 /// outright (and the run fails: it proved nothing about a write in flight).
 pub(super) const DYING_WITHIN: Duration = Duration::from_secs(10);
+
+/// How many times, at most, a request of a run with a model is sent, and how long after its
+/// loss it is sent again (see [`Demo::send_again`]).
+const SENDS: usize = 3;
+const RESEND_AFTER: Duration = Duration::from_millis(250);
 
 impl Demo {
     /// The D engine killed part-way.
@@ -46,8 +51,25 @@ impl Demo {
         Ok(())
     }
 
+    /// With a model, a request that ended without D's tokens (lost with a killed engine) is
+    /// sent again, as a new request with the same prompt, up to [`SENDS`] times in all.
+    pub(super) fn send_again(&mut self, request: Request) {
+        let Some(prompt_ids) = request.prompt_ids else { return };
+        let sends = self.model_requests.get(&request.original).map_or(0, |m| m.sent_as.len());
+        if sends >= SENDS {
+            return;
+        }
+        let id = format!("{}-again{sends}", request.original);
+        let again = Request { id, fate: Fate::Normal, prompt_ids: Some(prompt_ids), ..request };
+        // Not at once: a D engine can hear of P's death before the router does, and a request
+        // sent meanwhile would go to the dead P.
+        self.resends.push_back((Instant::now() + RESEND_AFTER, again));
+        self.next_request += 1;
+        self.progress.inc_length(1);
+    }
+
     /// The requests that went to an engine incarnation now gone are lost with it; the router
-    /// does not retry them.
+    /// does not retry them (with a model, it sends them again: [`Demo::send_again`]).
     pub(super) fn lose_requests_of(&mut self, engine: &str, instance: u64) {
         let lost: Vec<String> = self
             .tracks

@@ -81,14 +81,24 @@ impl Demo {
                     self.announce_metrics(name, instance, addr);
                 }
             }
-            Event::Exported { id, remote, finished_at_ns } => {
+            Event::Exported { id, remote, finished_at_ns, first } => {
                 let export = remote.request.as_str().to_owned();
                 let fate = self.open.get(&id).map_or(Fate::Normal, |(r, _)| r.fate);
                 let track = self.tracks.entry(export.clone()).or_default();
                 track.finished_at_ns = Some(finished_at_ns);
                 track.exported_by = instance;
+                track.first = first;
+                let undone = track.outcome.is_none();
+                // Push: D heard of the request before P chose its first token; it hears it now.
+                if let (true, Some(first), Some((decode, of))) =
+                    (self.config.push && undone, first, track.decode.clone())
+                {
+                    if self.nodes.get(&decode).is_some_and(|n| n.instance == of && n.port.is_some()) {
+                        self.send(&decode, &Command::FirstToken { id: export.clone(), token: first.token });
+                    }
+                }
                 // Sibling 0 goes to D; so do the others when D rejects the whole request.
-                if !self.config.push && (track.outcome.is_none() || fate == Fate::Reject) {
+                if !self.config.push && (undone || fate == Fate::Reject) {
                     self.dispatch(&export, &id, remote, fate);
                 }
             }
@@ -98,7 +108,7 @@ impl Demo {
                 track.freed = Some((reason.as_str().to_owned(), at_ns));
                 track.freed_by = instance;
             }
-            Event::Outcome { id, outcome, ready_at_ns, scrub_check_ns, prepared_at_ns, .. } => {
+            Event::Outcome { id, outcome, ready_at_ns, scrub_check_ns, prepared_at_ns, generated, .. } => {
                 let outcome = outcome.as_str();
                 let track = self.tracks.get(&id);
                 let from_here = track.and_then(|t| t.decode.as_ref()).is_some_and(|(d, i)| d == name && *i == instance);
@@ -110,6 +120,7 @@ impl Demo {
                     if let Some(track) = self.tracks.get_mut(&id) {
                         track.scrub_check_ns = scrub_check_ns;
                         track.prepared_at_ns = prepared_at_ns;
+                        track.generated = generated;
                     }
                     self.finish_export(&id, outcome, ready);
                 }
