@@ -478,9 +478,13 @@ pub enum Event {
         /// Whether it succeeded.
         ok: bool,
         /// The request its notification names (P's request id for D's reads), if it carries
-        /// a completion.
+        /// a completion; for a push write ahead, the request it writes from.
         #[serde(default)]
         request: Option<String>,
+        /// It carries the request's completion (D's reads, P's final writes; not a write
+        /// ahead): the transfer that decides when D holds the KV.
+        #[serde(default)]
+        completes: bool,
     },
     /// The demo's own checks of the pool, on [`Command::Stats`] (the connector's counts are
     /// on the engine's metrics endpoint).

@@ -52,6 +52,9 @@ pub(super) struct Track {
     pub(super) partial: Option<Partial>,
     /// Bytes of the completed transfers whose notification named this request.
     pub(super) bytes_read: u64,
+    /// The longest of its transfers that carried its completion (D's reads, or P's final
+    /// writes; not the writes ahead), post to end, in ns: the transfer D's KV waited for.
+    pub(super) completing_ns: u64,
     /// With a model: P's first token, and what D generated.
     pub(super) first: Option<Choice>,
     pub(super) generated: Option<Generated>,
@@ -65,6 +68,13 @@ impl Track {
         let (finished, ready) = (self.finished_at_ns?, self.ready_at_ns?);
         let demo_work = self.scrub_check_ns.min(self.prepared_at_ns.saturating_sub(finished));
         Some(ready.saturating_sub(finished).saturating_sub(demo_work))
+    }
+
+    /// [`Track::kv_latency_ns`] over its own completing transfer's time ([`Track::completing_ns`]):
+    /// how much longer D waited than the bytes took, whatever the request's size.
+    pub(super) fn kv_over_transfer(&self) -> Option<f64> {
+        let transfer = self.completing_ns;
+        (transfer > 0).then_some(self.kv_latency_ns()? as f64 / transfer as f64)
     }
 
     /// From the router submitting the request to D holding its KV (what time to first token

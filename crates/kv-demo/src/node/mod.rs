@@ -418,8 +418,8 @@ impl Engine {
 
     /// Reports the transfers that ended.
     fn report_transfers(&mut self) {
-        while let Ok((bytes, took, ok, request)) = self.ended.try_recv() {
-            self.emit(&Event::Transfer { bytes, took_ns: took.as_nanos() as u64, ok, request });
+        while let Ok(Ended { bytes, took, ok, request, completes }) = self.ended.try_recv() {
+            self.emit(&Event::Transfer { bytes, took_ns: took.as_nanos() as u64, ok, request, completes });
         }
     }
 

@@ -44,9 +44,21 @@ fn die_now() -> ! {
     std::process::abort()
 }
 
-/// A transfer that ended: bytes, post-to-end time, success, and the request its notification
-/// completes (P's request id for D's reads), if it carries a completion.
-pub(super) type Ended = (u64, Duration, bool, Option<String>);
+/// A transfer that ended.
+pub(super) struct Ended {
+    /// Bytes it moved.
+    pub(super) bytes: u64,
+    /// From post to end.
+    pub(super) took: Duration,
+    /// Whether it succeeded.
+    pub(super) ok: bool,
+    /// The request it is for: the one its notification completes (P's request id for D's
+    /// reads), or the one a write ahead writes from.
+    pub(super) request: Option<String>,
+    /// It carries the request's completion: one of D's reads, or one of P's final writes (not
+    /// a write ahead).
+    pub(super) completes: bool,
+}
 
 /// Which request each of a P rank's computed blocks belongs to while it computes in chunks
 /// (its blocks are written ahead): shared by the rank's thread, which fills it from the commands
@@ -98,11 +110,13 @@ impl AheadOf {
     }
 }
 
-/// A transfer in flight: when it was posted, its bytes, and the request it completes.
+/// A transfer in flight: when it was posted, its bytes, the request it is for, and whether it
+/// completes it.
 struct Posted {
     start: Instant,
     bytes: u64,
     request: Option<String>,
+    completes: bool,
 }
 
 /// The transport, timing each transfer it posts from post to completion.
@@ -121,25 +135,31 @@ impl TimedTransport {
         TimedTransport { inner, posted: HashMap::new(), sizes: TransferSizes::default(), ended, ahead_of }
     }
 
-    /// The request a transfer is for: the one its notification completes, else, for a write
-    /// ahead, the one that owns the P block it writes from (`owner`).
+    /// The request a transfer is for: the one its notification completes (and that it
+    /// completes it), else, for a write ahead, the one that owns the P block it writes from
+    /// (`owner`).
     fn request_of(
         &self,
         op: TransferOp,
         notification: Option<&[u8]>,
         owner: impl FnOnce(&AheadOf) -> Option<String>,
-    ) -> Option<String> {
+    ) -> (Option<String>, bool) {
         match notification {
-            Some(_) => completed_request(notification),
-            None if op == TransferOp::Write => owner(&self.ahead_of),
-            None => None,
+            Some(_) => {
+                let completed = completed_request(notification);
+                let completes = completed.is_some();
+                (completed, completes)
+            }
+            None if op == TransferOp::Write => (owner(&self.ahead_of), false),
+            None => (None, false),
         }
     }
 
     /// Starts timing a transfer from `start`, taken before the post: UCX may move the bytes
     /// inside the post call itself.
-    fn posted(&mut self, id: TransferId, start: Instant, bytes: u64, request: Option<String>) -> TransferId {
-        self.posted.insert(id, Posted { start, bytes, request });
+    fn posted(&mut self, id: TransferId, start: Instant, bytes: u64, of: (Option<String>, bool)) -> TransferId {
+        let (request, completes) = of;
+        self.posted.insert(id, Posted { start, bytes, request, completes });
         id
     }
 }
@@ -195,8 +215,9 @@ impl Transport for TimedTransport {
     fn poll_transfer(&mut self, id: TransferId) -> TransferStatus {
         let status = self.inner.poll_transfer(id);
         if !matches!(status, TransferStatus::InProgress) {
-            if let Some(Posted { start, bytes, request }) = self.posted.remove(&id) {
-                let _ = self.ended.send((bytes, start.elapsed(), matches!(status, TransferStatus::Done), request));
+            if let Some(Posted { start, bytes, request, completes }) = self.posted.remove(&id) {
+                let ok = matches!(status, TransferStatus::Done);
+                let _ = self.ended.send(Ended { bytes, took: start.elapsed(), ok, request, completes });
             }
         }
         status

@@ -125,11 +125,14 @@ impl Demo {
                     self.finish_export(&id, outcome, ready);
                 }
             }
-            Event::Transfer { bytes, took_ns, ok, request } => {
+            Event::Transfer { bytes, took_ns, ok, request, completes } => {
                 self.transfers.push((bytes, took_ns, ok));
                 self.transfer_at.push((wall_ns(), ok));
                 if let Some(track) = request.filter(|_| ok).and_then(|r| self.tracks.get_mut(&r)) {
                     track.bytes_read += bytes;
+                    if completes {
+                        track.completing_ns = track.completing_ns.max(took_ns);
+                    }
                 }
             }
             Event::Stats { connected, .. } => {
