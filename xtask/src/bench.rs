@@ -193,9 +193,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         report.insert("vram".into(), vram_bench(&root, &envs, json_out, quick)?);
     }
     if runs(Part::Idle) {
-        let idle = idle_bench(node, kind, topology, json_out)?;
+        let idle = idle_bench(node, kind, topology, quick, json_out)?;
         report.insert("idle_cpu_percent".into(), idle["max"].clone());
         report.insert("idle_cpu_percent_by_engine".into(), idle["by_engine"].clone());
+        report.insert("idle_progress_period".into(), idle["progress_period"].clone());
     }
     if json_out {
         println!("{}", Value::Object(report));
@@ -204,22 +205,65 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 }
 
 /// How much of a core an engine with nothing pending uses: one P and one D started, left idle
-/// for 10 s. The JSON's `idle_cpu_percent` is the larger of the two, and
-/// `idle_cpu_percent_by_engine` has each.
-fn idle_bench(node: NodeBinary, transport: TransportKind, topology: &TopologyArgs, json_out: bool) -> Result<Value> {
+/// for 60 s (20 with `--quick`). The JSON's `idle_cpu_percent` is the larger of the two, and
+/// `idle_cpu_percent_by_engine` has each. Over NIXL, whose idle progress thread's period sets
+/// most of that floor, `idle_progress_period` says what the default period costs one request
+/// at a time against the old one ([`OLD_PROGRESS_MS`]).
+fn idle_bench(
+    node: NodeBinary,
+    transport: TransportKind,
+    topology: &TopologyArgs,
+    quick: bool,
+    json_out: bool,
+) -> Result<Value> {
+    let window = Duration::from_secs(if quick { 20 } else { 60 });
     let config = topology.apply(DemoConfig { decoders: 1, kill: false, transport, ..DemoConfig::default() });
     config.validate()?;
-    let used = Demo::start(config, node)?.idle_cpu_percent(Duration::from_secs(10))?;
+    let used = Demo::start(config, node.clone())?.idle_cpu_percent(window)?;
     let most = used.values().copied().fold(0.0, f64::max);
     if !json_out {
         let list: Vec<String> = used.iter().map(|(n, p)| format!("{n} {p:.2}%")).collect();
+        println!("\nidle engines, {} s with nothing pending: {} of one core", window.as_secs(), list.join(", "));
+    }
+    let period = match transport {
+        TransportKind::Nixl => progress_period_cost(&node, topology, quick, json_out)?,
+        TransportKind::Tcp => Value::Null,
+    };
+    Ok(json!({ "max": most, "by_engine": used, "window_s": window.as_secs(), "progress_period": period }))
+}
+
+/// The idle NIXL progress period the default is measured against: the default before it.
+const OLD_PROGRESS_MS: u64 = 10;
+
+/// What the default NIXL progress period costs: P done to D holds KV p50, pull, one request
+/// of 32 MiB at a time, at [`OLD_PROGRESS_MS`] and at the default in turns (3 pairs, 5 without
+/// `--quick`), and the median of each pair's ratio, default over old.
+fn progress_period_cost(node: &NodeBinary, topology: &TopologyArgs, quick: bool, json_out: bool) -> Result<Value> {
+    let base = topology.apply(whole_requests(DemoConfig { requests: 20, concurrency: 1, ..DemoConfig::default() }));
+    let (mut old, mut default, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..if quick { 3 } else { 5 } {
+        for (ms, into) in [(Some(OLD_PROGRESS_MS), &mut old), (None, &mut default)] {
+            let report = Demo::start(DemoConfig { nixl_progress_ms: ms, ..base.clone() }, node.clone())?.run()?;
+            let failures = report.failures();
+            if !failures.is_empty() {
+                bail!("a run at NIXL progress period {ms:?} ms failed its checks: {}", failures.join("; "));
+            }
+            into.push(report.latency_json()["kv_latency_us"]["p50"].as_f64().unwrap_or(0.0));
+        }
+        if let (Some(o), Some(d)) = (old.last(), default.last()) {
+            ratios.push(if *o > 0.0 { d / o } else { 0.0 });
+        }
+    }
+    let ratio = kv_demo::stats::quantile(&ratios, 0.5).unwrap_or(0.0);
+    if !json_out {
         println!(
-            "
-idle engines, 10 s with nothing pending: {} of one core",
-            list.join(", ")
+            "NIXL progress period: P done -> D holds KV p50 at the default over at {OLD_PROGRESS_MS} ms, one request at a time: {ratio:.3} (median of {} pairs)",
+            ratios.len()
         );
     }
-    Ok(json!({ "max": most, "by_engine": used }))
+    Ok(
+        json!({ "old_ms": OLD_PROGRESS_MS, "kv_p50_us_old": old, "kv_p50_us_default": default, "default_over_old": ratio }),
+    )
 }
 
 /// Pull against push, end to end between processes: the time from P finishing a prompt to D

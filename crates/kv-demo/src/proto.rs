@@ -149,6 +149,10 @@ pub struct NodeConfig {
     /// decodes from the KV it loaded.
     #[serde(default)]
     pub engine_model: Option<EngineModel>,
+    /// How often NIXL's progress thread wakes when idle, in milliseconds (`None`:
+    /// kv-transport-nixl's default), for experiments with the idle floor.
+    #[serde(default)]
+    pub nixl_progress_ms: Option<u64>,
 }
 
 /// The model an engine runs (`--model tiny-llama`): kv-model's tiny-llama, its weights drawn

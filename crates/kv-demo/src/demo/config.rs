@@ -359,6 +359,9 @@ pub struct DemoConfig {
     pub print_metrics: bool,
     /// Run a real model (`--model`) instead of pattern bytes.
     pub engine_model: Option<ModelRun>,
+    /// How often an idle NIXL progress thread wakes, in milliseconds (`None`: the
+    /// transport's default); the idle bench compares two.
+    pub nixl_progress_ms: Option<u64>,
 }
 
 impl Default for DemoConfig {
@@ -399,6 +402,7 @@ impl Default for DemoConfig {
             partial_rate: 0.15,
             time_limit: Duration::from_secs(40),
             engine_model: None,
+            nixl_progress_ms: None,
         }
     }
 }
@@ -579,6 +583,7 @@ impl DemoConfig {
                 .engine_model
                 .as_ref()
                 .map(|run| EngineModel { seed: MODEL_SEED, generate: run.generate }),
+            nixl_progress_ms: self.nixl_progress_ms,
         }
     }
 

@@ -256,7 +256,11 @@ pub(super) fn transport(
     Ok(match config.transport {
         TransportKind::Nixl => {
             // The connectors' `num_threads` sizes NIXL's UCX thread pool.
-            let nixl = NixlConfig { bind, key, ucx_params: config.connector().ucx_params(), ..NixlConfig::default() };
+            let mut nixl =
+                NixlConfig { bind, key, ucx_params: config.connector().ucx_params(), ..NixlConfig::default() };
+            if let Some(ms) = config.nixl_progress_ms {
+                nixl.progress_thread = Some(std::time::Duration::from_millis(ms));
+            }
             let t = NixlTransport::new(offer.clone(), &nixl, clock).context("the NIXL transport")?;
             let (port, probe) = (t.side_channel_addr().port(), Listeners::Side(t.side_probe()));
             (Box::new(t), port, probe)
