@@ -269,3 +269,78 @@ impl ModelReport {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request D decoded as one engine did (`differs` changes D's third token), whose
+    /// control from zeroed KV gave other tokens (unless `same_control`).
+    fn row(request: &str, seed: u32, differs: bool, same_control: bool) -> Row {
+        let ids: Vec<u32> = (0..17).map(|i| seed * 100 + i).collect();
+        let mut generated = ids.clone();
+        if differs {
+            generated[2] += 1;
+        }
+        let zeroed = if same_control { generated.clone() } else { vec![7; 17] };
+        Row {
+            request: request.into(),
+            prompt_ids: vec![1, 2, 3],
+            generated: Some(generated),
+            zeroed: Some(zeroed),
+            one_engine: Some(ids),
+            kv: Some(u64::from(seed)),
+            one_engine_kv: Some(u64::from(seed)),
+            ttft_us: Some(1000),
+            tpot_us: Some(100),
+            one_engine_ttft_us: Some(900),
+            one_engine_tpot_us: Some(90),
+            sends: 1,
+        }
+    }
+
+    fn report(rows: Vec<Row>) -> ModelReport {
+        ModelReport { rows, min_logit_margin: 0.01, reference_failed: None }
+    }
+
+    #[test]
+    fn a_run_whose_tokens_and_kv_are_one_engine_s_passes() {
+        let r = report((0..20).map(|i| row(&format!("req-{i}"), i, false, false)).collect());
+        assert_eq!(r.failures(), Vec::<String>::new());
+        let json = r.json();
+        assert_eq!(json["tokens_equal_one_engine"], true);
+        assert_eq!(json["distinct_sequences"], 20);
+        assert_eq!(json["control_zeroed_kv_all_differ"], true);
+        assert_eq!(json["requests"][3]["kv_fingerprint"], "0000000000000003");
+    }
+
+    #[test]
+    fn each_way_a_model_run_can_go_wrong_fails_it_naming_the_request() {
+        let failing = |rows: Vec<Row>, expected: &str| {
+            let r = report(rows);
+            let failures = r.failures().join("; ");
+            assert!(failures.contains(expected), "{failures:?} does not say {expected:?}");
+        };
+        let fine = |n: u32| (0..n).map(|i| row(&format!("req-{i}"), i, false, false));
+        // A token D decoded differs from one engine's.
+        failing(fine(19).chain([row("req-19", 19, true, false)]).collect(), "1 requests' tokens differ");
+        // The prompt's KV on D is not one engine's.
+        let mut kv = row("req-19", 19, false, false);
+        kv.kv = Some(99);
+        let r = report(fine(19).chain([kv]).collect());
+        assert_eq!(r.kv_differs(), 1);
+        assert!(r.failures().join("; ").contains("prompt KV on D differs"));
+        // Decoded from zeroed KV, the same tokens: they did not depend on what moved.
+        failing(fine(19).chain([row("req-19", 19, false, true)]).collect(), "[\"req-19\"] gave the same tokens");
+        // A request never decoded (lost three times).
+        let mut lost = row("req-19", 19, false, false);
+        (lost.generated, lost.zeroed, lost.sends) = (None, None, 3);
+        failing(fine(19).chain([lost]).collect(), "never decoded by D: [\"req-19\"]");
+        // Too few distinct sequences: 10 requests, 2 sequences.
+        failing((0..10).map(|i| row(&format!("req-{i}"), i % 2, false, false)).collect(), "2 distinct sequences of 10");
+        // The reference did not run.
+        let mut r = report(fine(20).collect());
+        r.reference_failed = Some("kvflow-node --one-engine exited with 1".into());
+        assert!(r.failures().join("; ").contains("one-engine reference failed"));
+    }
+}
