@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 
 use crate::demo::build_node;
 use crate::provision;
-use crate::workspace::{self, cargo, cargo_command};
+use crate::workspace::{self, cargo_command, cargo_env};
 use kv_demo::demo::{Demo, DemoConfig, NodeBinary, TopologyArgs};
 use kv_demo::proto::TransportKind;
 
@@ -88,6 +88,28 @@ const COMPARISONS: &[Comparison] = &[
         ours: "indexed",
         baseline: "scan",
     },
+    // The same bench binary measured these too: it runs once, for the first.
+    Comparison {
+        part: Part::Lease,
+        title: "lease table, 10,000,000 live leases (ns per operation)",
+        package: "kv-lease",
+        bench: "lease_table",
+        group: "lease_table_10m",
+        ops: &["poll_nothing_due", "grant", "renew", "release"],
+        ours: "indexed",
+        baseline: "scan",
+    },
+    Comparison {
+        part: Part::Lease,
+        title: "lease table, 1,000,000 live leases: renewals of ids built to collide under Fx \
+                against random ids (ratio below 1: what the collisions cost)",
+        package: "kv-lease",
+        bench: "lease_table",
+        group: "lease_table_collide",
+        ops: &["renew"],
+        ours: "colliding",
+        baseline: "random",
+    },
     Comparison {
         part: Part::TcpTags,
         title: "TCP transport, a 16 MiB read between two agents in one process (ns per read): \
@@ -110,7 +132,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     // Build the engines first, so that building is not inside any measurement.
     let node = build_node()?;
     let mut report = serde_json::Map::new();
+    let criterion = workspace::target_dir(&root).join("criterion");
+    // Benches write what criterion does not measure (the lease tables' memory) here.
+    let out = vec![("KVFLOW_BENCH_OUT".to_owned(), criterion.display().to_string())];
+    let mut benched = Vec::new();
     for c in COMPARISONS.iter().filter(|c| runs(c.part)) {
+        if benched.contains(&(c.package, c.bench)) {
+            continue;
+        }
+        benched.push((c.package, c.bench));
         // --noplot: the numbers are read back below; plots are not needed.
         let mut args = vec!["bench", "--locked", "-p", c.package, "--bench", c.bench, "--", "--noplot"];
         if quick {
@@ -118,12 +148,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
         if json_out {
             // Stdout carries only the JSON object; criterion's own report goes to stderr.
-            run_to_stderr(&root, &args)?;
+            run_to_stderr(&root, &args, &out)?;
         } else {
-            cargo(&root, &args)?;
+            cargo_env(&root, &args, &out)?;
         }
     }
-    let criterion = workspace::target_dir(&root).join("criterion");
     for c in COMPARISONS.iter().filter(|c| runs(c.part)) {
         let mut rows = Vec::new();
         for op in c.ops {
@@ -142,6 +171,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         } else {
             print_table(c, &rows);
         }
+    }
+    if runs(Part::Lease) {
+        lease_extras(&criterion, &mut report, json_out)?;
     }
     // The transport bench runs two processes over real NIXL/UCX; it needs the runtime.
     if runs(Part::Transport) {
@@ -461,10 +493,10 @@ fn under_load(
 }
 
 /// Runs `$CARGO args...` with its stdout sent to our stderr.
-fn run_to_stderr(root: &Path, args: &[&str]) -> Result<()> {
+fn run_to_stderr(root: &Path, args: &[&str], envs: &[(String, String)]) -> Result<()> {
     use std::os::fd::AsFd;
     let stderr = std::io::stderr().as_fd().try_clone_to_owned().context("cannot duplicate stderr")?;
-    let mut command = cargo_command(root, args, &[]);
+    let mut command = cargo_command(root, args, envs);
     command.stdout(std::process::Stdio::from(stderr));
     workspace::run_cargo(command, args)
 }
@@ -553,6 +585,60 @@ fn human_ns(ns: f64) -> String {
         n if n >= 1e3 => format!("{:.2} µs", n / 1e3),
         n => format!("{n:.1} ns"),
     }
+}
+
+/// The lease tables' figures beyond the comparisons: the ten-million table under its JSON
+/// name `lease_table_10m`, the colliding ids' renewals over random ids'
+/// (`lease_table.collide_over_random`), and the memory each table took (`memory_bytes`).
+fn lease_extras(criterion: &Path, report: &mut serde_json::Map<String, Value>, json_out: bool) -> Result<()> {
+    let collide = mean_ns(criterion, "lease_table_collide", "renew", "colliding")?;
+    let random = mean_ns(criterion, "lease_table_collide", "renew", "random")?;
+    let path = criterion.join("lease_table_memory.json");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("the lease bench wrote no {}", path.display()))?;
+    let memory: Value = serde_json::from_str(&text).with_context(|| format!("cannot parse {}", path.display()))?;
+    // The scan table on the lease table's own hasher: the structures alone compared.
+    let mut same_hash = Vec::new();
+    for op in ["poll_nothing_due", "grant", "renew", "release"] {
+        let indexed = mean_ns(criterion, "lease_table", op, "indexed")?;
+        same_hash.push((op, indexed, mean_ns(criterion, "lease_table", op, "scan_foldhash")?));
+    }
+    if let Some(Value::Object(table)) = report.get_mut("lease_table") {
+        table.insert("collide_over_random".into(), json!(collide / random));
+        table.insert("memory_bytes".into(), memory["lease_table"].clone());
+        for &(op, indexed, same) in &same_hash {
+            if let Some(Value::Object(row)) = table.get_mut(op) {
+                row.insert("scan_foldhash".into(), json!(same));
+                row.insert("ratio_same_hash".into(), json!(same / indexed));
+            }
+        }
+    }
+    if let Some(Value::Object(table)) = report.get_mut("lease_table_10m") {
+        table.insert("memory_bytes".into(), memory["lease_table_10m"].clone());
+    }
+    report.remove("lease_table_collide");
+    if !json_out {
+        println!("\nthe same 1,000,000 leases against a scan table on the lease table's own hasher (foldhash)");
+        for &(op, indexed, same) in &same_hash {
+            println!("{op:<20} {:>14} {:>14} {:>13.1}x", human_ns(indexed), human_ns(same), same / indexed);
+        }
+        println!(
+            "colliding ids renewed in {} against random ids' {}: {:.2}x",
+            human_ns(collide),
+            human_ns(random),
+            collide / random
+        );
+        for (group, m) in memory.as_object().into_iter().flatten() {
+            let per = |bytes: &Value| bytes.as_f64().unwrap_or(0.0) / m["live"].as_f64().unwrap_or(1.0).max(1.0);
+            println!(
+                "{group}: {} live leases took {:.0} bytes each in the indexed table, {:.0} in the scan table",
+                m["live"],
+                per(&m["indexed_bytes"]),
+                per(&m["scan_bytes"])
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Criterion's mean estimate, in nanoseconds, of `group/op/imp` from this run.

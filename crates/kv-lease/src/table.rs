@@ -1,13 +1,23 @@
 //! P's lease table: one deadline per export, and a poll of what expired that never scans.
 //!
-//! Leases live in a slab; a min-heap orders `(expiry, slot, generation)` entries. A renewal
-//! pushes a fresh entry and leaves the old one behind, stale; a release only bumps the slot's
-//! generation. A poll pops entries due at `now`, drops the stale ones and returns the rest, so
-//! its cost is O(expired + log n) amortised over the renewals and releases that made the stale
-//! entries. An expired lease is therefore reaped even when entries ahead of it were renewed
-//! (vLLM issue 58222): the heap orders by current expiry, not by grant order.
+//! Leases live in a hash map keyed per process (`LeaseMap`): each key's expiry, and a slot
+//! number (the lowest free, most recently freed first), which orders leases due at the same
+//! time. Deadlines are kept in buckets of about a millisecond of
+//! expiry (`BUCKET_SHIFT`): the earliest bucket sorted (`front`), the later ones unsorted, and
+//! a min-heap of the later buckets' numbers, one entry per bucket, not per lease. A grant
+//! inserts into the map and appends an entry (its key and expiry) to its bucket; a renewal
+//! only writes the map's expiry, leaving the entry where it was, earlier than its deadline now
+//! is; a release only removes the key from the map. So none of the three costs more with more
+//! leases, and each touches the map once. The poll looks at the front's earliest entry: one
+//! whose key holds no lease any more, or holds it until another expiry, is dropped or moved
+//! to the bucket of that expiry, and one that still matches is due or not. So a poll with
+//! nothing due reads one entry, and one that reaps touches only what is due (and what was
+//! renewed or granted again past it, once each). Expiry is exact: a lease granted until `t`
+//! has expired at `t`, not at its bucket's end; leases due at the same time are reaped in
+//! slot order. An expired lease is reaped even when entries ahead of it were renewed (vLLM
+//! issue 58222): entries move to their current expiry before they count.
 
-use std::cmp::Reverse;
+use std::cmp::{Ordering, Reverse};
 use std::collections::hash_map::Entry;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::Hash;
@@ -26,46 +36,74 @@ pub enum LeaseError {
     },
 }
 
-/// The map from an export's key to its lease. Keys are request ids, which can come from an
-/// engine's clients, so the map keeps std's randomly keyed SipHash: an unkeyed fast hash would
-/// let whoever picks request ids make every lookup collide (O(n) per renewal).
-type LeaseMap<K, V> = HashMap<K, V>;
+/// The map from an export's key to its lease. Keys are request ids, which an engine's clients
+/// can choose, so an unkeyed fast hash (Fx) would let them pick ids that all land in one
+/// bucket and make every renewal O(n). The map hashes with foldhash seeded at random per
+/// process and per map: every hash starts from secret seeds the ids never see, so a set of
+/// colliding ids cannot be computed ahead, and no answer of the engine gives the seeds away
+/// (foldhash's authors call it minimally DoS-resistant: it does not stand against someone who
+/// can study the hash values themselves, which never leave the process). It hashes a short
+/// key several times faster than std's SipHash, which this map used before.
+type LeaseMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
+/// Deadlines are kept in buckets of `2^BUCKET_SHIFT` ns of expiry (about 1 ms).
+const BUCKET_SHIFT: u32 = 20;
+
+fn bucket(expiry: Time) -> u64 {
+    expiry.as_nanos() >> BUCKET_SHIFT
+}
+
+/// A lease: its expiry, and its slot (the order among leases due at the same time: a number
+/// no other lease holds while it does, the most recently freed taken first).
 #[derive(Clone, Copy, Debug)]
 struct Lease {
-    slot: u32,
-    /// The slot's generation, kept here too so that a renewal never touches the slab.
-    generation: u32,
     expiry: Time,
+    slot: u32,
 }
 
+/// A deadline entry: a key, and where its lease's expiry was when the entry was made.
+/// Ordered by expiry, then slot.
 #[derive(Clone, Debug)]
-struct Slot<K> {
-    key: Option<K>,
-    generation: u32,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
-struct Due {
+struct Due<K> {
     expiry: Time,
     slot: u32,
-    generation: u32,
+    key: K,
+}
+
+impl<K> Due<K> {
+    fn order(&self, other: &Self) -> Ordering {
+        (self.expiry, self.slot).cmp(&(other.expiry, other.slot))
+    }
 }
 
 /// Leases by key, each with an expiry; a lease has expired when `now >= expiry`.
 #[derive(Clone, Debug)]
 pub struct LeaseTable<K> {
-    /// The current lease of each key. A renewal touches only this map and the heap's end.
+    /// Each key's lease. Grants, renewals and releases touch it once each.
     leases: LeaseMap<K, Lease>,
-    /// Slot to key, so that a due heap entry finds its lease; the generation tells reuse apart.
-    slots: Vec<Slot<K>>,
+    /// Every entry of a bucket up to `front_bucket`, latest first (the next due at the end).
+    front: Vec<Due<K>>,
+    front_bucket: u64,
+    /// The entries of later buckets.
+    later: Later<K>,
+    /// Entries in `front` and `later`, current or not (a released lease's stays until due).
+    entries: usize,
+    /// Slots freed, the most recent last, and the number of slots ever taken.
     free: Vec<u32>,
-    due: BinaryHeap<Reverse<Due>>,
+    slots: u32,
 }
 
 impl<K> Default for LeaseTable<K> {
     fn default() -> Self {
-        LeaseTable { leases: LeaseMap::default(), slots: Vec::new(), free: Vec::new(), due: BinaryHeap::new() }
+        LeaseTable {
+            leases: LeaseMap::default(),
+            front: Vec::new(),
+            front_bucket: 0,
+            later: Later::default(),
+            entries: 0,
+            free: Vec::new(),
+            slots: 0,
+        }
     }
 }
 
@@ -90,20 +128,13 @@ impl<K: Hash + Eq + Clone> LeaseTable<K> {
         match self.leases.entry(key) {
             Entry::Occupied(e) => Err(LeaseError::AlreadyLeased { expiry: e.get().expiry }),
             Entry::Vacant(e) => {
-                let slot = match self.free.pop() {
-                    Some(slot) => {
-                        self.slots[slot as usize].key = Some(e.key().clone());
-                        slot
-                    }
-                    None => {
-                        let slot = u32::try_from(self.slots.len()).expect("fewer than 2^32 leases");
-                        self.slots.push(Slot { key: Some(e.key().clone()), generation: 0 });
-                        slot
-                    }
-                };
-                let generation = self.slots[slot as usize].generation;
-                e.insert(Lease { slot, generation, expiry });
-                self.schedule(Due { expiry, slot, generation });
+                let slot = self.free.pop().unwrap_or_else(|| {
+                    self.slots = self.slots.checked_add(1).expect("fewer than 2^32 leases");
+                    self.slots - 1
+                });
+                let due = Due { expiry, slot, key: e.key().clone() };
+                e.insert(Lease { expiry, slot });
+                self.schedule(due);
                 Ok(())
             }
         }
@@ -118,20 +149,15 @@ impl<K: Hash + Eq + Clone> LeaseTable<K> {
         if now >= lease.expiry {
             return None;
         }
-        let renewed = now.saturating_add(extension);
-        if renewed <= lease.expiry {
-            return Some(lease.expiry);
-        }
-        lease.expiry = renewed;
-        let due = Due { expiry: renewed, slot: lease.slot, generation: lease.generation };
-        self.schedule(due);
-        Some(renewed)
+        // The lease's entry stays where it is, earlier than this: it moves when it comes due.
+        lease.expiry = lease.expiry.max(now.saturating_add(extension));
+        Some(lease.expiry)
     }
 
     /// Ends `key`'s lease and returns the expiry it had, or `None` when it held none.
     pub fn release(&mut self, key: &K) -> Option<Time> {
         let lease = self.leases.remove(key)?;
-        self.vacate(lease.slot);
+        self.free.push(lease.slot);
         Some(lease.expiry)
     }
 
@@ -142,86 +168,189 @@ impl<K: Hash + Eq + Clone> LeaseTable<K> {
 
     /// Removes and returns one lease that has expired at `now`, earliest expiry first.
     pub fn poll_expired(&mut self, now: Time) -> Option<(K, Time)> {
-        while let Some(&Reverse(due)) = self.due.peek() {
-            if due.expiry > now {
-                return None;
-            }
-            self.due.pop();
-            if let Some(key) = self.current_key(due) {
-                let key = key.clone();
-                self.leases.remove(&key);
-                self.vacate(due.slot);
-                return Some((key, due.expiry));
-            }
+        if self.next_due()? > now {
+            return None;
         }
-        None
+        let due = self.front.pop()?;
+        self.entries -= 1;
+        if let Some(lease) = self.leases.remove(&due.key) {
+            self.free.push(lease.slot);
+        }
+        Some((due.key, due.expiry))
     }
 
     /// The earliest expiry of a held lease: when to poll next.
     pub fn next_expiry(&mut self) -> Option<Time> {
-        while let Some(&Reverse(due)) = self.due.peek() {
-            if self.current_key(due).is_some() {
+        self.next_due()
+    }
+
+    /// The expiry of the entry at the front's end once it stands for a lease due then:
+    /// entries before it whose key holds no lease, or holds it until another expiry (renewed,
+    /// or granted again), are dropped or moved to that expiry's bucket.
+    fn next_due(&mut self) -> Option<Time> {
+        loop {
+            let Some(due) = self.front.last() else {
+                if self.load_front() {
+                    continue;
+                }
+                return None;
+            };
+            let lease = self.leases.get(&due.key).copied();
+            if lease.is_some_and(|lease| lease.expiry == due.expiry) {
                 return Some(due.expiry);
             }
-            self.due.pop();
+            let due = self.front.pop()?;
+            self.entries -= 1;
+            // An entry for a lease due later (renewed, or granted again) moves there.
+            if let Some(lease) = lease.filter(|lease| lease.expiry > due.expiry) {
+                self.schedule(Due { expiry: lease.expiry, slot: lease.slot, key: due.key });
+            }
         }
-        None
     }
 
-    /// The key of the lease a heap entry stands for, unless the entry is stale (the slot was
-    /// reused, or the lease was renewed past it).
-    fn current_key(&self, due: Due) -> Option<&K> {
-        let slot = &self.slots[due.slot as usize];
-        let key = slot.key.as_ref().filter(|_| slot.generation == due.generation)?;
-        (self.leases.get(key)?.expiry == due.expiry).then_some(key)
+    /// Makes the earliest later bucket the front, sorted; `false` if there is none.
+    fn load_front(&mut self) -> bool {
+        let Some(number) = self.later.pop_earliest(&mut self.front) else { return false };
+        self.front.sort_unstable_by(|a, b| b.order(a));
+        self.front_bucket = number;
+        true
     }
 
-    fn schedule(&mut self, due: Due) {
-        self.due.push(Reverse(due));
-        // Stale entries are dropped when they come due; if renewals pile them up faster, rebuild.
-        if self.due.len() > 2 * self.leases.len() + 1024 {
+    fn schedule(&mut self, due: Due<K>) {
+        self.entries += 1;
+        let number = bucket(due.expiry);
+        if number <= self.front_bucket {
+            let at = self.front.partition_point(|entry| entry.order(&due) == Ordering::Greater);
+            self.front.insert(at, due);
+        } else {
+            self.later.push(number, due);
+        }
+        // Released leases' entries wait until they come due; if releases pile them up faster
+        // than time reaches them, rebuild from the leases held (at most once per three live
+        // leases' worth of releases, so its cost spreads thin: about 20 ns a grant in the
+        // bench's churn of grants and releases with time standing still).
+        if self.entries > 4 * self.leases.len() + 1024 {
             self.compact();
         }
     }
 
-    fn vacate(&mut self, slot: u32) {
-        let s = &mut self.slots[slot as usize];
-        s.key = None;
-        s.generation = s.generation.wrapping_add(1);
-        self.free.push(slot);
-    }
-
     fn compact(&mut self) {
-        let live = self
+        let live: Vec<Due<K>> = self
             .leases
-            .values()
-            .map(|lease| Reverse(Due { expiry: lease.expiry, slot: lease.slot, generation: lease.generation }));
-        self.due = live.collect();
+            .iter()
+            .map(|(key, lease)| Due { expiry: lease.expiry, slot: lease.slot, key: key.clone() })
+            .collect();
+        self.front.clear();
+        self.later.clear();
+        // Every entry to the later buckets (sorted once, when its bucket comes first).
+        self.front_bucket = 0;
+        self.entries = 0;
+        for due in live {
+            self.schedule(due);
+        }
     }
 }
 
-/// The naive table production connectors use: a map, and a poll that scans every lease.
-///
-/// It is the baseline `cargo xtask bench` measures [`LeaseTable`] against (with the same
-/// hasher, so that the ratio compares the algorithms), and the obvious model the property
-/// tests check it with.
+/// The later buckets: each bucket's entries (vectors kept for reuse once emptied), found by
+/// bucket number, the numbers earliest first, and the last bucket an entry went to (grants,
+/// due `now + lease`, come in runs to one bucket).
 #[derive(Clone, Debug)]
-pub struct ScanLeaseTable<K> {
-    leases: LeaseMap<K, Time>,
+struct Later<K> {
+    index: HashMap<u64, u32, foldhash::fast::FixedState>,
+    buckets: Vec<Vec<Due<K>>>,
+    spare: Vec<u32>,
+    order: BinaryHeap<Reverse<u64>>,
+    last: Option<(u64, u32)>,
 }
 
-impl<K> Default for ScanLeaseTable<K> {
+impl<K> Default for Later<K> {
     fn default() -> Self {
-        ScanLeaseTable { leases: LeaseMap::default() }
+        Later {
+            index: HashMap::default(),
+            buckets: Vec::new(),
+            spare: Vec::new(),
+            order: BinaryHeap::new(),
+            last: None,
+        }
+    }
+}
+
+impl<K> Later<K> {
+    /// Adds `due` to bucket `number`.
+    fn push(&mut self, number: u64, due: Due<K>) {
+        let at = match self.last {
+            Some((last, at)) if last == number => at,
+            _ => {
+                let at = match self.index.get(&number) {
+                    Some(&at) => at,
+                    None => {
+                        let at = self.spare.pop().unwrap_or_else(|| {
+                            self.buckets.push(Vec::new());
+                            u32::try_from(self.buckets.len() - 1).expect("fewer than 2^32 buckets")
+                        });
+                        self.index.insert(number, at);
+                        self.order.push(Reverse(number));
+                        at
+                    }
+                };
+                self.last = Some((number, at));
+                at
+            }
+        };
+        self.buckets[at as usize].push(due);
+    }
+
+    /// Moves the earliest bucket's entries into `into` (empty), and returns its number.
+    fn pop_earliest(&mut self, into: &mut Vec<Due<K>>) -> Option<u64> {
+        let Reverse(number) = self.order.pop()?;
+        let at = self.index.remove(&number)?;
+        if self.last.is_some_and(|(last, _)| last == number) {
+            self.last = None;
+        }
+        // The bucket keeps `into`'s allocation for its next use.
+        std::mem::swap(into, &mut self.buckets[at as usize]);
+        self.buckets[at as usize].clear();
+        self.spare.push(at);
+        Some(number)
+    }
+
+    fn clear(&mut self) {
+        self.index.clear();
+        self.order.clear();
+        self.last = None;
+        self.spare.clear();
+        for (at, bucket) in self.buckets.iter_mut().enumerate() {
+            bucket.clear();
+            self.spare.push(at as u32);
+        }
+    }
+}
+
+/// The naive table production connectors use: a map, and a poll that scans every lease;
+/// by default std's map with its SipHash, as a connector keeps it without thought for speed.
+///
+/// It is the baseline `cargo xtask bench` measures [`LeaseTable`] against (also with
+/// [`LeaseTable`]'s own hasher, `S`, so that a ratio compares the structures alone), and the
+/// obvious model the property tests check it with.
+#[derive(Clone, Debug)]
+pub struct ScanLeaseTable<K, S = std::collections::hash_map::RandomState> {
+    leases: HashMap<K, Time, S>,
+}
+
+impl<K, S: Default> Default for ScanLeaseTable<K, S> {
+    fn default() -> Self {
+        ScanLeaseTable { leases: HashMap::default() }
     }
 }
 
 impl<K: Hash + Eq + Clone> ScanLeaseTable<K> {
-    /// An empty table.
+    /// An empty table, on std's SipHash.
     pub fn new() -> Self {
         Self::default()
     }
+}
 
+impl<K: Hash + Eq + Clone, S: std::hash::BuildHasher> ScanLeaseTable<K, S> {
     /// Leases held.
     pub fn len(&self) -> usize {
         self.leases.len()
@@ -327,14 +456,52 @@ mod tests {
     }
 
     #[test]
-    fn renewal_storms_keep_the_heap_bounded() {
+    fn renewal_storms_add_no_entries() {
         let mut table = LeaseTable::new();
         table.grant(1u32, t(10)).unwrap();
         for i in 0..100_000u64 {
             table.renew(&1, Time::from_nanos(i), 10 * SEC);
         }
-        assert!(table.due.len() <= 2 * table.len() + 1025, "heap holds {}", table.due.len());
+        assert_eq!(table.entries, 1, "a renewal writes the lease alone");
+        // Its entry, still at 10 s, moves to the renewed expiry when it comes due.
+        assert_eq!(table.poll_expired(t(10)), None);
         assert_eq!(table.poll_expired(t(11)), Some((1, Time::from_nanos(99_999) + 10 * SEC)));
+    }
+
+    #[test]
+    fn released_leases_entries_stay_bounded_and_the_held_ones_are_reaped_in_order() {
+        let mut table = LeaseTable::new();
+        for k in 0..10u64 {
+            table.grant(k, t(100 - k)).unwrap();
+        }
+        // A churn of grants and releases with time standing still: each release leaves an
+        // entry behind until compaction.
+        for k in 10..200_010u64 {
+            table.grant(k, t(50) + Duration::from_nanos(k)).unwrap();
+            table.release(&k);
+            // Compaction runs as an entry is scheduled; the release after it holds one lease fewer.
+            assert!(table.entries <= 4 * (table.len() + 1) + 1025, "{} entries", table.entries);
+        }
+        assert_eq!(table.next_expiry(), Some(t(91)));
+        let reaped: Vec<u64> = std::iter::from_fn(|| table.poll_expired(t(100))).map(|(k, _)| k).collect();
+        assert_eq!(reaped, (0..10).rev().collect::<Vec<_>>());
+        assert!(table.is_empty() && table.next_expiry().is_none());
+    }
+
+    #[test]
+    fn a_lease_renewed_within_its_bucket_and_one_granted_into_the_front_keep_their_order() {
+        // Expiries a microsecond apart share a bucket: the earlier, renewed by a microsecond,
+        // moves behind the later within the front; a grant due before both goes first.
+        let mut table = LeaseTable::new();
+        let base = t(10);
+        table.grant("a", base).unwrap();
+        table.grant("b", base + Duration::from_micros(1)).unwrap();
+        assert_eq!(table.next_expiry(), Some(base));
+        assert_eq!(table.renew(&"a", t(9), SEC + Duration::from_micros(2)), Some(base + Duration::from_micros(2)));
+        table.grant("c", base - Duration::from_nanos(1)).unwrap();
+        let now = base + Duration::from_micros(5);
+        let reaped: Vec<_> = std::iter::from_fn(|| table.poll_expired(now)).map(|(k, _)| k).collect();
+        assert_eq!(reaped, ["c", "b", "a"]);
     }
 
     #[derive(Clone, Debug)]
