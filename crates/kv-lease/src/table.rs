@@ -9,10 +9,10 @@
 //! only writes the map's expiry, leaving the entry where it was, earlier than its deadline now
 //! is; a release only removes the key from the map. So none of the three costs more with more
 //! leases, and each touches the map once. The poll looks at the front's earliest entry: one
-//! whose key holds no lease any more, or holds it until another expiry, is dropped or moved
-//! to the bucket of that expiry, and one that still matches is due or not. So a poll with
-//! nothing due reads one entry, and one that reaps touches only what is due (and what was
-//! renewed or granted again past it, once each). Expiry is exact: a lease granted until `t`
+//! whose key no longer holds a lease in its slot (released, or granted again) is dropped, one
+//! whose lease was renewed moves to the bucket of its expiry, and one that still matches is
+//! due or not. So a poll with nothing due reads one entry, and one that reaps touches only
+//! what is due (and what was released or renewed past it, once each). Expiry is exact: a lease granted until `t`
 //! has expired at `t`, not at its bucket's end; leases due at the same time are reaped in
 //! slot order. An expired lease is reaped even when entries ahead of it were renewed (vLLM
 //! issue 58222): entries move to their current expiry before they count.
@@ -195,13 +195,15 @@ impl<K: Hash + Eq + Clone> LeaseTable<K> {
                 }
                 return None;
             };
-            let lease = self.leases.get(&due.key).copied();
+            // The entry of a lease the key holds in its slot; one of an earlier grant of the
+            // key, in another slot, is dropped (the later grant has an entry of its own).
+            let lease = self.leases.get(&due.key).copied().filter(|lease| lease.slot == due.slot);
             if lease.is_some_and(|lease| lease.expiry == due.expiry) {
                 return Some(due.expiry);
             }
             let due = self.front.pop()?;
             self.entries -= 1;
-            // An entry for a lease due later (renewed, or granted again) moves there.
+            // An entry for a lease due later (renewed) moves there.
             if let Some(lease) = lease.filter(|lease| lease.expiry > due.expiry) {
                 self.schedule(Due { expiry: lease.expiry, slot: lease.slot, key: due.key });
             }
