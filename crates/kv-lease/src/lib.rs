@@ -3,7 +3,8 @@
 //! kv-lease reads no clock and does no I/O: every method that needs the time takes `now`
 //! as a [`kv_core::Time`]. It holds P's [`LeaseTable`] (grant; renew as
 //! `max(old, now + extension)`; release; expiry at or after the deadline; a poll of what
-//! expired that costs O(expired + log n) rather than a scan of every lease) and
+//! expired that reads only what is due rather than scanning every lease; grant, renew and
+//! release cost the same at any number of leases) and
 //! [`ScanLeaseTable`], the full-scan baseline that benchmarks and property tests compare it
 //! with. For D it holds the [`HeartbeatPlanner`] (per peer, at the interval), with
 //! [`renewal_slack`], the least a renewed lease has left at any point of the heartbeat cycle
