@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use crate::demo::build_node;
 use crate::provision;
 use crate::workspace::{self, cargo_command, cargo_env};
-use kv_demo::demo::{Demo, DemoConfig, NodeBinary, TopologyArgs};
+use kv_demo::demo::{Demo, DemoConfig, NodeBinary, Report, TopologyArgs};
 use kv_demo::proto::TransportKind;
 
 /// The flags of `cargo xtask bench`.
@@ -275,11 +275,8 @@ fn progress_period_cost(node: &NodeBinary, topology: &TopologyArgs, quick: bool,
     let (mut old, mut default, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..if quick { 3 } else { 5 } {
         for (ms, into) in [(Some(OLD_PROGRESS_MS), &mut old), (None, &mut default)] {
-            let report = Demo::start(DemoConfig { nixl_progress_ms: ms, ..base.clone() }, node.clone())?.run()?;
-            let failures = report.failures();
-            if !failures.is_empty() {
-                bail!("a run at NIXL progress period {ms:?} ms failed its checks: {}", failures.join("; "));
-            }
+            let config = DemoConfig { nixl_progress_ms: ms, ..base.clone() };
+            let report = run_checked(node, config, &format!("a run at NIXL progress period {ms:?} ms"))?;
             into.push(report.latency_json()["kv_latency_us"]["p50"].as_f64().unwrap_or(0.0));
         }
         if let (Some(o), Some(d)) = (old.last(), default.last()) {
@@ -368,14 +365,20 @@ fn pull_and_push(node: &NodeBinary, base: &DemoConfig, what: &str) -> Result<ser
     let mut results = serde_json::Map::new();
     for push in [false, true] {
         let mode = if push { "push" } else { "pull" };
-        let report = Demo::start(DemoConfig { push, ..base.clone() }, node.clone())?.run()?;
-        let failures = report.failures();
-        if !failures.is_empty() {
-            bail!("the {mode} run ({what}) failed its checks: {}", failures.join("; "));
-        }
+        let report = run_checked(node, DemoConfig { push, ..base.clone() }, &format!("the {mode} run ({what})"))?;
         results.insert(mode.into(), report.latency_json());
     }
     Ok(results)
+}
+
+/// Runs the demo with `config`; a run that fails its checks fails the bench, `what` naming it.
+fn run_checked(node: &NodeBinary, config: DemoConfig, what: &str) -> Result<Report> {
+    let report = Demo::start(config, node.clone())?.run()?;
+    let failures = report.failures();
+    if !failures.is_empty() {
+        bail!("{what} failed its checks: {}", failures.join("; "));
+    }
+    Ok(report)
 }
 
 /// The loads of the in-flight bench: requests the router keeps in flight.

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use kv_core::{Dtype, KvLayout, MemoryOrder, Placement};
+use kv_core::{Dtype, Fnv1a, KvLayout, MemoryOrder, Placement};
 
 use crate::kv::KvStore;
 use crate::ModelError;
@@ -128,7 +128,7 @@ impl Stream {
 
 /// The seed of tensor `name` of the model drawn from `seed` (FNV-1a of the name).
 fn tensor_seed(seed: u64, name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325 ^ seed, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+    Fnv1a::from_state(Fnv1a::OFFSET ^ seed).write(name.bytes()).finish()
 }
 
 impl TinyLlama {
@@ -324,39 +324,34 @@ impl TinyLlama {
     /// bits) over every value's bits, layer by layer, K then V, head by head, position by
     /// position; equal KV gives equal fingerprints whatever pools, TP size or layout hold it.
     pub fn kv_fingerprint(&self, kv: &dyn KvStore, positions: usize) -> Result<u64, ModelError> {
-        let c = &self.config;
-        let mut values = vec![0f32; c.head_dim];
-        let mut hash = 0xcbf2_9ce4_8422_2325u64;
-        for layer in 0..c.layers {
-            for plane in 0..2 {
-                for head in 0..c.kv_heads {
-                    for position in 0..positions {
-                        kv.read(layer, plane, head, position, &mut values)?;
-                        for byte in values.iter().flat_map(|v| v.to_le_bytes()) {
-                            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-                        }
-                    }
-                }
-            }
+        let mut values = vec![0f32; self.config.head_dim];
+        let mut hash = Fnv1a::new();
+        for (layer, plane, head, position) in self.kv_rows(positions) {
+            kv.read(layer, plane, head, position, &mut values)?;
+            hash.write(values.iter().flat_map(|v| v.to_le_bytes()));
         }
-        Ok(hash)
+        Ok(hash.finish())
     }
 
     /// Writes zeros over the KV of a sequence's first `positions` tokens in `kv` (a control:
     /// decoding from it must not give the tokens the real KV gives).
     pub fn zero_kv(&self, kv: &mut dyn KvStore, positions: usize) -> Result<(), ModelError> {
-        let c = &self.config;
-        let zeros = vec![0f32; c.head_dim];
-        for layer in 0..c.layers {
-            for plane in 0..2 {
-                for head in 0..c.kv_heads {
-                    for position in 0..positions {
-                        kv.write(layer, plane, head, position, &zeros)?;
-                    }
-                }
-            }
+        let zeros = vec![0f32; self.config.head_dim];
+        for (layer, plane, head, position) in self.kv_rows(positions) {
+            kv.write(layer, plane, head, position, &zeros)?;
         }
         Ok(())
+    }
+
+    /// Every (layer, plane, KV head, position) of a sequence's first `positions` tokens:
+    /// layer by layer, K then V, head by head, position by position.
+    fn kv_rows(&self, positions: usize) -> impl Iterator<Item = (usize, usize, usize, usize)> {
+        let (layers, heads) = (self.config.layers, self.config.kv_heads);
+        (0..layers).flat_map(move |layer| {
+            (0..2).flat_map(move |plane| {
+                (0..heads).flat_map(move |head| (0..positions).map(move |position| (layer, plane, head, position)))
+            })
+        })
     }
 
     /// Decodes greedily after `first`, the token at `position` (the prompt's length), `count`

@@ -54,6 +54,7 @@ use crate::proto::{AttackPlan, Model, TransportKind};
 
 pub use config::{DemoArgs, DemoConfig, ModelKind, ModelRun, TopologyArgs};
 pub use processes::NodeBinary;
+pub use report::Report;
 pub use router::Demo;
 
 /// The runs of `cargo xtask attack`.

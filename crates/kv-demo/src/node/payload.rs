@@ -2,8 +2,9 @@
 //! for computing them, D's for its prefix cache), checking every byte D received, checking
 //! that a freed block still holds its scrub when it is allocated again, and scrubbing freed
 //! blocks; with a model (`--model`), computing a prompt's KV into its blocks chunk by chunk
-//! (P's prefill, D's prefix cache) and decoding from the KV D loaded instead of the pattern. Each is bytes in proportion to the prompt (tens of milliseconds for a large one);
-//! done on the engine's thread they held up the control plane behind them (every other
+//! (P's prefill, D's prefix cache) and decoding from the KV D loaded instead of the pattern.
+//! Each is bytes in proportion to the prompt (tens of milliseconds for a large one); done on
+//! the engine's thread they held up the control plane behind them (every other
 //! request's reports, frees and readiness), which is what a real engine's GPU work does not do.
 //!
 //! The engine's thread hands [`Work`] to [`Workers`] with a tag of its own, and takes the
