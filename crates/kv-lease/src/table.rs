@@ -2,20 +2,24 @@
 //!
 //! Leases live in a hash map keyed per process (`LeaseMap`): each key's expiry, and a slot
 //! number (the lowest free, most recently freed first), which orders leases due at the same
-//! time. Deadlines are kept in buckets of about a millisecond of
-//! expiry (`BUCKET_SHIFT`): the earliest bucket sorted (`front`), the later ones unsorted, and
-//! a min-heap of the later buckets' numbers, one entry per bucket, not per lease. A grant
-//! inserts into the map and appends an entry (its key and expiry) to its bucket; a renewal
-//! only writes the map's expiry, leaving the entry where it was, earlier than its deadline now
-//! is; a release only removes the key from the map. So none of the three costs more with more
-//! leases, and each touches the map once. The poll looks at the front's earliest entry: one
-//! whose key no longer holds a lease in its slot (released, or granted again) is dropped, one
-//! whose lease was renewed moves to the bucket of its expiry, and one that still matches is
-//! due or not. So a poll with nothing due reads one entry, and one that reaps touches only
-//! what is due (and what was released or renewed past it, once each). Expiry is exact: a lease granted until `t`
-//! has expired at `t`, not at its bucket's end; leases due at the same time are reaped in
-//! slot order. An expired lease is reaped even when entries ahead of it were renewed (vLLM
-//! issue 58222): entries move to their current expiry before they count.
+//! time. Deadlines are kept in buckets of about a millisecond of expiry (`BUCKET_SHIFT`): the
+//! earliest bucket sorted (`front`, entries with their expiry and slot), the later ones as
+//! bare keys, unsorted, behind a min-heap of bucket numbers (one per bucket, not per lease).
+//! A grant inserts into the map and pushes its key to its bucket (the one grants went to last
+//! is held out, so that push reads nothing else); a renewal only writes the map's expiry,
+//! leaving the entry where it was, earlier than its deadline now is; a release only removes
+//! the key from the map. So none of the three costs more with more leases, and each touches
+//! the map once. A bucket becomes the front when the one before it is done: each key is
+//! looked up once, dropped if it holds no lease, moved if its lease was renewed past the
+//! bucket, and otherwise enters the front with its lease's expiry and slot, sorted. The poll
+//! looks at the front's earliest entry: one whose key no longer holds that lease (released,
+//! granted again, renewed) is dropped or moved to the bucket of its expiry, and one that
+//! still matches is due or not. So a poll with nothing due reads one entry, and one that
+//! reaps touches only what is due (and what was released or renewed past it, once each).
+//! Expiry is exact: a lease granted until `t` has expired at `t`, not at its bucket's end;
+//! leases due at the same time are reaped in slot order. An expired lease is reaped even
+//! when entries ahead of it were renewed (vLLM issue 58222): entries move to their current
+//! expiry before they count.
 
 use std::cmp::{Ordering, Reverse};
 use std::collections::hash_map::Entry;
@@ -61,8 +65,8 @@ struct Lease {
     slot: u32,
 }
 
-/// A deadline entry: a key, and where its lease's expiry was when the entry was made.
-/// Ordered by expiry, then slot.
+/// A deadline entry in the front: a key, and the slot and expiry its lease had when the entry
+/// was made. Ordered by expiry, then slot.
 #[derive(Clone, Debug)]
 struct Due<K> {
     expiry: Time,
@@ -84,7 +88,8 @@ pub struct LeaseTable<K> {
     /// Every entry of a bucket up to `front_bucket`, latest first (the next due at the end).
     front: Vec<Due<K>>,
     front_bucket: u64,
-    /// The entries of later buckets.
+    /// The entries of later buckets: keys alone (a key's lease gives the entry its expiry
+    /// and slot when its bucket comes first).
     later: Later<K>,
     /// Entries in `front` and `later`, current or not (a released lease's stays until due).
     entries: usize,
@@ -185,8 +190,9 @@ impl<K: Hash + Eq + Clone> LeaseTable<K> {
     }
 
     /// The expiry of the entry at the front's end once it stands for a lease due then:
-    /// entries before it whose key holds no lease, or holds it until another expiry (renewed,
-    /// or granted again), are dropped or moved to that expiry's bucket.
+    /// entries before it whose key holds no lease, or holds one in another slot or until
+    /// another expiry (granted again, or renewed), are dropped or moved to that expiry's
+    /// bucket.
     fn next_due(&mut self) -> Option<Time> {
         loop {
             let Some(due) = self.front.last() else {
@@ -195,74 +201,98 @@ impl<K: Hash + Eq + Clone> LeaseTable<K> {
                 }
                 return None;
             };
-            // The entry of a lease the key holds in its slot; one of an earlier grant of the
-            // key, in another slot, is dropped (the later grant has an entry of its own).
-            let lease = self.leases.get(&due.key).copied().filter(|lease| lease.slot == due.slot);
-            if lease.is_some_and(|lease| lease.expiry == due.expiry) {
+            let lease = self.leases.get(&due.key).copied();
+            if lease.is_some_and(|lease| lease.expiry == due.expiry && lease.slot == due.slot) {
                 return Some(due.expiry);
             }
             let due = self.front.pop()?;
             self.entries -= 1;
-            // An entry for a lease due later (renewed) moves there.
+            // An entry for a lease due later (renewed, or granted again) moves there.
             if let Some(lease) = lease.filter(|lease| lease.expiry > due.expiry) {
                 self.schedule(Due { expiry: lease.expiry, slot: lease.slot, key: due.key });
             }
         }
     }
 
-    /// Makes the earliest later bucket the front, sorted; `false` if there is none.
+    /// Makes the earliest later bucket the front, sorted; `false` if there is none. Each
+    /// key is looked up once: one holding no lease is dropped, one whose lease is due in a
+    /// later bucket (renewed since) moves there, the rest enter the front at their lease's
+    /// expiry and slot. A key released and granted again has an entry for each grant: both
+    /// stand for its lease now, the later one is dropped once the lease is reaped.
     fn load_front(&mut self) -> bool {
-        let Some(number) = self.later.pop_earliest(&mut self.front) else { return false };
-        self.front.sort_unstable_by(|a, b| b.order(a));
+        let mut keys = std::mem::take(&mut self.later.loading);
+        let Some(number) = self.later.pop_earliest(&mut keys) else {
+            self.later.loading = keys;
+            return false;
+        };
         self.front_bucket = number;
+        for key in keys.drain(..) {
+            match self.leases.get(&key).copied() {
+                None => self.entries -= 1,
+                Some(lease) if bucket(lease.expiry) > number => self.later.push(bucket(lease.expiry), key),
+                Some(lease) => self.front.push(Due { expiry: lease.expiry, slot: lease.slot, key }),
+            }
+        }
+        self.later.loading = keys;
+        self.front.sort_unstable_by(|a, b| b.order(a));
         true
     }
 
     fn schedule(&mut self, due: Due<K>) {
         self.entries += 1;
+        self.place(due);
+        // Released leases' entries wait until they come due; if releases pile them up faster
+        // than time reaches them, rebuild from the leases held (at most once per seven live
+        // leases' worth of releases, so its cost spreads thin; a later bucket's entry is the
+        // key alone, eight bytes for a number).
+        if self.entries > 8 * self.leases.len() + 1024 {
+            self.compact();
+        }
+    }
+
+    /// Puts `due` in the front, in order, if its bucket is there, or else in its bucket.
+    fn place(&mut self, due: Due<K>) {
         let number = bucket(due.expiry);
         if number <= self.front_bucket {
             let at = self.front.partition_point(|entry| entry.order(&due) == Ordering::Greater);
             self.front.insert(at, due);
         } else {
-            self.later.push(number, due);
-        }
-        // Released leases' entries wait until they come due; if releases pile them up faster
-        // than time reaches them, rebuild from the leases held (at most once per three live
-        // leases' worth of releases, so its cost spreads thin: about 20 ns a grant in the
-        // bench's churn of grants and releases with time standing still).
-        if self.entries > 4 * self.leases.len() + 1024 {
-            self.compact();
+            self.later.push(number, due.key);
         }
     }
 
+    #[cold]
     fn compact(&mut self) {
-        let live: Vec<Due<K>> = self
-            .leases
-            .iter()
-            .map(|(key, lease)| Due { expiry: lease.expiry, slot: lease.slot, key: key.clone() })
-            .collect();
         self.front.clear();
         self.later.clear();
         // Every entry to the later buckets (sorted once, when its bucket comes first).
         self.front_bucket = 0;
-        self.entries = 0;
-        for due in live {
-            self.schedule(due);
+        self.entries = self.leases.len();
+        for (key, lease) in &self.leases {
+            match bucket(lease.expiry) {
+                0 => self.front.push(Due { expiry: lease.expiry, slot: lease.slot, key: key.clone() }),
+                number => self.later.push_aside(number, key.clone()),
+            }
         }
+        self.front.sort_unstable_by(|a, b| b.order(a));
     }
 }
 
-/// The later buckets: each bucket's entries (vectors kept for reuse once emptied), found by
-/// bucket number, the numbers earliest first, and the last bucket an entry went to (grants,
-/// due `now + lease`, come in runs to one bucket).
+/// The later buckets: each bucket's keys (vectors kept for reuse once emptied), found by
+/// bucket number, and the numbers earliest first. The bucket an entry last went to is held
+/// out as the tail (grants, due `now + lease`, come in runs to one bucket): a grant pushes
+/// to it and reads nothing else.
 #[derive(Clone, Debug)]
 struct Later<K> {
     index: HashMap<u64, u32, foldhash::fast::FixedState>,
-    buckets: Vec<Vec<Due<K>>>,
+    buckets: Vec<Vec<K>>,
     spare: Vec<u32>,
     order: BinaryHeap<Reverse<u64>>,
-    last: Option<(u64, u32)>,
+    /// The tail's bucket number and place (its vector is `tail`, the place holds an empty one).
+    tail_at: Option<(u64, u32)>,
+    tail: Vec<K>,
+    /// The bucket being loaded into the front (kept for its allocation).
+    loading: Vec<K>,
 }
 
 impl<K> Default for Later<K> {
@@ -272,54 +302,80 @@ impl<K> Default for Later<K> {
             buckets: Vec::new(),
             spare: Vec::new(),
             order: BinaryHeap::new(),
-            last: None,
+            tail_at: None,
+            tail: Vec::new(),
+            loading: Vec::new(),
         }
     }
 }
 
 impl<K> Later<K> {
-    /// Adds `due` to bucket `number`.
-    fn push(&mut self, number: u64, due: Due<K>) {
-        let at = match self.last {
-            Some((last, at)) if last == number => at,
-            _ => {
-                let at = match self.index.get(&number) {
-                    Some(&at) => at,
-                    None => {
-                        let at = self.spare.pop().unwrap_or_else(|| {
-                            self.buckets.push(Vec::new());
-                            u32::try_from(self.buckets.len() - 1).expect("fewer than 2^32 buckets")
-                        });
-                        self.index.insert(number, at);
-                        self.order.push(Reverse(number));
-                        at
-                    }
-                };
-                self.last = Some((number, at));
-                at
-            }
-        };
-        self.buckets[at as usize].push(due);
+    /// Adds `key` to bucket `number`.
+    #[inline]
+    fn push(&mut self, number: u64, key: K) {
+        if self.tail_at.is_none_or(|(tail, _)| tail != number) {
+            self.make_tail(number);
+        }
+        self.tail.push(key);
     }
 
-    /// Moves the earliest bucket's entries into `into` (empty), and returns its number.
-    fn pop_earliest(&mut self, into: &mut Vec<Due<K>>) -> Option<u64> {
-        let Reverse(number) = self.order.pop()?;
-        let at = self.index.remove(&number)?;
-        if self.last.is_some_and(|(last, _)| last == number) {
-            self.last = None;
+    /// Puts the tail back in its place and makes bucket `number` (new if need be) the tail.
+    #[inline(never)]
+    fn make_tail(&mut self, number: u64) {
+        self.put_tail_back();
+        let at = self.place_of(number);
+        std::mem::swap(&mut self.tail, &mut self.buckets[at as usize]);
+        self.tail_at = Some((number, at));
+    }
+
+    /// Adds `key` to bucket `number`, leaving the tail as it is (keys in no order, as a
+    /// rebuild adds them).
+    fn push_aside(&mut self, number: u64, key: K) {
+        if self.tail_at.is_some_and(|(tail, _)| tail == number) {
+            self.tail.push(key);
+        } else {
+            let at = self.place_of(number);
+            self.buckets[at as usize].push(key);
         }
+    }
+
+    /// Where bucket `number` is kept, a place taken for it if it has none.
+    fn place_of(&mut self, number: u64) -> u32 {
+        if let Some(&at) = self.index.get(&number) {
+            return at;
+        }
+        let at = self.spare.pop().unwrap_or_else(|| {
+            self.buckets.push(Vec::new());
+            u32::try_from(self.buckets.len() - 1).expect("fewer than 2^32 buckets")
+        });
+        self.index.insert(number, at);
+        self.order.push(Reverse(number));
+        at
+    }
+
+    fn put_tail_back(&mut self) {
+        if let Some((_, at)) = self.tail_at.take() {
+            std::mem::swap(&mut self.tail, &mut self.buckets[at as usize]);
+        }
+    }
+
+    /// Moves the earliest bucket's keys into `into` (empty), and returns its number.
+    fn pop_earliest(&mut self, into: &mut Vec<K>) -> Option<u64> {
+        let Reverse(number) = self.order.pop()?;
+        if self.tail_at.is_some_and(|(tail, _)| tail == number) {
+            self.put_tail_back();
+        }
+        let at = self.index.remove(&number)?;
         // The bucket keeps `into`'s allocation for its next use.
         std::mem::swap(into, &mut self.buckets[at as usize]);
-        self.buckets[at as usize].clear();
         self.spare.push(at);
         Some(number)
     }
 
     fn clear(&mut self) {
+        self.put_tail_back();
         self.index.clear();
         self.order.clear();
-        self.last = None;
         self.spare.clear();
         for (at, bucket) in self.buckets.iter_mut().enumerate() {
             bucket.clear();
@@ -482,7 +538,7 @@ mod tests {
             table.grant(k, t(50) + Duration::from_nanos(k)).unwrap();
             table.release(&k);
             // Compaction runs as an entry is scheduled; the release after it holds one lease fewer.
-            assert!(table.entries <= 4 * (table.len() + 1) + 1025, "{} entries", table.entries);
+            assert!(table.entries <= 8 * (table.len() + 1) + 1025, "{} entries", table.entries);
         }
         assert_eq!(table.next_expiry(), Some(t(91)));
         let reaped: Vec<u64> = std::iter::from_fn(|| table.poll_expired(t(100))).map(|(k, _)| k).collect();
@@ -504,6 +560,30 @@ mod tests {
         let now = base + Duration::from_micros(5);
         let reaped: Vec<_> = std::iter::from_fn(|| table.poll_expired(now)).map(|(k, _)| k).collect();
         assert_eq!(reaped, ["c", "b", "a"]);
+    }
+
+    #[test]
+    fn a_key_granted_again_in_another_slot_is_reaped_in_its_new_slots_order() {
+        // x takes slot 0, y slot 1; x is released and slot 0 goes to z; x, granted again,
+        // takes slot 2. All are due at the same time: z, y, x, whether their entries wait in
+        // a later bucket (keys alone) or in the front (with the slot of their grant).
+        for in_front in [false, true] {
+            let mut table = LeaseTable::new();
+            let due = t(10);
+            if in_front {
+                table.grant("w", due - Duration::from_nanos(1)).unwrap();
+                assert_eq!(table.next_expiry(), Some(due - Duration::from_nanos(1)), "its bucket is the front");
+            }
+            table.grant("x", due).unwrap();
+            table.grant("y", due).unwrap();
+            assert_eq!(table.release(&"x"), Some(due));
+            table.grant("z", due).unwrap();
+            table.grant("x", due).unwrap();
+            let reaped: Vec<_> = std::iter::from_fn(|| table.poll_expired(due)).map(|(k, _)| k).collect();
+            let want: &[&str] = if in_front { &["w", "z", "y", "x"] } else { &["z", "y", "x"] };
+            assert_eq!(reaped, want);
+            assert!(table.is_empty() && table.next_expiry().is_none());
+        }
     }
 
     #[derive(Clone, Debug)]
