@@ -13,7 +13,7 @@ use crate::workspace::{self, cargo, cargo_env};
 /// [`provision::ensure`]), then clippy with `-D warnings` and every test of the workspace, with
 /// the provisioned paths in their environment, the examples, `cargo package` of every library
 /// crate, then a short demo in each mode over each transport, short demos of a real model
-/// (tiny-llama), the attack suite, kvflow's Python package beside vLLM (`cargo xtask vllm`),
+/// (tiny-llama), the attack suite, a 4-minute soak, kvflow's Python package beside vLLM (`cargo xtask vllm`),
 /// and transformers' check of every token the model demos generated.
 pub fn run() -> Result<()> {
     let root = workspace::root();
@@ -144,6 +144,11 @@ pub fn run() -> Result<()> {
     // The engines under attack, and stopped past their lease, in both modes (about a minute).
     eprintln!("xtask: cargo xtask attack");
     crate::demo::attack(&crate::demo::AttackArgs::default()).context("the attack suite")?;
+    // Four minutes of steady traffic with a process killed or stopped every minute, the
+    // engines' memory and descriptors sampled (the README records an hour of it).
+    eprintln!("xtask: cargo xtask soak --minutes 4");
+    let soak = crate::demo::SoakArgs::try_parse_from(["soak", "--minutes", "4"])?;
+    crate::demo::soak(&soak).context("the 4-minute soak")?;
     // vLLM on this CPU in a pinned virtualenv (provisioned once, about 3 minutes), kvflow's
     // wheel built and installed beside it, and the Python tests.
     eprintln!("xtask: cargo xtask vllm");

@@ -1,10 +1,10 @@
-//! `cargo xtask demo` and `cargo xtask attack`: provisions NIXL, builds kv-demo's engine
+//! `cargo xtask demo`, `cargo xtask attack` and `cargo xtask soak`: provisions NIXL, builds kv-demo's engine
 //! binaries (its `nixl` feature), and runs kv-demo's router with them.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-pub use kv_demo::demo::{AttackArgs, DemoArgs, NodeBinary};
+pub use kv_demo::demo::{AttackArgs, DemoArgs, NodeBinary, SoakArgs};
 
 use crate::{provision, workspace};
 
@@ -45,4 +45,9 @@ pub fn attack(args: &AttackArgs) -> Result<()> {
         build(&["kvflow-attack"], &nixl.envs())?;
     }
     kv_demo::demo::attack(args, &node)
+}
+
+/// `cargo xtask soak`.
+pub fn soak(args: &SoakArgs) -> Result<()> {
+    kv_demo::demo::soak(args, &build_node()?)
 }

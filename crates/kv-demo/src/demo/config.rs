@@ -362,6 +362,17 @@ pub struct DemoConfig {
     /// How often an idle NIXL progress thread wakes, in milliseconds (`None`: the
     /// transport's default); the idle bench compares two.
     pub nixl_progress_ms: Option<u64>,
+    /// A soak (`cargo xtask soak`): traffic until its time is up, a fault every minute.
+    pub soak: Option<SoakPlan>,
+}
+
+/// A soak's length and how often it samples the engine processes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SoakPlan {
+    /// Minutes of traffic.
+    pub minutes: u32,
+    /// Between samples.
+    pub sample_every: Duration,
 }
 
 impl Default for DemoConfig {
@@ -403,6 +414,7 @@ impl Default for DemoConfig {
             time_limit: Duration::from_secs(40),
             engine_model: None,
             nixl_progress_ms: None,
+            soak: None,
         }
     }
 }

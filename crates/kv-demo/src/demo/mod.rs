@@ -38,6 +38,8 @@
 //!   of every token.
 //! - [`metrics`]: scraping the engines' metrics endpoints, and promtool's check of them.
 //! - [`report`]: what the run measured, its checks, as text or JSON.
+//! - [`soak`]: `cargo xtask soak`, the engines under faults for minutes, their memory and
+//!   descriptors sampled.
 
 mod config;
 mod etcd;
@@ -47,6 +49,7 @@ mod netns;
 mod processes;
 mod report;
 mod router;
+mod soak;
 
 use anyhow::{bail, Context, Result};
 
@@ -56,6 +59,7 @@ pub use config::{DemoArgs, DemoConfig, ModelKind, ModelRun, TopologyArgs};
 pub use processes::NodeBinary;
 pub use report::Report;
 pub use router::Demo;
+pub use soak::{run as soak, SoakArgs};
 
 /// The runs of `cargo xtask attack`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]

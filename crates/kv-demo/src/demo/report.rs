@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 
 use super::metrics::Promtool;
 use super::model::ModelReport;
+use super::soak::SoakReport;
 use super::Demo;
 use crate::proto::{AttackPlan, AttackResult, NodeRole, STORM_THROUGHPUT_SHARE};
 
@@ -100,6 +101,11 @@ fn percentile(values: &[u64], p: f64) -> u64 {
     crate::stats::quantile(values, p / 100.0).unwrap_or(0)
 }
 
+/// Every P incarnation killed (a soak kills one every few minutes).
+fn killed_prefills(demo: &Demo) -> Vec<u64> {
+    demo.past_p_kills.iter().chain(&demo.p_kill).map(|k| k.instance).collect()
+}
+
 /// The partial prefix hits of a run (see [`Report`]'s `partial`).
 #[derive(Default)]
 struct PartialHits {
@@ -115,11 +121,11 @@ impl PartialHits {
     fn new(demo: &Demo) -> PartialHits {
         let mut hits = PartialHits::default();
         // In push mode P reports the bytes it wrote: a killed P's last reports die with it.
-        let killed_p = demo.p_kill.as_ref().filter(|_| demo.config.push).map(|k| k.instance);
+        let killed_p = if demo.config.push { killed_prefills(demo) } else { Vec::new() };
         for (id, track) in &demo.tracks {
             let Some(partial) = track.partial else { continue };
             hits.sent += 1;
-            if track.outcome.as_deref() != Some("ok") || killed_p == Some(track.exported_by) {
+            if track.outcome.as_deref() != Some("ok") || killed_p.contains(&track.exported_by) {
                 continue;
             }
             let (needed, read) = (partial.needed() as u64, partial.read(track.bytes_read));
@@ -218,6 +224,8 @@ pub struct Report {
     promtool: Promtool,
     /// With a model: its tokens against one engine's.
     model: Option<ModelReport>,
+    /// A soak's faults and samples.
+    soak: Option<SoakReport>,
     errors: Vec<String>,
 }
 
@@ -234,11 +242,11 @@ impl Report {
         let mut outcomes = BTreeMap::new();
         // Releases by the P incarnation running at the end, and by the one killed, if one was.
         let (mut releases, mut killed_prefill_releases) = (BTreeMap::new(), BTreeMap::new());
-        let killed_p = demo.p_kill.as_ref().map(|k| k.instance);
+        let killed_p = killed_prefills(demo);
         for track in demo.tracks.values() {
             *outcomes.entry(track.outcome.clone().unwrap_or_else(|| "unfinished".into())).or_insert(0) += 1;
             if let Some((reason, _)) = &track.freed {
-                let by_killed = killed_p == Some(track.freed_by);
+                let by_killed = killed_p.contains(&track.freed_by);
                 let into = if by_killed { &mut killed_prefill_releases } else { &mut releases };
                 *into.entry(reason.clone()).or_insert(0) += 1;
             }
@@ -259,13 +267,17 @@ impl Report {
             _ => 0.0,
         };
         let mut longest_held_after_death = None;
-        let held_after_death_ms = demo.kill.as_ref().map(|k| {
-            demo.tracks
+        // Every D killed (a soak kills one every few minutes), the last one `demo.kill`.
+        let kills: Vec<&super::router::Kill> = demo.past_kills.iter().chain(&demo.kill).collect();
+        let killed_d: Vec<(String, u64)> = kills.iter().map(|k| (k.engine.clone(), k.instance)).collect();
+        let held_after_death_ms = (!kills.is_empty()).then(|| {
+            kills
                 .iter()
-                .filter(|(_, t)| t.decode.as_ref().is_some_and(|(d, i)| *d == k.engine && *i == k.instance))
+                .flat_map(|k| demo.tracks.iter().map(move |(id, t)| (k, id, t)))
+                .filter(|(k, _, t)| t.decode.as_ref().is_some_and(|(d, i)| *d == k.engine && *i == k.instance))
                 // A block is held from its export (which may come after the death, in push
                 // mode) until it is freed.
-                .filter_map(|(id, t)| Some((id, t.freed.as_ref()?, t.finished_at_ns?.max(k.at_ns))))
+                .filter_map(|(k, id, t)| Some((id, t.freed.as_ref()?, t.finished_at_ns?.max(k.at_ns))))
                 .map(|(id, (reason, freed), from)| (*freed, from, format!("{id}, released as {reason}")))
                 // P cannot release anything while it is stopped: count from its resume.
                 .map(|(freed, from, what)| {
@@ -282,7 +294,7 @@ impl Report {
                 })
         });
         let mut dead_engine_releases = BTreeMap::new();
-        if let Some(k) = &demo.kill {
+        for k in &kills {
             let dead = demo
                 .tracks
                 .values()
@@ -303,7 +315,7 @@ impl Report {
         let metrics_summary = demo.scrapes.iter().map(|s| (s.incarnation.clone(), summary(&s.exposition))).collect();
         // The P incarnation running at the end (the killed one was scraped first, just before).
         let p = demo.scrapes.iter().rev().find(|s| s.role == NodeRole::Prefill).map(|s| &s.exposition);
-        let killed_prefill_scraped = killed_p.and_then(|_| {
+        let killed_prefill_scraped = (!killed_p.is_empty()).then_some(()).and_then(|_| {
             let first = demo.scrapes.iter().find(|s| s.role == NodeRole::Prefill)?;
             let sums = first.exposition.sum_by("kvflow_releases_total", "reason", &[]);
             Some(sums.into_iter().filter(|(_, v)| *v != 0.0).map(|(k, v)| (k, v as u64)).collect())
@@ -320,7 +332,8 @@ impl Report {
         Report {
             mode: if demo.config.push { "push" } else { "pull" },
             transport: demo.config.transport.name(),
-            requests: demo.config.requests,
+            // A soak sends requests until its time is up.
+            requests: if demo.soak.is_some() { demo.issued } else { demo.config.requests },
             exports: demo.tracks.len(),
             releases,
             bytes,
@@ -354,10 +367,7 @@ impl Report {
                 .tracks
                 .values()
                 .filter(|t| t.freed.as_ref().is_some_and(|(reason, _)| reason == "peer_lost"))
-                .filter(|t| {
-                    let killed = demo.kill.as_ref().map(|k| (k.engine.clone(), k.instance));
-                    t.decode.is_some() && t.decode != killed
-                })
+                .filter(|t| t.decode.as_ref().is_some_and(|d| !killed_d.contains(d)))
                 .count(),
             held_after_death_ms,
             death_bound_ms: match &demo.kill {
@@ -380,12 +390,12 @@ impl Report {
             unreleased_exports: demo
                 .tracks
                 .values()
-                .filter(|t| t.finished_at_ns.is_some() && t.freed.is_none() && killed_p != Some(t.exported_by))
+                .filter(|t| t.finished_at_ns.is_some() && t.freed.is_none() && !killed_p.contains(&t.exported_by))
                 .count(),
             died_with_prefill: demo
                 .tracks
                 .values()
-                .filter(|t| t.finished_at_ns.is_some() && t.freed.is_none() && killed_p == Some(t.exported_by))
+                .filter(|t| t.finished_at_ns.is_some() && t.freed.is_none() && killed_p.contains(&t.exported_by))
                 .count(),
             held_after_drain,
             metrics,
@@ -395,6 +405,7 @@ impl Report {
             p_ignored,
             promtool,
             model,
+            soak: demo.soak.as_ref().map(SoakReport::new),
             outcomes,
             errors: demo.errors.clone(),
         }
@@ -493,6 +504,7 @@ impl Report {
             f.push(what.clone());
         }
         f.extend(self.model.iter().flat_map(ModelReport::failures));
+        f.extend(self.soak.iter().flat_map(SoakReport::failures));
         f.extend(self.errors.iter().cloned());
         f
     }
@@ -566,6 +578,7 @@ impl Report {
         // Beside the rest: one `json!` of every key exceeds the macro's recursion limit.
         report["kv_over_transfer"] = self.kv_over_transfer();
         report["model"] = self.model.as_ref().map_or(Value::Null, ModelReport::json);
+        report["soak"] = self.soak.as_ref().map_or(Value::Null, SoakReport::json);
         report
     }
 
@@ -703,6 +716,9 @@ impl Report {
         println!("  held after drain     {}", list(&self.held_after_drain));
         if let Some(model) = &self.model {
             model.print();
+        }
+        if let Some(soak) = &self.soak {
+            soak.print();
         }
         for (which, summary) in &self.metrics_summary {
             println!("  metrics {which:<12} {summary}");

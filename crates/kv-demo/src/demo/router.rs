@@ -21,94 +21,19 @@ use super::metrics::{promtool_check, Scrape};
 use super::model::ModelRequest;
 use super::processes::{signal, FromNode, Node, NodeBinary, ATTACKER};
 use super::report::Report;
-use crate::proto::{wall_ns, AttackResult, Choice, Command, EtcdSettings, Event, Generated, NodeRole, Sighting};
+use crate::proto::{wall_ns, AttackResult, Command, EtcdSettings, Event, NodeRole, Sighting};
 
 mod faults;
 mod hearing;
+mod soak;
+mod track;
+
+pub(super) use soak::{Soak, SoakSample};
+pub(super) use track::{Partial, Track};
 
 /// How long a silently dying D engine lives on, cut off, before it is killed: long enough
 /// that whatever it sends goes nowhere, short of its own lease noticing.
 const SILENT_KILL_AFTER: Duration = Duration::from_millis(300);
-
-/// One export (P's request id, which D's request shares): where it went and how it ended.
-#[derive(Default, Debug)]
-pub(super) struct Track {
-    parent: String,
-    pub(super) decode: Option<(String, u64)>,
-    /// When the router sent the request (to P, and in push mode to D first).
-    pub(super) submitted_at_ns: Option<u64>,
-    pub(super) finished_at_ns: Option<u64>,
-    pub(super) outcome: Option<String>,
-    pub(super) ready_at_ns: Option<u64>,
-    /// What D spent on the demo's own scrub checks and prefix-cache fills before the load,
-    /// and when that ended.
-    pub(super) scrub_check_ns: u64,
-    pub(super) prepared_at_ns: u64,
-    pub(super) freed: Option<(String, u64)>,
-    /// The P incarnation that freed it, and the one that exported it.
-    pub(super) freed_by: u64,
-    pub(super) exported_by: u64,
-    /// A partial prefix hit: what D's own cache held of it, and what it had to read.
-    pub(super) partial: Option<Partial>,
-    /// Bytes of the completed transfers whose notification named this request.
-    pub(super) bytes_read: u64,
-    /// The longest of its transfers that carried its completion (D's reads, or P's final
-    /// writes; not the writes ahead), post to end, in ns: the transfer D's KV waited for.
-    pub(super) completing_ns: u64,
-    /// With a model: P's first token, and what D generated.
-    pub(super) first: Option<Choice>,
-    pub(super) generated: Option<Generated>,
-}
-
-impl Track {
-    /// From P finishing the prompt to D holding its KV, less the part of D's own scrub checks
-    /// and prefix-cache fills that fell after P finished (in push mode D does them on arrival,
-    /// usually while P still computes).
-    pub(super) fn kv_latency_ns(&self) -> Option<u64> {
-        let (finished, ready) = (self.finished_at_ns?, self.ready_at_ns?);
-        let demo_work = self.scrub_check_ns.min(self.prepared_at_ns.saturating_sub(finished));
-        Some(ready.saturating_sub(finished).saturating_sub(demo_work))
-    }
-
-    /// [`Track::kv_latency_ns`] over its own completing transfer's time ([`Track::completing_ns`]):
-    /// how much longer D waited than the bytes took, whatever the request's size.
-    pub(super) fn kv_over_transfer(&self) -> Option<f64> {
-        let transfer = self.completing_ns;
-        (transfer > 0).then_some(self.kv_latency_ns()? as f64 / transfer as f64)
-    }
-
-    /// From the router submitting the request to D holding its KV (what time to first token
-    /// feels), less the same demo work as [`Track::kv_latency_ns`].
-    pub(super) fn submit_to_kv_ns(&self) -> Option<u64> {
-        let (submitted, finished) = (self.submitted_at_ns?, self.finished_at_ns?);
-        Some(finished.saturating_sub(submitted) + self.kv_latency_ns()?)
-    }
-}
-
-/// A request D's own prefix cache partly held when it arrived.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Partial {
-    /// D blocks the prompt spans.
-    pub(super) blocks: usize,
-    /// Of those, the first ones D's cache held.
-    pub(super) cached: usize,
-    /// Tokens per D block.
-    pub(super) block_tokens: u32,
-    /// Bytes of one D block over all of that engine's ranks.
-    pub(super) block_bytes: u64,
-}
-
-impl Partial {
-    /// D blocks it had to read: those its cache did not hold.
-    pub(super) fn needed(&self) -> usize {
-        self.blocks - self.cached
-    }
-
-    /// D blocks the bytes read cover (the last one may be clipped to the prompt).
-    pub(super) fn read(&self, bytes: u64) -> u64 {
-        bytes.div_ceil(self.block_bytes.max(1))
-    }
-}
 
 /// How long past the time limit (and the engines' stops and three leases) a run still waits for
 /// its attacker to finish, traffic going on meanwhile.
@@ -181,13 +106,17 @@ pub struct Demo {
     /// When the router last asked D engines not yet connected to P how far they are.
     cold_polled: Instant,
     cold_polls: u64,
-    issued: u32,
+    pub(super) issued: u32,
     /// When the last request went out.
     last_issued: Instant,
     completed: u32,
     pub(super) kill: Option<Kill>,
     /// P killed with SIGKILL (`--kill-prefill`).
     pub(super) p_kill: Option<PKill>,
+    /// A soak's earlier kills, of D and of P (the last of each is `kill` and `p_kill`).
+    pub(super) past_kills: Vec<Kill>,
+    pub(super) past_p_kills: Vec<PKill>,
+    pub(super) soak: Option<Soak>,
     /// Stops still to make, the one in progress (its process and when it ends), and those made.
     pub(super) pauses: VecDeque<Pause>,
     pub(super) paused: Option<(Pause, u32, Instant, u64)>,
@@ -312,6 +241,9 @@ impl Demo {
             completed: 0,
             kill: None,
             p_kill: None,
+            past_kills: Vec::new(),
+            past_p_kills: Vec::new(),
+            soak: None,
             pauses,
             paused: None,
             paused_done: Vec::new(),
@@ -352,6 +284,7 @@ impl Demo {
         demo.check_published()?;
         demo.await_connections()?;
         demo.started = Instant::now();
+        demo.soak = demo.config.soak.map(|plan| Soak::new(plan, demo.started));
         Ok(demo)
     }
 
@@ -422,8 +355,10 @@ impl Demo {
         }
         self.cold_polled = now;
         self.cold_polls += 1;
+        // While P is down (killed, not back yet) there is nothing to connect to.
+        let p_up = self.nodes.get("prefill0").is_some_and(|p| p.port.is_some());
         for name in self.cold_decoders() {
-            if self.cold_polls.is_multiple_of(10) {
+            if p_up && self.cold_polls.is_multiple_of(10) {
                 self.connect_ahead(&name);
             }
             self.send(&name, &Command::Stats);
@@ -460,8 +395,10 @@ impl Demo {
             || self.paused.is_some()
             || self.attacker.is_some()
             || (self.config.attack.is_some() && !self.attacker_started)
+            || self.soaking(Instant::now())
         {
             let now = Instant::now();
+            self.soak_step(now)?;
             if self.config.kill && self.kill.is_none() && self.issued >= kill_after && self.storm.is_none() {
                 self.kill_decode()?;
             }
@@ -511,6 +448,8 @@ impl Demo {
         self.progress.finish_and_clear();
         let elapsed = self.started.elapsed();
         let drain = self.drain()?;
+        // A soak's last sample: every engine after the drain.
+        self.soak_sample(Instant::now());
         self.scrape_live();
         self.shutdown();
         let promtool = promtool_check(&self.scrapes);
@@ -556,8 +495,9 @@ impl Demo {
                     return;
                 }
             }
-            if self.queue.is_empty() && self.attacker.is_some() {
-                // Under attack, traffic goes on until the attacker is done.
+            if self.queue.is_empty() && (self.attacker.is_some() || self.soaking(now)) {
+                // Under attack, traffic goes on until the attacker is done; in a soak, until
+                // its time is up.
                 let i = self.next_request;
                 self.next_request += 1;
                 self.queue.push_back(workload(&self.config, &mut self.rng, i));
