@@ -156,17 +156,23 @@ pub fn attack(args: &AttackArgs, node: &NodeBinary) -> Result<()> {
 pub fn run(args: &DemoArgs, node: &NodeBinary) -> Result<()> {
     let config = args.config()?;
     let report = Demo::start(config, node.clone())?.run()?;
-    if args.json {
+    conclude(&report, args.json, args.json_out.as_deref(), "the demo")
+}
+
+/// Prints `report` (as JSON with `json`), writes it to `json_out` if given, and fails with
+/// its failed checks, naming the run `what`.
+fn conclude(report: &Report, json: bool, json_out: Option<&std::path::Path>, what: &str) -> Result<()> {
+    if json {
         println!("{}", report.json());
     } else {
         report.print();
     }
-    if let Some(path) = &args.json_out {
+    if let Some(path) = json_out {
         std::fs::write(path, report.json().to_string()).with_context(|| format!("writing {}", path.display()))?;
     }
     let failures = report.failures();
     if !failures.is_empty() {
-        bail!("the demo failed its checks:\n  {}", failures.join("\n  "));
+        bail!("{what} failed its checks:\n  {}", failures.join("\n  "));
     }
     Ok(())
 }

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
 use super::config::SoakPlan;
@@ -81,15 +81,7 @@ impl SoakArgs {
 /// `cargo xtask soak`, with the engine binary `node`.
 pub fn run(args: &SoakArgs, node: &NodeBinary) -> Result<()> {
     let report = Demo::start(args.config()?, node.clone())?.run()?;
-    report.print();
-    if let Some(path) = &args.json_out {
-        std::fs::write(path, report.json().to_string()).with_context(|| format!("writing {}", path.display()))?;
-    }
-    let failures = report.failures();
-    if !failures.is_empty() {
-        bail!("the soak failed its checks:\n  {}", failures.join("\n  "));
-    }
-    Ok(())
+    super::conclude(&report, false, args.json_out.as_deref(), "the soak")
 }
 
 /// One engine process over the soak: its first and last samples, and its minute-2 one.
