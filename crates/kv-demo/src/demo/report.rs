@@ -315,10 +315,20 @@ impl Report {
         let metrics_summary = demo.scrapes.iter().map(|s| (s.incarnation.clone(), summary(&s.exposition))).collect();
         // The P incarnation running at the end (the killed one was scraped first, just before).
         let p = demo.scrapes.iter().rev().find(|s| s.role == NodeRole::Prefill).map(|s| &s.exposition);
-        let killed_prefill_scraped = (!killed_p.is_empty()).then_some(()).and_then(|_| {
-            let first = demo.scrapes.iter().find(|s| s.role == NodeRole::Prefill)?;
-            let sums = first.exposition.sum_by("kvflow_releases_total", "reason", &[]);
-            Some(sums.into_iter().filter(|(_, v)| *v != 0.0).map(|(k, v)| (k, v as u64)).collect())
+        // Each killed P incarnation was scraped just before its death: their releases, summed.
+        let killed_names: Vec<String> = killed_p.iter().map(|i| super::metrics::incarnation("prefill0", *i)).collect();
+        let killed_scrapes: Vec<&Exposition> =
+            demo.scrapes.iter().filter(|s| killed_names.contains(&s.incarnation)).map(|s| &s.exposition).collect();
+        let killed_prefill_scraped = (!killed_scrapes.is_empty()).then(|| {
+            let mut sums = BTreeMap::new();
+            for scrape in killed_scrapes {
+                for (reason, v) in
+                    scrape.sum_by("kvflow_releases_total", "reason", &[]).into_iter().filter(|(_, v)| *v != 0.0)
+                {
+                    *sums.entry(reason).or_insert(0) += v as u64;
+                }
+            }
+            sums
         });
         let counts = |sums: BTreeMap<String, f64>| -> BTreeMap<String, u64> {
             sums.into_iter().filter(|(_, v)| *v != 0.0).map(|(k, v)| (k, v as u64)).collect()
@@ -353,10 +363,11 @@ impl Report {
             submit_p99_us: percentile(&submit, 99.0),
             throughput_rps,
             killed: demo.kill.as_ref().map(|k| k.engine.clone()),
+            // Every P incarnation killed (a soak kills several), the last one's way of dying.
             killed_prefill: demo
                 .p_kill
                 .as_ref()
-                .map(|k| format!("prefill0#{}{}", k.instance, if k.mid_write { " mid-write" } else { "" })),
+                .map(|k| format!("{}{}", killed_names.join(", "), if k.mid_write { " mid-write" } else { "" })),
             killed_prefill_releases,
             killed_prefill_scraped,
             pauses: demo.paused_done.iter().map(|(p, _, _)| (p.engine.clone(), p.length.as_millis() as u64)).collect(),
