@@ -62,6 +62,9 @@ enum Part {
     OpenLoop,
     /// The CPU an idle engine uses.
     Idle,
+    /// A real model (tiny-llama in 8 layers, 16 MiB of KV a request), one request at a time:
+    /// pull against push writing each chunk as P computes it.
+    Model,
 }
 
 /// One comparison: a criterion group, the operations measured, and which implementation is
@@ -217,6 +220,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     if runs(Part::OpenLoop) {
         report.insert("open_loop".into(), open_loop_bench(node.clone(), kind, topology, quick, json_out)?);
+    }
+    if runs(Part::Model) {
+        report.insert("model".into(), model_bench(&node, kind, topology, quick, json_out)?);
     }
     if gpu {
         let nixl = provision::ensure().context("the VRAM bench needs the NIXL runtime (see `cargo xtask setup`)")?;
@@ -379,6 +385,66 @@ fn run_checked(node: &NodeBinary, config: DemoConfig, what: &str) -> Result<Repo
         bail!("{what} failed its checks: {}", failures.join("; "));
     }
     Ok(report)
+}
+
+/// The model bench's model: tiny-llama in this many layers, prompts of [`MODEL_PROMPT_TOKENS`]
+/// (4 KV heads of 32, f32, K and V: 8 KiB a token over the layers, 16 MiB a prompt), and P's
+/// chunks.
+const MODEL_LAYERS: u32 = 8;
+const MODEL_PROMPT_TOKENS: u64 = 2048;
+const MODEL_CHUNK_TOKENS: u64 = 256;
+
+/// P done to D holds KV on a real model (kv-model's tiny-llama, [`MODEL_LAYERS`] layers),
+/// one request of 16 MiB of KV at a time, "P done" being the end of the last chunk's compute:
+/// pull (`model.pull`) against push writing each chunk's blocks once P computed the chunk
+/// (`model.push_chunks`). Every run's tokens and prompt KV are checked against one engine's,
+/// as the model demos' are. Push writing each layer as it is computed (`model.push`) is not
+/// built yet: the JSON says so.
+fn model_bench(
+    node: &NodeBinary,
+    transport: TransportKind,
+    topology: &TopologyArgs,
+    quick: bool,
+    json_out: bool,
+) -> Result<Value> {
+    let requests = if quick { 3 } else { 8 };
+    let block_tokens = DemoConfig::default().model.block_tokens;
+    let base = topology.apply(whole_requests(DemoConfig {
+        requests,
+        concurrency: 1,
+        transport,
+        model: kv_demo::proto::Model::tiny_llama(MODEL_LAYERS, block_tokens),
+        prefill_chunk_tokens: MODEL_CHUNK_TOKENS,
+        engine_model: Some(kv_demo::demo::ModelRun { generate: 4, save_dir: None }),
+        ..DemoConfig::default()
+    }));
+    // Every prompt of the same length (whole_requests makes them 256 tokens).
+    let base = DemoConfig { min_tokens: MODEL_PROMPT_TOKENS, max_tokens: MODEL_PROMPT_TOKENS, ..base };
+    let mut results = pull_and_push(node, &base, "the model, one at a time")?;
+    let chunks = results.remove("push").unwrap_or(Value::Null);
+    results.insert("push_chunks".into(), chunks);
+    results.insert("push".into(), json!({ "pending": "layer-wise push writes are not built yet" }));
+    let p50 = |mode: &str| results[mode]["kv_latency_us"]["p50"].as_f64().unwrap_or(0.0);
+    let (pull, chunked) = (p50("pull"), p50("push_chunks"));
+    results.insert("push_chunks_over_pull".into(), json!(if pull > 0.0 { chunked / pull } else { 0.0 }));
+    results.insert("layers".into(), json!(MODEL_LAYERS));
+    results.insert("prompt_tokens".into(), json!(MODEL_PROMPT_TOKENS));
+    results.insert("chunk_tokens".into(), json!(MODEL_CHUNK_TOKENS));
+    if !json_out {
+        println!(
+            "
+real model over {}: tiny-llama in {MODEL_LAYERS} layers, {requests} prompts of {MODEL_PROMPT_TOKENS} tokens (16 MiB of KV), one at a time, P in chunks of {MODEL_CHUNK_TOKENS}",
+            transport.name()
+        );
+        println!("{:<12} {:>18} {:>18}", "mode", "P done->KV p50 ms", "P done->KV p99 ms");
+        for mode in ["pull", "push_chunks"] {
+            let ms = |v: &Value| v.as_f64().unwrap_or(0.0) / 1e3;
+            let r = &results[mode]["kv_latency_us"];
+            println!("{mode:<12} {:>18.2} {:>18.2}", ms(&r["p50"]), ms(&r["p99"]));
+        }
+        println!("push (chunks) over pull: {:.2}; push writing each layer: not built yet", chunked / pull.max(1.0));
+    }
+    Ok(Value::Object(results))
 }
 
 /// The loads of the in-flight bench: requests the router keeps in flight.

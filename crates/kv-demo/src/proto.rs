@@ -73,10 +73,11 @@ impl Model {
         Model { layers, kv_heads, head_dim, dtype, block_tokens, mla: false }
     }
 
-    /// tiny-llama's KV (`--model tiny-llama`, kv-model's `ModelConfig::TINY_LLAMA`): 4 layers,
-    /// 4 KV heads of 32, f32. The engines check it against the model they run.
-    pub fn tiny_llama(block_tokens: u32) -> Model {
-        Model { layers: 4, kv_heads: 4, head_dim: 32, dtype: kv_core::Dtype::Float32, block_tokens, mla: false }
+    /// tiny-llama's KV (`--model tiny-llama`, kv-model's `ModelConfig::TINY_LLAMA`) in `layers`
+    /// layers (its own 4, or more: `--layers`): 4 KV heads of 32, f32. The engines check it
+    /// against the model they run.
+    pub fn tiny_llama(layers: u32, block_tokens: u32) -> Model {
+        Model { layers, kv_heads: 4, head_dim: 32, dtype: kv_core::Dtype::Float32, block_tokens, mla: false }
     }
 
     /// A DeepSeek-like MLA model of `layers` layers: one latent of 576 bf16 elements (512 of
@@ -161,6 +162,8 @@ pub struct NodeConfig {
 pub struct EngineModel {
     /// The weights' seed.
     pub seed: u64,
+    /// Its layers (tiny-llama's 4, or more: `--layers`).
+    pub layers: u32,
     /// Tokens D decodes after the first (P's).
     pub generate: u32,
 }

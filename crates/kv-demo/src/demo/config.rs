@@ -58,7 +58,7 @@ pub struct DemoArgs {
     #[arg(long, value_name = "TOKENS", default_value_t = DemoConfig::default().prefill_chunk_tokens)]
     prefill_chunk_tokens: u64,
     /// The model's layers (8 KV heads of 128, bf16; or, with --mla, one latent of 576);
-    /// 32 by default. Not with --model, whose layers are its own.
+    /// 32 by default. With --model tiny-llama, its layers (4 by default, at most 32).
     #[arg(long, value_name = "N")]
     layers: Option<u32>,
     /// Run a real model instead of filling blocks with pattern bytes: P computes each prompt
@@ -149,6 +149,9 @@ pub struct ModelRun {
 /// The seed tiny-llama's weights are drawn from in every run.
 pub const MODEL_SEED: u64 = 7;
 
+/// tiny-llama's own layers (kv-model's `ModelConfig::TINY_LLAMA`), unless `--layers` says.
+pub const TINY_LLAMA_LAYERS: u32 = 4;
+
 /// How the engines of a run find each other.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 pub enum DiscoveryKind {
@@ -229,13 +232,14 @@ impl DemoArgs {
         let model = match self.model {
             None => Model { layers: self.layers.unwrap_or(defaults.model.layers), ..defaults.model },
             Some(ModelKind::TinyLlama) => {
-                if let Some(layers) = self.layers {
-                    bail!("--layers {layers} cannot go with --model tiny-llama, whose 4 layers are its own");
+                let layers = self.layers.unwrap_or(TINY_LLAMA_LAYERS);
+                if layers == 0 || layers > 32 {
+                    bail!("--layers {layers} is out of range for --model tiny-llama: 1 to 32");
                 }
                 if self.topology.mla {
                     bail!("--mla cannot go with --model tiny-llama, which caches K and V (no latent)");
                 }
-                Model::tiny_llama(defaults.model.block_tokens)
+                Model::tiny_llama(layers, defaults.model.block_tokens)
             }
         };
         let engine_model = self.model.map(|_| ModelRun { generate: self.generate, save_dir: self.save_model.clone() });
@@ -591,10 +595,11 @@ impl DemoConfig {
             metrics_addr: None,
             prefill_us_per_token: self.prefill_us_per_token,
             prefill_chunk_tokens: self.prefill_chunk_tokens,
-            engine_model: self
-                .engine_model
-                .as_ref()
-                .map(|run| EngineModel { seed: MODEL_SEED, generate: run.generate }),
+            engine_model: self.engine_model.as_ref().map(|run| EngineModel {
+                seed: MODEL_SEED,
+                layers: self.model.layers,
+                generate: run.generate,
+            }),
             nixl_progress_ms: self.nixl_progress_ms,
         }
     }
@@ -715,7 +720,8 @@ mod tests {
         check(&[&silent[..], &["--etcd-ttl-s", "3"]].concat(), &["--lease-ms (4000)", "--etcd-ttl-s (3)"]);
         check(&[&silent[..], &["--lease-ms", "5000", "--decoders", "1"]].concat(), &["--decoders 2", "not 1"]);
         check(&["--discovery", "etcd", "--etcd-ttl-s", "1"], &["--etcd-ttl-s 1"]);
-        check(&["--model", "tiny-llama", "--layers", "8"], &["--layers 8", "--model tiny-llama"]);
+        check(&["--model", "tiny-llama", "--layers", "33"], &["--layers 33", "--model tiny-llama", "1 to 32"]);
+        check(&["--model", "tiny-llama", "--layers", "0"], &["--layers 0", "1 to 32"]);
         check(&["--model", "tiny-llama", "--mla"], &["--mla", "--model tiny-llama"]);
         check(&["--model", "gpt-9"], &["--model", "gpt-9"]);
         check(&["--model", "tiny-llama", "--prefill-us-per-token", "100"], &["--prefill-us-per-token 100"]);
@@ -728,13 +734,16 @@ mod tests {
     #[test]
     fn model_runs_tiny_llama_at_the_topology_asked() {
         let c = parse(&["--model", "tiny-llama", "--p-tp", "2", "--d-block-tokens", "32", "--generate", "20"]).unwrap();
-        assert_eq!(c.model, Model::tiny_llama(16));
+        assert_eq!(c.model, Model::tiny_llama(4, 16));
         assert_eq!((c.p_tp, c.d_block_tokens), (2, 32));
-        assert_eq!(c.model_of(NodeRole::Decode), Model::tiny_llama(32));
+        assert_eq!(c.model_of(NodeRole::Decode), Model::tiny_llama(4, 32));
         assert_eq!(c.engine_model, Some(ModelRun { generate: 20, save_dir: None }));
         assert_eq!((c.reject_rate, c.abort_rate, c.sibling_rate), (0.0, 0.0, 0.0));
         let node = c.node(NodeRole::Decode, "decode0", 1);
-        assert_eq!(node.engine_model, Some(EngineModel { seed: MODEL_SEED, generate: 20 }));
+        assert_eq!(node.engine_model, Some(EngineModel { seed: MODEL_SEED, layers: 4, generate: 20 }));
         assert_eq!(parse(&[]).unwrap().node(NodeRole::Prefill, "prefill0", 1).engine_model, None);
+        let deep = parse(&["--model", "tiny-llama", "--layers", "8"]).unwrap();
+        assert_eq!(deep.model, Model::tiny_llama(8, 16));
+        assert_eq!(deep.node(NodeRole::Prefill, "prefill0", 1).engine_model.map(|m| m.layers), Some(8));
     }
 }

@@ -56,7 +56,11 @@ impl Demo {
     pub(super) fn model_report(&self) -> ModelReport {
         let generate = self.config.engine_model.as_ref().map_or(0, |m| m.generate);
         let job = OneEngineJob {
-            model: crate::proto::EngineModel { seed: super::config::MODEL_SEED, generate },
+            model: crate::proto::EngineModel {
+                seed: super::config::MODEL_SEED,
+                layers: self.config.model.layers,
+                generate,
+            },
             chunk_tokens: self.config.prefill_chunk_tokens,
             block_tokens: self.config.model.block_tokens,
             save_model: self.config.engine_model.as_ref().and_then(|m| m.save_dir.clone()),

@@ -175,16 +175,20 @@ fn one_engine() -> Result<()> {
     Ok(())
 }
 
-/// kv-model's tiny-llama with the weights `model` names.
+/// kv-model's tiny-llama in the layers and with the weights `model` names.
 fn tiny_llama(model: EngineModel) -> Result<kv_model::TinyLlama> {
-    Ok(kv_model::TinyLlama::from_seed(kv_model::ModelConfig::TINY_LLAMA, model.seed)?)
+    Ok(kv_model::TinyLlama::from_seed(tiny_llama_config(model), model.seed)?)
+}
+
+fn tiny_llama_config(model: EngineModel) -> kv_model::ModelConfig {
+    kv_model::ModelConfig { layers: model.layers as usize, ..kv_model::ModelConfig::TINY_LLAMA }
 }
 
 /// The model engine `config` runs, if it runs one; an error if its KV is not the model's.
 fn engine_model(config: &NodeConfig) -> Result<Option<kv_model::TinyLlama>> {
     let Some(model) = config.engine_model else { return Ok(None) };
-    let c = kv_model::ModelConfig::TINY_LLAMA;
-    let expected = crate::proto::Model::tiny_llama(config.model.block_tokens);
+    let c = tiny_llama_config(model);
+    let expected = crate::proto::Model::tiny_llama(model.layers, config.model.block_tokens);
     let dims = (c.layers as u32, c.kv_heads as u32, c.head_dim as u32);
     if config.model != expected || dims != (expected.layers, expected.kv_heads, expected.head_dim) {
         return Err(anyhow!("the engine's KV layout {:?} is not tiny-llama's {dims:?} in f32", config.model));
