@@ -134,6 +134,14 @@ pub enum PlanError {
         /// D's layers.
         decode: LayerRange,
     },
+    /// A plan of some layers asked for none that both pools hold.
+    #[error("layers {}..{} are none of the layers {}..{} both pools hold", asked.start, asked.end, held.start, held.end)]
+    LayersNotHeld {
+        /// The layers asked for, as the model numbers them.
+        asked: std::ops::Range<u32>,
+        /// The layers both pools hold.
+        held: std::ops::Range<u32>,
+    },
 }
 
 /// The descriptor pairs of one transfer between one D rank and one P rank.
@@ -163,6 +171,18 @@ pub struct PlanInput<'a> {
 impl TransferPlan {
     /// Builds the plan, merging as far as `granularity` allows.
     pub fn build(input: &PlanInput<'_>, granularity: Granularity) -> Result<Self, PlanError> {
+        Self::build_layers(input, granularity, 0..u32::MAX)
+    }
+
+    /// As [`TransferPlan::build`], moving only the model layers in `only` of those both pools
+    /// hold: what a prefill engine that computes layer by layer can write of a chunk once some
+    /// of its layers are done. The plans of ranges that split the layers move, together, the
+    /// bytes of the whole plan.
+    pub fn build_layers(
+        input: &PlanInput<'_>,
+        granularity: Granularity,
+        only: std::ops::Range<u32>,
+    ) -> Result<Self, PlanError> {
         let (p, d, slice) = (&input.prefill, &input.decode, input.slice);
         if p.shape.layout.with_block_tokens(0) != d.shape.layout.with_block_tokens(0) {
             return Err(PlanError::LayoutMismatch {
@@ -187,9 +207,13 @@ impl TransferPlan {
         }
         let pieces = mapping.pieces(p.blocks, input.skip_tokens, d.blocks)?;
         // A pipeline stage moves its own layers: those both pools hold.
-        let layers = p.shape.layers.common(&d.shape.layers);
-        if layers.is_empty() {
+        let held = p.shape.layers.common(&d.shape.layers);
+        if held.is_empty() {
             return Err(PlanError::NoCommonLayers { prefill: p.shape.layers, decode: d.shape.layers });
+        }
+        let layers = held.start.max(only.start)..held.end.min(only.end);
+        if layers.is_empty() {
+            return Err(PlanError::LayersNotHeld { asked: only, held });
         }
 
         let layout = p.shape.layout;
@@ -435,6 +459,7 @@ mod tests {
         for d_rank in 0..d_tp {
             let rank_plan = mapping.decode_rank(d_rank).unwrap();
             let mut d_mem = vec![vec![0u8; d_shape.region_len() as usize + 4096]; d_regions.len()];
+            let mut d_by_layers = d_mem.clone();
             for (stage, slice) in (0..p_pp).flat_map(|stage| rank_plan.reads.iter().map(move |slice| (stage, slice))) {
                 let p_shape = p_model.for_stage(stage, p_pp).unwrap();
                 let p_regions = regions(&p_shape, 0);
@@ -452,13 +477,29 @@ mod tests {
                     initiator: Initiator::Decode,
                 };
                 let plan = TransferPlan::build(&input, Granularity::Merged).unwrap();
-                for pair in plan.pairs() {
-                    let (la, ra, len) = (pair.local_addr as usize, pair.remote_addr as usize, pair.len as usize);
-                    let lbase = d_regions[pair.local_region as usize].addr as usize;
-                    let rbase = p_regions[pair.remote_region as usize].addr as usize;
-                    d_mem[pair.local_region as usize][la - lbase..la - lbase + len]
-                        .copy_from_slice(&p_mem[pair.remote_region as usize][ra - rbase..ra - rbase + len]);
-                }
+                // Also as a prefill engine computing layer by layer writes it: the stage's
+                // first layer, then the rest, into a pool of its own.
+                let held = p_shape.layers.first..p_shape.layers.end();
+                let first = TransferPlan::build_layers(&input, Granularity::Merged, held.start..held.start + 1);
+                let rest = TransferPlan::build_layers(&input, Granularity::Merged, held.start + 1..u32::MAX);
+                // A stage of one layer has no rest to write.
+                let rest = match rest {
+                    Err(PlanError::LayersNotHeld { .. }) if held.len() == 1 => TransferPlan::default(),
+                    rest => rest.unwrap(),
+                };
+                let halves = [first.unwrap(), rest];
+                assert_eq!(halves[0].bytes() + halves[1].bytes(), plan.bytes(), "{what}");
+                let apply = |plan: &TransferPlan, d_mem: &mut Vec<Vec<u8>>| {
+                    for pair in plan.pairs() {
+                        let (la, ra, len) = (pair.local_addr as usize, pair.remote_addr as usize, pair.len as usize);
+                        let lbase = d_regions[pair.local_region as usize].addr as usize;
+                        let rbase = p_regions[pair.remote_region as usize].addr as usize;
+                        d_mem[pair.local_region as usize][la - lbase..la - lbase + len]
+                            .copy_from_slice(&p_mem[pair.remote_region as usize][ra - rbase..ra - rbase + len]);
+                    }
+                };
+                apply(&plan, &mut d_mem);
+                halves.iter().for_each(|half| apply(half, &mut d_by_layers));
             }
             // Expected: D's heads are the model heads it owns, for the tokens both sides hold
             // past D's cached blocks (P's last block is read whole, past the prompt).
@@ -477,10 +518,10 @@ mod tests {
                     0
                 }
             });
-            assert!(
-                expected == d_mem.iter().map(|m| m[..d_shape.region_len() as usize].to_vec()).collect::<Vec<_>>(),
-                "{what} d_rank {d_rank}"
-            );
+            for (mem, how) in [(&d_mem, "whole"), (&d_by_layers, "layer by layer")] {
+                let got: Vec<Vec<u8>> = mem.iter().map(|m| m[..d_shape.region_len() as usize].to_vec()).collect();
+                assert!(expected == got, "{what} d_rank {d_rank}, {how}");
+            }
         }
     }
 
@@ -632,6 +673,9 @@ mod tests {
             e,
             "block size mismatch: neither the prefill block of 24 tokens nor the decode block of 16 tokens is a multiple of the other"
         );
+
+        let e = TransferPlan::build_layers(&base, Granularity::Merged, 40..50).unwrap_err().to_string();
+        assert_eq!(e, "layers 40..50 are none of the layers 0..32 both pools hold");
 
         let one = ids(&[0]);
         let e = err(PlanInput { decode: PoolSide { blocks: &one, ..base.decode }, ..base });
