@@ -12,8 +12,9 @@
 //! until their work is done: a block being scrubbed is not free, and a block being checked is
 //! not scrubbed.
 
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::collections::VecDeque;
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
@@ -306,30 +307,73 @@ pub(super) struct Done<T> {
 
 /// The payload threads, seen from the engine's.
 pub(super) struct Workers<T> {
-    tx: Option<Sender<(T, Work, Instant)>>,
+    queue: Arc<Queue<T>>,
     done: Receiver<Done<T>>,
     joins: Vec<JoinHandle<()>>,
+}
+
+/// Work waiting for a payload thread, in two lines: what a load or an export waits for
+/// (fills, computes, scrubs, decodes) first, and the checks of bytes D already said it holds
+/// last. A check is the demo's proof, not the load's path: behind it, a new load's scrub check
+/// waited tens of milliseconds on a busy engine. Checks still run whenever the first line is
+/// empty, and the blocks they check stay held until they do.
+struct Queue<T> {
+    pending: Mutex<Pending<T>>,
+    wake: Condvar,
+}
+
+struct Pending<T> {
+    first: VecDeque<(T, Work, Instant)>,
+    last: VecDeque<(T, Work, Instant)>,
+    /// The engine dropped its side: threads end once nothing is pending.
+    closed: bool,
+}
+
+impl<T> Queue<T> {
+    fn push(&self, tag: T, work: Work) {
+        let mut pending = self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let line = if matches!(work, Work::Check { .. }) { &mut pending.last } else { &mut pending.first };
+        line.push_back((tag, work, Instant::now()));
+        drop(pending);
+        self.wake.notify_one();
+    }
+
+    /// The next piece of work, first line first; `None` once closed and empty.
+    fn pop(&self) -> Option<(T, Work, Instant)> {
+        let mut pending = self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        loop {
+            if let Some(next) = pending.first.pop_front().or_else(|| pending.last.pop_front()) {
+                return Some(next);
+            }
+            if pending.closed {
+                return None;
+            }
+            pending = self.wake.wait(pending).unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+    }
+
+    fn close(&self) {
+        self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).closed = true;
+        self.wake.notify_all();
+    }
 }
 
 impl<T: Send + 'static> Workers<T> {
     /// Starts the threads over `pool`; each finished piece of work wakes `engine`.
     pub(super) fn spawn(pool: Arc<PoolBytes>, engine: Thread) -> Result<Self> {
-        let (tx, rx) = mpsc::channel::<(T, Work, Instant)>();
-        let rx = Arc::new(Mutex::new(rx));
+        let pending = Pending { first: VecDeque::new(), last: VecDeque::new(), closed: false };
+        let queue = Arc::new(Queue { pending: Mutex::new(pending), wake: Condvar::new() });
         let (done_tx, done) = mpsc::channel();
         let chunk_len = pool.shape().layer_block_bytes() as usize;
         let mut joins = Vec::new();
         for i in 0..thread_count() {
-            let (rx, done_tx, pool, engine) = (rx.clone(), done_tx.clone(), pool.clone(), engine.clone());
+            let (queue, done_tx, pool, engine) = (queue.clone(), done_tx.clone(), pool.clone(), engine.clone());
             let join = std::thread::Builder::new()
                 .name(format!("kvflow-payload{i}"))
                 .spawn(move || {
                     lower_priority();
                     let mut chunk = vec![0u8; chunk_len];
-                    loop {
-                        // The lock is held only while waiting for the next piece of work.
-                        let next = rx.lock().map(|rx| rx.recv());
-                        let Ok(Ok((tag, work, handed))) = next else { return };
+                    while let Some((tag, work, handed)) = queue.pop() {
                         let done = run(&pool, &mut chunk, tag, work, handed);
                         if done_tx.send(done).is_err() {
                             return;
@@ -340,15 +384,12 @@ impl<T: Send + 'static> Workers<T> {
                 .context("a payload thread")?;
             joins.push(join);
         }
-        Ok(Workers { tx: Some(tx), done, joins })
+        Ok(Workers { queue, done, joins })
     }
 
     /// Hands `work` over; its [`Done`] carries `tag`.
     pub(super) fn submit(&self, tag: T, work: Work) {
-        if let Some(tx) = &self.tx {
-            // The threads end only when this side drops the sender.
-            let _ = tx.send((tag, work, Instant::now()));
-        }
+        self.queue.push(tag, work);
     }
 
     /// The next piece of work done, if any.
@@ -359,7 +400,7 @@ impl<T: Send + 'static> Workers<T> {
 
 impl<T> Drop for Workers<T> {
     fn drop(&mut self) {
-        self.tx = None;
+        self.queue.close();
         for join in self.joins.drain(..) {
             let _ = join.join();
         }
@@ -405,4 +446,38 @@ fn run<T>(pool: &PoolBytes, chunk: &mut [u8], tag: T, work: Work, handed: Instan
     };
     let failed = result.err().map(|e| format!("{e:#}"));
     Done { tag, written_after_free, intact, took: handed.elapsed(), failed, model }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queue() -> Queue<&'static str> {
+        let pending = Pending { first: VecDeque::new(), last: VecDeque::new(), closed: false };
+        Queue { pending: Mutex::new(pending), wake: Condvar::new() }
+    }
+
+    #[test]
+    fn a_load_s_work_goes_before_the_checks_of_loads_done_and_everything_runs_before_the_end() {
+        let queue = queue();
+        queue.push("check 1", Work::Check { seed: 1, blocks: vec![BlockId(0)], tokens: 16 });
+        queue.push("scrub", Work::Scrub { blocks: vec![BlockId(1)] });
+        queue.push("check 2", Work::Check { seed: 2, blocks: vec![BlockId(2)], tokens: 16 });
+        queue.push("prepare", Work::Fill { seed: 3, blocks: Vec::new(), freed: vec![BlockId(3)], first: 0 });
+        queue.close();
+        let order: Vec<&str> = std::iter::from_fn(|| queue.pop()).map(|(tag, _, _)| tag).collect();
+        assert_eq!(order, ["scrub", "prepare", "check 1", "check 2"]);
+    }
+
+    #[test]
+    fn a_thread_waiting_for_work_wakes_for_it_and_ends_when_closed() {
+        let queue = Arc::new(queue());
+        let worker = {
+            let queue = queue.clone();
+            std::thread::spawn(move || std::iter::from_fn(|| queue.pop()).map(|(tag, _, _)| tag).collect::<Vec<_>>())
+        };
+        queue.push("scrub", Work::Scrub { blocks: vec![BlockId(1)] });
+        queue.close();
+        assert_eq!(worker.join().unwrap(), ["scrub"]);
+    }
 }
