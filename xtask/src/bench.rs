@@ -432,8 +432,7 @@ fn model_bench(
     results.insert("chunk_tokens".into(), json!(MODEL_CHUNK_TOKENS));
     if !json_out {
         println!(
-            "
-real model over {}: tiny-llama in {MODEL_LAYERS} layers, {requests} prompts of {MODEL_PROMPT_TOKENS} tokens (16 MiB of KV), one at a time, P in chunks of {MODEL_CHUNK_TOKENS}",
+            "\nreal model over {}: tiny-llama in {MODEL_LAYERS} layers, {requests} prompts of {MODEL_PROMPT_TOKENS} tokens (16 MiB of KV), one at a time, P in chunks of {MODEL_CHUNK_TOKENS}",
             transport.name()
         );
         println!("{:<12} {:>18} {:>18}", "mode", "P done->KV p50 ms", "P done->KV p99 ms");

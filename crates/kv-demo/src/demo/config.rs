@@ -573,6 +573,12 @@ impl DemoConfig {
         pauses
     }
 
+    /// The model every engine of the run (and the one-engine reference) runs, if it runs one.
+    pub(super) fn node_model(&self) -> Option<EngineModel> {
+        let run = self.engine_model.as_ref()?;
+        Some(EngineModel { seed: MODEL_SEED, layers: self.model.layers, generate: run.generate })
+    }
+
     /// The configuration of engine `name`, incarnation `instance`.
     pub(super) fn node(&self, role: NodeRole, name: &str, instance: u64) -> NodeConfig {
         NodeConfig {
@@ -595,11 +601,7 @@ impl DemoConfig {
             metrics_addr: None,
             prefill_us_per_token: self.prefill_us_per_token,
             prefill_chunk_tokens: self.prefill_chunk_tokens,
-            engine_model: self.engine_model.as_ref().map(|run| EngineModel {
-                seed: MODEL_SEED,
-                layers: self.model.layers,
-                generate: run.generate,
-            }),
+            engine_model: self.node_model(),
             nixl_progress_ms: self.nixl_progress_ms,
         }
     }

@@ -52,15 +52,11 @@ pub(super) struct ModelReport {
 }
 
 impl Demo {
-    /// Runs the reference and compares: what the report says of the model's tokens.
-    pub(super) fn model_report(&self) -> ModelReport {
-        let generate = self.config.engine_model.as_ref().map_or(0, |m| m.generate);
+    /// Runs the reference of `model` (the one the engines ran) and compares: what the report
+    /// says of the model's tokens.
+    pub(super) fn model_report(&self, model: crate::proto::EngineModel) -> ModelReport {
         let job = OneEngineJob {
-            model: crate::proto::EngineModel {
-                seed: super::config::MODEL_SEED,
-                layers: self.config.model.layers,
-                generate,
-            },
+            model,
             chunk_tokens: self.config.prefill_chunk_tokens,
             block_tokens: self.config.model.block_tokens,
             save_model: self.config.engine_model.as_ref().and_then(|m| m.save_dir.clone()),
@@ -71,7 +67,7 @@ impl Demo {
             Ok(runs) => (runs.into_iter().map(|r| (r.id.clone(), r)).collect(), None),
             Err(err) => (BTreeMap::new(), Some(format!("{err:#}"))),
         };
-        ModelReport::new(self, &reference, generate, reference_failed)
+        ModelReport::new(self, &reference, model.generate, reference_failed)
     }
 }
 

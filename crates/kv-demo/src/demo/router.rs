@@ -454,7 +454,7 @@ impl Demo {
         self.shutdown();
         let promtool = promtool_check(&self.scrapes);
         // With a model, the reference: every request in one engine, with the engines stopped.
-        let model = self.config.engine_model.is_some().then(|| self.model_report());
+        let model = self.config.node_model().map(|model| self.model_report(model));
         Ok(Report::new(&self, elapsed, drain, promtool, model))
     }
 
