@@ -1,8 +1,8 @@
 //! `cargo xtask soak --minutes N`: the demo's engines under a steady open-loop workload for N
 //! minutes while one process after another is stopped, every minute: a D killed with SIGKILL
-//! and restarted, decode0 stopped with SIGSTOP past the lease and resumed, P killed with
-//! SIGKILL and restarted, the other D stopped (so each incarnation of P and of the killed D
-//! lives four minutes). Every few seconds the router samples each engine process's resident
+//! and restarted, decode0 stopped with SIGSTOP past the lease and resumed, the other D
+//! stopped, P killed with SIGKILL and restarted (so each incarnation of P and of the killed D
+//! lives four minutes, and a 4-minute soak checks its first P, which lives three and a half). Every few seconds the router samples each engine process's resident
 //! memory, open descriptors and `kvflow_blocks_held`.
 //!
 //! The run fails as the demo does (a corrupt read, a block written after free, a block held

@@ -172,6 +172,12 @@ impl<K: Ord + Clone> Recent<K> {
     pub fn len(&self) -> usize {
         self.ids.len()
     }
+
+    /// Forgets every key; returns them, the oldest first.
+    pub fn take_all(&mut self) -> impl Iterator<Item = K> {
+        self.ids.clear();
+        std::mem::take(&mut self.order).into_iter().map(|(_, id)| id)
+    }
 }
 
 /// D incarnations seen gone: for each engine, every incarnation below a mark is gone (its side

@@ -138,10 +138,16 @@ pub struct PrefillScheduler {
     computing: BTreeMap<RequestId, Vec<BlockId>>,
     /// Push: requests given up while computing, until every rank released them.
     abandoned: BTreeMap<RequestId, SchedulerExport>,
-    /// Ids of exports (and push prompts given up) freed on every rank, the newest
-    /// `RECENT_RELEASES` of them: as many as each worker remembers, which also forgets them
-    /// two leases on (reports carry no time, so this forgets by count alone).
+    /// Ids of exports (and push prompts given up) freed on every rank since the last
+    /// [`PrefillScheduler::handle_finished`]: reports carry no time, so each is stamped with
+    /// the next call's `now`, which is no earlier than any rank's release of it.
+    unstamped: Recent,
+    /// Ids freed and stamped, forgotten two leases after their stamp: no sooner than every
+    /// worker forgets them (two leases after its release). Each of the two remembers at most
+    /// `RECENT_RELEASES`, as many as each worker.
     freed: Recent,
+    /// The latest `now` given.
+    latest: Time,
     events: VecDeque<PrefillEvent>,
     metrics: PrefillMetrics,
 }
@@ -174,7 +180,9 @@ impl PrefillScheduler {
             exports: BTreeMap::new(),
             computing: BTreeMap::new(),
             abandoned: BTreeMap::new(),
+            unstamped: Recent::new(RECENT_RELEASES),
             freed: Recent::new(RECENT_RELEASES),
+            latest: Time::ZERO,
             events: VecDeque::new(),
         })
     }
@@ -190,9 +198,9 @@ impl PrefillScheduler {
         Ok(self)
     }
 
-    /// A request finished its prompt: export `blocks` under a lease from `now`, bound to
-    /// `consumer` when the router has already chosen the D engine, and return the parameters
-    /// the router hands D.
+    /// A request finished its prompt: export `blocks` under a lease from `now` (the workers'
+    /// clock), bound to `consumer` when the router has already chosen the D engine, and
+    /// return the parameters the router hands D.
     pub fn handle_finished(
         &mut self,
         now: Time,
@@ -201,6 +209,7 @@ impl PrefillScheduler {
         prompt_tokens: u64,
         consumer: Option<Consumer>,
     ) -> Result<RemoteRef, PrefillError> {
+        self.stamp_freed(now);
         self.check_new(&request)?;
         if blocks.is_empty() {
             return Err(PrefillError::NoBlocks(request));
@@ -242,12 +251,22 @@ impl PrefillScheduler {
         })
     }
 
+    /// Stamps the ids freed since the last call with `now` and forgets those freed two leases
+    /// before it.
+    fn stamp_freed(&mut self, now: Time) {
+        self.latest = self.latest.max(now);
+        for id in self.unstamped.take_all() {
+            self.freed.insert(id, self.latest);
+        }
+        self.freed.expire(self.latest.saturating_sub(self.config.kv_lease_duration * 2));
+    }
+
     /// Refuses an id that names an export, or a prompt given up, now or recently.
     fn check_new(&self, request: &RequestId) -> Result<(), PrefillError> {
         if self.exports.contains_key(request) || self.abandoned.contains_key(request) {
             return Err(PrefillError::AlreadyExported(request.clone()));
         }
-        if self.freed.contains(request) {
+        if self.unstamped.contains(request) || self.freed.contains(request) {
             return Err(PrefillError::Reused(request.clone()));
         }
         Ok(())
@@ -322,7 +341,7 @@ impl PrefillScheduler {
             if abandoned.released.len() as u32 == self.workers {
                 let abandoned = self.abandoned.remove(&request).expect("present");
                 let reason = ReleaseReason::Aborted;
-                self.freed.insert(request.clone(), Time::ZERO);
+                self.unstamped.insert(request.clone(), Time::ZERO);
                 self.events.push_back(PrefillEvent::Free { request, blocks: abandoned.blocks, reason });
             }
             return Ok(());
@@ -338,7 +357,7 @@ impl PrefillScheduler {
             let _span = crate::common::request_span(&self.engine, None, &request).entered();
             tracing::debug!(%reason, blocks = export.blocks.len(), "export freed on every rank");
             self.metrics.freed(&export.blocks, reason);
-            self.freed.insert(request.clone(), Time::ZERO);
+            self.unstamped.insert(request.clone(), Time::ZERO);
             self.events.push_back(PrefillEvent::Free { request, blocks: export.blocks, reason });
         }
         Ok(())
@@ -368,6 +387,7 @@ impl PrefillScheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn scheduler(mode: Mode) -> PrefillScheduler {
         let config = Config { mode, ..Config::default() };
@@ -427,5 +447,35 @@ mod tests {
         s.handle_abandoned(r.clone()).unwrap();
         let free = PrefillEvent::Free { request: r, blocks: blocks(&[4, 5]), reason: ReleaseReason::Aborted };
         assert_eq!(events(&mut s), vec![free]);
+    }
+
+    #[test]
+    fn freed_ids_are_refused_for_two_leases_and_then_forgotten() {
+        let mut s = scheduler(Mode::Pull);
+        let lease = s.config.kv_lease_duration;
+        let released = |request: &RequestId| PrefillReport::Released {
+            request: request.clone(),
+            reason: ReleaseReason::Transferred,
+        };
+        // 100 exports a second for ten minutes, each read at once.
+        let mut now = Time::ZERO;
+        for i in 0..60_000u32 {
+            let r = RequestId::new(format!("r{i}"));
+            s.handle_finished(now, r.clone(), blocks(&[i % 64]), 16, None).unwrap();
+            s.handle_report(0, released(&r)).unwrap();
+            s.handle_report(1, released(&r)).unwrap();
+            now = now + Duration::from_millis(10);
+        }
+        let remembered = s.unstamped.len() + s.freed.len();
+        let per_two_leases = (lease * 2).as_millis() as usize / 10;
+        // Two leases of stamps, both ends included, and the last id, not yet stamped.
+        assert!(remembered <= per_two_leases + 2, "{remembered} ids remembered; two leases hold {per_two_leases}");
+        // Refused while a worker may still remember it, accepted two leases past the stamp.
+        let last = RequestId::new("r59999");
+        let err = s.handle_finished(now, last.clone(), blocks(&[1]), 16, None).unwrap_err();
+        assert_eq!(err, PrefillError::Reused(last.clone()));
+        let err = s.handle_finished(now + lease * 2, last.clone(), blocks(&[1]), 16, None).unwrap_err();
+        assert_eq!(err, PrefillError::Reused(last.clone()), "stamped at the call after its release");
+        s.handle_finished(now + lease * 2 + Duration::from_millis(1), last, blocks(&[1]), 16, None).unwrap();
     }
 }

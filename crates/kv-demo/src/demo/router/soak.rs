@@ -15,7 +15,8 @@ const FAULT_EVERY: Duration = Duration::from_secs(60);
 const SAMPLE_SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The faults, in turn: every process is stopped, and each incarnation of P and of the
-/// killed D lives four minutes.
+/// killed D lives four minutes. P is killed last, so that a 4-minute soak's first P lives
+/// three and a half and its growth is checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SoakFault {
     /// The last D engine killed with SIGKILL, restarted half a second later.
@@ -29,7 +30,7 @@ enum SoakFault {
 }
 
 const TURNS: [SoakFault; 4] =
-    [SoakFault::KillDecode, SoakFault::StopDecode0, SoakFault::KillPrefill, SoakFault::StopDecode];
+    [SoakFault::KillDecode, SoakFault::StopDecode0, SoakFault::StopDecode, SoakFault::KillPrefill];
 
 /// A soak in progress: its plan, when it ends, the faults made, and the samples taken.
 pub(in crate::demo) struct Soak {
