@@ -395,11 +395,11 @@ const MODEL_PROMPT_TOKENS: u64 = 2048;
 const MODEL_CHUNK_TOKENS: u64 = 256;
 
 /// P done to D holds KV on a real model (kv-model's tiny-llama, [`MODEL_LAYERS`] layers),
-/// one request of 16 MiB of KV at a time, "P done" being the end of the last chunk's compute:
-/// pull (`model.pull`) against push writing each chunk's blocks once P computed the chunk
-/// (`model.push_chunks`). Every run's tokens and prompt KV are checked against one engine's,
-/// as the model demos' are. Push writing each layer as it is computed (`model.push`) is not
-/// built yet: the JSON says so.
+/// one request of 16 MiB of KV at a time, "P done" being the end of the last layer's compute
+/// of the last chunk: pull (`model.pull`), push writing each chunk's blocks once P computed
+/// the chunk (`model.push_chunks`), and push writing each layer of a chunk as the model
+/// stores it (`model.push`). Every run's tokens and prompt KV are checked against one
+/// engine's, as the model demos' are.
 fn model_bench(
     node: &NodeBinary,
     transport: TransportKind,
@@ -415,18 +415,23 @@ fn model_bench(
         transport,
         model: kv_demo::proto::Model::tiny_llama(MODEL_LAYERS, block_tokens),
         prefill_chunk_tokens: MODEL_CHUNK_TOKENS,
-        engine_model: Some(kv_demo::demo::ModelRun { generate: 4, save_dir: None }),
         ..DemoConfig::default()
     }));
     // Every prompt of the same length (whole_requests makes them 256 tokens).
     let base = DemoConfig { min_tokens: MODEL_PROMPT_TOKENS, max_tokens: MODEL_PROMPT_TOKENS, ..base };
-    let mut results = pull_and_push(node, &base, "the model, one at a time")?;
-    let chunks = results.remove("push").unwrap_or(Value::Null);
-    results.insert("push_chunks".into(), chunks);
-    results.insert("push".into(), json!({ "pending": "layer-wise push writes are not built yet" }));
+    let mut results = serde_json::Map::new();
+    for (mode, push, layer_writes) in [("pull", false, false), ("push_chunks", true, false), ("push", true, true)] {
+        let engine_model = Some(kv_demo::demo::ModelRun { generate: 4, save_dir: None, layer_writes });
+        let config = DemoConfig { push, engine_model, ..base.clone() };
+        config.validate()?;
+        let report = run_checked(node, config, &format!("the {mode} run (the model, one at a time)"))?;
+        results.insert(mode.into(), report.latency_json());
+    }
     let p50 = |mode: &str| results[mode]["kv_latency_us"]["p50"].as_f64().unwrap_or(0.0);
-    let (pull, chunked) = (p50("pull"), p50("push_chunks"));
-    results.insert("push_chunks_over_pull".into(), json!(if pull > 0.0 { chunked / pull } else { 0.0 }));
+    let (pull, chunked, layered) = (p50("pull"), p50("push_chunks"), p50("push"));
+    let over = |x: f64| json!(if pull > 0.0 { x / pull } else { 0.0 });
+    results.insert("push_chunks_over_pull".into(), over(chunked));
+    results.insert("push_over_pull".into(), over(layered));
     results.insert("layers".into(), json!(MODEL_LAYERS));
     results.insert("prompt_tokens".into(), json!(MODEL_PROMPT_TOKENS));
     results.insert("chunk_tokens".into(), json!(MODEL_CHUNK_TOKENS));
@@ -436,12 +441,17 @@ fn model_bench(
             transport.name()
         );
         println!("{:<12} {:>18} {:>18}", "mode", "P done->KV p50 ms", "P done->KV p99 ms");
-        for mode in ["pull", "push_chunks"] {
+        for mode in ["pull", "push_chunks", "push"] {
             let ms = |v: &Value| v.as_f64().unwrap_or(0.0) / 1e3;
             let r = &results[mode]["kv_latency_us"];
             println!("{mode:<12} {:>18.2} {:>18.2}", ms(&r["p50"]), ms(&r["p99"]));
         }
-        println!("push (chunks) over pull: {:.2}; push writing each layer: not built yet", chunked / pull.max(1.0));
+        let pull = pull.max(1.0);
+        println!(
+            "over pull: push writing each chunk {:.2}, push writing each layer {:.2}",
+            chunked / pull,
+            layered / pull
+        );
     }
     Ok(Value::Object(results))
 }

@@ -10,7 +10,8 @@ use kv_testkit::random;
 pub fn run(seeds: Range<u64>, verbose: bool, trace: bool) -> Result<()> {
     let (from, to) = (seeds.start, seeds.end);
     let (mut passed, mut failed) = (0u64, 0u64);
-    let (mut loads, mut events, mut skipped, mut prepared, mut ahead) = (0u64, 0usize, 0usize, 0u64, 0u64);
+    let (mut loads, mut events, mut skipped, mut prepared, mut ahead, mut layers) =
+        (0u64, 0usize, 0usize, 0u64, 0u64, 0u64);
     let mut digest = kv_core::Fnv1a::new();
     for seed in seeds {
         let outcome = if trace {
@@ -25,6 +26,7 @@ pub fn run(seeds: Range<u64>, verbose: bool, trace: bool) -> Result<()> {
         loads += outcome.loads_ok;
         prepared += outcome.prepared;
         ahead += outcome.writes_ahead;
+        layers += outcome.layer_writes;
         events += outcome.events;
         skipped += outcome.skipped;
         digest.write_word(outcome.digest);
@@ -43,7 +45,7 @@ pub fn run(seeds: Range<u64>, verbose: bool, trace: bool) -> Result<()> {
         }
     }
     println!(
-        "seeds {from}..{to}: {loads} loads verified byte for byte ({prepared} transfers by prepared indices, {ahead} push writes ahead of the export), {events} events ({skipped} skipped as no longer applicable), digest {:016x}",
+        "seeds {from}..{to}: {loads} loads verified byte for byte ({prepared} transfers by prepared indices, {ahead} push writes ahead of the export, {layers} writes of some layers), {events} events ({skipped} skipped as no longer applicable), digest {:016x}",
         digest.finish()
     );
     println!("{passed} passed, {failed} failed");

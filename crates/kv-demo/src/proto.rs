@@ -166,6 +166,11 @@ pub struct EngineModel {
     pub layers: u32,
     /// Tokens D decodes after the first (P's).
     pub generate: u32,
+    /// P reports each layer of a chunk to its connector as the model stores it
+    /// (`PrefillScheduler::handle_layer_progress`): in push mode each layer goes into D's
+    /// blocks while the next computes. Otherwise a chunk is reported once whole.
+    #[serde(default)]
+    pub layer_progress: bool,
 }
 
 /// A greedy choice of the model: the token and its logit's lead over the runner-up.

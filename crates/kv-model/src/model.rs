@@ -198,6 +198,19 @@ impl TinyLlama {
     /// whose earlier KV another engine computed attends to exactly those bytes), and returns
     /// the logits after the last token.
     pub fn forward(&self, tokens: &[u32], start: usize, kv: &mut dyn KvStore) -> Result<Vec<f32>, ModelError> {
+        self.forward_layers(tokens, start, kv, &mut |_| {})
+    }
+
+    /// As [`TinyLlama::forward`], calling `stored(l)` as soon as layer `l`'s K and V of these
+    /// tokens are in `kv` (before the layer's attention and MLP): from then on they are final,
+    /// and an engine that computes layer by layer can send them on while the rest computes.
+    pub fn forward_layers(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        kv: &mut dyn KvStore,
+        stored: &mut dyn FnMut(usize),
+    ) -> Result<Vec<f32>, ModelError> {
         let c = &self.config;
         let n = tokens.len();
         let total = start + n;
@@ -243,6 +256,7 @@ impl TinyLlama {
                     }
                 }
             }
+            stored(l);
             let mut planes = Vec::with_capacity(2);
             for plane in 0..2 {
                 let mut values = vec![0f32; kvh * span * hd];

@@ -275,3 +275,63 @@ fn a_prefix_computed_alone_holds_the_kv_a_longer_prompt_computed_for_it() {
     model.zero_kv(&mut kv, 48).unwrap();
     assert_ne!(model.kv_fingerprint(&kv, 48).unwrap(), want, "zeroed KV");
 }
+
+/// Layer by layer: each layer's K and V of a chunk are all in the store when the model says
+/// the layer is stored, and none is written after, so an engine may send them on at once;
+/// and the logits are `forward`'s.
+#[test]
+fn a_layer_said_stored_is_never_written_again() {
+    use std::cell::RefCell;
+
+    /// A store that logs the layer of each write.
+    struct Logged<'a, 'k> {
+        inner: &'a mut PoolKv<'k>,
+        log: &'a RefCell<Vec<(char, usize)>>,
+    }
+    impl kv_model::KvStore for Logged<'_, '_> {
+        fn write(
+            &mut self,
+            layer: usize,
+            plane: usize,
+            head: usize,
+            position: usize,
+            values: &[f32],
+        ) -> Result<(), ModelError> {
+            self.log.borrow_mut().push(('w', layer));
+            self.inner.write(layer, plane, head, position, values)
+        }
+        fn read(
+            &self,
+            layer: usize,
+            plane: usize,
+            head: usize,
+            position: usize,
+            out: &mut [f32],
+        ) -> Result<(), ModelError> {
+            self.inner.read(layer, plane, head, position, out)
+        }
+    }
+
+    let model = TinyLlama::from_seed(CONFIG, 7).unwrap();
+    let prompt = prompt(40, 2);
+    let ids = blocks(&(0..4).collect::<Vec<_>>());
+    let mut engine = Engine::new(1, 16, MemoryOrder::Hnd, Placement::BlockMajor);
+    let log = RefCell::new(Vec::new());
+    let logits = {
+        let mut kv = engine.kv(&ids);
+        let mut logged = Logged { inner: &mut kv, log: &log };
+        model.forward_layers(&prompt, 0, &mut logged, &mut |l| log.borrow_mut().push(('s', l))).unwrap()
+    };
+    let log = log.into_inner();
+    let stored: Vec<usize> = log.iter().filter(|(what, _)| *what == 's').map(|&(_, l)| l).collect();
+    assert_eq!(stored, (0..CONFIG.layers).collect::<Vec<_>>(), "each layer said stored once, in order");
+    for (i, &(what, layer)) in log.iter().enumerate() {
+        if what == 'w' {
+            assert!(!log[..i].contains(&('s', layer)), "layer {layer} written after it was said stored");
+        } else {
+            assert!(log[..i].contains(&('w', layer)), "layer {layer} said stored before any write");
+        }
+    }
+    let mut again = Engine::new(1, 16, MemoryOrder::Hnd, Placement::BlockMajor);
+    assert_eq!(model.forward(&prompt, 0, &mut again.kv(&ids)).unwrap(), logits);
+}

@@ -194,6 +194,8 @@ pub struct Counters {
     pub prepared_writes: u64,
     /// Push writes posted ahead of their export, from blocks a chunked prefill had finished.
     pub writes_ahead: u64,
+    /// Push writes of some model layers only (a chunk computed layer by layer), as pairs.
+    pub layer_writes: u64,
     /// Of the ignored messages, input that did not decode (or that the transport refused as
     /// malformed).
     pub malformed: u64,
@@ -290,6 +292,7 @@ impl Counters {
         self.prepared_reads += other.prepared_reads;
         self.prepared_writes += other.prepared_writes;
         self.writes_ahead += other.writes_ahead;
+        self.layer_writes += other.layer_writes;
         self.malformed += other.malformed;
         self.unknown += other.unknown;
         for (mine, theirs) in self.refused_by_cause.iter_mut().zip(other.refused_by_cause) {

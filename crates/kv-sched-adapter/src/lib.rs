@@ -86,6 +86,7 @@
 //! | start-up | the settings: `Config` from the engine's `kv_connector_extra_config` ([`ExtraConfig`], serde with the `serde` feature), validated; `PrefillScheduler::new(&offer, rank_addresses, config)?`, any rank's offer (below): the engine and its incarnation are the offer's, given once |
 //! | start-up, per rank | the handshake offer from the rank's pool ([`LocalPool::offer`]), a transport with it; `PrefillWorker::new(offer, config, pool)?` (an offer that does not describe the pool, or unsound settings, fail here, naming the values); wrap both in a `WorkerDriver` |
 //! | a chunked prefill finishes a chunk (optional) | `PrefillScheduler::handle_progress(id, blocks_so_far, consumer)`: in push mode the workers write the finished blocks into those D registered while the rest computes; from then on the blocks are the connector's until the export or `Free` |
+//! | a chunk computed layer by layer finishes a layer (optional) | `PrefillScheduler::handle_layer_progress(id, blocks_so_far, LayerProgress { whole, layers }, consumer)`: as `handle_progress`, and in push mode the workers write each computed layer of the chunk in progress, so that at the export only the last layer of the last chunk is left to move |
 //! | the engine gives such a request up before it finishes | `PrefillScheduler::handle_abandoned(id)`; free the blocks it reported at the `Free` that follows (reason `aborted`, once no write from them is in flight), the others at once |
 //! | a request finishes its prompt | `PrefillScheduler::handle_finished(now, id, blocks, prompt_tokens, consumer)` (`consumer`: the D engine the router already chose, if it did); hand the returned [`RemoteRef`] to the router (with the `serde` feature, one JSON object, as vLLM's `kv_transfer_params` carry it) |
 //! | every scheduler step | drain `PrefillScheduler::poll_event`: give `ToWorker` commands to the rank's driver (`WorkerDriver::command(now, command)`, which carries out what the worker asks at once; its reports go to `handle_report`), free the blocks of `Free` |
@@ -169,5 +170,6 @@ pub use decode::{
     DecodeCommand, DecodeError, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LoadOutcome,
 };
 pub use prefill::{
-    PrefillBook, PrefillCommand, PrefillError, PrefillEvent, PrefillReport, PrefillScheduler, PrefillWorker,
+    LayerProgress, PrefillBook, PrefillCommand, PrefillError, PrefillEvent, PrefillReport, PrefillScheduler,
+    PrefillWorker,
 };

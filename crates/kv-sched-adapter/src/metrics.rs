@@ -82,6 +82,8 @@ pub const TRANSFERS_FAILED: &str = "kvflow_num_failed_transfers_total";
 pub const PREPARED: &str = "kvflow_prepared_transfers_total";
 /// Push writes posted ahead of their export.
 pub const WRITES_AHEAD: &str = "kvflow_writes_ahead_total";
+/// Push writes of some model layers only (a chunk computed layer by layer).
+pub const LAYER_WRITES: &str = "kvflow_layer_writes_total";
 /// Bytes per transfer (vLLM's `nixl_bytes_transferred`).
 pub const BYTES: &str = "kvflow_bytes_transferred";
 /// Post to completion, per transfer (vLLM's `nixl_xfer_time_seconds`).
@@ -122,6 +124,7 @@ pub const METRICS: &[MetricDoc] = &[
     doc(TRANSFERS_FAILED, "counter", &[], "transfers that failed or were refused"),
     doc(PREPARED, "counter", &[], "transfers posted by prepared-list indices rather than address pairs"),
     doc(WRITES_AHEAD, "counter", &[], "P, push: writes posted while the prompt still computed, from the blocks a chunked prefill had finished"),
+    doc(LAYER_WRITES, "counter", &[], "P, push: writes of some model layers only, of a chunk computed layer by layer, and final writes that finish such a chunk"),
     doc(BYTES, "histogram", &[], "bytes per completed transfer"),
     doc(XFER_TIME, "histogram", &[], "seconds from posting a transfer to seeing it complete"),
     doc(POST_TIME, "histogram", &[], "seconds the transport took to accept a transfer (its post call, on the engine's clock)"),
@@ -455,7 +458,7 @@ mod imp {
                 l.push((key, value.to_owned()));
                 l
             };
-            let plain: [(&'static str, Field); 11] = [
+            let plain: [(&'static str, Field); 12] = [
                 (LEASES_RENEWED, |c| c.leases_renewed),
                 (AFTER_EXPIRY, |c| c.notifications_after_expiry),
                 (EARLY_STAGED, |c| c.early_staged),
@@ -466,6 +469,7 @@ mod imp {
                 (REJECTIONS_UNSENT, |c| c.rejections_unsent),
                 (PREPARED, |c| c.prepared_reads + c.prepared_writes),
                 (WRITES_AHEAD, |c| c.writes_ahead),
+                (LAYER_WRITES, |c| c.layer_writes),
                 (PEERS_LOST, |c| c.peers_lost),
             ];
             Worker {

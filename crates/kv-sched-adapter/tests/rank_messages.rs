@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use kv_core::{BlockId, EngineId, PeerAddress, RequestId, Time};
 use kv_sched_adapter::{
-    Consumer, DecodeCommand, DecodeReport, ExportInfo, LoadOutcome, PrefillCommand, PrefillEngine, PrefillReport,
-    ReleaseReason, RemoteRef,
+    Consumer, DecodeCommand, DecodeReport, ExportInfo, LayerProgress, LoadOutcome, PrefillCommand, PrefillEngine,
+    PrefillReport, ReleaseReason, RemoteRef,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -55,7 +55,16 @@ fn prefill_commands_and_reports_round_trip() {
     let json = round_trip(&export);
     assert_eq!(json["export"]["blocks"], serde_json::json!([1, 2]));
     assert_eq!(json["export"]["consumer"]["engine"], "decode1");
-    round_trip(&PrefillCommand::Progress { request: RequestId::new("req-2"), blocks: vec![BlockId(4)], consumer });
+    let progress = |part| PrefillCommand::Progress {
+        request: RequestId::new("req-2"),
+        blocks: vec![BlockId(4), BlockId(5)],
+        consumer: consumer.clone(),
+        part,
+    };
+    let json = round_trip(&progress(None));
+    assert!(json["progress"].get("part").is_none(), "a chunk-wise report says nothing of layers: {json}");
+    let json = round_trip(&progress(Some(LayerProgress { whole: 1, layers: 3 })));
+    assert_eq!(json["progress"]["part"], serde_json::json!({ "whole": 1, "layers": 3 }));
     round_trip(&PrefillCommand::Abandon { request: RequestId::new("req-3") });
     for reason in [ReleaseReason::Transferred, ReleaseReason::Expired, ReleaseReason::PeerLost] {
         let json = round_trip(&PrefillReport::Released { request: RequestId::new("req-1"), reason });

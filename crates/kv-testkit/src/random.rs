@@ -7,7 +7,8 @@
 //! a policy (short leases, so that expiry happens),
 //! network noise (drops, duplicates, reordering) and a workload: prompts of assorted lengths,
 //! parallel-sampling siblings, chunked prefills (whose finished blocks push mode writes ahead,
-//! and which the engine sometimes gives up), arrivals in push mode before P's prefill, prefix
+//! half of them computed layer by layer, each layer written as it is reported, and which the
+//! engine sometimes gives up), arrivals in push mode before P's prefill, prefix
 //! hits (whole, and partial in both modes), rejections, aborts while waiting and while loading,
 //! late schedules that the read fence must refuse, failed transfers, garbage, partitions,
 //! delays, pauses (P's stall, overlapping pauses together, stays under the push quarantine, the
@@ -52,6 +53,8 @@ pub struct RandomOutcome {
     pub prepared: u64,
     /// Push writes posted while P still computed the prompt.
     pub writes_ahead: u64,
+    /// Of those, and of the exports' last writes, writes of some model layers only.
+    pub layer_writes: u64,
 }
 
 fn ms(v: u64) -> Duration {
@@ -167,9 +170,19 @@ pub fn generate(seed: u64) -> Scenario {
             let begin = t_prefill.saturating_sub(compute);
             push(begin, Event::BeginPrefill { request: request.clone(), prompt_tokens, node: p, consumer });
             let parts = 1 + chunks.below(4);
+            // Sometimes P computes each chunk layer by layer (up to 3 layer steps; the model
+            // has 2, so the third says no more than the second) and reports each step.
+            let layer_steps = if chunks.chance(0.5) { chunks.below(4) } else { 0 };
             for k in 1..=parts {
-                let tokens = (prompt_tokens * k / parts).max(1);
-                push(begin + compute * k / (parts + 1), Event::Progress { request: request.clone(), tokens, node: p });
+                let (whole_tokens, tokens) = (prompt_tokens * (k - 1) / parts, (prompt_tokens * k / parts).max(1));
+                let (from, to) = (begin + compute * (k - 1) / (parts + 1), begin + compute * k / (parts + 1));
+                for layers in 1..=layer_steps {
+                    let at = from + (to - from) * layers / (layer_steps + 1);
+                    let (layers, whole_tokens) = (Some(layers as u32), Some(whole_tokens));
+                    push(at, Event::Progress { request: request.clone(), tokens, node: p, layers, whole_tokens });
+                }
+                let (layers, whole_tokens) = (None, None);
+                push(to, Event::Progress { request: request.clone(), tokens, node: p, layers, whole_tokens });
             }
             if chunks.chance(0.1) {
                 // The engine gives it up (preempted, aborted) at some point of its compute.
@@ -369,8 +382,17 @@ pub fn run_with_trace(seed: u64) -> (RandomOutcome, Vec<String>) {
 pub fn run_workload(scenario: &Scenario, seed: u64) -> (RandomOutcome, Vec<String>) {
     let mut trace = Vec::new();
     let events = scenario.steps.len();
-    let mut outcome =
-        RandomOutcome { seed, failure: None, digest: 0, events, skipped: 0, loads_ok: 0, prepared: 0, writes_ahead: 0 };
+    let mut outcome = RandomOutcome {
+        seed,
+        failure: None,
+        digest: 0,
+        events,
+        skipped: 0,
+        loads_ok: 0,
+        prepared: 0,
+        writes_ahead: 0,
+        layer_writes: 0,
+    };
     let result = catch_unwind(AssertUnwindSafe(|| run_checked(scenario, seed, &mut outcome, &mut trace)));
     match result {
         Ok(Ok(())) => {}
@@ -453,6 +475,7 @@ fn run_checked(
     let counters = cluster.counters();
     outcome.prepared = counters.prepared_reads + counters.prepared_writes;
     outcome.writes_ahead = counters.writes_ahead;
+    outcome.layer_writes = counters.layer_writes;
     let held = cluster.held_everywhere();
     if !held.is_empty() {
         let list: Vec<String> = held.iter().map(|(n, h)| format!("{n} holds {h}")).collect();

@@ -248,3 +248,48 @@ fn only_the_named_consumer_is_written_ahead() {
     assert_eq!(cluster.decode_state("decode0", &r2).map(|s| s.as_str()), Some("recompute"));
     assert_clean(&mut cluster);
 }
+
+/// P computes each 64-token chunk of a 128-token prompt layer by layer (the model has 2):
+/// the chunk's first layer goes as soon as it is computed, the second when the chunk is
+/// whole, and at the export only the last chunk's last layer is left, with the completion.
+/// The load is ready with P's bytes (every layer of every block landed), whatever the TP and
+/// block-size mapping, and with pipeline stages each stage writes the layers it holds.
+#[test]
+fn a_chunk_computed_layer_by_layer_is_written_a_layer_at_a_time() {
+    for keys in [
+        "",
+        "prefill_tp = 2\ndecode_tp = 4",
+        "decode_block_size = 32",
+        "prefill_block_size = 32",
+        "mla = true\nprefill_tp = 2\ndecode_tp = 1",
+        "prefill_pp = 2",
+    ] {
+        let mut cluster = computing_r1(keys, 128);
+        let layer_writes = |cluster: &Cluster| cluster.engine_counters("prefill0").layer_writes;
+        cluster.progress_layers("prefill0", &r1(), 0, 64, 1).unwrap();
+        later(&mut cluster, 50);
+        assert!(layer_writes(&cluster) > 0, "{keys:?}: the first chunk's first layer goes ahead");
+        cluster.progress("prefill0", &r1(), 64).unwrap();
+        cluster.progress_layers("prefill0", &r1(), 64, 128, 1).unwrap();
+        later(&mut cluster, 50);
+        assert_eq!(state(&cluster, "decode0"), Some("loading"), "{keys:?}: no completion before P finishes");
+        cluster.finish_prefill("prefill0", &r1()).unwrap();
+        later(&mut cluster, 100);
+        assert_eq!(state(&cluster, "decode0"), Some("ready"), "{keys:?}: {}", cluster.trace().join("\n"));
+        assert_eq!(cluster.release_reason("prefill0", &r1()), Some(ReleaseReason::Transferred));
+        assert_clean(&mut cluster);
+    }
+}
+
+/// The first chunk's first layer goes ahead, and P gives the prompt up while that write is in
+/// flight: the blocks come back once it has ended, and D gives its load up.
+#[test]
+fn a_prompt_given_up_after_a_layer_went_ahead_frees_its_blocks() {
+    let mut cluster = computing_r1("transfer_latency_ms = 40", 128);
+    cluster.progress_layers("prefill0", &r1(), 0, 64, 1).unwrap();
+    later(&mut cluster, 20);
+    cluster.abandon_prefill("prefill0", &r1()).unwrap();
+    later(&mut cluster, 200);
+    assert_eq!(cluster.release_reason("prefill0", &r1()), Some(ReleaseReason::Aborted));
+    assert_clean(&mut cluster);
+}

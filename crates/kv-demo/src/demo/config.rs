@@ -69,6 +69,10 @@ pub struct DemoArgs {
     /// With --model: tokens D decodes after P's first.
     #[arg(long, value_name = "N", default_value_t = 16)]
     generate: u32,
+    /// With --model: P reports a chunk's blocks when the chunk is whole, and push mode writes
+    /// them then, instead of each layer of the chunk as the model stores it.
+    #[arg(long)]
+    chunk_writes: bool,
     /// With --model: also write the model where Hugging Face's `LlamaForCausalLM` loads it
     /// (config.json, model.safetensors), so that transformers can check the tokens.
     #[arg(long, value_name = "DIR")]
@@ -144,6 +148,8 @@ pub struct ModelRun {
     pub generate: u32,
     /// Where the model is written as transformers loads it, if anywhere.
     pub save_dir: Option<PathBuf>,
+    /// P reports each layer of a chunk as the model stores it (`--chunk-writes` turns it off).
+    pub layer_writes: bool,
 }
 
 /// The seed tiny-llama's weights are drawn from in every run.
@@ -242,7 +248,11 @@ impl DemoArgs {
                 Model::tiny_llama(layers, defaults.model.block_tokens)
             }
         };
-        let engine_model = self.model.map(|_| ModelRun { generate: self.generate, save_dir: self.save_model.clone() });
+        let engine_model = self.model.map(|_| ModelRun {
+            generate: self.generate,
+            save_dir: self.save_model.clone(),
+            layer_writes: !self.chunk_writes,
+        });
         if engine_model.is_none() && self.save_model.is_some() {
             bail!("--save-model writes the model of --model, and no --model was given");
         }
@@ -576,7 +586,8 @@ impl DemoConfig {
     /// The model every engine of the run (and the one-engine reference) runs, if it runs one.
     pub(super) fn node_model(&self) -> Option<EngineModel> {
         let run = self.engine_model.as_ref()?;
-        Some(EngineModel { seed: MODEL_SEED, layers: self.model.layers, generate: run.generate })
+        let (seed, layers, generate, layer_progress) = (MODEL_SEED, self.model.layers, run.generate, run.layer_writes);
+        Some(EngineModel { seed, layers, generate, layer_progress })
     }
 
     /// The configuration of engine `name`, incarnation `instance`.
@@ -739,10 +750,11 @@ mod tests {
         assert_eq!(c.model, Model::tiny_llama(4, 16));
         assert_eq!((c.p_tp, c.d_block_tokens), (2, 32));
         assert_eq!(c.model_of(NodeRole::Decode), Model::tiny_llama(4, 32));
-        assert_eq!(c.engine_model, Some(ModelRun { generate: 20, save_dir: None }));
+        assert_eq!(c.engine_model, Some(ModelRun { generate: 20, save_dir: None, layer_writes: true }));
         assert_eq!((c.reject_rate, c.abort_rate, c.sibling_rate), (0.0, 0.0, 0.0));
         let node = c.node(NodeRole::Decode, "decode0", 1);
-        assert_eq!(node.engine_model, Some(EngineModel { seed: MODEL_SEED, layers: 4, generate: 20 }));
+        let layer_progress = true;
+        assert_eq!(node.engine_model, Some(EngineModel { seed: MODEL_SEED, layers: 4, generate: 20, layer_progress }));
         assert_eq!(parse(&[]).unwrap().node(NodeRole::Prefill, "prefill0", 1).engine_model, None);
         let deep = parse(&["--model", "tiny-llama", "--layers", "8"]).unwrap();
         assert_eq!(deep.model, Model::tiny_llama(8, 16));

@@ -222,7 +222,15 @@ impl Node<DecodeSide> {
                     let to = (cached * tokens as usize).min(model.prompt.len());
                     let chunk = if self.side.chunk == 0 { to } else { self.side.chunk };
                     let all = [&blocks[..], &extra[..]].concat();
-                    Work::Compute { prompt: model.prompt.clone(), blocks: all, freed, from: 0, to, chunk }
+                    Work::Compute {
+                        prompt: model.prompt.clone(),
+                        blocks: all,
+                        freed,
+                        from: 0,
+                        to,
+                        chunk,
+                        layers_of: None,
+                    }
                 }
                 // D's prefix cache holds the KV P computed for its first `cached` blocks: the
                 // same bytes. The check at `Ready` then finds them intact and the read's in the

@@ -47,8 +47,8 @@ use kv_engine::Engine as Connector;
 use kv_engine::{CommandObserver, Found, ProcessClock, RankOptions, Registration};
 use kv_sched_adapter::driver::WorkerMachine;
 use kv_sched_adapter::{
-    Consumer, DecodeEvent, DecodeScheduler, DecodeState, DecodeWorker, LocalPool, PrefillCommand, PrefillEvent,
-    PrefillScheduler, PrefillWorker, RemoteRef,
+    Consumer, DecodeEvent, DecodeScheduler, DecodeState, DecodeWorker, LayerProgress, LocalPool, PrefillCommand,
+    PrefillEvent, PrefillScheduler, PrefillWorker, RemoteRef,
 };
 use kv_testkit::BlockPool;
 
@@ -251,8 +251,9 @@ struct Prompt {
     /// which parts are filled.
     part_blocks: usize,
     filled: Vec<bool>,
-    /// Of its blocks, the first ones reported computed to the connector (chunked prefill).
-    reported: usize,
+    /// What was last reported computed to the connector (chunked prefill): its blocks, of
+    /// them those computed in every layer, and the layers of the rest.
+    reported: (usize, usize, u32),
     /// With a model: the prompt's token ids (each part of the filling is a chunk of its
     /// compute, one after another), and the first token once the last chunk chose it.
     model: Option<Arc<[u32]>>,

@@ -12,7 +12,7 @@
 //! until their work is done: a block being scrubbed is not free, and a block being checked is
 //! not scrubbed.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{JoinHandle, Thread};
@@ -48,11 +48,25 @@ pub(super) struct PoolBytes {
     ranks: Vec<RankPool>,
     /// The model the engine runs, if it runs one (`--model`).
     model: Option<TinyLlama>,
+    /// By prompt, of the chunk the model computes layer by layer: its end (tokens) and the
+    /// layers of it stored so far (P reports them to its connector as they come).
+    layers_stored: Mutex<HashMap<String, (usize, u32)>>,
 }
 
 impl PoolBytes {
     pub(super) fn new(memory: Box<dyn Memory>, ranks: Vec<RankPool>, model: Option<TinyLlama>) -> Self {
-        PoolBytes { memory: Mutex::new(memory), ranks, model }
+        PoolBytes { memory: Mutex::new(memory), ranks, model, layers_stored: Mutex::default() }
+    }
+
+    /// Of the chunk of prompt `id` the model computes layer by layer: its end (tokens) and
+    /// the layers stored so far.
+    pub(super) fn layers_stored(&self, id: &str) -> Option<(usize, u32)> {
+        self.layers_stored.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get(id).copied()
+    }
+
+    /// Forgets prompt `id`'s layers (it is exported, or given up).
+    pub(super) fn forget_layers(&self, id: &str) {
+        self.layers_stored.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).remove(id);
     }
 
     /// The model the engine runs, if any.
@@ -80,20 +94,32 @@ impl PoolBytes {
     }
 
     /// Computes `prompt[from..to]` into `blocks` (the prompt's, in order) in chunks of
-    /// `chunk`; the greedy choice after the prompt's last token, if `to` reaches it.
+    /// `chunk`; the greedy choice after the prompt's last token, if `to` reaches it. With
+    /// `layers_of` a prompt's id, notes each layer of each chunk as the model stores it
+    /// ([`PoolBytes::layers_stored`]) and wakes `engine`.
     fn compute(
         &self,
         prompt: &[u32],
         blocks: &[BlockId],
         (from, to): (usize, usize),
         chunk: usize,
+        layers_of: Option<&str>,
+        engine: &Thread,
     ) -> Result<Option<crate::proto::Choice>> {
         self.with_kv(blocks, |model, kv| {
             let mut logits = Vec::new();
             let mut at = from;
             while at < to {
                 let end = (at + chunk.max(1)).min(to);
-                logits = model.forward(&prompt[at..end], at, kv)?;
+                let mut stored = |layer: usize| {
+                    if let Some(id) = layers_of {
+                        let mut notes = self.layers_stored.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                        notes.insert(id.to_owned(), (end, layer as u32 + 1));
+                        drop(notes);
+                        engine.unpark();
+                    }
+                };
+                logits = model.forward_layers(&prompt[at..end], at, kv, &mut stored)?;
                 at = end;
             }
             let last = to == prompt.len() && !logits.is_empty();
@@ -275,8 +301,17 @@ pub(super) enum Work {
     Scrub { blocks: Vec<BlockId> },
     /// With a model: checks the scrub of `freed`, then computes `prompt[from..to]` into
     /// `blocks` (the prompt's, in order) in chunks of `chunk` tokens; P's chunk of a prefill,
-    /// or D's own prefix cache of a partial prefix hit.
-    Compute { prompt: Arc<[u32]>, blocks: Vec<BlockId>, freed: Vec<BlockId>, from: usize, to: usize, chunk: usize },
+    /// or D's own prefix cache of a partial prefix hit. With `layers_of` (P's prompt id), each
+    /// layer is noted as the model stores it ([`PoolBytes::layers_stored`]).
+    Compute {
+        prompt: Arc<[u32]>,
+        blocks: Vec<BlockId>,
+        freed: Vec<BlockId>,
+        from: usize,
+        to: usize,
+        chunk: usize,
+        layers_of: Option<String>,
+    },
     /// With a model: decodes `count` tokens after P's `first` from the KV of a prompt of
     /// `prompt_tokens` tokens in `blocks`, then the control from the same KV zeroed.
     Decode { blocks: Vec<BlockId>, prompt_tokens: usize, first: u32, count: usize },
@@ -374,7 +409,7 @@ impl<T: Send + 'static> Workers<T> {
                     lower_priority();
                     let mut chunk = vec![0u8; chunk_len];
                     while let Some((tag, work, handed)) = queue.pop() {
-                        let done = run(&pool, &mut chunk, tag, work, handed);
+                        let done = run(&pool, &mut chunk, tag, work, handed, &engine);
                         if done_tx.send(done).is_err() {
                             return;
                         }
@@ -422,7 +457,7 @@ fn lower_priority() {
     }
 }
 
-fn run<T>(pool: &PoolBytes, chunk: &mut [u8], tag: T, work: Work, handed: Instant) -> Done<T> {
+fn run<T>(pool: &PoolBytes, chunk: &mut [u8], tag: T, work: Work, handed: Instant, engine: &Thread) -> Done<T> {
     let (mut written_after_free, mut intact, mut model) = (0, true, None);
     let result = match work {
         Work::Fill { seed, blocks, freed, first } => pool.written_after_free(chunk, &freed).and_then(|written| {
@@ -431,10 +466,11 @@ fn run<T>(pool: &PoolBytes, chunk: &mut [u8], tag: T, work: Work, handed: Instan
         }),
         Work::Check { seed, blocks, tokens } => pool.check(chunk, seed, &blocks, tokens).map(|all| intact = all),
         Work::Scrub { blocks } => pool.scrub(chunk, &blocks),
-        Work::Compute { prompt, blocks, freed, from, to, chunk: tokens } => {
+        Work::Compute { prompt, blocks, freed, from, to, chunk: tokens, layers_of } => {
             pool.written_after_free(chunk, &freed).and_then(|written| {
                 written_after_free = written;
-                model = pool.compute(&prompt, &blocks, (from, to), tokens)?.map(ModelOut::First);
+                let layers_of = layers_of.as_deref();
+                model = pool.compute(&prompt, &blocks, (from, to), tokens, layers_of, engine)?.map(ModelOut::First);
                 Ok(())
             })
         }

@@ -14,6 +14,8 @@ pub(super) struct PrefillSide {
     prompts: Vec<Prompt>,
     /// Tokens per chunk of the simulated compute, each reported as it ends (`None`: no chunks).
     chunk: Option<u64>,
+    /// With a model: each layer of a chunk is reported as the model stores it.
+    by_layer: bool,
 }
 
 impl PrefillSide {
@@ -45,7 +47,9 @@ impl Side for PrefillSide {
         // A model computes for real, in chunks whether or not compute is simulated.
         let computes = !per_token.is_zero() || config.engine_model.is_some();
         let chunk = (config.prefill_chunk_tokens > 0 && computes).then_some(config.prefill_chunk_tokens);
-        Ok((PrefillSide { per_token, gpu_free: Instant::now(), prompts: Vec::new(), chunk }, scheduler))
+        let by_layer = config.engine_model.is_some_and(|m| m.layer_progress);
+        let side = PrefillSide { per_token, gpu_free: Instant::now(), prompts: Vec::new(), chunk, by_layer };
+        Ok((side, scheduler))
     }
 
     fn worker(config: &NodeConfig, offer: &Handshake, pool: LocalPool) -> Result<PrefillWorker> {
@@ -185,7 +189,7 @@ impl Node<PrefillSide> {
             due,
             part_blocks,
             filled,
-            reported: 0,
+            reported: (0, 0, 0),
             model: None,
             first: None,
         };
@@ -223,7 +227,7 @@ impl Node<PrefillSide> {
             due: now,
             part_blocks,
             filled: vec![false; parts],
-            reported: 0,
+            reported: (0, 0, 0),
             model: Some(prompt),
             first: None,
         };
@@ -241,24 +245,45 @@ impl Node<PrefillSide> {
             .ok_or_else(|| anyhow!("compute of {id}, which P does not compute with its model"))?;
         let tokens = prompt.part_blocks * self.engine.shape().layout.block_tokens as usize;
         let (from, to) = ((part * tokens).min(ids.len()), ((part + 1) * tokens).min(ids.len()));
-        Ok(Work::Compute { prompt: ids, blocks: prompt.blocks.clone(), freed, from, to, chunk: tokens })
+        let layers_of = (self.side.by_layer && prompt.n == 1).then(|| id.to_owned());
+        Ok(Work::Compute { prompt: ids, blocks: prompt.blocks.clone(), freed, from, to, chunk: tokens, layers_of })
     }
 
-    /// Tells the connector the blocks of the chunks computed by `now` and filled (a prompt
-    /// of siblings is not written ahead: it exports at its end).
+    /// Tells the connector the blocks of the chunks computed by `now` and filled, and with a
+    /// model computing layer by layer, the layers of the chunk in progress stored so far (a
+    /// prompt of siblings is not written ahead: it exports at its end).
     fn progress(&mut self, now: Instant) -> Result<()> {
         let block_tokens = u64::from(self.engine.shape().layout.block_tokens.max(1));
         for i in 0..self.side.prompts.len() {
             let prompt = &self.side.prompts[i];
             let computed = (self.side.chunked_tokens(prompt, now) / block_tokens) as usize;
-            let blocks = computed.min(prompt.filled_blocks());
-            if prompt.n != 1 || blocks <= prompt.reported {
+            let whole = computed.min(prompt.filled_blocks());
+            if prompt.n != 1 {
                 continue;
             }
-            let (id, done, consumer) =
-                (RequestId::new(prompt.id.clone()), prompt.blocks[..blocks].to_vec(), prompt.consumer.clone());
-            self.side.prompts[i].reported = blocks;
-            self.connector.scheduler().handle_progress(id, done, consumer)?;
+            // The chunk's blocks whose every token the stored layers hold (the last block of the
+            // prompt, whole or not, once the chunk reaches its end).
+            let part = self.engine.pool.layers_stored(&prompt.id).and_then(|(end, layers)| {
+                let end =
+                    if end as u64 >= prompt.prompt_tokens { prompt.blocks.len() } else { end / block_tokens as usize };
+                (end > whole).then_some((end, layers))
+            });
+            let step = part.map_or((whole, whole, 0), |(end, layers)| (end, whole, layers));
+            // Each report extends the last: more blocks, more of them whole, or more layers.
+            let (blocks, before) = (step.0, prompt.reported);
+            if step == before || blocks < before.0 || whole < before.1 || (part.is_none() && whole == before.1) {
+                continue;
+            }
+            let (id, consumer) = (RequestId::new(prompt.id.clone()), prompt.consumer.clone());
+            let done = prompt.blocks[..blocks].to_vec();
+            self.side.prompts[i].reported = step;
+            let scheduler = self.connector.scheduler();
+            match part {
+                Some((_, layers)) => {
+                    scheduler.handle_layer_progress(id, done, LayerProgress { whole, layers }, consumer)?
+                }
+                None => scheduler.handle_progress(id, done, consumer)?,
+            }
         }
         Ok(())
     }
@@ -266,6 +291,7 @@ impl Node<PrefillSide> {
     /// A prompt is computed: exports its blocks, once per sibling.
     fn computed(&mut self, prompt: Prompt) -> Result<()> {
         let Prompt { id, prompt_tokens, n, consumer, blocks, first, .. } = prompt;
+        self.engine.pool.forget_layers(&id);
         // allocate() took one reference; each further sibling export holds its own.
         for _ in 1..n {
             self.engine.blocks.retain(&blocks);

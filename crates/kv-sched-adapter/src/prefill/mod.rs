@@ -6,5 +6,5 @@ mod book;
 mod scheduler;
 mod worker;
 
-pub use scheduler::{PrefillCommand, PrefillError, PrefillEvent, PrefillReport, PrefillScheduler};
+pub use scheduler::{LayerProgress, PrefillCommand, PrefillError, PrefillEvent, PrefillReport, PrefillScheduler};
 pub use worker::{PrefillBook, PrefillWorker};

@@ -35,6 +35,10 @@ pub enum PrefillCommand {
         blocks: Vec<BlockId>,
         /// The D engine the router named, if any: only its registrations are written ahead.
         consumer: Option<Consumer>,
+        /// When P computes layer by layer: the blocks past the first `whole` are computed in
+        /// some model layers only; none means every block is computed in every layer.
+        #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+        part: Option<LayerProgress>,
     },
     /// Push: the engine gave up a request it reported progress on, before finishing it. The
     /// worker writes no more into D's blocks, tells D none will come, and releases the request
@@ -43,6 +47,19 @@ pub enum PrefillCommand {
         /// P's request id.
         request: RequestId,
     },
+}
+
+/// How far a chunk P computes layer by layer has gone: of the blocks reported computed, the
+/// first `whole` are computed in every model layer, the rest (the chunk's) in model layers
+/// `0..layers` so far. The blocks' model layers are the whole model's, numbered from 0; each
+/// pipeline stage writes those it holds.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct LayerProgress {
+    /// Blocks computed in every layer, from the prompt's first.
+    pub whole: usize,
+    /// Model layers `0..layers` of the blocks past them are computed (at least 1).
+    pub layers: u32,
 }
 
 /// What a P worker rank tells its scheduler.
@@ -102,6 +119,21 @@ pub enum PrefillError {
         /// The blocks reported before.
         computed: usize,
     },
+    /// A layer-by-layer report names no layer, more whole blocks than it reports, or fewer
+    /// than it reported whole before.
+    #[error("request {request}: {whole} whole blocks and {layers} layers of {blocks} blocks do not extend the {before} reported whole before (a part has at least one layer and one block)")]
+    LayerMismatch {
+        /// P's request id.
+        request: RequestId,
+        /// The blocks computed in every layer, in this call.
+        whole: usize,
+        /// The layers computed of the rest, in this call.
+        layers: u32,
+        /// The blocks in this call.
+        blocks: usize,
+        /// The blocks reported whole before.
+        before: usize,
+    },
     /// The request was not reported in progress.
     #[error("request {0} is not computing")]
     NotComputing(RequestId),
@@ -113,6 +145,14 @@ pub enum PrefillError {
         /// The engine's workers (TP size times pipeline stages).
         tp: u32,
     },
+}
+
+/// A request reported in progress: its blocks so far, of which the first `whole` in every layer.
+#[derive(Debug)]
+struct Computed {
+    blocks: Vec<BlockId>,
+    whole: usize,
+    layers: u32,
 }
 
 #[derive(Debug)]
@@ -135,7 +175,7 @@ pub struct PrefillScheduler {
     exports: BTreeMap<RequestId, SchedulerExport>,
     /// Requests reported in progress and not yet finished, with their blocks so far. Bounded
     /// by the pool: each holds at least one block.
-    computing: BTreeMap<RequestId, Vec<BlockId>>,
+    computing: BTreeMap<RequestId, Computed>,
     /// Push: requests given up while computing, until every rank released them.
     abandoned: BTreeMap<RequestId, SchedulerExport>,
     /// Ids of exports (and push prompts given up) freed on every rank since the last
@@ -214,7 +254,7 @@ impl PrefillScheduler {
         if blocks.is_empty() {
             return Err(PrefillError::NoBlocks(request));
         }
-        if let Some(computed) = self.computing.get(&request) {
+        if let Some(Computed { blocks: computed, .. }) = self.computing.get(&request) {
             if !blocks.starts_with(computed) {
                 let (blocks, computed) = (blocks.len(), computed.len());
                 return Err(PrefillError::ProgressMismatch { request, blocks, computed });
@@ -285,26 +325,65 @@ impl PrefillScheduler {
         blocks: Vec<BlockId>,
         consumer: Option<Consumer>,
     ) -> Result<(), PrefillError> {
+        self.progress(request, blocks, None, consumer)
+    }
+
+    /// As [`PrefillScheduler::handle_progress`], for an engine that computes a chunk layer
+    /// by layer: of `blocks` (all of them so far, in prompt order), the first `part.whole`
+    /// are computed in every model layer, and the rest, the chunk in progress, in model layers
+    /// `0..part.layers` (call it after each layer, or each few). In push mode the workers
+    /// write each layer of the chunk as it is reported, so that at the export only the last
+    /// layer of the last chunk is left to move. A chunk is whole before the next one starts:
+    /// the whole blocks never shrink, and `blocks` extends the last call's.
+    pub fn handle_layer_progress(
+        &mut self,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        part: LayerProgress,
+        consumer: Option<Consumer>,
+    ) -> Result<(), PrefillError> {
+        self.progress(request, blocks, Some(part), consumer)
+    }
+
+    fn progress(
+        &mut self,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        part: Option<LayerProgress>,
+        consumer: Option<Consumer>,
+    ) -> Result<(), PrefillError> {
         self.check_new(&request)?;
         if blocks.is_empty() {
             return Err(PrefillError::NoBlocks(request));
         }
-        let before = self.computing.get(&request).map_or(&[][..], Vec::as_slice);
+        let (before, before_whole, before_layers) = match self.computing.get(&request) {
+            Some(c) => (c.blocks.as_slice(), c.whole, c.layers),
+            None => (&[][..], 0, 0),
+        };
         let computed = before.len();
         if !blocks.starts_with(before) {
             return Err(PrefillError::ProgressMismatch { request, blocks: blocks.len(), computed });
         }
-        if self.config.mode == Mode::Push && blocks.len() > computed {
+        // A part of no layer, or of no block, says only that the whole blocks are done.
+        let part = part.filter(|p| p.whole != blocks.len());
+        let (whole, layers) = part.map_or((blocks.len(), 0), |p| (p.whole, p.layers));
+        if whole > blocks.len() || whole < before_whole || (part.is_some() && layers == 0) {
+            let before = before_whole;
+            return Err(PrefillError::LayerMismatch { request, whole, layers, blocks: blocks.len(), before });
+        }
+        let advanced = blocks.len() > computed || whole > before_whole || (part.is_some() && layers > before_layers);
+        if self.config.mode == Mode::Push && advanced {
             for rank in 0..self.workers {
                 let command = PrefillCommand::Progress {
                     request: request.clone(),
                     blocks: blocks.clone(),
                     consumer: consumer.clone(),
+                    part,
                 };
                 self.events.push_back(PrefillEvent::ToWorker { rank, command });
             }
         }
-        self.computing.insert(request, blocks);
+        self.computing.insert(request, Computed { blocks, whole, layers });
         Ok(())
     }
 
@@ -314,7 +393,7 @@ impl PrefillScheduler {
     /// released it in push mode; the engine frees the others itself. A request never reported
     /// in progress is [`PrefillError::NotComputing`]: all its blocks are still the engine's.
     pub fn handle_abandoned(&mut self, request: RequestId) -> Result<(), PrefillError> {
-        let Some(blocks) = self.computing.remove(&request) else {
+        let Some(Computed { blocks, .. }) = self.computing.remove(&request) else {
             return Err(PrefillError::NotComputing(request));
         };
         let reason = ReleaseReason::Aborted;

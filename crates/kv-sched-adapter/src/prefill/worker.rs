@@ -47,12 +47,13 @@ use kv_core::{
 use kv_lease::LeaseTable;
 
 use super::book::{EarlyStage, GoneIncarnations, Recent, RECENT_RELEASES};
-use super::scheduler::{PrefillCommand, PrefillReport};
+use super::scheduler::{LayerProgress, PrefillCommand, PrefillReport};
 use crate::common::{
     block_indices, by_index, request_span, Action, Consumer, Counters, Ignored, LocalPool, Outbox, Peer, PreparedLists,
     XferToken,
 };
 use crate::config::{Config, ConfigError, Mode, ReleaseReason};
+use ahead::Ahead;
 
 /// At most this many parents whose sibling was transferred are remembered (seed 002's bound),
 /// each for one lease; a sibling that registers later than that is held by its own lease.
@@ -129,7 +130,7 @@ struct Export {
     written: BTreeSet<AgentName>,
     /// Push mode: D blocks of each D rank's registration written ahead while P computed, and
     /// the D ranks whose write ahead failed (they get an abort, never the completion).
-    ahead: BTreeMap<AgentName, usize>,
+    ahead: BTreeMap<AgentName, Ahead>,
     ahead_failed: BTreeSet<AgentName>,
     /// Push mode: the writes this rank owes, one per consumer D rank (known at the first registration).
     owed_writes: usize,
@@ -143,12 +144,15 @@ struct Export {
 /// Push: a request P still computes, whose finished blocks it writes ahead.
 #[derive(Debug)]
 struct Computing {
-    /// The blocks computed so far, in prompt order.
+    /// The blocks computed so far, in prompt order: the first `whole` in every layer, the
+    /// rest (a chunk computed layer by layer) in model layers `0..layers`.
     blocks: Vec<BlockId>,
+    whole: usize,
+    layers: u32,
     /// The D engine the router named, if any: the only one written ahead to.
     consumer: Option<Consumer>,
     /// D blocks of each D rank's registration written (or being written) so far.
-    ahead: BTreeMap<AgentName, usize>,
+    ahead: BTreeMap<AgentName, Ahead>,
     /// Writes in flight, by D rank.
     writing: BTreeMap<AgentName, usize>,
     /// D ranks written ahead to no more: a write failed, or D cancelled.
@@ -358,7 +362,9 @@ impl PrefillWorker {
             PrefillCommand::Export { request, blocks, deadline, consumer } => {
                 self.on_export(now, request, blocks, deadline, consumer)
             }
-            PrefillCommand::Progress { request, blocks, consumer } => self.on_progress(request, blocks, consumer),
+            PrefillCommand::Progress { request, blocks, consumer, part } => {
+                self.on_progress(request, blocks, part, consumer)
+            }
             PrefillCommand::Abandon { request } => self.on_abandon(now, request),
         }
     }
@@ -784,6 +790,7 @@ impl PrefillWorker {
     }
 }
 
+mod ahead;
 mod owners;
 mod push;
 #[cfg(test)]

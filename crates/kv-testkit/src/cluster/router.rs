@@ -4,7 +4,7 @@
 //! A call to a D engine that is paused (see `faults.rs`) waits for its resume.
 
 use kv_core::{EngineId, RequestId, Role};
-use kv_sched_adapter::{Consumer, Mode, RemoteRef};
+use kv_sched_adapter::{Consumer, LayerProgress, Mode, RemoteRef};
 
 use super::oracle::{self, Computed};
 use super::{err, fnv, Cluster, ClusterError, DecodeEngine, DecodeLoad, PrefillEngine, Prompt};
@@ -40,6 +40,9 @@ pub(super) enum Call {
     Progress {
         request: RequestId,
         tokens: u64,
+        /// Computed layer by layer: the tokens before the chunk computed in every layer, and
+        /// the chunk's layers computed so far.
+        part: Option<(u64, u32)>,
     },
     FinishPrefill {
         request: RequestId,
@@ -109,7 +112,21 @@ impl Cluster {
     /// P's chunked prefill of `request` has computed its first `tokens` tokens (whole blocks
     /// of them count).
     pub fn progress(&mut self, node: &str, request: &RequestId, tokens: u64) -> Result<(), ClusterError> {
-        self.call(node, Call::Progress { request: request.clone(), tokens })
+        self.call(node, Call::Progress { request: request.clone(), tokens, part: None })
+    }
+
+    /// P computes a chunk of `request` layer by layer: its first `whole_tokens` tokens are
+    /// computed in every layer, and those up to `tokens` in model layers `0..layers` (whole
+    /// blocks of them count).
+    pub fn progress_layers(
+        &mut self,
+        node: &str,
+        request: &RequestId,
+        whole_tokens: u64,
+        tokens: u64,
+        layers: u32,
+    ) -> Result<(), ClusterError> {
+        self.call(node, Call::Progress { request: request.clone(), tokens, part: Some((whole_tokens, layers)) })
     }
 
     /// P finishes the chunked prefill of `request` and exports it.
@@ -123,22 +140,36 @@ impl Cluster {
         self.call(node, Call::AbandonPrefill { request: request.clone() })
     }
 
-    fn progress_now(&mut self, node: &str, request: &RequestId, tokens: u64) -> Result<(), ClusterError> {
+    fn progress_now(
+        &mut self,
+        node: &str,
+        request: &RequestId,
+        tokens: u64,
+        part: Option<(u64, u32)>,
+    ) -> Result<(), ClusterError> {
         let p_tokens = u64::from(self.config.spec.prefill_block_size);
         let engine = self.prefill_engine(node)?;
         let Some(prompt) = engine.computing.get_mut(request) else {
             return err(format!("{node} is not computing {request}"));
         };
-        let done = ((tokens / p_tokens) as usize).min(prompt.blocks.len());
-        if done > prompt.reported {
-            prompt.reported = done;
+        let blocks_of = |tokens: u64| ((tokens / p_tokens) as usize).min(prompt.blocks.len());
+        let done = blocks_of(tokens);
+        let part = part.map(|(whole, layers)| LayerProgress { whole: blocks_of(whole).min(done), layers });
+        let line = match part {
+            Some(p) => format!("{node} computed {} blocks of {request}, and {done} in {} layers", p.whole, p.layers),
+            None => format!("{node} computed {done} blocks of {request}"),
+        };
+        if done > 0 && (done > prompt.reported || part.is_some()) {
+            prompt.reported = prompt.reported.max(done);
             let (blocks, consumer) = (prompt.blocks[..done].to_vec(), prompt.consumer.clone());
-            engine
-                .scheduler
-                .handle_progress(request.clone(), blocks, consumer)
-                .map_err(|e| ClusterError(e.to_string()))?;
+            let scheduler = &mut engine.scheduler;
+            match part {
+                Some(part) => scheduler.handle_layer_progress(request.clone(), blocks, part, consumer),
+                None => scheduler.handle_progress(request.clone(), blocks, consumer),
+            }
+            .map_err(|e| ClusterError(e.to_string()))?;
         }
-        self.record(format!("{node} computed {done} blocks of {request}"));
+        self.record(line);
         self.flush_prefill(node)
     }
 
@@ -332,7 +363,7 @@ impl Cluster {
             Call::Reject { request, remote } => self.reject_now(node, &request, remote),
             Call::Abort { request } => self.abort_now(node, &request),
             Call::EngineLost { engine, instance } => self.engine_lost_now(node, &engine, instance),
-            Call::Progress { request, tokens } => self.progress_now(node, &request, tokens),
+            Call::Progress { request, tokens, part } => self.progress_now(node, &request, tokens, part),
             Call::FinishPrefill { request } => self.finish_now(node, &request),
             Call::AbandonPrefill { request } => self.abandon_now(node, &request),
         }

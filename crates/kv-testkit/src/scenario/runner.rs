@@ -140,7 +140,10 @@ pub fn apply(cluster: &mut Cluster, event: &Event) -> Result<(), String> {
             let consumer = consumer.as_ref().map(name);
             cluster.begin_prefill(&name(node), request, *prompt_tokens, consumer.as_deref())
         }
-        Event::Progress { request, tokens, node } => cluster.progress(&name(node), request, *tokens),
+        Event::Progress { request, tokens, node, layers: None, .. } => cluster.progress(&name(node), request, *tokens),
+        Event::Progress { request, tokens, node, layers: Some(layers), whole_tokens } => {
+            cluster.progress_layers(&name(node), request, whole_tokens.unwrap_or(0), *tokens, *layers)
+        }
         Event::FinishPrefill { request, node } => cluster.finish_prefill(&name(node), request),
         Event::AbandonPrefill { request, node } => cluster.abandon_prefill(&name(node), request),
         Event::Arrive { request, node, from, remote_request, prompt_tokens, prefill_pp } => {

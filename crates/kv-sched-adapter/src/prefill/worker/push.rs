@@ -1,5 +1,6 @@
 //! P's push mode: D's block registrations matched to exports, writes into D's blocks (ahead of the export while P computes, then the last one with the completion), and prompts given up part-way.
 
+use super::ahead::Segment;
 use super::*;
 
 impl PrefillWorker {
@@ -77,7 +78,7 @@ impl PrefillWorker {
             self.out.send(to, &Message::Abort { request: reg.request });
             return;
         }
-        let ahead = export.ahead.get(to).copied().unwrap_or(0);
+        let ahead = export.ahead.get(to).copied().unwrap_or_default();
         // A rank no longer connected gets nothing: its loss releases the export.
         let Some(Ok(plan_d)) = self.peers.get(to).map(|p| p.compat.tp.decode_rank(to.rank)) else { return };
         // D counts one write from each of the P ranks it maps to in every stage.
@@ -85,7 +86,7 @@ impl PrefillWorker {
             request: reg.request.clone(),
             expected_consumers: plan_d.completion_targets().count() as u32 * self.offer.pp_size,
         };
-        if plan_d.notify_only.contains(&self.offer.tp_rank()) || (ahead > 0 && ahead >= reg.blocks.len()) {
+        if plan_d.notify_only.contains(&self.offer.tp_rank()) || (ahead.whole > 0 && ahead.covers(reg.blocks.len())) {
             // MLA: D reads the latent from another rank; this one only says it is done. Or every
             // block went ahead, and those writes have completed (flushed to D).
             self.out.send(to, &completion);
@@ -97,8 +98,19 @@ impl PrefillWorker {
             Err(err) => return tracing::warn!(request = %id, %err, "completion does not encode"),
         };
         let blocks = export.blocks.clone();
-        match self.post_write(to, &reg, &blocks, ahead..reg.blocks.len(), Some(notification)) {
-            Ok(token) => {
+        let segments = ahead.segments_to(&Ahead::new(reg.blocks.len(), 0, 0));
+        let posted = match ahead.part {
+            None => self.post_write(to, &reg, &blocks, ahead.whole..reg.blocks.len(), Some(notification)).map(Some),
+            // The rest of a chunk's layers and the blocks never written go as one write.
+            Some(_) => self.post_segments(to, &reg, &blocks, &segments, Some(notification)),
+        };
+        match posted {
+            Ok(None) => {
+                // This pipeline stage holds none of the layers left: every byte went ahead.
+                self.out.send(to, &completion);
+                self.exports.get_mut(id).expect("exists").written.insert(to.clone());
+            }
+            Ok(Some(token)) => {
                 let export = self.exports.get_mut(id).expect("exists");
                 *export.writing.entry(to.clone()).or_default() += 1;
                 self.writes.insert(token, Write { request: id.clone(), to: to.clone(), last: true });
@@ -112,19 +124,20 @@ impl PrefillWorker {
         }
     }
 
-    /// Posts a write of P's `blocks` into `d_range` of the blocks D rank `to` registered in
-    /// `reg`: D block `b` of the prompt (from `reg.first_block` on) takes the P blocks that hold
-    /// its tokens (a part of one when P's blocks are the larger), and the plan clips the last
-    /// and checks every block against both pools. A write ahead (`d_range` short of the end)
-    /// takes only the P blocks of its D blocks.
-    pub(super) fn post_write(
-        &mut self,
+    /// The plan of a write of P's `blocks` into `d_range` of the blocks D rank `to` registered
+    /// in `reg`, model layers `layers` of those both pools hold: D block `b` of the prompt
+    /// (from `reg.first_block` on) takes the P blocks that hold its tokens (a part of one when
+    /// P's blocks are the larger), and the plan clips the last and checks every block against
+    /// both pools. A write ahead (`d_range` short of the end) takes only the P blocks of its D
+    /// blocks. `None` when this rank's stage holds none of `layers`.
+    fn plan_write(
+        &self,
         to: &AgentName,
         reg: &PushRegistration,
         blocks: &[BlockId],
         d_range: std::ops::Range<usize>,
-        notification: Option<Vec<u8>>,
-    ) -> Result<XferToken, String> {
+        layers: std::ops::Range<u32>,
+    ) -> Result<Option<WritePlan>, String> {
         let peer = self.peers.get(to).ok_or_else(|| format!("{to} is not connected"))?;
         let tp = peer.compat.tp;
         let plan_d = tp.decode_rank(to.rank).map_err(|e| e.to_string())?;
@@ -145,11 +158,34 @@ impl PrefillWorker {
             slice,
             initiator: Initiator::Prefill,
         };
-        let plan = TransferPlan::build(&input, Granularity::Merged).map_err(|e| e.to_string())?;
+        let plan = match TransferPlan::build_layers(&input, Granularity::Merged, layers) {
+            Ok(plan) => plan,
+            Err(kv_core::PlanError::LayersNotHeld { .. }) => return Ok(None),
+            Err(e) => return Err(e.to_string()),
+        };
         let indexed = self.descriptors == Descriptors::Prepared && by_index(&self.pool.shape, &d_shape, &slice);
+        let (p_blocks, d_blocks) = (p_blocks.to_vec(), d_blocks.to_vec());
+        Ok(Some(WritePlan { plan, p_blocks, d_blocks, d_shape, indexed }))
+    }
+
+    /// Posts a write of P's `blocks` into `d_range` of the blocks D rank `to` registered in
+    /// `reg`, every layer ([`PrefillWorker::plan_write`]): by prepared block indices when both
+    /// pools allow it, else as pairs.
+    pub(super) fn post_write(
+        &mut self,
+        to: &AgentName,
+        reg: &PushRegistration,
+        blocks: &[BlockId],
+        d_range: std::ops::Range<usize>,
+        notification: Option<Vec<u8>>,
+    ) -> Result<XferToken, String> {
+        let Some(write) = self.plan_write(to, reg, blocks, d_range, 0..ahead::ALL_LAYERS)? else {
+            return Err("the stage holds no layer".into());
+        };
+        let WritePlan { plan, p_blocks, d_blocks, d_shape, indexed } = write;
         let token = match self.lists.ready(to).filter(|_| indexed) {
             Some((local, remote)) => {
-                let (local_indices, remote_indices) = block_indices(&self.pool.shape, p_blocks, &d_shape, d_blocks);
+                let (local_indices, remote_indices) = block_indices(&self.pool.shape, &p_blocks, &d_shape, &d_blocks);
                 self.counters.prepared_writes += 1;
                 self.out.post_prepared(PreparedTransfer {
                     op: TransferOp::Write,
@@ -164,7 +200,7 @@ impl PrefillWorker {
             None => {
                 if indexed {
                     // Prepared once, at the first write to this peer; this one goes as pairs.
-                    let regions = peer.handshake.regions.clone();
+                    let regions = self.peers[to].handshake.regions.clone();
                     self.lists.want(&mut self.out, &self.pool, to, &d_shape, &regions);
                 }
                 let request = TransferRequest {
@@ -179,13 +215,51 @@ impl PrefillWorker {
         Ok(token)
     }
 
-    /// Push: a request P computes has `blocks` finished.
-    pub(super) fn on_progress(&mut self, request: RequestId, blocks: Vec<BlockId>, consumer: Option<Consumer>) {
+    /// Posts one write of `segments` (D blocks of `reg`, each in some model layers) of P's
+    /// `blocks` into D rank `to`, as pairs: a layer's bytes are not whole blocks, which
+    /// prepared indices name. `None` when this rank's stage holds none of their layers.
+    pub(super) fn post_segments(
+        &mut self,
+        to: &AgentName,
+        reg: &PushRegistration,
+        blocks: &[BlockId],
+        segments: &[Segment],
+        notification: Option<Vec<u8>>,
+    ) -> Result<Option<XferToken>, String> {
+        if let [one] = segments {
+            if one.all_layers() {
+                return self.post_write(to, reg, blocks, one.blocks.clone(), notification).map(Some);
+            }
+        }
+        let mut pairs = Vec::new();
+        for segment in segments {
+            if let Some(write) = self.plan_write(to, reg, blocks, segment.blocks.clone(), segment.layers.clone())? {
+                pairs.extend_from_slice(write.plan.pairs());
+            }
+        }
+        if pairs.is_empty() {
+            return Ok(None);
+        }
+        self.counters.layer_writes += 1;
+        Ok(Some(self.out.post(TransferRequest { op: TransferOp::Write, peer: to.clone(), pairs, notification })))
+    }
+
+    /// Push: a request P computes has `blocks` finished (with `part`, the chunk in progress in
+    /// some layers only).
+    pub(super) fn on_progress(
+        &mut self,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        part: Option<LayerProgress>,
+        consumer: Option<Consumer>,
+    ) {
         if self.config.mode != Mode::Push || self.exports.contains_key(&request) || self.recent.contains(&request) {
             return;
         }
         let computing = self.computing.entry(request.clone()).or_insert_with(|| Computing {
             blocks: Vec::new(),
+            whole: 0,
+            layers: 0,
             consumer: None,
             ahead: BTreeMap::new(),
             writing: BTreeMap::new(),
@@ -195,6 +269,13 @@ impl PrefillWorker {
         if computing.abandoned {
             return;
         }
+        let (whole, layers) = part.map_or((blocks.len(), 0), |p| (p.whole.min(blocks.len()), p.layers));
+        if whole > computing.whole || blocks.len() > computing.blocks.len() {
+            computing.layers = layers;
+        } else if whole == computing.whole {
+            computing.layers = computing.layers.max(layers);
+        }
+        computing.whole = computing.whole.max(whole);
         if blocks.len() > computing.blocks.len() {
             computing.blocks = blocks;
         }
@@ -267,18 +348,28 @@ impl PrefillWorker {
             if computing.stopped.contains(&to) {
                 continue;
             }
-            let ready = peer.compat.blocks.decode_blocks_in(computing.blocks.len());
-            let ready = ready.saturating_sub(reg.first_block as usize).min(reg.blocks.len());
-            let done = computing.ahead.get(&to).copied().unwrap_or(0);
-            if ready <= done {
+            // D block `b` is whole once all its P blocks are, and has a layer once all its P
+            // blocks have it.
+            let d_blocks = |p: usize| {
+                let d = peer.compat.blocks.decode_blocks_in(p);
+                d.saturating_sub(reg.first_block as usize).min(reg.blocks.len())
+            };
+            let ready = Ahead::new(d_blocks(computing.whole), d_blocks(computing.blocks.len()), computing.layers);
+            let done = computing.ahead.get(&to).copied().unwrap_or_default();
+            let segments = done.segments_to(&ready);
+            if segments.is_empty() {
                 continue;
             }
             let blocks = computing.blocks.clone();
-            let posted = self.post_write(&to, &reg, &blocks, done..ready, None);
+            let posted = self.post_segments(&to, &reg, &blocks, &segments, None);
             let computing = self.computing.get_mut(id).expect("present");
             match posted {
-                Ok(token) => {
-                    computing.ahead.insert(to.clone(), ready);
+                Ok(None) => {
+                    // This stage holds none of those layers.
+                    computing.ahead.insert(to.clone(), done.then(&ready));
+                }
+                Ok(Some(token)) => {
+                    computing.ahead.insert(to.clone(), done.then(&ready));
                     *computing.writing.entry(to.clone()).or_default() += 1;
                     self.counters.writes_ahead += 1;
                     self.writes.insert(token, Write { request: id.clone(), to, last: false });
@@ -424,4 +515,14 @@ pub(super) fn write_ended(writing: &mut BTreeMap<AgentName, usize>, to: &AgentNa
             true
         }
     }
+}
+
+/// A write planned: its plan, the blocks on each side, D's shape, and whether both pools
+/// allow prepared block indices.
+struct WritePlan {
+    plan: TransferPlan,
+    p_blocks: Vec<BlockId>,
+    d_blocks: Vec<BlockId>,
+    d_shape: kv_core::PoolShape,
+    indexed: bool,
 }

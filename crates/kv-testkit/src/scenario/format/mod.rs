@@ -571,11 +571,20 @@ pub enum Event {
     },
     /// `progress` (the project's own event): P's chunked prefill has computed the prompt's
     /// first `tokens` tokens; in push mode the whole blocks among them are written ahead.
+    /// With `layers`, P computes a chunk layer by layer: the tokens up to `tokens` are
+    /// computed in model layers `0..layers`, those before `whole_tokens` in every layer.
     Progress {
         /// `request` (required).
         request: RequestId,
         /// `tokens` (required, at least 1).
         tokens: u64,
+        /// `layers` (none; at least 1): the model layers computed of the chunk.
+        #[serde(default)]
+        layers: Option<u32>,
+        /// `whole_tokens` (0; only with `layers`, at most `tokens`): the tokens before the
+        /// chunk, computed in every layer.
+        #[serde(default)]
+        whole_tokens: Option<u64>,
         /// `node` (prefill0): a prefill engine.
         #[serde(default = "read::prefill0")]
         node: Node,

@@ -344,7 +344,7 @@ impl<'a> Source<'a> {
                                 return Err(self.about(span, format!("must be positive, not {text}")));
                             }
                         }
-                        "prompt_tokens" | "n" | "tokens" if *x.get_ref() < 1.0 => {
+                        "prompt_tokens" | "n" | "tokens" | "layers" if *x.get_ref() < 1.0 => {
                             return Err(self.about(span, format!("must be at least 1, not {text}")));
                         }
                         "cached_tokens"
@@ -359,6 +359,19 @@ impl<'a> Source<'a> {
                     }
                 }
                 _ => {}
+            }
+        }
+        if event == "progress" {
+            let number = |key| {
+                fields.get(key).and_then(|v| Some((v.get_ref().as_integer()?.as_str().parse::<u64>().ok()?, v.span())))
+            };
+            if let Some((whole, span)) = number("whole_tokens") {
+                if !fields.contains_key("layers") {
+                    return Err(self.about(span, "whole_tokens goes with layers (a chunk computed layer by layer)"));
+                }
+                if let Some((tokens, _)) = number("tokens").filter(|&(tokens, _)| whole > tokens) {
+                    return Err(self.about(span, format!("whole_tokens ({whole}) must be at most tokens ({tokens})")));
+                }
             }
         }
         for (a, b) in [("a", "b"), ("from", "to"), ("to", "as")] {

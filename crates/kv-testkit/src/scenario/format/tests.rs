@@ -355,7 +355,7 @@ fn the_project_s_own_events_parse() {
         chunked,
         vec![
             Some(Event::BeginPrefill { request: r1.clone(), prompt_tokens: 64, node, consumer }),
-            Some(Event::Progress { request: r1.clone(), tokens: 32, node }),
+            Some(Event::Progress { request: r1.clone(), tokens: 32, node, layers: None, whole_tokens: None }),
             Some(Event::FinishPrefill { request: r1.clone(), node }),
             Some(Event::AbandonPrefill { request: r1, node }),
         ]
