@@ -63,7 +63,7 @@ enum Part {
     /// The CPU an idle engine uses.
     Idle,
     /// A real model (tiny-llama in 8 layers, 16 MiB of KV a request), one request at a time:
-    /// pull against push writing each chunk as P computes it.
+    /// pull against push writing each chunk, and each layer, as P computes it.
     Model,
 }
 

@@ -16,6 +16,8 @@ pub(super) struct PrefillSide {
     chunk: Option<u64>,
     /// With a model: each layer of a chunk is reported as the model stores it.
     by_layer: bool,
+    /// Push mode: the ranks' commands go before the router hears of an export.
+    push: bool,
 }
 
 impl PrefillSide {
@@ -48,7 +50,8 @@ impl Side for PrefillSide {
         let computes = !per_token.is_zero() || config.engine_model.is_some();
         let chunk = (config.prefill_chunk_tokens > 0 && computes).then_some(config.prefill_chunk_tokens);
         let by_layer = config.engine_model.is_some_and(|m| m.layer_progress);
-        let side = PrefillSide { per_token, gpu_free: Instant::now(), prompts: Vec::new(), chunk, by_layer };
+        let push = config.push;
+        let side = PrefillSide { per_token, gpu_free: Instant::now(), prompts: Vec::new(), chunk, by_layer, push };
         Ok((side, scheduler))
     }
 
@@ -290,6 +293,8 @@ impl Node<PrefillSide> {
 
     /// A prompt is computed: exports its blocks, once per sibling.
     fn computed(&mut self, prompt: Prompt) -> Result<()> {
+        // P is done now: what follows is the connector's path to D.
+        let finished_at_ns = wall_ns();
         let Prompt { id, prompt_tokens, n, consumer, blocks, first, .. } = prompt;
         self.engine.pool.forget_layers(&id);
         // allocate() took one reference; each further sibling export holds its own.
@@ -298,6 +303,7 @@ impl Node<PrefillSide> {
         }
         let ids: Vec<String> = if n > 1 { (0..n).map(|i| format!("{i}_{id}")).collect() } else { vec![id.clone()] };
         let now = self.engine.now();
+        let mut exported = Vec::with_capacity(ids.len());
         for export in ids {
             let remote = self.connector.scheduler().handle_finished(
                 now,
@@ -306,8 +312,15 @@ impl Node<PrefillSide> {
                 prompt_tokens,
                 consumer.clone(),
             )?;
-            let event = Event::Exported { id: id.clone(), remote, finished_at_ns: wall_ns(), first };
-            self.engine.emit(&event);
+            exported.push(Event::Exported { id: id.clone(), remote, finished_at_ns, first });
+        }
+        // Push: the ranks write (or send the completion) while the router hears of it; pull:
+        // D reads once the router has told it, so the router hears first.
+        if self.side.push {
+            self.drain()?;
+        }
+        for event in &exported {
+            self.engine.emit(event);
         }
         self.drain()
     }
