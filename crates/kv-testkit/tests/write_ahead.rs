@@ -77,6 +77,16 @@ fn assert_clean(cluster: &mut Cluster) {
     assert!(cluster.violations().is_empty(), "{:?}", cluster.violations());
 }
 
+/// P finishes r1: the load ends ready with P's bytes, P's export released as transferred, and
+/// the run clean.
+fn finish_ready(cluster: &mut Cluster, keys: &str) {
+    cluster.finish_prefill("prefill0", &r1()).unwrap();
+    later(cluster, 100);
+    assert_eq!(state(cluster, "decode0"), Some("ready"), "{keys:?}: {}", cluster.trace().join("\n"));
+    assert_eq!(cluster.release_reason("prefill0", &r1()), Some(ReleaseReason::Transferred));
+    assert_clean(cluster);
+}
+
 /// P computes half of a 128-token prompt, then all of it, then finishes: two writes ahead
 /// while it computes, the load ready with P's bytes, P's export released as transferred.
 fn check_written_ahead(keys: &str, tokens: u64) {
@@ -89,11 +99,7 @@ fn check_written_ahead(keys: &str, tokens: u64) {
     cluster.progress("prefill0", &r1(), tokens).unwrap();
     later(&mut cluster, 50);
     assert!(writes_ahead(&cluster) > first, "the rest is written ahead as it is computed");
-    cluster.finish_prefill("prefill0", &r1()).unwrap();
-    later(&mut cluster, 100);
-    assert_eq!(state(&cluster, "decode0"), Some("ready"), "{}", cluster.trace().join("\n"));
-    assert_eq!(cluster.release_reason("prefill0", &r1()), Some(ReleaseReason::Transferred));
-    assert_clean(&mut cluster);
+    finish_ready(&mut cluster, keys);
 }
 
 #[test]
@@ -120,11 +126,7 @@ fn a_partial_prefix_hit_is_written_ahead_from_its_first_uncached_block() {
         later(&mut cluster, 50);
         assert!(writes_ahead(&cluster) > 0, "{keys:?}: the finished uncached blocks go ahead");
         cluster.progress("prefill0", &r1(), 128).unwrap();
-        cluster.finish_prefill("prefill0", &r1()).unwrap();
-        later(&mut cluster, 100);
-        assert_eq!(state(&cluster, "decode0"), Some("ready"), "{keys:?}: {}", cluster.trace().join("\n"));
-        assert_eq!(cluster.release_reason("prefill0", &r1()), Some(ReleaseReason::Transferred));
-        assert_clean(&mut cluster);
+        finish_ready(&mut cluster, keys);
     }
 }
 
@@ -273,16 +275,12 @@ fn a_chunk_computed_layer_by_layer_is_written_a_layer_at_a_time() {
         cluster.progress_layers("prefill0", &r1(), 64, 128, 1).unwrap();
         later(&mut cluster, 50);
         assert_eq!(state(&cluster, "decode0"), Some("loading"), "{keys:?}: no completion before P finishes");
-        cluster.finish_prefill("prefill0", &r1()).unwrap();
-        later(&mut cluster, 100);
-        assert_eq!(state(&cluster, "decode0"), Some("ready"), "{keys:?}: {}", cluster.trace().join("\n"));
-        assert_eq!(cluster.release_reason("prefill0", &r1()), Some(ReleaseReason::Transferred));
-        assert_clean(&mut cluster);
+        finish_ready(&mut cluster, keys);
     }
 }
 
 /// The first chunk's first layer goes ahead, and P gives the prompt up while that write is in
-/// flight: the blocks come back once it has ended, and D gives its load up.
+/// flight: the blocks come back once it has ended.
 #[test]
 fn a_prompt_given_up_after_a_layer_went_ahead_frees_its_blocks() {
     let mut cluster = computing_r1("transfer_latency_ms = 40", 128);
