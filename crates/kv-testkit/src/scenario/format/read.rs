@@ -367,10 +367,10 @@ impl<'a> Source<'a> {
             };
             if let Some((whole, span)) = number("whole_tokens") {
                 if !fields.contains_key("layers") {
-                    return Err(self.about(span, "whole_tokens goes with layers (a chunk computed layer by layer)"));
+                    return Err(self.about(span, "goes with layers (a chunk computed layer by layer)"));
                 }
                 if let Some((tokens, _)) = number("tokens").filter(|&(tokens, _)| whole > tokens) {
-                    return Err(self.about(span, format!("whole_tokens ({whole}) must be at most tokens ({tokens})")));
+                    return Err(self.about(span, format!("must be at most tokens ({tokens}), not {whole}")));
                 }
             }
         }

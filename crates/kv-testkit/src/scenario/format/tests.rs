@@ -364,6 +364,21 @@ fn the_project_s_own_events_parse() {
         &steps("[[step]]\nat_s = 0\ndo = \"progress\"\nrequest = \"r1\"\ntokens = 0"),
         "step 1: tokens must be at least 1, not 0",
     );
+    let layered = events(
+        r#"
+        step = [{ at_s = 0, do = "progress", request = "r1", tokens = 64, layers = 1, whole_tokens = 32 }]
+        "#,
+    );
+    let (layers, whole_tokens) = (Some(1), Some(32));
+    let r1 = RequestId::new("r1");
+    assert_eq!(layered, vec![Some(Event::Progress { request: r1, tokens: 64, node, layers, whole_tokens })]);
+    let progress = "[[step]]\nat_s = 0\ndo = \"progress\"\nrequest = \"r1\"\ntokens = 32\n";
+    check(&steps(&format!("{progress}layers = 0")), "step 1: layers must be at least 1, not 0");
+    check(&steps(&format!("{progress}whole_tokens = 16")), "step 1: whole_tokens goes with layers");
+    check(
+        &steps(&format!("{progress}layers = 1\nwhole_tokens = 64")),
+        "step 1: whole_tokens must be at most tokens (32), not 64",
+    );
     check(
         &steps("[[step]]\nat_s = 0\ndo = \"finish_prefill\"\nrequest = \"r1\"\nnode = \"decode0\""),
         "step 1: node \"decode0\" must be a prefill engine for do = \"finish_prefill\"",
