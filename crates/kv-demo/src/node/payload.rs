@@ -365,6 +365,11 @@ struct Pending<T> {
 }
 
 impl<T> Queue<T> {
+    fn new() -> Self {
+        let pending = Pending { first: VecDeque::new(), last: VecDeque::new(), closed: false };
+        Queue { pending: Mutex::new(pending), wake: Condvar::new() }
+    }
+
     fn push(&self, tag: T, work: Work) {
         let mut pending = self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let line = if matches!(work, Work::Check { .. }) { &mut pending.last } else { &mut pending.first };
@@ -396,8 +401,7 @@ impl<T> Queue<T> {
 impl<T: Send + 'static> Workers<T> {
     /// Starts the threads over `pool`; each finished piece of work wakes `engine`.
     pub(super) fn spawn(pool: Arc<PoolBytes>, engine: Thread) -> Result<Self> {
-        let pending = Pending { first: VecDeque::new(), last: VecDeque::new(), closed: false };
-        let queue = Arc::new(Queue { pending: Mutex::new(pending), wake: Condvar::new() });
+        let queue = Arc::new(Queue::new());
         let (done_tx, done) = mpsc::channel();
         let chunk_len = pool.shape().layer_block_bytes() as usize;
         let mut joins = Vec::new();
@@ -489,8 +493,7 @@ mod tests {
     use super::*;
 
     fn queue() -> Queue<&'static str> {
-        let pending = Pending { first: VecDeque::new(), last: VecDeque::new(), closed: false };
-        Queue { pending: Mutex::new(pending), wake: Condvar::new() }
+        Queue::new()
     }
 
     #[test]

@@ -98,11 +98,13 @@ impl PrefillWorker {
             Err(err) => return tracing::warn!(request = %id, %err, "completion does not encode"),
         };
         let blocks = export.blocks.clone();
-        let segments = ahead.segments_to(&Ahead::new(reg.blocks.len(), 0, 0));
         let posted = match ahead.part {
             None => self.post_write(to, &reg, &blocks, ahead.whole..reg.blocks.len(), Some(notification)).map(Some),
             // The rest of a chunk's layers and the blocks never written go as one write.
-            Some(_) => self.post_segments(to, &reg, &blocks, &segments, Some(notification)),
+            Some(_) => {
+                let segments = ahead.segments_to(&Ahead::new(reg.blocks.len(), 0, 0));
+                self.post_segments(to, &reg, &blocks, &segments, Some(notification))
+            }
         };
         match posted {
             Ok(None) => {
@@ -130,14 +132,14 @@ impl PrefillWorker {
     /// P's blocks are the larger), and the plan clips the last and checks every block against
     /// both pools. A write ahead (`d_range` short of the end) takes only the P blocks of its D
     /// blocks. `None` when this rank's stage holds none of `layers`.
-    fn plan_write(
+    fn plan_write<'a>(
         &self,
         to: &AgentName,
-        reg: &PushRegistration,
-        blocks: &[BlockId],
+        reg: &'a PushRegistration,
+        blocks: &'a [BlockId],
         d_range: std::ops::Range<usize>,
         layers: std::ops::Range<u32>,
-    ) -> Result<Option<WritePlan>, String> {
+    ) -> Result<Option<WritePlan<'a>>, String> {
         let peer = self.peers.get(to).ok_or_else(|| format!("{to} is not connected"))?;
         let tp = peer.compat.tp;
         let plan_d = tp.decode_rank(to.rank).map_err(|e| e.to_string())?;
@@ -164,7 +166,6 @@ impl PrefillWorker {
             Err(e) => return Err(e.to_string()),
         };
         let indexed = self.descriptors == Descriptors::Prepared && by_index(&self.pool.shape, &d_shape, &slice);
-        let (p_blocks, d_blocks) = (p_blocks.to_vec(), d_blocks.to_vec());
         Ok(Some(WritePlan { plan, p_blocks, d_blocks, d_shape, indexed }))
     }
 
@@ -185,7 +186,7 @@ impl PrefillWorker {
         let WritePlan { plan, p_blocks, d_blocks, d_shape, indexed } = write;
         let token = match self.lists.ready(to).filter(|_| indexed) {
             Some((local, remote)) => {
-                let (local_indices, remote_indices) = block_indices(&self.pool.shape, &p_blocks, &d_shape, &d_blocks);
+                let (local_indices, remote_indices) = block_indices(&self.pool.shape, p_blocks, &d_shape, d_blocks);
                 self.counters.prepared_writes += 1;
                 self.out.post_prepared(PreparedTransfer {
                     op: TransferOp::Write,
@@ -519,10 +520,10 @@ pub(super) fn write_ended(writing: &mut BTreeMap<AgentName, usize>, to: &AgentNa
 
 /// A write planned: its plan, the blocks on each side, D's shape, and whether both pools
 /// allow prepared block indices.
-struct WritePlan {
+struct WritePlan<'a> {
     plan: TransferPlan,
-    p_blocks: Vec<BlockId>,
-    d_blocks: Vec<BlockId>,
+    p_blocks: &'a [BlockId],
+    d_blocks: &'a [BlockId],
     d_shape: kv_core::PoolShape,
     indexed: bool,
 }
