@@ -21,9 +21,15 @@ use nixl_sys::{
 
 use crate::inbox::Inbox;
 use crate::metadata::{self, mem_type, Registration, TypedRanges};
+
 use kv_side_tcp::{Item, KeySource, SideChannel, SideProbe, SideStatus};
 
 use crate::{runtime, NixlError};
+
+mod pieces;
+
+pub use pieces::DEFAULT_POST_PIECE_BYTES;
+use pieces::{split_entries, split_spans, Pieced, Span};
 
 /// The side channel's default port, as vLLM's NixlConnector uses.
 pub const DEFAULT_SIDE_CHANNEL_PORT: u16 = 5600;
@@ -72,6 +78,12 @@ pub struct NixlConfig {
     /// How often the engine should poll for completions and notifications
     /// ([`Transport::poll_intervals`]); [`DEFAULT_POLL_INTERVALS`] unless configured.
     pub poll_intervals: PollIntervals,
+    /// The most bytes one NIXL request moves between host memory on both sides: a larger
+    /// transfer goes in pieces, one more posted at each poll and its notification with the
+    /// last, once the others have ended, so that a large transfer does not hold the rank's
+    /// thread for its whole copy (the crate's `pieces` module). [`DEFAULT_POST_PIECE_BYTES`] unless
+    /// configured; `None` posts every transfer whole.
+    pub post_piece_bytes: Option<u64>,
 }
 
 impl Default for NixlConfig {
@@ -84,6 +96,7 @@ impl Default for NixlConfig {
             progress_thread: Some(DEFAULT_PROGRESS_PERIOD),
             ucx_params: Vec::new(),
             poll_intervals: DEFAULT_POLL_INTERVALS,
+            post_piece_bytes: Some(DEFAULT_POST_PIECE_BYTES),
         }
     }
 }
@@ -145,6 +158,8 @@ fn descriptor_list(typed: &TypedRanges) -> Result<XferDescList<'static>, Transpo
 struct Prepared {
     handle: PreparedHandle,
     lens: Vec<u64>,
+    /// Its ranges lie in host memory.
+    host: bool,
 }
 
 /// NIXL's prepared-list handle holds raw pointers, so it is not `Send` by itself.
@@ -165,6 +180,7 @@ fn xfer_op(op: TransferOp) -> XferOp {
 enum Pending {
     InFlight(XferRequest),
     Failed(TransportError),
+    Pieces(Box<Pieced>),
 }
 
 /// kv-core's [`Transport`] over NIXL with the UCX backend: one agent per TP rank, a TCP side
@@ -186,6 +202,8 @@ pub struct NixlTransport {
     /// NIXL's UCX backend runs a thread pool (`num_threads` above 1), which splits a
     /// transfer's descriptors across threads.
     threaded: bool,
+    /// [`NixlConfig::post_piece_bytes`].
+    piece_bytes: Option<u64>,
 }
 
 impl std::fmt::Debug for NixlTransport {
@@ -273,6 +291,7 @@ impl NixlTransport {
             events: Inbox::default(),
             poll_intervals: config.poll_intervals,
             threaded: thread_pool(&config.ucx_params),
+            piece_bytes: config.post_piece_bytes,
         })
     }
 
@@ -401,6 +420,21 @@ impl NixlTransport {
         id
     }
 
+    /// A transfer request between entries `indices` (local, remote) of prepared `lists`.
+    fn make_entries(
+        &self,
+        op: TransferOp,
+        lists: (&Prepared, &Prepared),
+        indices: (&[u32], &[u32]),
+        args: &OptArgs,
+    ) -> Result<XferRequest, TransportError> {
+        let to_i32 = |v: &[u32]| v.iter().map(|&i| i as i32).collect::<Vec<i32>>();
+        let (local, remote) = (to_i32(indices.0), to_i32(indices.1));
+        self.agent
+            .make_xfer_req(xfer_op(op), &lists.0.handle.0, &local, &lists.1.handle.0, &remote, Some(args))
+            .map_err(|e| backend_error("make transfer", e))
+    }
+
     /// The local registrations, as a peer learns them.
     fn local_memory(&self) -> impl Iterator<Item = Registration> + '_ {
         self.regions.values().map(|(_, r)| Registration { addr: r.addr, len: r.len, kind: r.kind })
@@ -464,8 +498,23 @@ impl Transport for NixlTransport {
             return Err(TransportError::InvalidTransfer("no descriptor pairs".into()));
         }
         // Each side's list takes the memory type and devices of that side's registrations.
-        let local = descriptor_list(&self.typed_local(request.pairs.iter().map(|p| (p.local_addr, p.len)))?)?;
-        let remote = descriptor_list(&Self::typed_remote(peer, request.pairs.iter().map(|p| (p.remote_addr, p.len)))?)?;
+        let local = self.typed_local(request.pairs.iter().map(|p| (p.local_addr, p.len)))?;
+        let remote = Self::typed_remote(peer, request.pairs.iter().map(|p| (p.remote_addr, p.len)))?;
+        if let Some(max) = self
+            .piece_bytes
+            .filter(|&max| (local.mem_type, remote.mem_type) == (MemType::Dram, MemType::Dram) && request.bytes() > max)
+        {
+            let spans = local.ranges.iter().zip(&remote.ranges).map(|(&(l, len, ld), &(r, _, rd))| Span {
+                local: l,
+                remote: r,
+                len,
+                local_device: ld,
+                remote_device: rd,
+            });
+            let pieces = split_spans(spans, max);
+            return Ok(self.start_pieces(request.op, request.peer, None, pieces, request.notification));
+        }
+        let (local, remote) = (descriptor_list(&local)?, descriptor_list(&remote)?);
         let args = self.transfer_args(&request.peer, request.notification.as_deref())?;
         let xfer = self
             .agent
@@ -489,7 +538,8 @@ impl Transport for NixlTransport {
         let handle =
             self.agent.prepare_xfer_dlist(&agent_name, &list, Some(&args)).map_err(|e| backend_error("prepare", e))?;
         let lens = ranges.iter().map(|&(_, len)| len).collect();
-        Ok(self.prepared.insert(peer.cloned(), Prepared { handle: PreparedHandle(handle), lens }))
+        let host = typed.mem_type == MemType::Dram;
+        Ok(self.prepared.insert(peer.cloned(), Prepared { handle: PreparedHandle(handle), lens, host }))
     }
 
     fn post_prepared(&mut self, request: PreparedTransfer) -> Result<TransferId, TransportError> {
@@ -506,19 +556,23 @@ impl Transport for NixlTransport {
                 _ => return Err(TransportError::InvalidTransfer(format!("entries {l} and {r} do not pair"))),
             }
         }
-        let to_i32 = |v: &[u32]| v.iter().map(|&i| i as i32).collect::<Vec<i32>>();
-        let (local_idx, remote_idx) = (to_i32(&request.local_indices), to_i32(&request.remote_indices));
+        let bytes: u64 = request.local_indices.iter().map(|&l| local.lens[l as usize]).sum();
+        if let Some(max) = self.piece_bytes.filter(|&max| local.host && remote.host && bytes > max) {
+            let pieces =
+                split_entries(&request.local_indices, &request.remote_indices, |l| local.lens[l as usize], max);
+            let lists = Some((request.local, request.remote));
+            return Ok(self.start_pieces(request.op, request.peer, lists, pieces, request.notification));
+        }
         let args = self.transfer_args(&request.peer, request.notification.as_deref())?;
-        let xfer = self
-            .agent
-            .make_xfer_req(xfer_op(request.op), &local.handle.0, &local_idx, &remote.handle.0, &remote_idx, Some(&args))
-            .map_err(|e| backend_error("make transfer", e))?;
+        let xfer =
+            self.make_entries(request.op, (local, remote), (&request.local_indices, &request.remote_indices), &args)?;
         Ok(self.start(xfer, &args))
     }
 
     fn poll_transfer(&mut self, id: TransferId) -> TransferStatus {
         let status = match self.transfers.get(&id) {
             None => return TransferStatus::Failed(TransportError::UnknownTransfer(id)),
+            Some(Pending::Pieces(_)) => return self.poll_pieces(id),
             Some(Pending::Failed(e)) => TransferStatus::Failed(e.clone()),
             Some(Pending::InFlight(xfer)) => match self.agent.get_xfer_status(xfer) {
                 Ok(XferStatus::InProgress) => return TransferStatus::InProgress,
@@ -558,7 +612,13 @@ impl Transport for NixlTransport {
         self.side.set_waker(waker);
     }
 
+    /// As configured, except that while a transfer has pieces left to post the engine is to
+    /// poll again at once: each poll posts the next piece.
     fn poll_intervals(&self) -> PollIntervals {
+        let pieces_left = self.transfers.values().any(|t| matches!(t, Pending::Pieces(p) if p.may_post()));
+        if pieces_left {
+            return PollIntervals { transfers: Some(Duration::ZERO), ..self.poll_intervals };
+        }
         self.poll_intervals
     }
 

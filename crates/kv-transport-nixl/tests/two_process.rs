@@ -1,5 +1,5 @@
 //! Real NIXL/UCX between two processes on loopback: reads and writes of 64 blocks with a
-//! notification, remote ranges checked against the peer's registrations, handshake refusals on
+//! notification, a large read in pieces that a small one posted after it overtakes, remote ranges checked against the peer's registrations, handshake refusals on
 //! both sides, bad handshake bytes, a killed peer (reported lost within a second, waking the
 //! engine parked on the transport's waker), the cluster key (only its holders handshake, and
 //! their notifications open), a peer that sends faster than the engine takes in (dropped beyond
@@ -235,6 +235,45 @@ fn d_reads_by_prepared_block_indices_and_p_is_notified() {
     assert_reversed_copy_of_p(&pool);
     let note = expect_line(&mut out, "NOTIFIED");
     assert!(note.starts_with("decode0/tp0 Completion") && note.contains("\"r3\""), "{note}");
+    child.kill().ok();
+    child.wait().ok();
+}
+
+/// Host memory moves inside NIXL's post over UCX's shared memory, so a large transfer goes in
+/// pieces, one more at each poll: a small read posted after a large one is not held behind the
+/// large one's copy, and P hears of the large read once, after its last piece.
+#[test]
+fn a_large_read_goes_in_pieces_so_a_small_one_posted_after_it_ends_first() {
+    const NAME: &str = "a_large_read_goes_in_pieces_so_a_small_one_posted_after_it_ends_first";
+    if child_main() || !nixl_or_skip(NAME) {
+        return;
+    }
+    let _serial = serial();
+    let (mut child, mut out, port) = start_listener(NAME, Role::Prefill, &[("KVFLOW_TEST_FILL", "1".into())]);
+    let pool = HostPool::new(BLOCKS);
+    // Pieces of two and a half blocks: pairs are cut inside a block.
+    let config = NixlConfig { post_piece_bytes: Some(BLOCK_BYTES as u64 * 5 / 2), ..test_config() };
+    let mut d = transport_config(offer("decode0", Role::Decode, 1, 16, &pool, BLOCKS as u32), &pool, config);
+    let info = connect(&mut d, port);
+    let all = pairs(&pool, &info.handshake.regions[0]);
+    let completion =
+        |id: &str| Some(Message::Completion { request: RequestId::new(id), expected_consumers: 1 }.encode().unwrap());
+    let read = |pairs: &[DescriptorPair], id: &str| TransferRequest {
+        op: TransferOp::Read,
+        peer: info.agent.clone(),
+        pairs: pairs.to_vec(),
+        notification: completion(id),
+    };
+    let large = d.post(read(&all[..60], "large")).unwrap();
+    let small = d.post(read(&all[60..], "small")).unwrap();
+    wait_done(&mut d, small);
+    assert!(matches!(d.poll_transfer(large), TransferStatus::InProgress), "24 pieces cannot end in one poll");
+    let first = expect_line(&mut out, "NOTIFIED");
+    assert!(first.contains("\"small\""), "P heard of the large read before its last piece: {first}");
+    wait_done(&mut d, large);
+    let second = expect_line(&mut out, "NOTIFIED");
+    assert!(second.contains("\"large\""), "{second}");
+    assert_reversed_copy_of_p(&pool);
     child.kill().ok();
     child.wait().ok();
 }

@@ -113,7 +113,16 @@ pub fn transport(offer: Handshake, pool: &HostPool) -> NixlTransport {
 
 /// As [`transport`], with the key from `key`.
 pub fn transport_with(offer: Handshake, pool: &HostPool, key: KeySource) -> NixlTransport {
-    let config = NixlConfig { bind: "127.0.0.1:0".parse().unwrap(), key, ..NixlConfig::default() };
+    transport_config(offer, pool, NixlConfig { key, ..test_config() })
+}
+
+/// The configuration the tests' transports start from: an ephemeral loopback port, no key.
+pub fn test_config() -> NixlConfig {
+    NixlConfig { bind: "127.0.0.1:0".parse().unwrap(), ..NixlConfig::default() }
+}
+
+/// A transport made with `config`, with `pool` registered.
+pub fn transport_config(offer: Handshake, pool: &HostPool, config: NixlConfig) -> NixlTransport {
     runtime::prepare(None).expect("the NIXL runtime");
     let mut t = NixlTransport::new(offer, &config, clock()).expect("NIXL transport");
     t.register(&pool.region()).expect("register pool");
