@@ -485,6 +485,7 @@ impl DecodeWorker {
                         // A list prepared with an earlier incarnation names its metadata, not this one's.
                         self.lists.forget(&agent);
                         self.peers.insert(agent.clone(), Peer::new(&info, compat));
+                        self.prepare_lists(&agent);
                         for message in self.queued.remove(&agent).unwrap_or_default() {
                             self.out.send(&agent, &message);
                         }

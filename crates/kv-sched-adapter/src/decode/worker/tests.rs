@@ -96,3 +96,38 @@ fn a_partial_prefix_hit_loads_in_either_mode_and_too_many_cached_is_refused() {
     assert_eq!(scheduled(Mode::Push, 3), Ok(()));
     assert_eq!(scheduled(Mode::Push, 0), Ok(()));
 }
+
+/// In pull mode D asks for its own list and a P rank's as soon as that rank connects, so the
+/// first load from it names blocks by index like every other; push mode reads nothing.
+#[test]
+fn pull_prepares_the_descriptor_lists_when_a_p_rank_connects_not_at_its_first_read() {
+    let prepares = |mode: Mode| {
+        let pool = pool(1);
+        let offer = pool.offer(&AgentName::new(EngineId::new("decode0"), 0), 1, 1, Role::Decode, "m");
+        let mut d = DecodeWorker::new(offer, Config { mode, ..Config::default() }, pool.clone()).unwrap();
+        let p = AgentName::new(EngineId::new("prefill0"), 0);
+        let p_pool = LocalPool { regions: vec![RegionBase { addr: 0x90_0000, len: pool.shape.pool_bytes() }], ..pool };
+        let handshake = p_pool.offer(&p, 1, 1, Role::Prefill, "m");
+        let info = kv_core::PeerInfo {
+            agent: p.clone(),
+            handshake,
+            sent_at: Time::ZERO,
+            received_at: Time::ZERO,
+            dialed: Some(PeerAddress("127.0.0.1:5600".into())),
+        };
+        d.handle_peer_event(Time::ZERO, PeerEvent::Connected(Box::new(info)));
+        std::iter::from_fn(|| d.poll_action())
+            .filter_map(|a| match a {
+                Action::Prepare { peer, ranges, .. } => Some((peer, ranges.len())),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    // 8 blocks of 2 layers' K and V: one entry per block and descriptor group on each side.
+    let entries = pool(1).shape.block_descriptors(&[0x10_0000]).len();
+    assert_eq!(
+        prepares(Mode::Pull),
+        vec![(None, entries), (Some(AgentName::new(EngineId::new("prefill0"), 0)), entries)]
+    );
+    assert_eq!(prepares(Mode::Push), Vec::new());
+}
