@@ -301,7 +301,8 @@ impl Engine {
         let (tx, ended) = mpsc::channel();
         let (mut ranks, mut starts) = (Vec::new(), Vec::new());
         for rank in 0..tp {
-            let region = memory.allocate(MemoryKind::Host, shape.pool_bytes()).context("the KV pool")?;
+            let region = payload::at_low_priority(|| memory.allocate(MemoryKind::Host, shape.pool_bytes()))
+                .context("the KV pool")?;
             let regions = (0..shape.region_count())
                 .map(|i| RegionBase { addr: region.addr + u64::from(i) * shape.region_len(), len: shape.region_len() })
                 .collect();

@@ -448,17 +448,40 @@ impl<T> Drop for Workers<T> {
 
 /// Puts the calling thread behind the engine's control plane and its ranks' transfers for
 /// the CPU. A GPU engine computes and checks on the GPU, not on the cores its control plane
-/// and UCX run on; here the payload threads share a few cores with them, and at the same
-/// priority a prompt's fill stood in the way of every report, frees and readiness behind it.
-/// Linux applies a nice value to the calling thread alone; failing is harmless (the work is
-/// done all the same), so it is only logged.
-#[allow(unsafe_code)] // One libc call: see the SAFETY note.
-fn lower_priority() {
+/// and UCX run on; here the payload threads share a few cores with them. At the same priority
+/// a prompt's fill stood in the way of every report, free and readiness behind it; at nice 10
+/// the scheduler still ran them for whole slices of 5 to 9 ms while a rank's thread waited with
+/// a transfer to post (traced with `sched_switch` on 2 cores). So they run as `SCHED_IDLE`,
+/// which gets a core only when no other thread wants it, or at nice 10 where that is refused.
+/// Linux applies either to the calling thread alone; failing is harmless (the work is done all
+/// the same), so it is only logged.
+#[allow(unsafe_code)] // Two libc calls: see the SAFETY notes.
+pub(super) fn lower_priority() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sched_setscheduler reads the parameter it is given and changes no memory of this
+    // process; 0 names the calling thread.
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } == 0 {
+        return;
+    }
     // SAFETY: setpriority takes plain integers and changes no memory of this process.
     let result = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) };
     if result != 0 {
         tracing::debug!(error = %std::io::Error::last_os_error(), "payload thread keeps its priority");
     }
+}
+
+/// Runs `work` on a thread of its own at the payload threads' priority ([`lower_priority`]),
+/// and returns what it gave: an engine's start-up work that would otherwise hold a core from
+/// the control plane of the engines already running (a restarted D's pool, zeroed page by
+/// page: 0.3 s of one core for the demo's 768 MiB).
+pub(super) fn at_low_priority<R: Send>(work: impl FnOnce() -> R + Send) -> R {
+    std::thread::scope(|scope| {
+        let thread = scope.spawn(|| {
+            lower_priority();
+            work()
+        });
+        thread.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
 }
 
 fn run<T>(pool: &PoolBytes, chunk: &mut [u8], tag: T, work: Work, handed: Instant, engine: &Thread) -> Done<T> {
