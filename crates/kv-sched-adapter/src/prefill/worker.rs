@@ -463,6 +463,7 @@ impl PrefillWorker {
                 match check_compatible(&self.offer, &info.handshake) {
                     Ok(compat) => {
                         self.peers.insert(info.agent.clone(), Peer::new(&info, compat));
+                        self.prepare_lists(&info.agent);
                         self.hear(now, &incarnation);
                     }
                     Err(err) => {

@@ -126,6 +126,27 @@ impl PrefillWorker {
         }
     }
 
+    /// In push mode, asks for the descriptor lists of this rank's pool and of D rank `agent`'s
+    /// as soon as it connects, where writes to it can name whole blocks by index, so that the
+    /// first write to it goes as fast as the others: made at the first write, the lists held
+    /// the rank's thread for milliseconds, with that write posted as address pairs meanwhile.
+    pub(super) fn prepare_lists(&mut self, agent: &AgentName) {
+        if self.config.mode != Mode::Push || self.descriptors != Descriptors::Prepared {
+            return;
+        }
+        let Some(peer) = self.peers.get(agent) else { return };
+        let tp = peer.compat.tp;
+        let rank = self.offer.tp_rank();
+        let Ok(plan_d) = tp.decode_rank(agent.rank) else { return };
+        let Some(slice) = plan_d.reads.iter().find(|s| s.prefill_rank == rank).copied() else { return };
+        let Some(d_shape) = peer.shape(tp.decode_heads()) else { return };
+        if !by_index(&self.pool.shape, &d_shape, &slice) {
+            return;
+        }
+        let regions = peer.handshake.regions.clone();
+        self.lists.want(&mut self.out, &self.pool, agent, &d_shape, &regions);
+    }
+
     /// The plan of a write of P's `blocks` into `d_range` of the blocks D rank `to` registered
     /// in `reg`, model layers `layers` of those both pools hold: D block `b` of the prompt
     /// (from `reg.first_block` on) takes the P blocks that hold its tokens (a part of one when
@@ -200,7 +221,8 @@ impl PrefillWorker {
             }
             None => {
                 if indexed {
-                    // Prepared once, at the first write to this peer; this one goes as pairs.
+                    // Asked for when the peer connected; until they are ready (or if that was
+                    // not asked), writes go as pairs.
                     let regions = self.peers[to].handshake.regions.clone();
                     self.lists.want(&mut self.out, &self.pool, to, &d_shape, &regions);
                 }

@@ -92,3 +92,32 @@ fn a_push_prompt_given_up_keeps_its_id_but_a_pull_one_does_not() {
         }
     }
 }
+
+/// In push mode P asks for its own list and a D rank's as soon as that rank connects, so the
+/// first write to it names blocks by index like every other; pull mode writes nothing.
+#[test]
+fn push_prepares_the_descriptor_lists_when_a_d_rank_connects_not_at_its_first_write() {
+    let prepares = |mode: Mode| {
+        let (pool, offer) = test_offer("prefill0", Role::Prefill, 1);
+        let mut p = PrefillWorker::new(offer, Config { mode, ..Config::default() }, pool).unwrap();
+        let (_, handshake) = test_offer("decode0", Role::Decode, 1);
+        let info = kv_core::PeerInfo {
+            agent: AgentName::new(handshake.engine.clone(), 0),
+            handshake,
+            sent_at: Time::ZERO,
+            received_at: Time::ZERO,
+            dialed: None,
+        };
+        p.handle_peer_event(Time::ZERO, PeerEvent::Connected(Box::new(info)));
+        std::iter::from_fn(|| p.poll_action())
+            .filter_map(|a| match a {
+                Action::Prepare { peer, ranges, .. } => Some((peer.map(|p| p.to_string()), ranges.len())),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let (pool, _) = test_offer("prefill0", Role::Prefill, 1);
+    let entries = pool.shape.block_descriptors(&pool.regions.iter().map(|r| r.addr).collect::<Vec<_>>()).len();
+    assert_eq!(prepares(Mode::Push), vec![(None, entries), (Some("decode0/tp0".to_owned()), entries)]);
+    assert_eq!(prepares(Mode::Pull), Vec::new());
+}
