@@ -182,7 +182,8 @@ impl DecodeWorker {
                 notification: Some(notification.clone()),
             }));
         }
-        // Lists are prepared once, the first time a peer is read; this read goes as pairs.
+        // Lists are asked for when the peer connects (`prepare_lists`), else here, the first time
+        // a peer is read; until they are ready, reads go as pairs.
         for (agent, p_shape) in to_prepare {
             let regions = self.peers[&agent].handshake.regions.clone();
             self.lists.want(&mut self.out, &self.pool, &agent, &p_shape, &regions);
