@@ -28,8 +28,8 @@ use crate::{runtime, NixlError};
 
 mod pieces;
 
-pub use pieces::DEFAULT_POST_PIECE_BYTES;
 use pieces::{split_entries, split_spans, Pieced, Span};
+pub use pieces::{DEFAULT_POST_PIECE_BUDGET, DEFAULT_POST_PIECE_BYTES};
 
 /// The side channel's default port, as vLLM's NixlConnector uses.
 pub const DEFAULT_SIDE_CHANNEL_PORT: u16 = 5600;
@@ -81,9 +81,12 @@ pub struct NixlConfig {
     /// The most bytes one NIXL request moves between host memory on both sides: a larger
     /// transfer goes in pieces, one more posted at each poll and its notification with the
     /// last, once the others have ended, so that a large transfer does not hold the rank's
-    /// thread for its whole copy (the crate's `pieces` module). [`DEFAULT_POST_PIECE_BYTES`] unless
+    /// thread for its whole copy (`transport/pieces.rs`). [`DEFAULT_POST_PIECE_BYTES`] unless
     /// configured; `None` posts every transfer whole.
     pub post_piece_bytes: Option<u64>,
+    /// How long one call may go on posting a transfer's pieces before it returns to the engine
+    /// ([`DEFAULT_POST_PIECE_BUDGET`] unless configured); zero posts one piece a call.
+    pub post_piece_budget: Duration,
 }
 
 impl Default for NixlConfig {
@@ -97,6 +100,7 @@ impl Default for NixlConfig {
             ucx_params: Vec::new(),
             poll_intervals: DEFAULT_POLL_INTERVALS,
             post_piece_bytes: Some(DEFAULT_POST_PIECE_BYTES),
+            post_piece_budget: DEFAULT_POST_PIECE_BUDGET,
         }
     }
 }
@@ -202,8 +206,9 @@ pub struct NixlTransport {
     /// NIXL's UCX backend runs a thread pool (`num_threads` above 1), which splits a
     /// transfer's descriptors across threads.
     threaded: bool,
-    /// [`NixlConfig::post_piece_bytes`].
+    /// [`NixlConfig::post_piece_bytes`] and [`NixlConfig::post_piece_budget`].
     piece_bytes: Option<u64>,
+    piece_budget: Duration,
 }
 
 impl std::fmt::Debug for NixlTransport {
@@ -292,6 +297,7 @@ impl NixlTransport {
             poll_intervals: config.poll_intervals,
             threaded: thread_pool(&config.ucx_params),
             piece_bytes: config.post_piece_bytes,
+            piece_budget: config.post_piece_budget,
         })
     }
 

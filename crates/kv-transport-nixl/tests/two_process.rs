@@ -251,8 +251,9 @@ fn a_large_read_goes_in_pieces_so_a_small_one_posted_after_it_ends_first() {
     let _serial = serial();
     let (mut child, mut out, port) = start_listener(NAME, Role::Prefill, &[("KVFLOW_TEST_FILL", "1".into())]);
     let pool = HostPool::new(BLOCKS);
-    // Pieces of two and a half blocks: pairs are cut inside a block.
-    let config = NixlConfig { post_piece_bytes: Some(BLOCK_BYTES as u64 * 5 / 2), ..test_config() };
+    // Pieces of two and a half blocks (pairs are cut inside a block), one posted a call.
+    let piece = Some(BLOCK_BYTES as u64 * 5 / 2);
+    let config = NixlConfig { post_piece_bytes: piece, post_piece_budget: Duration::ZERO, ..test_config() };
     let mut d = transport_config(offer("decode0", Role::Decode, 1, 16, &pool, BLOCKS as u32), &pool, config);
     let info = connect(&mut d, port);
     let all = pairs(&pool, &info.handshake.regions[0]);

@@ -6,14 +6,18 @@
 //! that arrived meanwhile waited the whole copy behind a large one (the demo's P done -> D
 //! holds KV p99 was 13 to 17 times the small load's own transfer). So a transfer of more than
 //! [`crate::NixlConfig::post_piece_bytes`] between host memory on both sides goes as several
-//! NIXL requests: the first is posted with the transfer, and each later one at a poll of it,
-//! so that what the rank's thread was asked for in between is posted between two pieces. The
-//! notification goes with the last piece, posted only once every other piece has ended, so the
+//! NIXL requests, posted while they may go until
+//! [`crate::NixlConfig::post_piece_budget`] has passed in the call, the rest at the next
+//! polls of the transfer: what the rank's thread was asked for in between is posted between
+//! two pieces. Where posts return at once (a NIC moves the bytes) every piece goes in the
+//! first call. The notification goes with the last piece, posted only once every other piece
+//! has ended, so the
 //! peer is told only after every byte moved. A piece that fails stops the rest; the transfer
 //! reports the failure once the pieces in flight have ended, so no byte lands after it is
 //! reported. Device memory is posted whole: its copies do not run inside the post.
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use kv_core::{AgentName, PreparedId, TransferId, TransferOp, TransferStatus, TransportError};
 use nixl_sys::{MemType, XferRequest, XferStatus};
@@ -21,12 +25,19 @@ use nixl_sys::{MemType, XferRequest, XferStatus};
 use super::{backend_error, descriptor_list, xfer_op, NixlTransport, Pending};
 use crate::metadata::TypedRanges;
 
-/// The bytes of one piece, by default. A 2 MiB piece's post took 0.15 to 0.3 ms of copying on
-/// the 2-core machine this was measured on, against 10 to 14 ms for 32 MiB posted whole; each
-/// piece also costs a NIXL request of its own, about 70 µs there: the bench's 32 MiB pull read
-/// took 3.0 ms p50 posted whole, 4.1 ms in 2 MiB pieces, 3.7 ms in 4 MiB pieces and 3.0 ms in
-/// 8 MiB pieces (one run each).
+/// The bytes of one piece, by default. Each piece costs a NIXL request and, where its post
+/// copies inline, a poll of its own: in the bench's one-at-a-time 32 MiB pull on 2 cores, posts
+/// of the whole transfer ran at 12.2 GB/s, 16 MiB pieces at 13.5 to 13.8, 8 MiB at 10.8 to
+/// 11.8 and 4 MiB at 9.8 to 11.9 (two runs each); but in the demo's mix of 16- to 512-token
+/// prompts, pull's P done -> D holds KV p99 over each request's own transfer was 5 to 12 (median
+/// 6.1 of 5 runs) with 4 MiB pieces and 7 to 14 (median 10.9) with 16 MiB pieces.
 pub const DEFAULT_POST_PIECE_BYTES: u64 = 4 << 20;
+
+/// How long one call may go on posting a transfer's pieces, by default: where a post copies
+/// inline (UCX's shared memory) that is one or two pieces, and where posts return at once (a
+/// NIC moves the bytes) every piece goes in the first call, so pieces cost such a transport
+/// nothing.
+pub const DEFAULT_POST_PIECE_BUDGET: Duration = Duration::from_micros(500);
 
 /// One piece of a transfer: what one NIXL request moves.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -91,7 +102,7 @@ impl NixlTransport {
         self.next_transfer += 1;
         let waiting = pieces.into();
         let mut pieced = Pieced { op, peer, lists, waiting, notification, in_flight: Vec::new(), failed: None };
-        self.post_next_piece(&mut pieced);
+        self.advance(&mut pieced, Instant::now());
         self.transfers.insert(id, Pending::Pieces(Box::new(pieced)));
         id
     }
@@ -102,16 +113,7 @@ impl NixlTransport {
         let Some(Pending::Pieces(mut pieced)) = self.transfers.remove(&id) else {
             return TransferStatus::Failed(TransportError::UnknownTransfer(id));
         };
-        let agent = &self.agent;
-        pieced.in_flight.retain(|xfer| match agent.get_xfer_status(xfer) {
-            Ok(XferStatus::InProgress) => true,
-            Ok(XferStatus::Success) => false,
-            Err(e) => {
-                pieced.failed.get_or_insert(TransportError::TransferFailed(e.to_string()));
-                false
-            }
-        });
-        self.post_next_piece(&mut pieced);
+        self.advance(&mut pieced, Instant::now());
         if !pieced.ended() {
             self.transfers.insert(id, Pending::Pieces(pieced));
             return TransferStatus::InProgress;
@@ -122,11 +124,33 @@ impl NixlTransport {
         }
     }
 
-    /// Posts the next piece of `pieced`, if it may go now; the last carries the notification.
-    fn post_next_piece(&self, pieced: &mut Pieced) {
-        if !pieced.may_post() {
-            return;
+    /// Takes in which of `pieced`'s pieces in flight ended, and posts the next ones while they
+    /// may go, until the configured budget (`NixlConfig::post_piece_budget`) has passed since
+    /// `since`.
+    fn advance(&self, pieced: &mut Pieced, since: Instant) {
+        loop {
+            let agent = &self.agent;
+            let failed = &mut pieced.failed;
+            pieced.in_flight.retain(|xfer| match agent.get_xfer_status(xfer) {
+                Ok(XferStatus::InProgress) => true,
+                Ok(XferStatus::Success) => false,
+                Err(e) => {
+                    failed.get_or_insert(TransportError::TransferFailed(e.to_string()));
+                    false
+                }
+            });
+            if !pieced.may_post() {
+                return;
+            }
+            self.post_next_piece(pieced);
+            if since.elapsed() >= self.piece_budget {
+                return;
+            }
         }
+    }
+
+    /// Posts the next piece of `pieced` (it may go); the last carries the notification.
+    fn post_next_piece(&self, pieced: &mut Pieced) {
         let piece = pieced.waiting.pop_front().expect("may_post: one waits");
         let notification = if pieced.waiting.is_empty() { pieced.notification.as_deref() } else { None };
         match self.post_piece(pieced, &piece, notification) {
