@@ -36,7 +36,8 @@ pub enum PrefillCommand {
         /// The D engine the router named, if any: only its registrations are written ahead.
         consumer: Option<Consumer>,
         /// When P computes layer by layer: the blocks past the first `whole` are computed in
-        /// some model layers only; none means every block is computed in every layer.
+        /// some model layers only (none yet, a chunk about to be computed); none means every
+        /// block is computed in every layer.
         #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
         part: Option<LayerProgress>,
     },
@@ -52,13 +53,16 @@ pub enum PrefillCommand {
 /// How far a chunk P computes layer by layer has gone: of the blocks reported computed, the
 /// first `whole` are computed in every model layer, the rest (the chunk's) in model layers
 /// `0..layers` so far. The blocks' model layers are the whole model's, numbered from 0; each
-/// pipeline stage writes those it holds.
+/// pipeline stage writes those it holds. `layers: 0` reports a chunk about to be computed:
+/// its blocks are the connector's from then on, and none of its layers is written yet (an
+/// engine that learns of a layer only inside its forward, as vLLM's `save_kv_layer`, reports
+/// the chunk so before the forward and its layers from there).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct LayerProgress {
     /// Blocks computed in every layer, from the prompt's first.
     pub whole: usize,
-    /// Model layers `0..layers` of the blocks past them are computed (at least 1).
+    /// Model layers `0..layers` of the blocks past them are computed (0: none yet).
     pub layers: u32,
 }
 
@@ -119,9 +123,9 @@ pub enum PrefillError {
         /// The blocks reported before.
         computed: usize,
     },
-    /// A layer-by-layer report names no layer, more whole blocks than it reports, or fewer
-    /// than it reported whole before.
-    #[error("request {request}: {whole} whole blocks and {layers} layers of {blocks} blocks do not extend the {before} reported whole before (a part has at least one layer and one block)")]
+    /// A layer-by-layer report names more whole blocks than it reports, or fewer than it
+    /// reported whole before.
+    #[error("request {request}: {whole} whole blocks and {layers} layers of {blocks} blocks do not extend the {before} reported whole before (the whole blocks never shrink, and are at most the blocks reported)")]
     LayerMismatch {
         /// P's request id.
         request: RequestId,
@@ -331,10 +335,12 @@ impl PrefillScheduler {
     /// As [`PrefillScheduler::handle_progress`], for an engine that computes a chunk layer
     /// by layer: of `blocks` (all of them so far, in prompt order), the first `part.whole`
     /// are computed in every model layer, and the rest, the chunk in progress, in model layers
-    /// `0..part.layers` (call it after each layer, or each few). In push mode the workers
-    /// write each layer of the chunk as it is reported, so that at the export only the last
-    /// layer of the last chunk is left to move. A chunk is whole before the next one starts:
-    /// the whole blocks never shrink, and `blocks` extends the last call's.
+    /// `0..part.layers` (call it after each layer, or each few; `part.layers` 0 says the chunk
+    /// is about to be computed: its blocks are the connector's from this call on, and the
+    /// workers write the whole blocks not yet written). In push mode the workers write each
+    /// layer of the chunk as it is reported, so that at the export only the last layer of the
+    /// last chunk is left to move. A chunk is whole before the next one starts: the whole
+    /// blocks never shrink, and `blocks` extends the last call's.
     pub fn handle_layer_progress(
         &mut self,
         request: RequestId,
@@ -364,14 +370,19 @@ impl PrefillScheduler {
         if !blocks.starts_with(before) {
             return Err(PrefillError::ProgressMismatch { request, blocks: blocks.len(), computed });
         }
-        // A part of no layer, or of no block, says only that the whole blocks are done.
+        // A part of no block says only that the whole blocks are done. One of no layer names
+        // a chunk about to be computed: its blocks are the connector's, none of its layers
+        // written yet.
         let part = part.filter(|p| p.whole != blocks.len());
         let (whole, layers) = part.map_or((blocks.len(), 0), |p| (p.whole, p.layers));
-        if whole > blocks.len() || whole < before_whole || (part.is_some() && layers == 0) {
+        if whole > blocks.len() || whole < before_whole {
             let before = before_whole;
             return Err(PrefillError::LayerMismatch { request, whole, layers, blocks: blocks.len(), before });
         }
-        let advanced = blocks.len() > computed || whole > before_whole || (part.is_some() && layers > before_layers);
+        let same_chunk = blocks.len() == computed && whole == before_whole;
+        let advanced = !same_chunk || (part.is_some() && layers > before_layers);
+        // Layers of one chunk only grow: a report of fewer says nothing new.
+        let layers = if same_chunk { layers.max(before_layers) } else { layers };
         if self.config.mode == Mode::Push && advanced {
             for rank in 0..self.workers {
                 let command = PrefillCommand::Progress {
@@ -494,6 +505,45 @@ mod tests {
         let err = s.handle_finished(Time::ZERO, r.clone(), blocks(&[5, 4, 6]), 48, None).unwrap_err();
         assert!(matches!(err, PrefillError::ProgressMismatch { blocks: 3, computed: 2, .. }), "{err}");
         s.handle_finished(Time::ZERO, r, blocks(&[4, 5, 6]), 48, None).unwrap();
+    }
+
+    #[test]
+    fn a_chunk_reported_with_no_layer_computed_is_the_connector_s_and_its_layers_follow() {
+        let mut s = scheduler(Mode::Push);
+        let r = RequestId::new("r1");
+        let part = |whole, layers| LayerProgress { whole, layers };
+        let sent = |s: &mut PrefillScheduler| -> Vec<Option<LayerProgress>> {
+            let commands = events(s).into_iter().filter_map(|e| match e {
+                PrefillEvent::ToWorker { rank: 0, command: PrefillCommand::Progress { part, .. } } => Some(part),
+                _ => None,
+            });
+            commands.collect()
+        };
+        // vLLM's connector: before the forward, the chunk with none of its layers.
+        s.handle_layer_progress(r.clone(), blocks(&[4, 5]), part(0, 0), None).unwrap();
+        assert_eq!(sent(&mut s), vec![Some(part(0, 0))]);
+        s.handle_layer_progress(r.clone(), blocks(&[4, 5]), part(0, 2), None).unwrap();
+        assert_eq!(sent(&mut s), vec![Some(part(0, 2))]);
+        // Fewer layers of the same chunk say nothing new.
+        s.handle_layer_progress(r.clone(), blocks(&[4, 5]), part(0, 0), None).unwrap();
+        assert!(sent(&mut s).is_empty());
+        // The next chunk: the last one whole, none of the new one's layers yet.
+        s.handle_layer_progress(r.clone(), blocks(&[4, 5, 6]), part(2, 0), None).unwrap();
+        assert_eq!(sent(&mut s), vec![Some(part(2, 0))]);
+        let err = s.handle_layer_progress(r.clone(), blocks(&[4, 5, 6]), part(1, 3), None).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "request r1: 1 whole blocks and 3 layers of 3 blocks do not extend the 2 reported whole before (the whole blocks never shrink, and are at most the blocks reported)"
+        );
+        let err = s.handle_layer_progress(r.clone(), blocks(&[4, 5, 6]), part(4, 0), None).unwrap_err();
+        assert!(matches!(err, PrefillError::LayerMismatch { whole: 4, blocks: 3, .. }), "{err}");
+        // The blocks were the connector's from the first report: given up, they come back at Free.
+        s.handle_abandoned(r.clone()).unwrap();
+        let released = PrefillReport::Released { request: r.clone(), reason: ReleaseReason::Aborted };
+        s.handle_report(0, released.clone()).unwrap();
+        s.handle_report(1, released).unwrap();
+        let free = PrefillEvent::Free { request: r, blocks: blocks(&[4, 5, 6]), reason: ReleaseReason::Aborted };
+        assert_eq!(events(&mut s).pop(), Some(free));
     }
 
     #[test]

@@ -123,6 +123,22 @@ mod tests {
     }
 
     #[test]
+    fn a_chunk_reported_before_its_first_layer_moves_only_the_whole_blocks_until_its_layers_come() {
+        // vLLM's connector reports each chunk with no layer before its forward, then each layer.
+        let mut at = Ahead::default();
+        let mut moved = Vec::new();
+        for to in [Ahead::new(2, 4, 0), Ahead::new(2, 4, 1), Ahead::new(2, 4, 2), Ahead::new(4, 6, 0)] {
+            moved.extend(at.segments_to(&to));
+            at = at.then(&to);
+        }
+        // (Layers past the model's are none: a plan of 2..ALL_LAYERS in a 2-layer model is empty.)
+        let expected = [seg(0..2, 0..ALL_LAYERS), seg(2..4, 0..1), seg(2..4, 1..2), seg(2..4, 2..ALL_LAYERS)];
+        assert_eq!(moved, expected);
+        assert_eq!(at, Ahead::new(4, 6, 0), "nothing of the next chunk went");
+        assert!(at.segments_to(&Ahead::new(4, 6, 0)).is_empty(), "a report repeated moves nothing");
+    }
+
+    #[test]
     fn layers_that_go_back_write_nothing_and_what_was_written_stays_written() {
         let at = Ahead::new(2, 4, 3);
         assert!(at.segments_to(&Ahead::new(2, 4, 2)).is_empty());
