@@ -11,7 +11,7 @@ use kv_core::{
 };
 use kv_engine::{HostClock, RankOptions, RankThread};
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
-use kv_sched_adapter::{DecodeWorker, LocalPool, PrefillWorker};
+use kv_sched_adapter::{DecodeWorker, LayerProgress, LocalPool, PrefillCommand, PrefillWorker};
 use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
 use pyo3::prelude::*;
 
@@ -35,6 +35,9 @@ pub struct Rank {
     running: Option<Running>,
     offer: Vec<u8>,
     address: String,
+    /// P: the chunks the engine step under way computes layer by layer (the step's `Progress`
+    /// commands of 0 layers), sent again as their layers are computed.
+    layer_steps: Vec<PrefillCommand>,
 }
 
 /// Starts a rank's thread for `worker` over `transport`; its reports go to the receiver.
@@ -123,7 +126,7 @@ impl Rank {
                 Running::Decode(thread, Mutex::new(rx))
             }
         };
-        Ok(Rank { running: Some(running), offer: encoded, address })
+        Ok(Rank { running: Some(running), offer: encoded, address, layer_steps: Vec::new() })
     }
 
     /// The rank's handshake offer, in its wire bytes (P's scheduler is built from rank 0's).
@@ -143,6 +146,46 @@ impl Rank {
             Running::Decode(thread, _) => thread.send(from_json("command", command)?),
         }
         Ok(())
+    }
+
+    /// P, push: the chunks the engine step that starts computes layer by layer, in place of
+    /// the last step's: `Progress` commands of P's scheduler (JSON, each with a `part` of 0
+    /// layers, as the rank was sent them). `layers_computed` sends them again as their layers
+    /// are computed.
+    fn layer_steps(&mut self, commands: Vec<String>) -> PyResult<()> {
+        if !matches!(self.running()?, Running::Prefill(..)) {
+            return Err(refuse("layer_steps", "a decode rank writes no layers"));
+        }
+        let mut steps = Vec::with_capacity(commands.len());
+        for text in commands {
+            match from_json("layer step", &text)? {
+                step @ PrefillCommand::Progress { part: Some(LayerProgress { layers: 0, .. }), .. } => steps.push(step),
+                _ => return Err(refuse("layer step", format!("{text}: not a progress command of 0 layers"))),
+            }
+        }
+        self.layer_steps = steps;
+        Ok(())
+    }
+
+    /// P, push: model layers `0..layers` of the step's chunks (`layer_steps`) are computed, or,
+    /// with `layers` None, every layer (the step's forward is done): hands the rank a
+    /// `Progress` command of each chunk that says so, and the rank writes what is new of them
+    /// into the blocks D registered. Returns the commands sent.
+    #[pyo3(signature = (layers=None))]
+    fn layers_computed(&self, layers: Option<u32>) -> PyResult<usize> {
+        let Running::Prefill(thread, _) = self.running()? else {
+            return Err(refuse("layers_computed", "a decode rank writes no layers"));
+        };
+        for step in &self.layer_steps {
+            let PrefillCommand::Progress { request, blocks, consumer, part } = step else { continue };
+            let part = match (layers, part) {
+                (Some(layers), Some(part)) => Some(LayerProgress { layers, ..*part }),
+                _ => None,
+            };
+            let (request, blocks, consumer) = (request.clone(), blocks.clone(), consumer.clone());
+            thread.send(PrefillCommand::Progress { request, blocks, consumer, part });
+        }
+        Ok(self.layer_steps.len())
     }
 
     /// The reports since the last call (JSON), for the scheduler's `report`.

@@ -6,8 +6,8 @@
 
 use kv_core::{BlockId, EngineId, Handshake, PeerAddress, RequestId, Time};
 use kv_sched_adapter::{
-    Config, Consumer, DecodeEvent, DecodeScheduler as Decode, PrefillEngine, PrefillEvent, PrefillScheduler as Prefill,
-    RemoteRef,
+    Config, Consumer, DecodeEvent, DecodeScheduler as Decode, LayerProgress, PrefillEngine, PrefillEvent,
+    PrefillScheduler as Prefill, RemoteRef,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -55,7 +55,8 @@ fn ids(blocks: &[BlockId]) -> Vec<u32> {
 }
 
 /// P's scheduler: exports a finished prompt's blocks to every rank, and says when every rank
-/// released them.
+/// released them; in push mode it also passes a chunked prefill's progress to the ranks, which
+/// write what is computed ahead of the export.
 #[pyclass(module = "kvflow._kvflow")]
 pub struct PrefillScheduler {
     inner: Prefill,
@@ -97,6 +98,33 @@ impl PrefillScheduler {
             )
             .map_err(|e| refuse("finished", e))?;
         to_json(&remote)
+    }
+
+    /// Push, a chunked prefill computed layer by layer: request `request` has `blocks` (all
+    /// of them so far, in prompt order, each call extending the last), of which the first
+    /// `whole` are computed in every model layer and the rest in layers `0..layers` (0: the
+    /// chunk is about to be computed). From the first call until the request's `free` event
+    /// or its export, the blocks are the connector's: a request given up calls `abandoned`.
+    #[pyo3(signature = (request, blocks, whole, layers, consumer=None))]
+    fn layer_progress(
+        &mut self,
+        request: &str,
+        blocks: Vec<u32>,
+        whole: usize,
+        layers: u32,
+        consumer: Option<(String, u64)>,
+    ) -> PyResult<()> {
+        let consumer = consumer.map(|(engine, instance)| Consumer { engine: EngineId::new(engine), instance });
+        let part = LayerProgress { whole, layers };
+        self.inner
+            .handle_layer_progress(RequestId::new(request), self::blocks(blocks), part, consumer)
+            .map_err(|e| refuse("layer_progress", e))
+    }
+
+    /// The engine gave up `request` (aborted, preempted) after `layer_progress` reported it:
+    /// its blocks come back as a `free` event (reason `aborted`) once no rank writes from them.
+    fn abandoned(&mut self, request: &str) -> PyResult<()> {
+        self.inner.handle_abandoned(RequestId::new(request)).map_err(|e| refuse("abandoned", e))
     }
 
     /// A report of rank `rank` (JSON, as `Rank.reports()` gives it).

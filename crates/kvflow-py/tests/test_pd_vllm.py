@@ -4,7 +4,10 @@ decodes 16 greedy tokens from the KV it loaded. Its tokens equal a no-transfer e
 every prompt, P frees every request's blocks once D has read them, and with P's KV overwritten
 by noise before D reads, every output changes: the tokens come from what moved. Through vLLM's
 own scheduler: requests waiting in D's queue past the lease while D renews it, aborted while
-they wait, a D that cannot use P's KV, and a D killed while they wait."""
+they wait, a D that cannot use P's KV, and a D killed while they wait. Push too
+(KvflowPushConnector): P writes into the blocks D registered, with vLLM's chunked prefill
+layer by layer as its forward stores each layer, and gives up prompts aborted or preempted
+after their layers went ahead."""
 
 import json
 import os
@@ -99,15 +102,14 @@ def test_decode_from_kv_moved_by_kvflow_equals_one_engine(model, prompts, tmp_pa
     assert freed["freed"] == len(LENGTHS)
 
 
-def test_push_from_p_into_blocks_d_registered_first_equals_one_engine(model, prompts, tmp_path):
-    """KvflowPushConnector, the requests at D first: D's ranks register its blocks with P's
-    before P has computed anything, P writes each prompt's KV into them once computed, and D's
-    tokens equal one engine's; P frees every export once its writes are done."""
-    prompts, alone = prompts
+def pushed(model, prompts, tmp_path, port, *flags, env=None):
+    """A push run (KvflowPushConnector), the requests at D first, as a proxy sends them: D's
+    output (tokens and finish reasons per prompt) and P's (what it freed, by reason; with
+    ``PD_STATS`` its metrics). ``flags`` are P's (``chunked``, ``abort``)."""
     tokens, done, go = tmp_path / "tokens.json", tmp_path / "done", tmp_path / "go"
-    env = dict(os.environ, PD_PORT="5780", PD_LEASE="60")
+    env = dict(os.environ, **(env or {}), PD_PORT=str(port), PD_LEASE="60")
     prefill = subprocess.Popen(
-        [sys.executable, str(ENGINES / "pd.py"), "push-prefill", model, prompts, "-", str(done), str(go)],
+        [sys.executable, str(ENGINES / "pd.py"), "push-prefill", model, prompts, "-", str(done), str(go), *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -125,10 +127,69 @@ def test_push_from_p_into_blocks_d_registered_first_equals_one_engine(model, pro
         if prefill.poll() is None:
             prefill.kill()
     assert prefill.returncode == 0, f"P failed:\n{err[-4000:]}"
-    output, freed = json.loads(tokens.read_text()), result(out)
+    return json.loads(tokens.read_text()), result(out)
+
+
+def test_push_from_p_into_blocks_d_registered_first_equals_one_engine(model, prompts, tmp_path):
+    """KvflowPushConnector, the requests at D first: D's ranks register its blocks with P's
+    before P has computed anything, P writes each prompt's KV into them once computed, and D's
+    tokens equal one engine's; P frees every export once its writes are done."""
+    prompts, alone = prompts
+    output, freed = pushed(model, prompts, tmp_path, 5780)
     assert output["reasons"] == ["length"] * len(LENGTHS), output
     assert output["tokens"] == alone
     assert (freed["freed"], freed["reasons"]) == (len(LENGTHS), {"transferred": len(LENGTHS)}), freed
+
+
+def test_push_writes_each_layer_of_a_chunked_prefill_as_vllm_stores_it(model, prompts, tmp_path):
+    """Push with vLLM's chunked prefill at P (at most 96 tokens a step, so the longer prompts
+    take up to 6 steps, in chunks that end inside blocks): before each step P reports the
+    step's chunk of every prompt, and its rank writes each of the model's 4 layers of it into
+    D's blocks as soon as vLLM's forward has stored it (save_kv_layer), so the export writes
+    only what is left, with the completion. Every prompt's last chunk at least goes layer by
+    layer: at least 4 writes of one layer per prompt. D's tokens equal one engine's, and P
+    frees every export, as transferred."""
+    prompts, alone = prompts
+    output, freed = pushed(model, prompts, tmp_path, 6300, "chunked", env={"PD_STATS": "1"})
+    assert output["reasons"] == ["length"] * len(LENGTHS), output
+    assert output["tokens"] == alone
+    assert (freed["freed"], freed["reasons"]) == (len(LENGTHS), {"transferred": len(LENGTHS)}), freed
+    p = freed["metrics"]
+    layer_writes = total(p, "vllm:kvflow_layer_writes_total", rank="0")
+    assert layer_writes >= 4 * len(LENGTHS), f"{layer_writes} writes of some layers: {p}"
+    assert total(p, "vllm:kvflow_releases_total", reason="transferred") == len(LENGTHS), p
+
+
+def test_a_push_prompt_aborted_after_its_layers_went_ahead_frees_its_blocks_and_d_computes_it(model, prompts, tmp_path):
+    """As above, and P aborts its longest prompt (520 tokens) once 192 of its tokens are
+    scheduled, after one of its chunks went ahead layer by layer: P gives it up, its rank tells
+    D that no write will come, and vLLM gets its blocks back once the rank released it (reason
+    aborted); D, whose kv_load_failure_policy is "recompute", computes that prompt itself. Every
+    one of D's outputs is one engine's."""
+    prompts, alone = prompts
+    output, freed = pushed(model, prompts, tmp_path, 6340, "chunked", "abort", env={"PD_POLICY": "recompute"})
+    assert 192 <= freed["aborted_at"] < 520, freed
+    assert output["reasons"] == ["length"] * len(LENGTHS), output
+    assert output["tokens"] == alone
+    kept = len(LENGTHS) - 1
+    assert (freed["freed"], freed["reasons"]) == (len(LENGTHS), {"transferred": kept, "aborted": 1}), freed
+
+
+def test_push_prompts_preempted_after_their_layers_went_ahead_are_given_up_and_d_computes_them(model, prompts, tmp_path):
+    """As above, and P preempts every request running once 192 tokens of its longest prompt
+    are scheduled (vLLM frees their blocks at once): those whose chunks went ahead are given up
+    (their ranks tell D that no write will come), and vLLM computes them again and finishes
+    them without an export, while the others are exported as before. D computes the given-up
+    prompts itself ("recompute"): every output is one engine's. P frees every request, each
+    once (the releases of those given up are no finished sends: vLLM freed those blocks)."""
+    prompts, alone = prompts
+    output, freed = pushed(model, prompts, tmp_path, 6380, "chunked", "preempt", env={"PD_POLICY": "recompute"})
+    assert f"p{len(LENGTHS) - 1}" in freed["preempted"], freed
+    assert output["reasons"] == ["length"] * len(LENGTHS), output
+    assert output["tokens"] == alone
+    reasons = freed["reasons"]
+    assert freed["freed"] == len(LENGTHS), freed
+    assert set(reasons) == {"transferred", "aborted"} and sum(reasons.values()) == len(LENGTHS), freed
 
 
 def test_p_at_two_workers_into_d_at_one_equals_one_engine(model, prompts, tmp_path):

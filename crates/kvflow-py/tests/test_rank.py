@@ -77,3 +77,99 @@ def test_bad_input_is_a_value_error_that_names_it():
     scheduler = native.DecodeScheduler("decode0", 1, RANK_CONFIG)
     with pytest.raises(ValueError, match="remote"):
         scheduler.arrive("req-1", '{"request": "req-1"}')
+
+
+PUSH_CONFIG = json.dumps(
+    {"kv_connector": "KvflowPushConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"kv_lease_duration": 10}}
+)
+# vLLM's way: a tensor (a region) per layer.
+BY_LAYER = json.dumps(dict(json.loads(LAYOUT), placement="LayerMajor"))
+LAYER_BLOCK = 2 * 4 * 16 * 8 * 2  # (K, V) x heads x tokens x dims x bytes
+
+
+def layer_pools():
+    memory = [(ctypes.c_uint8 * (BLOCKS * LAYER_BLOCK))() for _ in range(2)]
+    return memory, [(ctypes.addressof(m), len(m)) for m in memory]
+
+
+def test_p_writes_each_layer_of_a_chunk_into_d_s_blocks_as_it_is_computed():
+    """Push, as the vLLM connector drives it: P's scheduler is told of a chunk with none of its
+    layers computed, the rank is given that command as the step's layer step, and each
+    ``layers_computed`` writes one more layer of the chunk into the blocks D registered. At the
+    export only the rest moves, with the completion: D's load is ready with P's bytes."""
+    p_memory, p_regions = layer_pools()
+    d_memory, d_regions = layer_pools()
+    for layer in p_memory:
+        for i in range(len(layer)):
+            layer[i] = (i + 1) % 251 + 1
+    p = native.Rank("prefill", "prefill0", 1, 0, 1, BY_LAYER, BLOCKS, p_regions, "127.0.0.1:0", PUSH_CONFIG, "tiny")
+    d = native.Rank("decode", "decode0", 1, 0, 1, BY_LAYER, BLOCKS, d_regions, "127.0.0.1:0", PUSH_CONFIG, "tiny")
+    try:
+        p_scheduler = native.PrefillScheduler(p.offer(), [p.address()], PUSH_CONFIG)
+        d_scheduler = native.DecodeScheduler("decode0", 1, PUSH_CONFIG)
+        prefill = {"engine": "prefill0", "addresses": [p.address()], "tp_size": 1, "pp_size": 1}
+        remote = {"prefill": prefill, "request": "r1", "instance": None, "prompt_tokens": 64, "export": None, "consumer": None}
+        d_scheduler.arrive("r1", json.dumps(remote))
+        d_scheduler.schedule("r1", [4, 5, 6, 7])
+        # D's rank connects to P's and registers its blocks.
+        pairs = [(p_scheduler, [p]), (d_scheduler, [d])]
+        carry(pairs, lambda _: False, seconds=2)
+
+        def landed(d_block, p_block, layer):
+            d_bytes = d_memory[layer][d_block * LAYER_BLOCK : (d_block + 1) * LAYER_BLOCK]
+            return bytes(d_bytes) == bytes(p_memory[layer][p_block * LAYER_BLOCK : (p_block + 1) * LAYER_BLOCK])
+
+        def step(blocks, whole):
+            p_scheduler.layer_progress("r1", blocks, whole, 0)
+            commands = [event[1] for what, event in p_scheduler.poll() if what == "to_rank"]
+            assert [json.loads(c)["progress"]["part"] for c in commands] == [{"whole": whole, "layers": 0}]
+            for command in commands:
+                p.command(command)
+            p.layer_steps(commands)
+
+        step([0, 1], 0)
+        assert p.layers_computed(1) == 1
+        carry(pairs, lambda _: landed(4, 0, 0) and landed(5, 1, 0))
+        assert landed(4, 0, 0) and landed(5, 1, 0), "the chunk's first layer went ahead"
+        assert not landed(4, 0, 1), "its second is not computed yet"
+        p.layers_computed(2)
+        carry(pairs, lambda _: landed(5, 1, 1))
+        assert landed(5, 1, 1)
+        # The next chunk: its first layer only, then the export moves its second, with the completion.
+        step([0, 1, 2, 3], 2)
+        p.layers_computed(1)
+        carry(pairs, lambda _: landed(7, 3, 0))
+        assert not landed(7, 3, 1)
+        p_scheduler.finished(native.now_ns(), "r1", [0, 1, 2, 3], 64)
+        events = carry(pairs, lambda ev: {w for w, _ in ev} >= {"free", "ended"})
+        assert ("ended", ("r1", "ready")) in events
+        assert ("free", ("r1", [0, 1, 2, 3], "transferred")) in events
+        assert all(landed(4 + b, b, layer) for b in range(4) for layer in range(2))
+        counters = {name: value for (name, labels), value in native.metrics_delta()[0] if ("engine", "prefill0") in labels}
+        assert counters.get("kvflow_layer_writes_total", 0) >= 3, counters
+    finally:
+        d.close()
+        p.close()
+
+
+def test_layer_steps_are_p_s_progress_commands_of_no_layer():
+    _, regions = layer_pools()
+    d = native.Rank("decode", "decode0", 1, 0, 1, BY_LAYER, BLOCKS, regions, "127.0.0.1:0", PUSH_CONFIG, "tiny")
+    try:
+        with pytest.raises(ValueError, match="layer_steps: a decode rank writes no layers"):
+            d.layer_steps([])
+        with pytest.raises(ValueError, match="layers_computed: a decode rank writes no layers"):
+            d.layers_computed(1)
+    finally:
+        d.close()
+    _, regions = layer_pools()
+    p = native.Rank("prefill", "prefill0", 1, 0, 1, BY_LAYER, BLOCKS, regions, "127.0.0.1:0", PUSH_CONFIG, "tiny")
+    try:
+        export = '{"abandon": {"request": "r1"}}'
+        with pytest.raises(ValueError, match="not a progress command of 0 layers"):
+            p.layer_steps([export])
+        with pytest.raises(ValueError, match="layer step"):
+            p.layer_steps(["{"])
+        assert p.layers_computed(1) == 0, "no layer steps: nothing to send"
+    finally:
+        p.close()

@@ -30,6 +30,14 @@ P under one request id, and to D with P's engine (``{"kvflow": {"prefill": {"eng
 with P's under D's request id, which P matches to its export by the id without vLLM's random
 suffix (as NixlConnector's push matches them), and P writes into them once it has computed the
 prompt.
+
+In push mode P also writes while it computes (``kvflow.layerwise``): before each step of a
+chunked prefill it reports the step's chunk of each such request to its scheduler, and its
+ranks write each layer of that chunk into D's blocks as soon as vLLM's forward has stored it
+(``save_kv_layer``), so that the export writes only what is left, with the completion. A
+request vLLM aborts or preempts after such a report is given up: its ranks stop writing and
+tell D that none will come, and an aborted one's blocks go back to vLLM once no rank reads
+them; a preempted one is not exported (D computes it, as its ``kv_load_failure_policy`` says).
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from vllm.logger import init_logger
 
 from kvflow import _kvflow as native
 from kvflow.config import settings as _settings
+from kvflow.layerwise import LayerSender, Progress
 from kvflow.layout import describe
 from kvflow.nixl import runtime_dir
 
@@ -71,6 +80,9 @@ class KvflowMetadata(KVConnectorMetadata):
     # The commands of P's scheduler and of D's, for each TP rank.
     prefill: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     decode: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    # P, push: requests given up while vLLM still ran them (preempted, whose blocks vLLM
+    # freed at once, or refused a report): their ranks' releases are no finished sends.
+    unreported: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -274,6 +286,7 @@ class KvflowConnector(KVConnectorBase_V1):
             raise ValueError(f"kvflow: the vLLM connector runs at pipeline parallel size 1, not {pp}")
         self._producer = transfer.kv_role in ("kv_producer", "kv_both")
         self._consumer = transfer.kv_role in ("kv_consumer", "kv_both")
+        push = self._settings["mode"] == "push"
         self._block_size = vllm_config.cache_config.block_size
         self._model = str(vllm_config.model_config.model)
         self._vllm_config = vllm_config
@@ -292,12 +305,20 @@ class KvflowConnector(KVConnectorBase_V1):
         # P: exports held, and how many were freed, by reason (transferred,
         # expired, rejected, aborted, sibling, peer_lost).
         self._exports: set[str] = set()
+        # P, push: the chunks its ranks write layer by layer, and the requests given up whose
+        # blocks the connector holds until the scheduler frees them.
+        self._progress = Progress(self._block_size) if push and self._producer and scheduler else None
+        self._abandoned: set[str] = set()
         # Commands for each rank, until the next metadata carries them.
         self._commands = KvflowMetadata()
         self.freed_by_reason: collections.Counter[str] = collections.Counter()
         # Worker side: this TP rank's P rank and D rank (kv_both: both, on agents of their own).
         self._ranks: dict[str, Any] = {}
         self._pending_reports: list[tuple[str, int, str]] = []
+        # P, push: the rank's layer-by-layer writes, and the releases vLLM does not wait for.
+        self._push = push
+        self._layers: LayerSender | None = None
+        self._unreported: set[str] = set()
         # D: each load's blocks, and the blocks of failed loads not yet told to vLLM.
         self._load_blocks: dict[str, list[int]] = {}
         self._invalid: set[int] = set()
@@ -382,6 +403,8 @@ class KvflowConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         rid = request.request_id
+        if self._progress is not None:
+            self._progress.track(request)
         if num_external_tokens == 0 or rid not in self._tracked:
             return
         block_ids = blocks.get_block_ids()[0]
@@ -402,9 +425,16 @@ class KvflowConnector(KVConnectorBase_V1):
                     commands.setdefault(event[0], []).append(event[1])
                 elif what == "free" and scheduler is self._prefill:
                     self._exports.discard(event[0])
+                    self._abandoned.discard(event[0])
                     self.freed_by_reason[event[2]] += 1
 
     def build_connector_meta(self, scheduler_output):
+        if self._progress is not None and self._prefill is not None:
+            # This step's chunks, before its forward: the ranks write their layers as vLLM
+            # stores them (save_kv_layer).
+            abandoned, unreported = self._progress.step(self._prefill, scheduler_output)
+            self._abandoned.update(abandoned)
+            self._commands.unreported.extend(unreported)
         self._take_events()
         meta, self._commands = self._commands, KvflowMetadata()
         return meta
@@ -441,7 +471,17 @@ class KvflowConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         if self._prefill is None or not params.get("do_remote_decode"):
             return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+        exported = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        progress = self._progress.finished(self._prefill, rid, exported) if self._progress is not None else None
+        if progress == "abandoned":
+            # Aborted while P wrote its chunks ahead: the blocks go back to vLLM once every rank
+            # has released it (no write reads them any more).
+            self._abandoned.add(rid)
+            return True, None
+        if progress == "given_up":
+            logger.warning("kvflow: %s was preempted while P wrote its KV ahead: not exported (D computes it)", rid)
+            return False, None
+        if not exported:
             # An aborted prefill has no KV for D: nothing to export.
             return False, None
         prompt = request.num_prompt_tokens
@@ -451,6 +491,11 @@ class KvflowConnector(KVConnectorBase_V1):
         except ValueError as error:
             # (An id that named an export before, say.) No handoff: D computes the prompt.
             logger.error("kvflow: %s is not exported: %s", rid, error)
+            if progress == "computing":
+                # Its blocks are the connector's since its first chunk went ahead.
+                self._prefill.abandoned(rid)
+                self._abandoned.add(rid)
+                return True, None
             return False, None
         self._exports.add(rid)
         return True, {
@@ -487,9 +532,10 @@ class KvflowConnector(KVConnectorBase_V1):
         return KvflowPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def has_pending_push_work(self):
-        # P keeps stepping while it holds exports, so that its ranks' reports (releases) come
-        # back and vLLM frees the blocks at once, not at the next request.
-        return bool(self._exports)
+        # P keeps stepping while it holds exports (or blocks of requests given up), so that its
+        # ranks' reports (releases) come back and vLLM frees the blocks at once, not at the
+        # next request.
+        return bool(self._exports or self._abandoned)
 
     # ---- worker side ----
 
@@ -520,6 +566,9 @@ class KvflowConnector(KVConnectorBase_V1):
                 json.dumps(layout), num_blocks, regions, f"{host}:{port}", self._config, self._model,
                 _cluster_key(), described.device,
             )
+        if self._push and "prefill" in self._ranks:
+            # Layer i is the rank's i-th tensor (the layout's layer order).
+            self._layers = LayerSender(self._ranks["prefill"], list(kv_caches), described.device is not None)
 
     def get_handshake_metadata(self):
         # P's scheduler is built from its ranks' offers and addresses.
@@ -531,8 +580,13 @@ class KvflowConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata):
         super().bind_connector_metadata(connector_metadata)
         if "prefill" in self._ranks:
-            for command in connector_metadata.prefill.get(self._tp_rank, []):
-                self._ranks["prefill"].command(command)
+            commands = connector_metadata.prefill.get(self._tp_rank, [])
+            self._unreported.update(connector_metadata.unreported)
+            if self._layers is not None:
+                self._layers.begin_step(commands)
+            else:
+                for command in commands:
+                    self._ranks["prefill"].command(command)
         if "decode" in self._ranks:
             for command in connector_metadata.decode.get(self._tp_rank, []):
                 load = json.loads(command).get("load")
@@ -547,10 +601,12 @@ class KvflowConnector(KVConnectorBase_V1):
         pass
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        pass
+        if self._layers is not None:
+            self._layers.saved(layer_name)
 
     def wait_for_save(self):
-        pass
+        if self._layers is not None:
+            self._layers.end_step()
 
     def get_finished(self, finished_req_ids):
         sending, recving = set(), set()
@@ -559,7 +615,12 @@ class KvflowConnector(KVConnectorBase_V1):
                 self._pending_reports.append((role, self._tp_rank, report))
                 parsed = json.loads(report)
                 if "released" in parsed:
-                    sending.add(parsed["released"]["request"])
+                    released = parsed["released"]["request"]
+                    if released in self._unreported:
+                        # Given up while vLLM ran it: vLLM freed its blocks itself.
+                        self._unreported.discard(released)
+                    else:
+                        sending.add(released)
                 elif "finished" in parsed and parsed["finished"]["request"] in self._load_blocks:
                     # A load this rank was given (a request tracked and aborted before it
                     # had blocks holds none of vLLM's: nothing to tell it).

@@ -23,12 +23,18 @@ second after they were queued, writing the time first. ``reject``: as ``rejected
 ``block64``: D's blocks are 64 tokens,
 P's 128.
 
-``pd.py push-prefill MODEL PROMPTS OUT DONE GO`` and ``pd.py push-decode MODEL PROMPTS OUT DONE
-GO``: push (``KvflowPushConnector``), with the requests at D first, as a proxy sends them. P
+``pd.py push-prefill MODEL PROMPTS OUT DONE GO [chunked] [abort] [preempt]`` and ``pd.py push-decode MODEL
+PROMPTS OUT DONE GO``: push (``KvflowPushConnector``), with the requests at D first, as a proxy sends them. P
 starts, creates GO.ready and waits for GO; D queues every request with a handoff it built from what a proxy knows
 ahead (P's engine id and side-channel address, the request id it gives P, the prompt's length),
 so its ranks register its blocks with P's, then creates GO; P computes the prompts under those
-ids and writes their KV into D's blocks; D decodes 16 greedy tokens per prompt as above.
+ids and writes their KV into D's blocks; D decodes 16 greedy tokens per prompt as above. With
+``chunked`` P computes at most 96 tokens a step (vLLM's chunked prefill: a longer prompt takes
+several steps, whose chunks end inside its 128-token blocks), and its ranks write each chunk's
+layers as vLLM stores them; with ``abort`` P aborts the last prompt once vLLM has scheduled 192
+of its tokens (after one of its chunks went ahead), with ``preempt`` it preempts every request
+running then (as vLLM's ``reset_prefix_cache`` does), and its output also gives the tokens
+scheduled of the last prompt then and the requests preempted.
 
 With ``PD_STATS=1`` both engines keep vLLM's stats, and their outputs give kvflow's samples on
 vLLM's Prometheus registry. ``PD_DRAIN`` is how long P steps after DONE for its requests to be freed (30 s by default).
@@ -186,16 +192,39 @@ def rejected(llm, prompts, handoffs):
 PUSH_PREFILL = "kvflow-push-prefill"
 
 
-def push_prefill(model, prompts, done, go):
+def push_prefill(model, prompts, done, go, flags):
     port = int(os.environ.get("PD_PORT", "5610"))
-    llm = engine(model, "kv_producer", port, connector="KvflowPushConnector", engine_id=PUSH_PREFILL)
+    options = {"max_num_batched_tokens": 96, "max_num_seqs": 8} if "chunked" in flags else {}
+    llm = engine(model, "kv_producer", port, connector="KvflowPushConnector", engine_id=PUSH_PREFILL, **options)
     open(go + ".ready", "w").write("ready")
     for _ in wait_for(go, 300):
         time.sleep(0.05)
     engine_ = llm.llm_engine
     for i, prompt in enumerate(prompts):
         engine_.add_request(f"p{i}", prompt, params(1, {"do_remote_decode": True}))
-    return serve_until_freed(llm, len(prompts), done)
+    aborted_at, preempted = None, []
+    if "abort" in flags or "preempt" in flags:
+        last, scheduler = f"p{len(prompts) - 1}", engine_.engine_core.engine_core.scheduler
+        # vLLM's own id of a request is the one given with a random suffix.
+        external = lambda rid: rid.rsplit("-", 1)[0]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            engine_.step()
+            request = next((r for rid, r in scheduler.requests.items() if external(rid) == last), None)
+            if request is None or request.num_computed_tokens >= 192:
+                aborted_at = request and request.num_computed_tokens
+                break
+        if "abort" in flags:
+            engine_.abort_request([last])
+        else:
+            preempted = [external(r.request_id) for r in scheduler.running]
+            try:
+                engine_.reset_prefix_cache(reset_running_requests=True)
+            except RuntimeError:
+                # The blocks of exports D's writes still read keep the prefix cache; the
+                # preemption is done.
+                pass
+    return dict(serve_until_freed(llm, len(prompts), done), aborted_at=aborted_at, preempted=preempted)
 
 
 def serve_until_freed(llm, requests, done):
@@ -296,7 +325,7 @@ if __name__ == "__main__":
             os._exit(0)
         print("RESULT", json.dumps(serve_until_freed(llm, n * len(prompts), done)))
     elif what == "push-prefill":
-        print("RESULT", json.dumps(push_prefill(model, prompts, sys.argv[5], sys.argv[6])))
+        print("RESULT", json.dumps(push_prefill(model, prompts, sys.argv[5], sys.argv[6], sys.argv[7:])))
     elif what == "push-decode":
         json.dump(push_decode(model, prompts, sys.argv[5], sys.argv[6]), open(out, "w"))
         open(sys.argv[5], "w").write("done")
