@@ -21,7 +21,6 @@ use nixl_sys::{
 
 use crate::inbox::Inbox;
 use crate::metadata::{self, mem_type, Registration, TypedRanges};
-
 use kv_side_tcp::{Item, KeySource, SideChannel, SideProbe, SideStatus};
 
 use crate::{runtime, NixlError};
@@ -79,10 +78,11 @@ pub struct NixlConfig {
     /// ([`Transport::poll_intervals`]); [`DEFAULT_POLL_INTERVALS`] unless configured.
     pub poll_intervals: PollIntervals,
     /// The most bytes one NIXL request moves between host memory on both sides: a larger
-    /// transfer goes in pieces, one more posted at each poll and its notification with the
-    /// last, once the others have ended, so that a large transfer does not hold the rank's
-    /// thread for its whole copy (`transport/pieces.rs`). [`DEFAULT_POST_PIECE_BYTES`] unless
-    /// configured; `None` posts every transfer whole.
+    /// transfer goes in pieces, posted while they may go for [`NixlConfig::post_piece_budget`]
+    /// a call and the rest at the next polls, its notification with the last once the others
+    /// have ended, so that a large transfer does not hold the rank's thread for its whole copy
+    /// (`transport/pieces.rs`). [`DEFAULT_POST_PIECE_BYTES`] unless configured; `None` posts
+    /// every transfer whole.
     pub post_piece_bytes: Option<u64>,
     /// How long one call may go on posting a transfer's pieces before it returns to the engine
     /// ([`DEFAULT_POST_PIECE_BUDGET`] unless configured); zero posts one piece a call.
@@ -619,7 +619,7 @@ impl Transport for NixlTransport {
     }
 
     /// As configured, except that while a transfer has pieces left to post the engine is to
-    /// poll again at once: each poll posts the next piece.
+    /// poll again at once: each poll posts the next ones.
     fn poll_intervals(&self) -> PollIntervals {
         let pieces_left = self.transfers.values().any(|t| matches!(t, Pending::Pieces(p) if p.may_post()));
         if pieces_left {

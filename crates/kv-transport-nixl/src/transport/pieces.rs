@@ -6,13 +6,12 @@
 //! that arrived meanwhile waited the whole copy behind a large one (the demo's P done -> D
 //! holds KV p99 was 13 to 17 times the small load's own transfer). So a transfer of more than
 //! [`crate::NixlConfig::post_piece_bytes`] between host memory on both sides goes as several
-//! NIXL requests, posted while they may go until
-//! [`crate::NixlConfig::post_piece_budget`] has passed in the call, the rest at the next
-//! polls of the transfer: what the rank's thread was asked for in between is posted between
-//! two pieces. Where posts return at once (a NIC moves the bytes) every piece goes in the
-//! first call. The notification goes with the last piece, posted only once every other piece
-//! has ended, so the
-//! peer is told only after every byte moved. A piece that fails stops the rest; the transfer
+//! NIXL requests, posted while they may go until [`crate::NixlConfig::post_piece_budget`] has
+//! passed in the call and the rest at the next polls of the transfer: what the rank's thread
+//! was asked for in between is posted between two pieces. Where posts return at once (a NIC
+//! moves the bytes) every piece goes in the first call. The notification goes with the last
+//! piece, posted only once every other piece has ended, so the peer is told only after every
+//! byte moved. A piece that fails stops the rest; the transfer
 //! reports the failure once the pieces in flight have ended, so no byte lands after it is
 //! reported. Device memory is posted whole: its copies do not run inside the post.
 
