@@ -24,12 +24,13 @@ use nixl_sys::{MemType, XferRequest, XferStatus};
 use super::{backend_error, descriptor_list, xfer_op, NixlTransport, Pending};
 use crate::metadata::TypedRanges;
 
-/// The bytes of one piece, by default. Each piece costs a NIXL request and, where its post
-/// copies inline, a poll of its own: in the bench's one-at-a-time 32 MiB pull on 2 cores, posts
-/// of the whole transfer ran at 12.2 GB/s, 16 MiB pieces at 13.5 to 13.8, 8 MiB at 10.8 to
-/// 11.8 and 4 MiB at 9.8 to 11.9 (two runs each); but in the demo's mix of 16- to 512-token
-/// prompts, pull's P done -> D holds KV p99 over each request's own transfer was 5 to 12 (median
-/// 6.1 of 5 runs) with 4 MiB pieces and 7 to 14 (median 10.9) with 16 MiB pieces.
+/// The bytes of one piece, by default. Each piece costs a NIXL request: in the bench's
+/// one-at-a-time 32 MiB pull on 2 cores, posted one piece a poll, whole transfers ran at 12.2
+/// GB/s, 16 MiB pieces at 13.5 to 13.8, 8 MiB at 10.8 to 11.8 and 4 MiB at 9.8 to 11.9 (two
+/// runs each), and 4 MiB pieces posted for 500 µs a call at 13.7 (median of 5). In the demo's
+/// mix of 16- to 512-token prompts, pull's P done -> D holds KV p99 over each request's own
+/// transfer was 5 to 12 (median 6.1 of 5 runs) with 4 MiB pieces and 7 to 14 (median 10.9)
+/// with 16 MiB pieces.
 pub const DEFAULT_POST_PIECE_BYTES: u64 = 4 << 20;
 
 /// How long one call may go on posting a transfer's pieces, by default: where a post copies
