@@ -416,14 +416,28 @@ impl NixlTransport {
 
     /// Posts a created transfer request and tracks it under a new id.
     fn start(&mut self, xfer: XferRequest, args: &OptArgs) -> TransferId {
-        let id = TransferId(self.next_transfer);
-        self.next_transfer += 1;
         let pending = match self.agent.post_xfer_req(&xfer, Some(args)) {
             Ok(_) => Pending::InFlight(xfer),
             Err(e) => Pending::Failed(backend_error("post transfer", e)),
         };
+        self.track(pending)
+    }
+
+    /// Tracks a transfer under a new id.
+    fn track(&mut self, pending: Pending) -> TransferId {
+        let id = TransferId(self.next_transfer);
+        self.next_transfer += 1;
         self.transfers.insert(id, pending);
         id
+    }
+
+    /// Where NIXL request `xfer` stands.
+    fn status_of(&self, xfer: &XferRequest) -> TransferStatus {
+        match self.agent.get_xfer_status(xfer) {
+            Ok(XferStatus::InProgress) => TransferStatus::InProgress,
+            Ok(XferStatus::Success) => TransferStatus::Done,
+            Err(e) => TransferStatus::Failed(TransportError::TransferFailed(e.to_string())),
+        }
     }
 
     /// A transfer request between entries `indices` (local, remote) of prepared `lists`.
@@ -518,7 +532,7 @@ impl Transport for NixlTransport {
                 remote_device: rd,
             });
             let pieces = split_spans(spans, max);
-            return Ok(self.start_pieces(request.op, request.peer, None, pieces, request.notification));
+            return Ok(self.start_pieces(request.op, request.peer, pieces, request.notification));
         }
         let (local, remote) = (descriptor_list(&local)?, descriptor_list(&remote)?);
         let args = self.transfer_args(&request.peer, request.notification.as_deref())?;
@@ -564,10 +578,10 @@ impl Transport for NixlTransport {
         }
         let bytes: u64 = request.local_indices.iter().map(|&l| local.lens[l as usize]).sum();
         if let Some(max) = self.piece_bytes.filter(|&max| local.host && remote.host && bytes > max) {
+            let lists = (request.local, request.remote);
             let pieces =
-                split_entries(&request.local_indices, &request.remote_indices, |l| local.lens[l as usize], max);
-            let lists = Some((request.local, request.remote));
-            return Ok(self.start_pieces(request.op, request.peer, lists, pieces, request.notification));
+                split_entries(lists, &request.local_indices, &request.remote_indices, |l| local.lens[l as usize], max);
+            return Ok(self.start_pieces(request.op, request.peer, pieces, request.notification));
         }
         let args = self.transfer_args(&request.peer, request.notification.as_deref())?;
         let xfer =
@@ -580,10 +594,9 @@ impl Transport for NixlTransport {
             None => return TransferStatus::Failed(TransportError::UnknownTransfer(id)),
             Some(Pending::Pieces(_)) => return self.poll_pieces(id),
             Some(Pending::Failed(e)) => TransferStatus::Failed(e.clone()),
-            Some(Pending::InFlight(xfer)) => match self.agent.get_xfer_status(xfer) {
-                Ok(XferStatus::InProgress) => return TransferStatus::InProgress,
-                Ok(XferStatus::Success) => TransferStatus::Done,
-                Err(e) => TransferStatus::Failed(TransportError::TransferFailed(e.to_string())),
+            Some(Pending::InFlight(xfer)) => match self.status_of(xfer) {
+                TransferStatus::InProgress => return TransferStatus::InProgress,
+                ended => ended,
             },
         };
         self.transfers.remove(&id);

@@ -19,7 +19,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use kv_core::{AgentName, PreparedId, TransferId, TransferOp, TransferStatus, TransportError};
-use nixl_sys::{MemType, XferRequest, XferStatus};
+use nixl_sys::{MemType, XferRequest};
 
 use super::{backend_error, descriptor_list, xfer_op, NixlTransport, Pending};
 use crate::metadata::TypedRanges;
@@ -44,8 +44,8 @@ pub const DEFAULT_POST_PIECE_BUDGET: Duration = Duration::from_micros(500);
 pub(crate) enum Piece {
     /// Address pairs.
     Pairs(Vec<Span>),
-    /// Entries of the transfer's prepared lists, local and remote, paired in order.
-    Entries { local: Vec<u32>, remote: Vec<u32> },
+    /// Entries of prepared lists `lists` (local, remote), paired in order.
+    Entries { lists: (PreparedId, PreparedId), local: Vec<u32>, remote: Vec<u32> },
 }
 
 /// One address pair of a piece: local and remote start, length, and each side's device id.
@@ -62,8 +62,6 @@ pub(crate) struct Span {
 pub(crate) struct Pieced {
     pub(crate) op: TransferOp,
     pub(crate) peer: AgentName,
-    /// The prepared lists, local and remote, that [`Piece::Entries`] index.
-    pub(crate) lists: Option<(PreparedId, PreparedId)>,
     /// Pieces not posted yet, in order.
     pub(crate) waiting: VecDeque<Piece>,
     /// What the peer is told when the last piece ends (sealed when that piece is posted).
@@ -94,17 +92,13 @@ impl NixlTransport {
         &mut self,
         op: TransferOp,
         peer: AgentName,
-        lists: Option<(PreparedId, PreparedId)>,
         pieces: Vec<Piece>,
         notification: Option<Vec<u8>>,
     ) -> TransferId {
-        let id = TransferId(self.next_transfer);
-        self.next_transfer += 1;
         let waiting = pieces.into();
-        let mut pieced = Pieced { op, peer, lists, waiting, notification, in_flight: Vec::new(), failed: None };
+        let mut pieced = Pieced { op, peer, waiting, notification, in_flight: Vec::new(), failed: None };
         self.advance(&mut pieced, Instant::now());
-        self.transfers.insert(id, Pending::Pieces(Box::new(pieced)));
-        id
+        self.track(Pending::Pieces(Box::new(pieced)))
     }
 
     /// Polls the pieces of transfer `id` in flight, posts its next piece if it may go, and
@@ -129,13 +123,12 @@ impl NixlTransport {
     /// `since`.
     fn advance(&self, pieced: &mut Pieced, since: Instant) {
         loop {
-            let agent = &self.agent;
             let failed = &mut pieced.failed;
-            pieced.in_flight.retain(|xfer| match agent.get_xfer_status(xfer) {
-                Ok(XferStatus::InProgress) => true,
-                Ok(XferStatus::Success) => false,
-                Err(e) => {
-                    failed.get_or_insert(TransportError::TransferFailed(e.to_string()));
+            pieced.in_flight.retain(|xfer| match self.status_of(xfer) {
+                TransferStatus::InProgress => true,
+                TransferStatus::Done => false,
+                TransferStatus::Failed(e) => {
+                    failed.get_or_insert(e);
                     false
                 }
             });
@@ -166,8 +159,8 @@ impl NixlTransport {
         notification: Option<&[u8]>,
     ) -> Result<XferRequest, TransportError> {
         let args = self.transfer_args(&pieced.peer, notification)?;
-        let xfer = match (piece, pieced.lists) {
-            (Piece::Pairs(spans), _) => {
+        let xfer = match piece {
+            Piece::Pairs(spans) => {
                 let peer =
                     self.peers.get(&pieced.peer).ok_or_else(|| TransportError::UnknownPeer(pieced.peer.clone()))?;
                 let list =
@@ -178,12 +171,9 @@ impl NixlTransport {
                     .create_xfer_req(xfer_op(pieced.op), &local, &remote, &peer.nixl, Some(&args))
                     .map_err(|e| backend_error("create transfer", e))?
             }
-            (Piece::Entries { local, remote }, Some((l, r))) => {
-                let lists = (self.prepared.get(l, None)?, self.prepared.get(r, Some(&pieced.peer))?);
+            Piece::Entries { lists: (l, r), local, remote } => {
+                let lists = (self.prepared.get(*l, None)?, self.prepared.get(*r, Some(&pieced.peer))?);
                 self.make_entries(pieced.op, lists, (local, remote), &args)?
-            }
-            (Piece::Entries { .. }, None) => {
-                return Err(TransportError::InvalidTransfer("prepared entries without their lists".into()))
             }
         };
         self.agent.post_xfer_req(&xfer, Some(&args)).map_err(|e| backend_error("post transfer", e))?;
@@ -215,15 +205,22 @@ pub(crate) fn split_spans(spans: impl IntoIterator<Item = Span>, max: u64) -> Ve
     pieces
 }
 
-/// Entry pairs `local[i]`, `remote[i]` grouped into pieces of at most `max` bytes, in order,
-/// `len` giving each local entry's bytes; an entry larger than `max` is a piece of its own.
-pub(crate) fn split_entries(local: &[u32], remote: &[u32], len: impl Fn(u32) -> u64, max: u64) -> Vec<Piece> {
+/// Entry pairs `local[i]`, `remote[i]` of prepared `lists` grouped into pieces of at most `max`
+/// bytes, in order, `len` giving each local entry's bytes; an entry larger than `max` is a
+/// piece of its own.
+pub(crate) fn split_entries(
+    lists: (PreparedId, PreparedId),
+    local: &[u32],
+    remote: &[u32],
+    len: impl Fn(u32) -> u64,
+    max: u64,
+) -> Vec<Piece> {
     let mut pieces = Vec::new();
     let (mut l, mut r, mut filled) = (Vec::new(), Vec::new(), 0u64);
     for (&a, &b) in local.iter().zip(remote) {
         let bytes = len(a);
         if !l.is_empty() && filled + bytes > max {
-            pieces.push(Piece::Entries { local: std::mem::take(&mut l), remote: std::mem::take(&mut r) });
+            pieces.push(Piece::Entries { lists, local: std::mem::take(&mut l), remote: std::mem::take(&mut r) });
             filled = 0;
         }
         l.push(a);
@@ -231,7 +228,7 @@ pub(crate) fn split_entries(local: &[u32], remote: &[u32], len: impl Fn(u32) -> 
         filled += bytes;
     }
     if !l.is_empty() {
-        pieces.push(Piece::Entries { local: l, remote: r });
+        pieces.push(Piece::Entries { lists, local: l, remote: r });
     }
     pieces
 }
@@ -267,14 +264,16 @@ mod tests {
     #[test]
     fn entries_are_grouped_up_to_the_piece_size_and_a_large_one_stands_alone() {
         let len = |i: u32| if i == 3 { 20 } else { 4 };
-        let pieces = split_entries(&[0, 1, 2, 3, 4, 5], &[9, 8, 7, 6, 5, 4], len, 8);
+        let lists = (PreparedId(1), PreparedId(2));
+        let pieces = split_entries(lists, &[0, 1, 2, 3, 4, 5], &[9, 8, 7, 6, 5, 4], len, 8);
+        let entries = |local: Vec<u32>, remote: Vec<u32>| Piece::Entries { lists, local, remote };
         assert_eq!(
             pieces,
             vec![
-                Piece::Entries { local: vec![0, 1], remote: vec![9, 8] },
-                Piece::Entries { local: vec![2], remote: vec![7] },
-                Piece::Entries { local: vec![3], remote: vec![6] },
-                Piece::Entries { local: vec![4, 5], remote: vec![5, 4] },
+                entries(vec![0, 1], vec![9, 8]),
+                entries(vec![2], vec![7]),
+                entries(vec![3], vec![6]),
+                entries(vec![4, 5], vec![5, 4])
             ]
         );
     }
