@@ -22,10 +22,11 @@ use kv_core::{
 };
 use kv_cuda::CudaMemory;
 use kv_demo::e2e::{
-    completion, connect, expect_line, gbps, gpu_skip_reason, median, nixl_skip_reason, offer, pair, pattern,
+    completion, connect, expect_line, gbps, gpu_skip_reason, loopback, median, nixl_skip_reason, offer, pair, pattern,
     post_and_wait, post_prepared_and_wait, ran_as_child, round_robin, serve_until_peer_leaves, shape, spawn_self,
-    timed, transport, BenchFlags, BLOCKS, POOL_BYTES,
+    timed, transport, transport_with, BenchFlags, BLOCKS, POOL_BYTES,
 };
+use kv_transport_nixl::NixlConfig;
 
 /// The VRAM bench: a 256 MiB pool moved between two processes over NIXL, against a copy.
 #[derive(Parser, Debug)]
@@ -37,14 +38,25 @@ struct Args {
     /// Moves host pools instead of GPU memory (the copy is then a memcpy); needs no GPU.
     #[arg(long)]
     host: bool,
+    /// A UCX backend parameter for D's agent, by NIXL's name (`num_threads=4`); repeatable.
+    #[arg(long = "ucx-param", value_name = "KEY=VALUE", value_parser = key_value)]
+    ucx_params: Vec<(String, String)>,
     #[command(flatten)]
     flags: BenchFlags,
+}
+
+fn key_value(arg: &str) -> Result<(String, String), String> {
+    arg.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("expected KEY=VALUE, got {arg:?}"))
 }
 
 const ROLE: &str = "KVFLOW_BENCH_ROLE";
 /// The pools' kind, for the child: `host` or `device`.
 const KIND: &str = "KVFLOW_BENCH_KIND";
 const SEED: u8 = 5;
+/// The stride of the scattered read's blocks in D's pool, coprime to [`BLOCKS`].
+const SCATTER: u32 = 37;
 
 /// The pools' kind: host memory with `--host`, else GPU 0's.
 fn pool_kind(host: bool) -> MemoryKind {
@@ -70,7 +82,7 @@ fn main() {
     if ran_as_child(ROLE, prefill_child) {
         return;
     }
-    let Args { iters, host, flags } = Args::parse();
+    let Args { iters, host, ucx_params, flags } = Args::parse();
     let kind = pool_kind(host);
     if let Some(reason) = if host { nixl_skip_reason() } else { gpu_skip_reason() } {
         eprintln!("vram bench skipped: {reason}");
@@ -86,7 +98,8 @@ fn main() {
     let source = memory.allocate(kind, POOL_BYTES).expect("the copy's source");
     let expected = pattern(SEED, POOL_BYTES as usize);
     memory.write(source.id, 0, &expected).expect("fill the copy's source");
-    let mut d = transport(offer("bench-decode", Role::Decode, &pool), &[pool]).expect("D's transport");
+    let config = NixlConfig { ucx_params, ..loopback() };
+    let mut d = transport_with(offer("bench-decode", Role::Decode, &pool), &[pool], &config).expect("D's transport");
     let info = connect(&mut d, port).expect("handshake with P");
     let remote = info.handshake.regions[0];
 
@@ -129,27 +142,57 @@ fn main() {
     };
     let ours_name = format!("kvflow ({})", choice.as_str());
     let ours_descriptors = if choice == Descriptors::Pairs { plan.len() } else { BLOCKS as usize };
+    // The same read into blocks scattered over D's pool, as an engine's block table is once its
+    // free list has churned: D's k-th block is block 37 k mod 128, so no two neighbours merge and
+    // the plan holds one pair per block.
+    let scattered: Vec<BlockId> = (0..BLOCKS).map(|k| BlockId(k * SCATTER % BLOCKS)).collect();
+    let input = PlanInput { decode: PoolSide { blocks: &scattered, ..input.decode }, ..input };
+    let plan = TransferPlan::build(&input, Granularity::Merged).expect("the connectors' scattered plan");
+    let spread = TransferRequest { pairs: plan.pairs().to_vec(), ..ours.clone() };
+    let spread_name = format!("kvflow scattered ({})", choice.as_str());
+    let spread_descriptors = if choice == Descriptors::Pairs { plan.len() } else { BLOCKS as usize };
+    let spread_blocks = PreparedTransfer { local_indices: scattered.iter().map(|b| b.0).collect(), ..blocks.clone() };
 
     let copy_name = if host { "memcpy" } else { "cuMemcpy DtoD" };
-    let ways: [(&str, usize); 5] = [
+    let ways: [(&str, usize); 7] = [
         (copy_name, 1),
         ("NIXL read", 1),
         ("NIXL read blocks", BLOCKS as usize),
         ("NIXL write", 1),
+        ("NIXL read scattered", BLOCKS as usize),
+        (&spread_name, spread_descriptors),
         (&ours_name, ours_descriptors),
     ];
+    let scattered_read = |d: &mut kv_transport_nixl::NixlTransport| match choice {
+        Descriptors::Pairs => post_and_wait(d, spread.clone()).expect("the connectors' scattered read"),
+        _ => post_prepared_and_wait(d, spread_blocks.clone()).expect("the connectors' scattered read"),
+    };
     let samples = round_robin(ways.len(), iters, |way| match way {
         0 => timed(|| memory.copy(pool.id, 0, source.id, 0, POOL_BYTES).expect("device copy")),
         1 => post_and_wait(&mut d, read.clone()).expect("read"),
         2 => post_prepared_and_wait(&mut d, blocks.clone()).expect("prepared read"),
         3 => post_and_wait(&mut d, write.clone()).expect("write"),
+        4 => post_prepared_and_wait(&mut d, spread_blocks.clone()).expect("prepared scattered read"),
+        5 => scattered_read(&mut d),
         _ if choice == Descriptors::Pairs => post_and_wait(&mut d, ours.clone()).expect("the connectors' read"),
         _ => post_prepared_and_wait(&mut d, blocks.clone()).expect("the connectors' read"),
     });
-    // What D's pool holds is P's pool, byte for byte (every way moved the same bytes).
+    // What D's pool holds is P's pool, byte for byte (every way but the scattered one moved the
+    // same bytes, and the connectors' contiguous read ran last).
     let mut back = vec![0u8; POOL_BYTES as usize];
     memory.read(pool.id, 0, &mut back).expect("read D's pool back");
     assert!(back == expected, "the bytes in D's pool differ from P's");
+    // The scattered read puts P's k-th block into D's block 37 k mod 128.
+    scattered_read(&mut d);
+    memory.read(pool.id, 0, &mut back).expect("read D's pool back");
+    let block = (POOL_BYTES / u64::from(BLOCKS)) as usize;
+    for (k, to) in scattered.iter().enumerate() {
+        let to = to.0 as usize;
+        assert!(
+            back[to * block..][..block] == expected[k * block..][..block],
+            "D's block {to} does not hold P's block {k} after the scattered read"
+        );
+    }
 
     let results: Vec<(&str, usize, Duration)> =
         ways.iter().zip(samples).map(|((name, n), samples)| (*name, *n, median(samples))).collect();
@@ -163,18 +206,21 @@ fn main() {
         Ok(value) => println!("{get}={value} (from the environment)"),
         Err(_) => println!("UCX settings from the transport: {}", kv_transport_nixl::engine_config(None)),
     }
-    println!("{:<18} {:>12} {:>10} {:>10} {:>10}", "way", "descriptors", "ms", "GB/s", "vs copy");
+    println!("{:<26} {:>12} {:>10} {:>10} {:>10}", "way", "descriptors", "ms", "GB/s", "vs copy");
     for (name, descriptors, d) in &results {
         let g = gbps(POOL_BYTES, *d);
         let ms = d.as_secs_f64() * 1e3;
-        println!("{name:<18} {descriptors:>12} {ms:>10.3} {g:>10.1} {:>9.2}x", g / copy_gbps);
+        println!("{name:<26} {descriptors:>12} {ms:>10.3} {g:>10.1} {:>9.2}x", g / copy_gbps);
     }
-    let (single_gbps, ours_gbps) = (gbps(POOL_BYTES, results[1].2), gbps(POOL_BYTES, results[4].2));
-    println!(
-        "the connectors' path: {:.2} of one NIXL descriptor (target >= 0.9), {:.2} of the copy (target >= 0.8)",
-        ours_gbps / single_gbps,
-        ours_gbps / copy_gbps
-    );
+    let single_gbps = gbps(POOL_BYTES, results[1].2);
+    let (ours_gbps, spread_gbps) = (gbps(POOL_BYTES, results[6].2), gbps(POOL_BYTES, results[5].2));
+    for (what, g) in [("the connectors' path", ours_gbps), ("scattered over D's pool", spread_gbps)] {
+        println!(
+            "{what}: {:.2} of one NIXL descriptor (target >= 0.9), {:.2} of the copy (target >= 0.8)",
+            g / single_gbps,
+            g / copy_gbps
+        );
+    }
     if flags.json {
         let mut fields = serde_json::Map::new();
         fields.insert("kind".into(), kind_name.into());
@@ -190,6 +236,14 @@ fn main() {
                 "descriptors": choice.as_str(),
                 "over_single_descriptor": ours_gbps / single_gbps,
                 "over_copy": ours_gbps / copy_gbps,
+            }),
+        );
+        fields.insert(
+            "connectors_scattered".into(),
+            serde_json::json!({
+                "descriptors": choice.as_str(),
+                "over_single_descriptor": spread_gbps / single_gbps,
+                "over_copy": spread_gbps / copy_gbps,
             }),
         );
         println!("{}", serde_json::json!({ "vram": fields }));
