@@ -79,13 +79,15 @@ pub struct NixlConfig {
     pub poll_intervals: PollIntervals,
     /// The most bytes one NIXL request moves between host memory on both sides: a larger
     /// transfer goes in pieces, posted while they may go for [`NixlConfig::post_piece_budget`]
-    /// a call and the rest at the next polls, its notification with the last once the others
+    /// a turn of the engine's loop and the rest at the next polls, its notification with the last once the others
     /// have ended, so that a large transfer does not hold the rank's thread for its whole copy
     /// (`transport/pieces.rs`). [`DEFAULT_POST_PIECE_BYTES`] unless configured; `None` posts
     /// every transfer whole.
     pub post_piece_bytes: Option<u64>,
-    /// How long one call may go on posting a transfer's pieces before it returns to the engine
-    /// ([`DEFAULT_POST_PIECE_BUDGET`] unless configured); zero posts one piece a call.
+    /// How long the polls and posts of one turn of the engine's loop (each transfer polled
+    /// once) may go on posting pieces, together, before they return to the engine; the oldest
+    /// transfer's pieces go first, and at least one piece goes each turn
+    /// ([`DEFAULT_POST_PIECE_BUDGET`] unless configured; zero posts one piece a call).
     pub post_piece_budget: Duration,
 }
 
@@ -209,6 +211,8 @@ pub struct NixlTransport {
     /// [`NixlConfig::post_piece_bytes`] and [`NixlConfig::post_piece_budget`].
     piece_bytes: Option<u64>,
     piece_budget: Duration,
+    /// The posting of pieces that the polls and posts of one turn of the engine's loop share.
+    piece_round: Option<pieces::Round>,
 }
 
 impl std::fmt::Debug for NixlTransport {
@@ -233,7 +237,15 @@ fn backend_error(what: &str, e: nixl_sys::NixlError) -> TransportError {
 /// 0.44 GB/s under `auto`, where a write of the same bytes took the CUDA IPC path at 739 GB/s.
 /// Reads are kvflow's pull path, so it wants GET. Where UCX loads no CUDA transport the key
 /// applies to nothing (UCX says so at debug level only).
-pub const UCX_ENGINE_CONFIG: &[(&str, &str)] = &[("CUDA_IPC_ENABLE_GET_ZCOPY", "y")];
+///
+/// `USE_MT_MUTEX=y` makes the lock that UCX's worker takes for each call a mutex instead of
+/// UCX's default spinlock. With NIXL's progress thread the worker has two threads, and over
+/// UCX's shared memory a post copies its bytes inside the call, holding the lock: the progress
+/// thread, woken meanwhile, spun on it for the whole copy (seen with `perf` in the demo on 2
+/// cores: a third to two thirds of a core for 100 ms at a time, in `pthread_spin_lock` under
+/// `nixlUcxSharedThread`), taking the core that the engines' own threads were waiting for. A
+/// thread waiting on the mutex sleeps; an uncontended mutex costs about what the spinlock does.
+pub const UCX_ENGINE_CONFIG: &[(&str, &str)] = &[("CUDA_IPC_ENABLE_GET_ZCOPY", "y"), ("USE_MT_MUTEX", "y")];
 
 /// The backend's `engine_config`: `theirs` (what the engine's `ucx_params` set, if anything),
 /// then each of [`UCX_ENGINE_CONFIG`] whose key `theirs` does not set.
@@ -298,6 +310,7 @@ impl NixlTransport {
             threaded: thread_pool(&config.ucx_params),
             piece_bytes: config.post_piece_bytes,
             piece_budget: config.post_piece_budget,
+            piece_round: None,
         })
     }
 
@@ -720,10 +733,15 @@ mod tests {
     #[test]
     fn ucx_settings_join_the_engines_own_which_win() {
         use super::engine_config;
-        assert_eq!(engine_config(None), "CUDA_IPC_ENABLE_GET_ZCOPY=y");
-        assert_eq!(engine_config(Some("")), "CUDA_IPC_ENABLE_GET_ZCOPY=y");
-        assert_eq!(engine_config(Some("TLS=tcp")), "TLS=tcp,CUDA_IPC_ENABLE_GET_ZCOPY=y");
-        assert_eq!(engine_config(Some("CUDA_IPC_ENABLE_GET_ZCOPY=n,TLS=^ib")), "CUDA_IPC_ENABLE_GET_ZCOPY=n,TLS=^ib");
+        let ours = "CUDA_IPC_ENABLE_GET_ZCOPY=y,USE_MT_MUTEX=y";
+        assert_eq!(engine_config(None), ours);
+        assert_eq!(engine_config(Some("")), ours);
+        assert_eq!(engine_config(Some("TLS=tcp")), format!("TLS=tcp,{ours}"));
+        assert_eq!(
+            engine_config(Some("CUDA_IPC_ENABLE_GET_ZCOPY=n,TLS=^ib")),
+            "CUDA_IPC_ENABLE_GET_ZCOPY=n,TLS=^ib,USE_MT_MUTEX=y"
+        );
+        assert_eq!(engine_config(Some("USE_MT_MUTEX=n")), "USE_MT_MUTEX=n,CUDA_IPC_ENABLE_GET_ZCOPY=y");
     }
 
     use super::thread_pool;
