@@ -107,7 +107,12 @@ where
                 let machine = driver.machine_ref();
                 let now_status = RankStatus { connected: machine.connected_peers(), counters: machine.counters() };
                 *published.lock().unwrap_or_else(PoisonError::into_inner) = now_status;
-                std::thread::park_timeout(driver.wait_time(now).map_or(idle_wait, |w| w.min(idle_wait)));
+                match driver.wait_time(now).map_or(idle_wait, |w| w.min(idle_wait)) {
+                    // More to do at once (a transfer's next pieces, say): step aside first for
+                    // the threads waiting for this core, as a long post would not.
+                    wait if wait.is_zero() => std::thread::yield_now(),
+                    wait => std::thread::park_timeout(wait),
+                }
             }
         })?;
         Ok(RankThread { tx: Some(tx), status, thread: join.thread().clone(), join: Some(join) })
