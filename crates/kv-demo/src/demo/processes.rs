@@ -282,7 +282,12 @@ impl Demo {
         });
         let node =
             Node { role, instance, child, stdin, port: None, ports: Vec::new(), metrics: None, connected: false };
-        self.nodes.insert(name.to_owned(), node);
+        // A killed incarnation is reaped here, by now long dead (the router does not wait for
+        // it when it kills it).
+        if let Some(mut old) = self.nodes.insert(name.to_owned(), node) {
+            let _ = old.child.kill();
+            let _ = old.child.wait();
+        }
         Ok(())
     }
 

@@ -15,6 +15,8 @@ struct Load {
     /// With a model: blocks for the tokens D decodes, after `blocks` (not the load's).
     extra: Vec<BlockId>,
     aborted: bool,
+    /// When D handed the demo's own work on `blocks` to the payload threads.
+    handed: Option<Instant>,
     /// The demo's own work on `blocks` before the load.
     prepared: Prepared,
     /// With a model: the request's decode.
@@ -34,7 +36,9 @@ struct Decode {
 /// freed before, and filling those D's prefix cache holds. The KV latency leaves it out.
 #[derive(Clone, Copy, Default, Debug)]
 pub(super) struct Prepared {
-    /// From handing the work over to its end.
+    /// From the engine's thread handing the work over to its taking up the work's end: the
+    /// payload thread's wait for a core and its hand-back included, which a real engine, doing
+    /// no such work, does not wait for either.
     took: Duration,
     /// When it ended (wall clock, ns; 0: none was done).
     at_ns: u64,
@@ -94,6 +98,7 @@ impl Side for DecodeSide {
                             blocks: Vec::new(),
                             extra: Vec::new(),
                             aborted: false,
+                            handed: None,
                             prepared: Prepared::default(),
                             model,
                         };
@@ -240,6 +245,9 @@ impl Node<DecodeSide> {
                     Work::Fill { seed, blocks: blocks[..cached].to_vec(), freed, first: 0 }
                 }
             };
+            if let Some(load) = self.side.loads.get_mut(&id) {
+                load.handed = Some(Instant::now());
+            }
             self.engine.payload.submit(Tag::Prepared { id, blocks, extra, cached }, work);
         }
         Ok(())
@@ -262,7 +270,7 @@ impl Node<DecodeSide> {
         };
         load.blocks = blocks.clone();
         load.extra = extra;
-        load.prepared = Prepared { took, at_ns: wall_ns() };
+        load.prepared = Prepared { took: load.handed.map_or(took, |at| at.elapsed()), at_ns: wall_ns() };
         if let Err(err) = self.connector.scheduler().handle_schedule_cached(id.clone(), blocks.clone(), cached) {
             let extra = self.side.loads.remove(&id).map(|l| l.extra).unwrap_or_default();
             self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });
