@@ -79,10 +79,10 @@ pub struct NixlConfig {
     pub poll_intervals: PollIntervals,
     /// The most bytes one NIXL request moves between host memory on both sides: a larger
     /// transfer goes in pieces, posted while they may go for [`NixlConfig::post_piece_budget`]
-    /// a turn of the engine's loop and the rest at the next polls, its notification with the last once the others
-    /// have ended, so that a large transfer does not hold the rank's thread for its whole copy
-    /// (`transport/pieces.rs`). [`DEFAULT_POST_PIECE_BYTES`] unless configured; `None` posts
-    /// every transfer whole.
+    /// a turn of the engine's loop and the rest at the next polls, its notification with the
+    /// last once the others have ended, so that a large transfer does not hold the rank's
+    /// thread for its whole copy (`transport/pieces.rs`). [`DEFAULT_POST_PIECE_BYTES`] unless
+    /// configured; `None` posts every transfer whole.
     pub post_piece_bytes: Option<u64>,
     /// How long the polls and posts of one turn of the engine's loop (each transfer polled
     /// once) may go on posting pieces, together, before they return to the engine; the oldest

@@ -15,8 +15,6 @@ struct Load {
     /// With a model: blocks for the tokens D decodes, after `blocks` (not the load's).
     extra: Vec<BlockId>,
     aborted: bool,
-    /// When D handed the demo's own work on `blocks` to the payload threads.
-    handed: Option<Instant>,
     /// The demo's own work on `blocks` before the load.
     prepared: Prepared,
     /// With a model: the request's decode.
@@ -98,7 +96,6 @@ impl Side for DecodeSide {
                             blocks: Vec::new(),
                             extra: Vec::new(),
                             aborted: false,
-                            handed: None,
                             prepared: Prepared::default(),
                             model,
                         };
@@ -150,9 +147,9 @@ impl Side for DecodeSide {
     }
 
     fn handle_done(node: &mut Node<Self>, done: Done<Tag>) -> Result<()> {
-        let Done { tag, took, intact, model, .. } = done;
+        let Done { tag, handed, intact, model, .. } = done;
         match tag {
-            Tag::Prepared { id, blocks, extra, cached } => node.prepared(id, blocks, extra, cached, took),
+            Tag::Prepared { id, blocks, extra, cached } => node.prepared(id, blocks, extra, cached, handed.elapsed()),
             Tag::Verified { id, blocks, ready_at_ns, prepared, bytes, first_at_ns } => {
                 let outcome = if intact { Outcome::Ok } else { Outcome::Corrupt };
                 let generated = match model {
@@ -245,9 +242,6 @@ impl Node<DecodeSide> {
                     Work::Fill { seed, blocks: blocks[..cached].to_vec(), freed, first: 0 }
                 }
             };
-            if let Some(load) = self.side.loads.get_mut(&id) {
-                load.handed = Some(Instant::now());
-            }
             self.engine.payload.submit(Tag::Prepared { id, blocks, extra, cached }, work);
         }
         Ok(())
@@ -270,7 +264,7 @@ impl Node<DecodeSide> {
         };
         load.blocks = blocks.clone();
         load.extra = extra;
-        load.prepared = Prepared { took: load.handed.map_or(took, |at| at.elapsed()), at_ns: wall_ns() };
+        load.prepared = Prepared { took, at_ns: wall_ns() };
         if let Err(err) = self.connector.scheduler().handle_schedule_cached(id.clone(), blocks.clone(), cached) {
             let extra = self.side.loads.remove(&id).map(|l| l.extra).unwrap_or_default();
             self.engine.emit(&Event::Error { message: format!("{}: {err}", self.engine.name) });

@@ -16,7 +16,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{JoinHandle, Thread};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{anyhow, Context, Result};
 use kv_core::{BlockId, Memory, MemoryError, MemoryKind, PoolShape, Region, RegionId};
@@ -334,8 +334,9 @@ pub(super) struct Done<T> {
     pub(super) written_after_free: u64,
     /// Of a `Check`: whether every byte was the prompt's.
     pub(super) intact: bool,
-    /// From handing the work over to its end.
-    pub(super) took: Duration,
+    /// When the engine handed the work over: the engine times it when it takes the result up,
+    /// so that the hand-back is counted too.
+    pub(super) handed: Instant,
     /// A failure of the memory port: the engine cannot go on.
     pub(super) failed: Option<String>,
     /// What model work gave.
@@ -522,7 +523,7 @@ fn run<T>(pool: &PoolBytes, chunk: &mut [u8], tag: T, work: Work, handed: Instan
         }
     };
     let failed = result.err().map(|e| format!("{e:#}"));
-    Done { tag, written_after_free, intact, took: handed.elapsed(), failed, model }
+    Done { tag, written_after_free, intact, handed, failed, model }
 }
 
 #[cfg(test)]
