@@ -433,14 +433,15 @@ impl NixlTransport {
             Ok(_) => Pending::InFlight(xfer),
             Err(e) => Pending::Failed(backend_error("post transfer", e)),
         };
-        self.track(pending)
+        let id = self.new_id();
+        self.transfers.insert(id, pending);
+        id
     }
 
-    /// Tracks a transfer under a new id.
-    fn track(&mut self, pending: Pending) -> TransferId {
+    /// The id of the next transfer, whole or in pieces.
+    fn new_id(&mut self) -> TransferId {
         let id = TransferId(self.next_transfer);
         self.next_transfer += 1;
-        self.transfers.insert(id, pending);
         id
     }
 

@@ -58,14 +58,11 @@ pub(crate) struct Round {
 }
 
 impl Round {
-    /// The round that a poll of transfer `id` at `now` (`None`: a new transfer's first post)
+    /// The round that a poll of transfer `id` at `now` (or a new transfer's first post)
     /// belongs to: `current`, unless it polled `id` already or lay idle for `budget`.
-    pub(crate) fn next(current: Option<Round>, id: Option<TransferId>, now: Instant, budget: Duration) -> Round {
+    pub(crate) fn next(current: Option<Round>, id: TransferId, now: Instant, budget: Duration) -> Round {
         match current {
-            Some(round)
-                if now.saturating_duration_since(round.touched) < budget
-                    && id.is_none_or(|id| !round.polled.contains(&id)) =>
-            {
+            Some(round) if now.saturating_duration_since(round.touched) < budget && !round.polled.contains(&id) => {
                 round
             }
             _ => Round { began: now, touched: now, posted: false, polled: Vec::new() },
@@ -143,12 +140,18 @@ impl NixlTransport {
     ) -> TransferId {
         let waiting = pieces.into();
         let mut pieced = Pieced { op, peer, waiting, notification, in_flight: Vec::new(), failed: None };
-        let mut round = Round::next(self.piece_round.take(), None, Instant::now(), self.piece_budget);
-        self.advance(&mut pieced, &mut round);
-        let id = self.track(Pending::Pieces(Box::new(pieced)));
+        let id = self.new_id();
+        self.advance_in_round(id, &mut pieced);
+        self.transfers.insert(id, Pending::Pieces(Box::new(pieced)));
+        id
+    }
+
+    /// Takes in and posts the pieces of transfer `id` within the round its poll belongs to.
+    fn advance_in_round(&mut self, id: TransferId, pieced: &mut Pieced) {
+        let mut round = Round::next(self.piece_round.take(), id, Instant::now(), self.piece_budget);
+        self.advance(pieced, &mut round);
         round.touch(id, Instant::now());
         self.piece_round = Some(round);
-        id
     }
 
     /// Polls the pieces of transfer `id` in flight, posts its next piece if it may go, and
@@ -157,10 +160,7 @@ impl NixlTransport {
         let Some(Pending::Pieces(mut pieced)) = self.transfers.remove(&id) else {
             return TransferStatus::Failed(TransportError::UnknownTransfer(id));
         };
-        let mut round = Round::next(self.piece_round.take(), Some(id), Instant::now(), self.piece_budget);
-        self.advance(&mut pieced, &mut round);
-        round.touch(id, Instant::now());
-        self.piece_round = Some(round);
+        self.advance_in_round(id, &mut pieced);
         if !pieced.ended() {
             self.transfers.insert(id, Pending::Pieces(pieced));
             return TransferStatus::InProgress;
@@ -316,29 +316,29 @@ mod tests {
     fn the_polls_of_one_turn_share_a_round_and_its_budget() {
         let (t0, budget, ms) = (Instant::now(), Duration::from_micros(500), Duration::from_millis);
         let us = Duration::from_micros;
-        let mut round = Round::next(None, Some(TransferId(1)), t0, budget);
+        let mut round = Round::next(None, TransferId(1), t0, budget);
         assert!(round.may_post(t0, budget));
         round.posted = true;
         round.touch(TransferId(1), t0 + us(400));
         // Another transfer polled in the same turn: the same round, with what is left of it.
-        let mut round = Round::next(Some(round), Some(TransferId(2)), t0 + us(410), budget);
+        let mut round = Round::next(Some(round), TransferId(2), t0 + us(410), budget);
         assert!(round.may_post(t0 + us(450), budget));
         assert!(!round.may_post(t0 + us(500), budget), "the budget is the round's, not the call's");
         round.touch(TransferId(2), t0 + us(600));
         // A new transfer's first post in that turn: still spent.
-        let round = Round::next(Some(round), None, t0 + us(610), budget);
+        let round = Round::next(Some(round), TransferId(5), t0 + us(610), budget);
         assert!(!round.may_post(t0 + us(610), budget));
         // The next turn polls transfer 1 again: a new round, whose first piece goes.
-        let round = Round::next(Some(round), Some(TransferId(1)), t0 + us(620), budget);
+        let round = Round::next(Some(round), TransferId(1), t0 + us(620), budget);
         assert!(round.may_post(t0 + ms(5), budget), "a round that posted nothing posts one piece");
         // A round nothing touched for a budget is over, even for a transfer it did not poll.
-        let mut round = Round::next(None, Some(TransferId(3)), t0, budget);
+        let mut round = Round::next(None, TransferId(3), t0, budget);
         round.posted = true;
         round.touch(TransferId(3), t0);
-        let round = Round::next(Some(round), Some(TransferId(4)), t0 + ms(1), budget);
+        let round = Round::next(Some(round), TransferId(4), t0 + ms(1), budget);
         assert!(!round.posted && round.polled.is_empty());
         // A zero budget posts one piece a round.
-        let mut round = Round::next(None, None, t0, Duration::ZERO);
+        let mut round = Round::next(None, TransferId(6), t0, Duration::ZERO);
         assert!(round.may_post(t0, Duration::ZERO));
         round.posted = true;
         assert!(!round.may_post(t0, Duration::ZERO));
