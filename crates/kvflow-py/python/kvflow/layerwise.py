@@ -82,11 +82,8 @@ class Progress:
             # vLLM freed its blocks at once; P's ranks only read them (the writes go into D's
             # blocks), and D is told that no write will come once theirs have ended. One never
             # reported starts again with the blocks vLLM gives it when it resumes.
-            if self._give_up(prefill, rid):
-                abandoned.append(rid)
-                unreported.append(rid)
+            if self._give_up_running(prefill, rid, abandoned, unreported):
                 del self._requests[rid]
-                self._given_up.add(rid)
         starts: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
@@ -122,12 +119,19 @@ class Progress:
                 # before (not vLLM's way): nothing more goes ahead. Never reported, the request
                 # is exported as without writes ahead; reported, it is given up.
                 logger.warning("kvflow: %s is written no further ahead: %s", rid, error)
-                if self._give_up(prefill, rid):
-                    abandoned.append(rid)
-                    unreported.append(rid)
-                    self._given_up.add(rid)
+                self._give_up_running(prefill, rid, abandoned, unreported)
                 del self._requests[rid]
         return abandoned, unreported
+
+    def _give_up_running(self, prefill, rid: str, abandoned: list[str], unreported: list[str]) -> bool:
+        """Gives up ``rid`` while vLLM still runs it, if P's scheduler holds it in progress: it
+        joins ``abandoned`` and ``unreported`` and is never exported. Whether it did."""
+        if not self._give_up(prefill, rid):
+            return False
+        abandoned.append(rid)
+        unreported.append(rid)
+        self._given_up.add(rid)
+        return True
 
     def _give_up(self, prefill, rid: str) -> bool:
         """Gives up ``rid`` at P's scheduler if it holds it in progress; whether it did."""
