@@ -27,20 +27,27 @@ use nixl_sys::{MemType, XferRequest};
 use super::{backend_error, descriptor_list, xfer_op, NixlTransport, Pending};
 use crate::metadata::TypedRanges;
 
-/// The bytes of one piece, by default. Each piece costs a NIXL request: in the bench's
-/// one-at-a-time 32 MiB pull on 2 cores, posted one piece a poll, whole transfers ran at 12.2
-/// GB/s, 16 MiB pieces at 13.5 to 13.8, 8 MiB at 10.8 to 11.8 and 4 MiB at 9.8 to 11.9 (two
-/// runs each), and 4 MiB pieces posted for 500 µs a call at 13.7 (median of 5). In the demo's
-/// mix of 16- to 512-token prompts, pull's P done -> D holds KV p99 over each request's own
-/// transfer was 5 to 12 (median 6.1 of 5 runs) with 4 MiB pieces and 7 to 14 (median 10.9)
-/// with 16 MiB pieces.
-pub const DEFAULT_POST_PIECE_BYTES: u64 = 4 << 20;
+/// The bytes of one piece, by default. Over UCX's shared memory the copy runs in the kernel
+/// (`process_vm_readv`), which on a kernel without preemption holds the core for the whole of
+/// one piece: about 100 µs for 1 MiB, 400 to 550 µs for 4 MiB (traced with `sched_switch`),
+/// while a thread woken on that core waits. Each piece costs a NIXL request, which costs the
+/// one-at-a-time 32 MiB pull nothing measurable: 12.41 GB/s with 1 MiB pieces and a 250 µs
+/// budget against 12.5 with 4 MiB and 500 µs (two runs each; earlier, posted one piece a poll,
+/// 4 MiB pieces ran at 9.8 to 11.9 and 16 MiB at 13.5 to 13.8). See
+/// [`DEFAULT_POST_PIECE_BUDGET`] for what the pair did to the demo's tail.
+pub const DEFAULT_POST_PIECE_BYTES: u64 = 1 << 20;
 
 /// How long one turn of the engine's loop may go on posting pieces, by default: where a post
-/// copies inline (UCX's shared memory) that is one or two pieces, and where posts return at
+/// copies inline (UCX's shared memory) that is two or three pieces, and where posts return at
 /// once (a NIC moves the bytes) every piece goes in the first call, so pieces cost such a
-/// transport nothing.
-pub const DEFAULT_POST_PIECE_BUDGET: Duration = Duration::from_micros(500);
+/// transport nothing. A rank takes up the commands sent to it only between turns, so the
+/// budget bounds how long a new load waits for its rank: in the demo on 2 cores, with 4 MiB
+/// pieces and 500 µs, D's engine-to-rank hand-off of a load had a p99 of 0.9 to 2.0 ms (turns
+/// of up to 1.9 ms, traced) and the largest hop of about half the requests whose P done -> D
+/// holds KV exceeded 2.5 times their transfer; with 1 MiB and 250 µs its p99 was 0.35 to 0.51
+/// ms. The default demo's pull `kv_over_transfer` p99 went from a median of 3.0 (8 runs) to
+/// 2.14 (19 runs, all at most 2.50); 1 MiB pieces with 500 µs gave 2.95 (11 runs).
+pub const DEFAULT_POST_PIECE_BUDGET: Duration = Duration::from_micros(250);
 
 /// The posting that one turn of the engine's loop shares: pieces go while they may until the
 /// budget has passed since the round began, and at least one does. A round ends when a
