@@ -54,7 +54,7 @@ use kv_testkit::BlockPool;
 
 mod decode;
 mod metrics;
-mod payload;
+pub(crate) mod payload;
 mod prefill;
 mod transport;
 

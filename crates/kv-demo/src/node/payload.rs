@@ -459,7 +459,7 @@ impl<T> Drop for Workers<T> {
 /// Linux applies either to the calling thread alone; failing is harmless (the work is done all
 /// the same), so it is only logged.
 #[allow(unsafe_code)] // Two libc calls: see the SAFETY notes.
-pub(super) fn lower_priority() {
+pub(crate) fn lower_priority() {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: sched_setscheduler reads the parameter it is given and changes no memory of this
     // process; 0 names the calling thread.
