@@ -665,6 +665,21 @@ mod tests {
         args.map_err(|e| e.to_string())?.config().map_err(|e| format!("{e:#}"))
     }
 
+    /// `--model tiny-llama` without `--layers` runs the model kv-model defines, in its own
+    /// layers and KV heads (the literals stand in kv-demo because the router's side builds
+    /// without kv-model).
+    #[cfg(feature = "nixl")]
+    #[test]
+    fn tiny_llama_runs_in_kv_models_own_layers() {
+        let own = kv_model::ModelConfig::TINY_LLAMA;
+        assert_eq!(TINY_LLAMA_LAYERS as usize, own.layers);
+        let m = parse(&["--model", "tiny-llama"]).unwrap().model;
+        assert_eq!(
+            (m.layers as usize, m.kv_heads as usize, m.head_dim as usize),
+            (own.layers, own.kv_heads, own.head_dim)
+        );
+    }
+
     #[test]
     fn no_flags_ask_for_the_default_run() {
         assert_eq!(parse(&[]), Ok(DemoConfig::default()));
