@@ -107,13 +107,15 @@ fn storms(a: &mut Attacker) -> Result<()> {
             a.config.transport
         );
     }
-    let sniffer = sniff::Sniffer::start();
+    // The sniffer watches P's data port (a scout key holder reads it from P's handshake; an
+    // eavesdropper without the key would see it in the traffic).
+    let data = a.data_address()?;
+    let sniffer = sniff::Sniffer::start(data.port());
     // A live key holder whose data link the sniffer sees from its first byte (the engines'
     // own links open before the attacker starts; a restarted D's may fall in a storm).
     let witness = a.witness()?;
     a.report("churn-storm", Attacker::churn_storm)?;
     a.report("data-port-flood", Attacker::data_port_flood)?;
-    let data = a.data_address()?;
     a.report("sniff-and-impersonate", move |a| a.sniff_and_impersonate(sniffer, data))?;
     a.report("key-holder-under-another-name-on-the-data-path", move |a| a.impersonate_on_data_path(data))?;
     drop(witness);

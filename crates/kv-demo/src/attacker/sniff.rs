@@ -63,8 +63,9 @@ impl Drop for Capture {
 }
 
 impl Capture {
+    /// A raw packet socket on `lo` that the kernel hands only TCP segments to or from `port`.
     #[allow(unsafe_code)] // The raw packet socket's system calls: see the SAFETY note.
-    fn open() -> io::Result<Capture> {
+    fn open(port: u16) -> io::Result<Capture> {
         // SAFETY: plain system calls on a descriptor this function owns; every pointer passed
         // points at a local of the size given.
         unsafe {
@@ -83,6 +84,12 @@ impl Capture {
             sll.sll_ifindex = ifindex as i32;
             let len = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
             if libc::bind(fd, (&raw const sll).cast(), len) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let mut filter = port_filter(port);
+            let program = libc::sock_fprog { len: filter.len() as libc::c_ushort, filter: filter.as_mut_ptr() };
+            let size = std::mem::size_of::<libc::sock_fprog>() as libc::socklen_t;
+            if libc::setsockopt(fd, libc::SOL_SOCKET, SO_ATTACH_FILTER, (&raw const program).cast(), size) < 0 {
                 return Err(io::Error::last_os_error());
             }
             let rcvbuf: libc::c_int = 64 << 20;
@@ -112,6 +119,38 @@ impl Capture {
         }
         Some(&buf[..n as usize])
     }
+}
+
+/// `SO_ATTACH_FILTER` (asm-generic's value, x86-64's and arm64's).
+const SO_ATTACH_FILTER: libc::c_int = 26;
+
+/// A classic BPF program, as `tcpdump 'ip and tcp port PORT'` compiles it for an Ethernet
+/// header (`lo` has one): IPv4, TCP, the first fragment, source or destination port `port`.
+/// The kernel runs it before it queues a packet or wakes the sniffer, so that the storms'
+/// floods to P's side channel (every connection's SYN, HELLO, ERROR, FIN) cost the senders no
+/// copy and the sniffer no wake-up, as a capture filter on a tap of the data network would.
+fn port_filter(port: u16) -> Vec<libc::sock_filter> {
+    let op = |code: u32, jt: u8, jf: u8, k: u32| libc::sock_filter { code: code as u16, jt, jf, k };
+    let (ld, ldx, jmp, ret) = (libc::BPF_LD, libc::BPF_LDX, libc::BPF_JMP, libc::BPF_RET);
+    let (h, b, abs, ind, msh, k) = (libc::BPF_H, libc::BPF_B, libc::BPF_ABS, libc::BPF_IND, libc::BPF_MSH, libc::BPF_K);
+    let (jeq, jset) = (libc::BPF_JEQ, libc::BPF_JSET);
+    let port = u32::from(port);
+    // Jump offsets count the instructions skipped; 11 keeps the packet, 12 drops it.
+    vec![
+        op(ld | h | abs, 0, 0, 12),       // 0: the Ethernet type
+        op(jmp | jeq | k, 0, 10, 0x0800), // 1: IPv4, else drop
+        op(ld | b | abs, 0, 0, 23),       // 2: the IP protocol
+        op(jmp | jeq | k, 0, 8, 6),       // 3: TCP, else drop
+        op(ld | h | abs, 0, 0, 20),       // 4: flags and fragment offset
+        op(jmp | jset | k, 6, 0, 0x1fff), // 5: a later fragment (no TCP header): drop
+        op(ldx | b | msh, 0, 0, 14),      // 6: X = the IP header's length
+        op(ld | h | ind, 0, 0, 14),       // 7: the source port
+        op(jmp | jeq | k, 2, 0, port),    // 8: ours: keep
+        op(ld | h | ind, 0, 0, 16),       // 9: the destination port
+        op(jmp | jeq | k, 0, 1, port),    // 10: ours: keep, else drop
+        op(ret | k, 0, 0, 0x0004_0000),   // 11: keep (up to 256 KiB of it)
+        op(ret | k, 0, 0, 0),             // 12: drop
+    ]
 }
 
 /// A TCP segment of an IPv4 packet behind `lo`'s 14-byte Ethernet header.
@@ -170,9 +209,10 @@ impl Recording {
 }
 
 impl Sniffer {
-    /// Starts recording, or says why it cannot (not root).
-    pub(super) fn start() -> io::Result<Sniffer> {
-        let capture = Capture::open()?;
+    /// Starts recording the TCP connections to or from `port` (P's data listener), or says
+    /// why it cannot (not root).
+    pub(super) fn start(port: u16) -> io::Result<Sniffer> {
+        let capture = Capture::open(port)?;
         let (stop, recording) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Recording::default())));
         let (s, r) = (stop.clone(), recording.clone());
         let thread = std::thread::spawn(move || {

@@ -46,8 +46,8 @@ impl Churn {
             // A real flood comes from another host: its own CPU is not the engines'. On the
             // demo's one host it took up to every core from them (the churn storm's
             // availability 0.02 to 1.12 across runs on 2 cores), so it floods with what the
-            // engines leave, as the payload threads work; P's listener still answers every
-            // connection at its own priority.
+            // engines leave, as the payload threads work (and steps aside as they do, below);
+            // P's listener still answers every connection at its own priority.
             crate::node::payload::lower_priority();
             churn(addr, sockets, &*greeting, &s, &o)
         });
@@ -83,6 +83,13 @@ fn churn(addr: SocketAddr, sockets: usize, greeting: &dyn Fn(u64) -> Vec<u8>, st
             }
             let _ = s.set_nonblocking(true);
             *slot = Some(s);
+            // Step aside between connections, as the payload threads do between blocks: at
+            // `SCHED_IDLE` both, and a payload thread that yielded waited out the flood's
+            // whole turn (494 of every 500 ms under the storm, traced with schedstat), so the
+            // demo's fills and checks, the work a GPU would do, stalled: availability 0.49 to
+            // 0.67 in 11 runs (with the sniffer filtered; 0.23 to 1.12 in 15 before), 1.01 to
+            // 1.03 in 10 with this yield.
+            std::thread::yield_now();
             if stop.load(Ordering::Relaxed) {
                 return;
             }
