@@ -124,7 +124,7 @@ impl Capture {
 /// `SO_ATTACH_FILTER` (asm-generic's value, x86-64's and arm64's).
 const SO_ATTACH_FILTER: libc::c_int = 26;
 
-/// A classic BPF program, as `tcpdump 'ip and tcp port PORT'` compiles it for an Ethernet
+/// A classic BPF program for what `tcpdump 'ip and tcp port PORT'` takes, behind an Ethernet
 /// header (`lo` has one): IPv4, TCP, the first fragment, source or destination port `port`.
 /// The kernel runs it before it queues a packet or wakes the sniffer, so that the storms'
 /// floods to P's side channel (every connection's SYN, HELLO, ERROR, FIN) cost the senders no

@@ -87,8 +87,8 @@ fn churn(addr: SocketAddr, sockets: usize, greeting: &dyn Fn(u64) -> Vec<u8>, st
             // `SCHED_IDLE` both, and a payload thread that yielded waited out the flood's
             // whole turn (494 of every 500 ms under the storm, traced with schedstat), so the
             // demo's fills and checks, the work a GPU would do, stalled: availability 0.49 to
-            // 0.67 in 11 runs (with the sniffer filtered; 0.23 to 1.12 in 15 before), 1.01 to
-            // 1.03 in 10 with this yield.
+            // 0.67 in 11 runs (with the sniffer filtered; 0.23 to 1.12 in 15 before), 1.00 to
+            // 1.03 in 12 with this yield (CI's among them).
             std::thread::yield_now();
             if stop.load(Ordering::Relaxed) {
                 return;
