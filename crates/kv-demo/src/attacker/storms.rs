@@ -89,7 +89,7 @@ fn churn(addr: SocketAddr, sockets: usize, greeting: &dyn Fn(u64) -> Vec<u8>, st
             // demo's fills and checks, the work a GPU would do, stalled: availability 0.49 to
             // 0.67 in 11 runs (with the sniffer filtered; 0.23 to 1.12 in 15 before), 1.00 to
             // 1.03 in 12 with this yield (CI's among them).
-            std::thread::yield_now();
+            crate::node::payload::step_aside();
             if stop.load(Ordering::Relaxed) {
                 return;
             }

@@ -480,8 +480,9 @@ pub(crate) fn lower_priority() {
 /// core for its lag to be paid (traced with `sched_switch` on 2 cores), and such waits were
 /// most of the demo's P done -> D holds KV tail. Stepping aside between blocks (0.1 to 0.3 ms
 /// of work each) left waits of that length: in 5 runs each, alternated, 24 requests over 2.3
-/// times their transfer with it and 13 stepping aside at each copy.
-fn step_aside() {
+/// times their transfer with it and 13 stepping aside at each copy. The attacker's flooding
+/// threads, at the same priority, step aside through it too, between connections.
+pub(crate) fn step_aside() {
     std::thread::yield_now();
 }
 
