@@ -49,8 +49,8 @@ pub use id::{AgentName, BlockId, EngineId, RequestId};
 pub use layout::{Attention, Dtype, KvLayout, LayerRange, LayoutError, MemoryOrder, Placement, PoolShape};
 pub use plan::{DescriptorPair, Granularity, Initiator, PlanError, PlanInput, PoolSide, RegionBase, TransferPlan};
 pub use ports::{
-    Clock, Descriptors, Memory, MemoryError, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo, PollIntervals,
-    PreparedId, PreparedLists, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp,
+    Clock, CutOffReason, Descriptors, Memory, MemoryError, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo,
+    PollIntervals, PreparedId, PreparedLists, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp,
     TransferRequest, TransferSizes, TransferStatus, Transport, TransportError,
 };
 pub use time::Time;

@@ -363,6 +363,40 @@ pub enum PeerEvent {
     },
     /// A notification from a connected peer.
     Notification(Notification),
+    /// The transport stopped listening to a connected peer it could not keep within its
+    /// bounds, and closes its side channel: the peer's [`PeerEvent::Lost`] follows, after
+    /// nothing more from it. Machines count it (`kvflow_peers_cut_off_total{reason}`).
+    CutOff {
+        /// The peer.
+        peer: AgentName,
+        /// Why, by kind.
+        reason: CutOffReason,
+    },
+}
+
+/// Why a transport cut a connected peer off ([`PeerEvent::CutOff`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
+pub enum CutOffReason {
+    /// Its notifications outran what the engine takes in: the transport dropped more of them
+    /// unread, beyond its bound on what one peer may have waiting, than that bound holds.
+    NotificationFlood,
+}
+
+impl CutOffReason {
+    /// Every reason, in declaration order.
+    pub const ALL: [CutOffReason; 1] = [CutOffReason::NotificationFlood];
+
+    /// The reason's name, in lower case (a metric's label value).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CutOffReason::NotificationFlood => "notification_flood",
+        }
+    }
+
+    /// Its place in [`CutOffReason::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
 }
 
 /// Why a transport operation failed.

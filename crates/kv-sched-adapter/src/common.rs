@@ -4,8 +4,8 @@ use std::collections::{BTreeMap, VecDeque};
 
 use kv_core::Role;
 use kv_core::{
-    AgentName, BlockId, Compatible, EngineId, Handshake, Message, PeerAddress, PeerInfo, PoolShape, PreparedId,
-    PreparedTransfer, RefusalCause, RegionBase, RequestId, Time, TransferRequest, TransportError,
+    AgentName, BlockId, Compatible, CutOffReason, EngineId, Handshake, Message, PeerAddress, PeerInfo, PoolShape,
+    PreparedId, PreparedTransfer, RefusalCause, RegionBase, RequestId, Time, TransferRequest, TransportError,
 };
 use kv_lease::ClockOffset;
 
@@ -211,6 +211,9 @@ pub struct Counters {
     /// Peers whose connection this rank saw lost (side channel closed, a newer incarnation
     /// handshook, or discovery said its engine is gone).
     pub peers_lost: u64,
+    /// Peers the transport cut off (its `Lost` then counts in `peers_lost` too), by reason,
+    /// indexed by [`CutOffReason::index`].
+    pub peers_cut_off: [u64; CutOffReason::ALL.len()],
     /// P: block-milliseconds of exports held for an owner that is silent (nothing from it for
     /// two heartbeat intervals; an export no engine has claimed counts from its registration),
     /// each block of this rank's pool counted once however many siblings share it.
@@ -226,6 +229,13 @@ impl Counters {
         // line per refusal would let them fill the engine's disk. The counters say how many.
         tracing::debug!(%peer, ?cause, %reason, "the transport refused input");
         self.refusal(cause);
+    }
+
+    /// Counts a peer the transport cut off for `reason`.
+    pub(crate) fn cut_off(&mut self, peer: &AgentName, reason: CutOffReason) {
+        // The transport logged it, once per peer, at WARNING.
+        tracing::debug!(%peer, reason = reason.as_str(), "the transport cut a peer off");
+        self.peers_cut_off[reason.index()] += 1;
     }
 
     /// Counts a refusal of `cause` as an ignored message (a replayed notification as a duplicate).

@@ -14,7 +14,7 @@
 
 use crate::common::Counters;
 #[cfg(feature = "metrics")]
-use kv_core::RefusalCause;
+use kv_core::{CutOffReason, RefusalCause};
 use kv_core::{EngineId, Time};
 use std::time::Duration;
 
@@ -100,6 +100,8 @@ pub const DESCRIPTORS: &str = "kvflow_num_descriptors";
 pub const PEERS_CONNECTED: &str = "kvflow_peers_connected";
 /// Peers lost.
 pub const PEERS_LOST: &str = "kvflow_peers_lost_total";
+/// Peers the transport cut off.
+pub const PEERS_CUT_OFF: &str = "kvflow_peers_cut_off_total";
 
 /// Every metric the connectors record.
 pub const METRICS: &[MetricDoc] = &[
@@ -133,6 +135,7 @@ pub const METRICS: &[MetricDoc] = &[
     doc(DESCRIPTORS, "histogram", &[], "descriptors per transfer, before the transport merges contiguous ones"),
     doc(PEERS_CONNECTED, "gauge", &[], "peer ranks connected (handshake completed)"),
     doc(PEERS_LOST, "counter", &[], "peer ranks lost: side channel closed, a newer incarnation handshook, or discovery said the engine is gone"),
+    doc(PEERS_CUT_OFF, "counter", &["reason"], "peer ranks the transport cut off, by reason (notification_flood: its notifications outran what the engine takes in, past the transport's bound); each is also lost"),
 ];
 
 const SECONDS: &[f64] =
@@ -433,6 +436,7 @@ mod imp {
         last: Counters,
         ignored: Vec<(&'static str, Counter)>,
         refused: Vec<(RefusalCause, Counter)>,
+        cut_off: Vec<(CutOffReason, Counter)>,
         /// Each plain counter, with the field it follows.
         plain: Vec<(Field, Counter)>,
         stranded: Counter,
@@ -484,6 +488,10 @@ mod imp {
                     .filter(|&&c| c != RefusalCause::Replayed)
                     .map(|&c| (c, counter!(REFUSED, &with("cause", c.as_str()))))
                     .collect(),
+                cut_off: CutOffReason::ALL
+                    .iter()
+                    .map(|&r| (r, counter!(PEERS_CUT_OFF, &with("reason", r.as_str()))))
+                    .collect(),
                 plain: plain.iter().map(|&(name, field)| (field, counter!(name, &labels))).collect(),
                 stranded: counter!(STRANDED, &labels),
                 posted: counter!(TRANSFERS_POSTED, &labels),
@@ -520,6 +528,10 @@ mod imp {
             for (cause, c) in &self.refused {
                 let i = cause.index();
                 c.increment(now.refused_by_cause[i].saturating_sub(last.refused_by_cause[i]));
+            }
+            for (reason, c) in &self.cut_off {
+                let i = reason.index();
+                c.increment(now.peers_cut_off[i].saturating_sub(last.peers_cut_off[i]));
             }
             for (field, c) in &self.plain {
                 c.increment(field(now).saturating_sub(field(&last)));

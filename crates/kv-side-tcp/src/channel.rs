@@ -363,6 +363,12 @@ impl SideChannel {
         self.shared.lock().side.open_notification(from, sealed)
     }
 
+    /// A handle that opens notifications ([`SideChannel::open`]) from another thread, for as
+    /// long as it is kept: a transport that takes notifications in on a thread of its own.
+    pub fn opener(&self) -> NotificationOpener {
+        NotificationOpener(self.shared.clone())
+    }
+
     /// The secret of links bound to the session with the established peer `peer` (see
     /// [`SideEndpoint::link_secret`]).
     pub fn link_secret(&self, peer: &AgentName, label: &str) -> Option<LinkSecret> {
@@ -378,6 +384,23 @@ impl SideChannel {
     /// endpoint), for as long as it is kept; it holds the channel's state, not its thread.
     pub fn status_probe(&self) -> SideProbe {
         SideProbe(self.shared.clone())
+    }
+}
+
+/// Opens a side channel's notifications from any thread (see [`SideChannel::opener`]).
+#[derive(Clone)]
+pub struct NotificationOpener(Arc<Shared>);
+
+impl std::fmt::Debug for NotificationOpener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("NotificationOpener").finish_non_exhaustive()
+    }
+}
+
+impl NotificationOpener {
+    /// Opens a tagged notification from `from`, as [`SideChannel::open`] does.
+    pub fn open(&self, from: &AgentName, sealed: &[u8]) -> Result<Vec<u8>, NotifyError> {
+        self.0.lock().side.open_notification(from, sealed)
     }
 }
 

@@ -48,6 +48,7 @@
 //! side builds the peer's descriptor lists with the peer's true memory type (DRAM or VRAM) and
 //! device id, and refuses a remote range outside them before NIXL sees it.
 
+mod drain;
 mod inbox;
 mod metadata;
 pub mod runtime;
@@ -57,7 +58,11 @@ use std::path::PathBuf;
 
 pub use kv_side_tcp::{KeySource, SideProbe, SideStatus};
 
-pub use inbox::{MAX_QUEUED_EVENTS, MAX_QUEUED_NOTIFICATION_BYTES, MAX_QUEUED_NOTIFICATION_BYTES_PER_PEER};
+pub use drain::{DRAIN_BUSY_PERIOD, DRAIN_IDLE_PERIOD};
+pub use inbox::{
+    CUT_OFF_AFTER_DROPPED_BYTES, MAX_QUEUED_EVENTS, MAX_QUEUED_NOTIFICATION_BYTES,
+    MAX_QUEUED_NOTIFICATION_BYTES_PER_PEER, MAX_STRANGER_NAMES,
+};
 
 /// The NIXL part of a handshake's agent metadata (after kvflow's registration table), for
 /// tools that drive NIXL themselves, such as `cargo xtask attack`. Never panics.

@@ -10,21 +10,22 @@ use std::time::Duration;
 use kv_core::side::{ConnId, SideEvent, SideLimits};
 use kv_core::wire::MAX_MESSAGE_BYTES;
 use kv_core::{
-    AgentName, Clock, Descriptors, Handshake, MemoryKind, Notification, PeerAddress, PeerEvent, PeerInfo,
-    PollIntervals, PreparedId, PreparedLists, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp,
-    TransferRequest, TransferStatus, Transport, TransportError,
+    AgentName, Clock, Descriptors, Handshake, MemoryKind, PeerAddress, PeerEvent, PeerInfo, PollIntervals, PreparedId,
+    PreparedLists, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp, TransferRequest,
+    TransferStatus, Transport, TransportError,
 };
 use nixl_sys::{
-    Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle,
-    XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
+    Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, OptArgs, RegistrationHandle, XferDescList,
+    XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
 
-use crate::inbox::Inbox;
+use crate::drain::{Drainer, Fetcher};
 use crate::metadata::{self, mem_type, Registration, TypedRanges};
 use kv_side_tcp::{Item, KeySource, SideChannel, SideProbe, SideStatus};
 
 use crate::{runtime, NixlError};
 
+mod cut;
 mod pieces;
 
 use pieces::{split_entries, split_spans, Pieced, Span};
@@ -197,8 +198,13 @@ enum Pending {
 /// channel for the handshake and liveness, and notifications that ride on transfers.
 pub struct NixlTransport {
     name: AgentName,
+    /// Declared first: the drainer stops before anything it uses goes (it is only dropped).
+    _drainer: Drainer,
     /// Declared before `agent`: prepared lists are released before the agent they belong to.
     prepared: PreparedLists<Prepared>,
+    /// Takes NIXL's notifications in, with the drainer, and holds what the engine has not
+    /// polled yet, within bounds.
+    fetcher: Arc<Fetcher>,
     agent: Agent,
     backend: Backend,
     side: SideChannel,
@@ -206,8 +212,11 @@ pub struct NixlTransport {
     peers: BTreeMap<AgentName, Peer>,
     transfers: BTreeMap<TransferId, Pending>,
     next_transfer: u64,
-    /// What the engine has not polled yet, with the bounds on notifications.
-    events: Inbox,
+    /// Peers cut off and logged at WARNING, most recent last (bounded: later cut-offs of
+    /// older ones are logged again).
+    warned: std::collections::VecDeque<AgentName>,
+    /// NIXL agents of peers cut off, not invalidated yet: see [`NixlTransport::invalidate_quiet`].
+    cut_agents: Vec<String>,
     poll_intervals: PollIntervals,
     /// NIXL's UCX backend runs a thread pool (`num_threads` above 1), which splits a
     /// transfer's descriptors across threads.
@@ -299,9 +308,14 @@ impl NixlTransport {
         offer.agent_metadata =
             metadata::encode(&[], &nixl_md).map_err(|e| NixlError::Agent(format!("local metadata: {e}")))?;
         let side = SideChannel::start(config.bind, key, config.side_limits.clone(), offer, clock)?;
+        let fetcher = Arc::new(Fetcher::new(agent.clone(), side.opener()));
+        let drainer = Drainer::start(fetcher.clone())
+            .map_err(|e| NixlError::Agent(format!("the notification drainer's thread: {e}")))?;
         Ok(NixlTransport {
             name,
+            _drainer: drainer,
             prepared: PreparedLists::default(),
+            fetcher,
             agent,
             backend,
             side,
@@ -309,7 +323,8 @@ impl NixlTransport {
             peers: BTreeMap::new(),
             transfers: BTreeMap::new(),
             next_transfer: 0,
-            events: Inbox::default(),
+            warned: std::collections::VecDeque::new(),
+            cut_agents: Vec::new(),
             poll_intervals: config.poll_intervals,
             threaded: thread_pool(&config.ucx_params),
             piece_bytes: config.post_piece_bytes,
@@ -359,23 +374,28 @@ impl NixlTransport {
             match item {
                 Item::PeerClosed(conn) => {
                     // What the peer sent before its side channel closed comes before its loss.
-                    self.fetch_notifications();
+                    self.fetcher.fetch();
                     self.side.peer_closed(conn);
                 }
                 Item::Event(SideEvent::Connected { conn, info }) => self.connected(conn, info),
                 Item::Event(SideEvent::ConnectFailed { address, error, .. }) => {
-                    self.events.push(PeerEvent::ConnectFailed { address, error });
+                    self.fetcher.inbox().push(PeerEvent::ConnectFailed { address, error });
                 }
                 Item::Event(SideEvent::Refused { claimed, cause, reason, .. }) => {
-                    self.events.push(PeerEvent::Refused { peer: claimed, cause, reason });
+                    self.fetcher.inbox().push(PeerEvent::Refused { peer: claimed, cause, reason });
                 }
                 Item::Event(SideEvent::Lost { conn, agent, .. }) => {
                     // Only the connection's own peer goes: a newer incarnation may hold the name.
                     if self.peers.get(&agent).is_some_and(|p| p.conn == conn) {
                         if let Some(peer) = self.peers.remove(&agent) {
-                            let _ = self.agent.invalidate_remote_md(&peer.nixl);
+                            // Never the inbox held across a NIXL call: the drainer waits on it.
+                            self.fetcher.inbox().forget(&peer.nixl);
+                            // A peer cut off is invalidated once it is quiet.
+                            if !self.cut_agents.contains(&peer.nixl) {
+                                let _ = self.agent.invalidate_remote_md(&peer.nixl);
+                            }
                         }
-                        self.events.push(PeerEvent::Lost(agent));
+                        self.fetcher.inbox().push(PeerEvent::Lost(agent));
                     }
                 }
             }
@@ -407,11 +427,13 @@ impl NixlTransport {
             });
         match loaded {
             Ok(peer) => {
+                self.fetcher.inbox().connected(&peer.nixl, &agent);
                 if let Some(old) = self.peers.insert(agent, peer) {
                     // A newer incarnation replaced it (its loss may still be on the way).
+                    self.fetcher.inbox().forget(&old.nixl);
                     let _ = self.agent.invalidate_remote_md(&old.nixl);
                 }
-                self.events.push(PeerEvent::Connected(info));
+                self.fetcher.inbox().push(PeerEvent::Connected(info));
             }
             Err(error) => {
                 tracing::warn!(peer = %agent, %error, "peer dropped: its metadata does not load");
@@ -426,7 +448,7 @@ impl NixlTransport {
                         reason: error.to_string(),
                     },
                 };
-                self.events.push(event);
+                self.fetcher.inbox().push(event);
             }
         }
     }
@@ -637,15 +659,13 @@ impl Transport for NixlTransport {
         let Some(conn) = self.peers.get(peer).map(|p| p.conn) else { return };
         // As when its side channel closes: what it sent before comes before its loss, which the
         // endpoint reports as any other (its metadata invalidated, the peer forgotten).
-        self.fetch_notifications();
+        self.fetcher.fetch();
         self.side.peer_closed(conn);
         self.pump_side_channel();
     }
 
     fn set_waker(&mut self, waker: Waker) {
-        if !self.events.is_empty() {
-            waker.wake_by_ref();
-        }
+        self.fetcher.set_waker(waker.clone());
         self.side.set_waker(waker);
     }
 
@@ -677,60 +697,24 @@ impl Transport for NixlTransport {
     }
 
     /// Fetches at every call, so that NIXL's own list holds only what came since the last one
-    /// and the bounds of [`crate::inbox`] apply to the rest.
+    /// (the drainer fetches too, when calls are far apart: [`crate::drain`]) and the bounds of
+    /// [`crate::inbox`] apply to the rest; closes the side channel of a peer those bounds cut
+    /// off.
     fn poll_event(&mut self) -> Option<PeerEvent> {
         self.pump_side_channel();
-        self.fetch_notifications();
-        self.events.pop()
+        self.fetcher.fetch();
+        if self.cut_off_flooders() {
+            // Its loss, queued behind its cut-off.
+            self.pump_side_channel();
+        }
+        self.invalidate_quiet();
+        self.fetcher.inbox().pop()
     }
 }
 
 /// Whether UCX backend parameters `params` start NIXL's thread pool: `num_threads` above 1.
 fn thread_pool(params: &[(String, String)]) -> bool {
     params.iter().any(|(key, value)| key == "num_threads" && value.trim().parse::<u32>().is_ok_and(|n| n > 1))
-}
-
-impl NixlTransport {
-    /// Queues every notification NIXL holds, behind the peer events already queued, within the
-    /// bounds of [`crate::inbox`] (beyond them one is dropped unread, and counted). Each must
-    /// carry the tag of its sender's side-channel session; one that does not (a sender without
-    /// a handshake, a forged name, a replay) is reported refused, never delivered.
-    fn fetch_notifications(&mut self) {
-        let Ok(mut map) = NotificationMap::new() else { return };
-        if let Err(e) = self.agent.get_notifications(&mut map, None) {
-            tracing::debug!(error = %e, "cannot fetch notifications");
-            return;
-        }
-        let agents: Vec<String> = map.agents().filter_map(|a| a.ok().map(str::to_owned)).collect();
-        for remote in agents {
-            let from = self.peers.iter().find(|(_, peer)| peer.nixl == remote).map(|(a, _)| a.clone());
-            let count = map.get_notifications_size(&remote).unwrap_or(0);
-            let Some(from) = from else {
-                self.events.push(PeerEvent::Refused {
-                    peer: None,
-                    cause: RefusalCause::Unauthenticated,
-                    reason: format!(
-                        "{count} notifications from NIXL agent {remote:?}, which has no authenticated side channel"
-                    ),
-                });
-                continue;
-            };
-            for i in 0..count {
-                let Ok(sealed) = map.get_notification_bytes(&remote, i) else { continue };
-                if !self.events.admit(&from, sealed.len()) {
-                    continue;
-                }
-                match self.side.open(&from, &sealed) {
-                    Ok(payload) => self.events.push_notification(Notification { from: from.clone(), payload }),
-                    Err(e) => {
-                        let cause = e.cause();
-                        self.events.push(PeerEvent::Refused { peer: Some(from.clone()), cause, reason: e.to_string() })
-                    }
-                }
-            }
-        }
-        self.events.end_fetch();
-    }
 }
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 //! both sides, bad handshake bytes, a killed peer (reported lost within a second, waking the
 //! engine parked on the transport's waker), the cluster key (only its holders handshake, and
 //! their notifications open), a peer that sends faster than the engine takes in (dropped beyond
-//! the bound, and told), a transport made, used and dropped inside a tokio runtime and on
+//! the bound, and told), a peer that keeps outrunning it (cut off, while another peer's
+//! notifications are taken in), a transport made, used and dropped inside a tokio runtime and on
 //! a plain thread, and one made before the runtime was prepared.
 //!
 //! Each test runs as the parent; it starts this test binary again as the child (selected by
@@ -46,17 +47,24 @@ fn listener_child(role: Role) {
     let tp = std::env::var("KVFLOW_TEST_TP").map_or(1, |v| v.parse().unwrap());
     let mut t = transport(offer("listener", role, tp, block_tokens, &pool, BLOCKS as u32), &pool);
     println!("READY {}", t.side_channel_addr().port());
+    // The connection after which it naps (the first by default).
+    let nap_at: usize = std::env::var("KVFLOW_TEST_NAP_AT").map_or(1, |v| v.parse().unwrap());
+    let mut connections = 0;
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
         while let Some(event) = t.poll_event() {
             match event {
                 PeerEvent::Connected(info) => {
                     println!("CONNECTED {}", info.agent);
+                    connections += 1;
                     // An engine busy elsewhere: NIXL takes in what the peer sends meanwhile.
-                    if let Ok(nap) = std::env::var("KVFLOW_TEST_NAP_MS") {
-                        std::thread::sleep(Duration::from_millis(nap.parse().unwrap()));
+                    if let Ok(nap) = std::env::var("KVFLOW_TEST_NAP_MS").map(|n| n.parse().unwrap()) {
+                        if connections == nap_at {
+                            std::thread::sleep(Duration::from_millis(nap));
+                        }
                     }
                 }
+                PeerEvent::CutOff { peer, reason } => println!("CUT OFF {peer} {}", reason.as_str()),
                 PeerEvent::Refused { peer, cause, reason } => {
                     println!("REFUSED {}: {cause:?} {reason}", peer.map_or_else(|| "?".to_owned(), |p| p.to_string()))
                 }
@@ -94,9 +102,38 @@ fn child_main() -> bool {
         Some("prefill") => listener_child(Role::Prefill),
         Some("decode") => listener_child(Role::Decode),
         Some("unprepared") => unprepared_child(),
+        Some("flooder") => flooder_child(),
         _ => return false,
     }
     true
+}
+
+/// A D that connects to the P at `KVFLOW_TEST_P_PORT` and sends it 600 notifications of
+/// 60 000 bytes (36 MB) as fast as it can, then says how many went and whether P closed its
+/// side channel.
+fn flooder_child() {
+    let port: u16 = std::env::var("KVFLOW_TEST_P_PORT").unwrap().parse().unwrap();
+    let pool = HostPool::new(1);
+    let mut t = transport(offer("flooder", Role::Decode, 1, 16, &pool, 1), &pool);
+    let info = connect(&mut t, port);
+    println!("FLOODING");
+    let (mut sent, mut failed) = (0, 0);
+    for i in 0..600 {
+        match t.send_notification(&info.agent, &vec![i as u8; 60_000]) {
+            Ok(()) => sent += 1,
+            Err(_) => failed += 1,
+        }
+    }
+    println!("SENT {sent} FAILED {failed}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let closed = loop {
+        match next_event(&mut t, deadline.saturating_duration_since(Instant::now())) {
+            Some(PeerEvent::Lost(agent)) if agent == info.agent => break true,
+            Some(_) => {}
+            None => break false,
+        }
+    };
+    println!("P CLOSED {closed}");
 }
 
 /// A fresh process that makes a transport without preparing the runtime first.
@@ -491,6 +528,62 @@ fn a_peer_that_sends_faster_than_the_engine_takes_in_is_dropped_beyond_the_bound
     assert!(note.starts_with("decode0/tp0 Completion"), "{note}");
     child.kill().ok();
     child.wait().ok();
+}
+
+#[test]
+fn a_peer_whose_notifications_outrun_the_engine_is_cut_off_and_the_others_are_served() {
+    const NAME: &str = "a_peer_whose_notifications_outrun_the_engine_is_cut_off_and_the_others_are_served";
+    if child_main() || !nixl_or_skip(NAME) {
+        return;
+    }
+    let _serial = serial();
+    // P naps for 4 s once the flooder has connected, as an engine starved of CPU would, while
+    // the flooder sends 36 MB: P's drainer keeps NIXL's list short meanwhile, admits the
+    // flooder's share, drops the rest unread and cuts it off, and P's engine, once back,
+    // closes its side channel and takes in what this D sent during the flood.
+    let env = [("KVFLOW_TEST_NAP_MS", "4000".to_owned()), ("KVFLOW_TEST_NAP_AT", "2".to_owned())];
+    let (mut p, mut out, port) = start_listener(NAME, Role::Prefill, &env);
+    let pool = HostPool::new(4);
+    let mut d = transport(offer("decode0", Role::Decode, 1, 16, &pool, 4), &pool);
+    let info = connect(&mut d, port);
+    assert_eq!(expect_line(&mut out, "CONNECTED"), "decode0/tp0");
+    let (mut flooder, mut flood_out) = spawn_child(NAME, "flooder", &[("KVFLOW_TEST_P_PORT", port.to_string())]);
+    assert_eq!(expect_line(&mut out, "CONNECTED"), "flooder/tp0");
+    expect_line(&mut flood_out, "FLOODING");
+    let completion = Message::Completion { request: RequestId::new("r1"), expected_consumers: 1 }.encode().unwrap();
+    d.send_notification(&info.agent, &completion).unwrap();
+    let sent = expect_line(&mut flood_out, "SENT");
+    // What P's engine says once back: the cut-off, the loss, and this D's completion.
+    let (mut cut, mut lost, mut served) = (None, false, false);
+    while cut.is_none() || !lost || !served {
+        let line = expect_line(&mut out, "");
+        if let Some(rest) = line.strip_prefix("CUT OFF ") {
+            cut = Some(rest.to_owned());
+        } else if line == "LOST flooder/tp0" {
+            assert!(cut.is_some(), "lost before it was cut off");
+            lost = true;
+        } else if line.starts_with("NOTIFIED decode0/tp0 Completion") {
+            served = true;
+        } else if line.starts_with("NOTIFIED flooder/tp0") {
+            // Its share before the bound, unless the cut-off dropped it first.
+            assert!(cut.is_none(), "a notification of the flooder after its cut-off: {line}");
+        } else if line.starts_with("LOST") {
+            panic!("P lost another peer: {line}");
+        }
+    }
+    assert_eq!(cut.as_deref(), Some("flooder/tp0 notification_flood"));
+    assert_eq!(expect_line(&mut flood_out, "P CLOSED"), "true", "the flooder sent {sent} and was not closed");
+    // This D's own connection was never touched.
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(500) {
+        assert!(!matches!(d.poll_event(), Some(PeerEvent::Lost(_))), "P's side channel to this D closed");
+    }
+    let second = Message::Completion { request: RequestId::new("r2"), expected_consumers: 1 }.encode().unwrap();
+    d.send_notification(&info.agent, &second).unwrap();
+    assert!(expect_line(&mut out, "NOTIFIED").starts_with("decode0/tp0 Completion"));
+    flooder.wait().ok();
+    p.kill().ok();
+    p.wait().ok();
 }
 
 /// A key file in a fresh temporary folder, readable by its owner only.

@@ -514,6 +514,8 @@ impl DecodeWorker {
                     self.peer_gone(now, &agent);
                 }
             }
+            // Its loss follows, and ends what was bound to it.
+            PeerEvent::CutOff { peer, reason } => self.counters.cut_off(&peer, reason),
             PeerEvent::Lost(agent) => self.peer_gone(now, &agent),
             PeerEvent::Refused { peer, cause, reason } => self.counters.refused(peer.as_ref(), cause, &reason),
             PeerEvent::Notification(notification) => self.handle_notification(now, notification),
