@@ -594,6 +594,12 @@ pub enum AttackPlan {
     Messages,
     /// The same without the heartbeat flood (a push run, after P's stop).
     MessagesShort,
+    /// A key holder's heartbeat flood of distinct ids for `heartbeat_flood_s`, with P starved
+    /// of CPU: confined to one core beside busy threads, the flood sent from the others.
+    ContendedFlood {
+        /// The flooder comes back as a new incarnation each time P cuts it off.
+        returns: bool,
+    },
     /// Storms that must leave the demo available: a churn storm on the side channel, a flood
     /// of idle sockets on the TCP data port, a sniffer that replays what it captured (root),
     /// and idle connections on the metrics endpoint.
@@ -613,17 +619,31 @@ pub struct StormNotice {
     pub active: bool,
 }
 
-/// How a key holder fared during a storm: its handshakes or data connections.
-#[derive(Serialize, Deserialize, Clone, Debug, Default)]
+/// How a key holder fared during a storm or a flood: its handshakes, data connections,
+/// heartbeats answered.
+#[derive(Serialize, Deserialize, Clone, Debug)]
 pub struct Probes {
-    /// What was probed: `handshakes` or `data connections`.
+    /// What was probed, as the key holder's: `handshakes`, `data connections`.
     pub what: String,
-    /// Those that succeeded within [`STORM_PROBE_BOUND_MS`].
+    /// How long each may take, in milliseconds.
+    #[serde(default = "storm_probe_bound_ms")]
+    pub bound_ms: f64,
+    /// Those that succeeded within `bound_ms`.
     pub ok: u32,
     /// Those tried.
     pub total: u32,
     /// The slowest that succeeded, in milliseconds.
     pub max_ms: f64,
+}
+
+impl Default for Probes {
+    fn default() -> Self {
+        Probes { what: String::new(), bound_ms: STORM_PROBE_BOUND_MS, ok: 0, total: 0, max_ms: 0.0 }
+    }
+}
+
+fn storm_probe_bound_ms() -> f64 {
+    STORM_PROBE_BOUND_MS
 }
 
 /// What one attack tried and what held.
@@ -692,11 +712,12 @@ impl AttackResult {
         for p in &self.probes {
             if f64::from(p.ok) < STORM_PROBES_OK * f64::from(p.total) || p.total == 0 {
                 f.push(format!(
-                    "{}: a key holder's {} succeeded {} of {} within {STORM_PROBE_BOUND_MS} ms (bound {:.0}%)",
+                    "{}: a key holder's {} succeeded {} of {} within {} ms (bound {:.0}%)",
                     self.attack,
                     p.what,
                     p.ok,
                     p.total,
+                    p.bound_ms,
                     STORM_PROBES_OK * 100.0
                 ));
             }

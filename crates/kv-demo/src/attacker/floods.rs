@@ -1,6 +1,6 @@
-//! Floods from key holders and at the engine's other doors: heartbeats naming request ids by
-//! the hundred thousand, offers at and over the side channel's size limit, a key holder's data
-//! connection under another engine's name, and idle connections on the metrics endpoint.
+//! Floods from key holders and at the engine's other doors: offers at and over the side
+//! channel's size limit, a key holder's data connection under another engine's name, and idle
+//! connections on the metrics endpoint. (The heartbeat flood is in `heartbeats.rs`.)
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -9,16 +9,10 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 use kv_core::side::{ClusterKey, ConnId, FrameHeader, SideConfig, SideEndpoint, SideEvent, MAX_SEALED_FRAME};
 use kv_core::wire::MAX_HANDSHAKE_BYTES;
-use kv_core::{AgentName, Message, PeerAddress, RequestId, Time, Transport};
-use kv_transport_nixl::KeySource;
+use kv_core::{AgentName, PeerAddress, Time};
 
 use super::{Attacker, Outcome};
-use crate::proto::{CLUSTER_KEY_ENV, HEARTBEAT_FLOOD_S};
-
-/// Bytes of each request id the heartbeat flood names (the attacker sent about 240).
-const FLOOD_ID_BYTES: usize = 240;
-/// Ids per heartbeat.
-const FLOOD_IDS: usize = 250;
+use crate::proto::CLUSTER_KEY_ENV;
 
 /// A key holder's side channel driven by hand over a plain socket: kv-core's endpoint, and the
 /// frames it would send, which the attacker may send otherwise.
@@ -107,59 +101,6 @@ impl Attacker {
 
     fn p_socket(&self) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], self.config.p_port))
-    }
-
-    /// A key holder names [`FLOOD_IDS`] fresh request ids of [`FLOOD_ID_BYTES`] in every
-    /// heartbeat, as fast as its transport sends them, for [`HEARTBEAT_FLOOD_S`] seconds; P's
-    /// memory must stay within the bound.
-    pub(super) fn heartbeat_flood(&mut self) -> Result<Outcome> {
-        let mut t = self.transport("flooder", 1, KeySource::Env(CLUSTER_KEY_ENV.into()))?;
-        let p = Self::handshake(&mut t, &self.p_address(), Duration::from_secs(5))
-            .map_err(|e| anyhow!("the flooder could not handshake: {e}"))?
-            .agent;
-        let before = self.rss_mib();
-        let (mut sent, mut failed, mut ids) = (0u64, 0u64, 0u64);
-        let start = Instant::now();
-        let mut peak = before;
-        let mut probe = None;
-        let mut sampled = Instant::now();
-        while start.elapsed() < Duration::from_secs(HEARTBEAT_FLOOD_S) {
-            let requests: Vec<RequestId> = (0..FLOOD_IDS)
-                .map(|_| {
-                    ids += 1;
-                    RequestId::new(format!("flood-{ids:020}-{}", "x".repeat(FLOOD_ID_BYTES - 27)))
-                })
-                .collect();
-            let payload = Message::Heartbeat { requests }.encode().map_err(|e| anyhow!("{e}"))?;
-            match t.send_notification(&p, &payload) {
-                Ok(()) => sent += 1,
-                Err(_) => failed += 1,
-            }
-            if sampled.elapsed() >= Duration::from_secs(1) {
-                sampled = Instant::now();
-                // Its acknowledgements are read once a second: a sender that reads them slowly.
-                while t.poll_event().is_some() {}
-                peak = peak.max(self.rss_mib());
-                if probe.is_none() && start.elapsed() > Duration::from_secs(HEARTBEAT_FLOOD_S / 2) {
-                    probe = self.probe();
-                }
-            }
-        }
-        peak = peak.max(self.rss_mib());
-        let rate = ids as f64 / start.elapsed().as_secs_f64();
-        Ok(Outcome {
-            tried: format!(
-                "a key holder sent {sent} heartbeats naming {ids} distinct {FLOOD_ID_BYTES}-byte request ids in {HEARTBEAT_FLOOD_S} s ({rate:.0} ids a second)"
-            ),
-            held: sent > 0,
-            detail: format!(
-                "{failed} sends failed; P's resident memory {before:.0} MiB before, {peak:.0} MiB at most (growth {:.1} MiB)",
-                peak - before
-            ),
-            probe_ms: probe,
-            peak_rss: peak,
-            ..Outcome::default()
-        })
     }
 
     /// Key holders prove the key, then one sends a SEALED frame whose length is one past the

@@ -16,6 +16,8 @@
 //! bad bytes, impersonation, foreign messages and the key holders' floods ([`floods`]).
 
 mod floods;
+mod heartbeats;
+mod hog;
 mod sniff;
 mod storms;
 
@@ -70,8 +72,12 @@ fn run(config: AttackConfig) -> Result<()> {
     kv_transport_nixl::runtime::prepare(None).context("the NIXL runtime")?;
     let plan = config.plan;
     let mut a = Attacker { config, clock: Arc::new(ProcessClock::start()), probes: 0, data: None };
-    if plan == AttackPlan::Storms {
-        return storms(&mut a);
+    match plan {
+        AttackPlan::Storms => return storms(&mut a),
+        AttackPlan::ContendedFlood { returns } => {
+            return a.report("heartbeat-flood-contended", |a| a.heartbeat_flood(true, returns))
+        }
+        AttackPlan::Messages | AttackPlan::MessagesShort => {}
     }
     // Foreign messages first, while the router's requests are in flight.
     a.report("foreign-messages", Attacker::foreign_messages)?;
@@ -94,7 +100,7 @@ fn run(config: AttackConfig) -> Result<()> {
         a.report("metrics-idle-connections", Attacker::metrics_idle)?;
     }
     if plan == AttackPlan::Messages {
-        a.report("heartbeat-flood", Attacker::heartbeat_flood)?;
+        a.report("heartbeat-flood", |a| a.heartbeat_flood(false, false))?;
     }
     Ok(())
 }
@@ -266,13 +272,7 @@ impl Attacker {
     }
 
     fn rss_mib(&self) -> f64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.config.p_pid)).unwrap_or_default();
-        let kb: f64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next()?.parse().ok())
-            .unwrap_or(0.0);
-        kb / 1024.0
+        rss_mib_of(self.config.p_pid)
     }
 
     fn p_alive(&self) -> bool {
@@ -590,6 +590,17 @@ impl Attacker {
             ..Outcome::default()
         })
     }
+}
+
+/// The resident memory of process `pid`, in MiB (zero once it is gone).
+fn rss_mib_of(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0);
+    kb / 1024.0
 }
 
 /// Polls `t` until it connects to a peer (or fails to), up to `limit`.

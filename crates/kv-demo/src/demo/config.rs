@@ -485,7 +485,9 @@ impl DemoConfig {
                     self.transport.name()
                 )
             }
-            Some(AttackPlan::Messages | AttackPlan::MessagesShort) if self.transport != TransportKind::Nixl => {
+            Some(AttackPlan::Messages | AttackPlan::MessagesShort | AttackPlan::ContendedFlood { .. })
+                if self.transport != TransportKind::Nixl =>
+            {
                 bail!("the attack drives NIXL itself; it runs against --transport nixl, not {}", self.transport.name())
             }
             _ => {}

@@ -70,6 +70,9 @@ pub enum AttackRun {
     /// NIXL, push: P stopped past D's watchdog with writes in flight; the same attacks but the
     /// heartbeat flood.
     Push,
+    /// NIXL, pull: a key holder's heartbeat flood with every core kept busy beside P, so that
+    /// P drains it with a starved engine's share of the CPU.
+    Contended,
     /// The TCP transport under storms: a churn storm, a data-port flood, a sniffer.
     Storms,
     /// NIXL, push, P computing in chunks: P killed with SIGKILL with its writes in flight
@@ -80,9 +83,13 @@ pub enum AttackRun {
 /// `cargo xtask attack`'s flags.
 #[derive(clap::Args, Debug, Default)]
 pub struct AttackArgs {
-    /// Only these runs (by default all four).
+    /// Only these runs (by default all five).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<AttackRun>,
+    /// In the contended run, the flooder comes back as a new incarnation each time P cuts it
+    /// off (P's memory bound does not hold against that yet: see the README's attack section).
+    #[arg(long)]
+    pub flood_returns: bool,
 }
 
 /// `cargo xtask attack`: a pull run with decode0 stopped past the lease three times and a push
@@ -95,6 +102,7 @@ pub fn attack(args: &AttackArgs, node: &NodeBinary) -> Result<()> {
     let runs = [
         (AttackRun::Pull, TransportKind::Nixl, false, AttackPlan::Messages),
         (AttackRun::Push, TransportKind::Nixl, true, AttackPlan::MessagesShort),
+        (AttackRun::Contended, TransportKind::Nixl, false, AttackPlan::ContendedFlood { returns: args.flood_returns }),
         (AttackRun::Storms, TransportKind::Tcp, false, AttackPlan::Storms),
     ];
     for (run, transport, push, plan) in runs {
@@ -109,7 +117,7 @@ pub fn attack(args: &AttackArgs, node: &NodeBinary) -> Result<()> {
             model: Model { layers: 4, ..DemoConfig::default().model },
             max_tokens: 256,
             lease_ms: 2000,
-            pause_decode: if push || storms { 0 } else { 3 },
+            pause_decode: if plan == AttackPlan::Messages { 3 } else { 0 },
             pause_prefill: push,
 
             // Push computes on the simulated GPU, in chunks written ahead: P is stopped with

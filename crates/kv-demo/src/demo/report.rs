@@ -8,85 +8,25 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::prometheus::Exposition;
-use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::metrics::Promtool;
 use super::model::ModelReport;
 use super::soak::SoakReport;
 use super::Demo;
-use crate::proto::{AttackPlan, AttackResult, NodeRole, STORM_THROUGHPUT_SHARE};
+use crate::proto::{AttackPlan, AttackResult, NodeRole};
+
+mod availability;
+
+use availability::Availability;
 
 /// How many attacks `kvflow-attack` makes with each plan (see `kv_demo::attacker`).
 fn attacks_in(plan: AttackPlan) -> usize {
     match plan {
         AttackPlan::Messages => 12,
+        AttackPlan::ContendedFlood { .. } => 1,
         AttackPlan::MessagesShort => 11,
         AttackPlan::Storms => 5,
-    }
-}
-
-/// How the demo fared during a storm, against the quiet window before it.
-#[derive(Clone, Debug, Serialize)]
-pub struct Availability {
-    /// The storm.
-    pub attack: String,
-    /// Requests whose KV D came to hold per second, in the quiet window and in the storm's. In
-    /// an open loop the quiet window's counts at most the offered rate: above it, the demo is
-    /// catching up on requests an earlier storm delayed, which is no baseline.
-    pub quiet_rps: f64,
-    /// See `quiet_rps`.
-    pub storm_rps: f64,
-    /// Transfers that failed in the storm's window.
-    pub failed_transfers: usize,
-}
-
-impl Availability {
-    /// The demo's availability over each storm `attacks` reported, from the times the router
-    /// heard each request's KV ready and each transfer end.
-    /// `offered`: the open loop's rate, if it is one.
-    fn of(
-        attacks: &[AttackResult],
-        ready_at: &[u64],
-        transfer_at: &[(u64, bool)],
-        offered: Option<f64>,
-    ) -> Vec<Availability> {
-        let rate = |(from, to): (u64, u64)| {
-            let n = ready_at.iter().filter(|&&t| t >= from && t < to).count();
-            n as f64 / ((to.saturating_sub(from)) as f64 / 1e9).max(1e-3)
-        };
-        attacks
-            .iter()
-            .filter_map(|a| {
-                let (window, quiet) = (a.window_ns?, a.quiet_ns?);
-                Some(Availability {
-                    attack: a.attack.clone(),
-                    quiet_rps: offered.map_or(rate(quiet), |offered| rate(quiet).min(offered)),
-                    storm_rps: rate(window),
-                    failed_transfers: transfer_at
-                        .iter()
-                        .filter(|(t, ok)| !ok && *t >= window.0 && *t < window.1)
-                        .count(),
-                })
-            })
-            .collect()
-    }
-
-    fn failures(&self) -> Vec<String> {
-        let mut f = Vec::new();
-        if self.storm_rps < STORM_THROUGHPUT_SHARE * self.quiet_rps || self.quiet_rps == 0.0 {
-            f.push(format!(
-                "{}: the demo ran at {:.1} requests a second under the storm, against {:.1} in the quiet window before it (bound {:.0}%)",
-                self.attack,
-                self.storm_rps,
-                self.quiet_rps,
-                STORM_THROUGHPUT_SHARE * 100.0
-            ));
-        }
-        if self.failed_transfers > 0 {
-            f.push(format!("{}: {} transfers failed under the storm", self.attack, self.failed_transfers));
-        }
-        f
     }
 }
 
@@ -220,6 +160,9 @@ pub struct Report {
     scraped_releases: Option<BTreeMap<String, u64>>,
     /// P's `kvflow_ignored_messages_total` by cause, over its ranks, if P was scraped.
     p_ignored: Option<BTreeMap<String, u64>>,
+    /// Peers each scraped incarnation cut off (`kvflow_peers_cut_off_total`, over its ranks),
+    /// where any, and whether it is P.
+    peers_cut_off: BTreeMap<String, (u64, bool)>,
     /// `promtool check metrics` on every scrape.
     promtool: Promtool,
     /// With a model: its tokens against one engine's.
@@ -335,6 +278,17 @@ impl Report {
         };
         let scraped_releases = p.map(|p| counts(p.sum_by("kvflow_releases_total", "reason", &[])));
         let p_ignored = p.map(|p| counts(p.sum_by("kvflow_ignored_messages_total", "cause", &[])));
+        let peers_cut_off = demo
+            .scrapes
+            .iter()
+            .map(|s| {
+                (
+                    s.incarnation.clone(),
+                    (s.exposition.sum("kvflow_peers_cut_off_total", &[]) as u64, s.role == NodeRole::Prefill),
+                )
+            })
+            .filter(|(_, (n, _))| *n > 0)
+            .collect();
         corrupt_reads += outcomes.get("corrupt").copied().unwrap_or(0);
         // With a model, D checks no pattern: a load is corrupt if the prompt's KV it decoded
         // from is not one engine's.
@@ -414,6 +368,7 @@ impl Report {
             unscraped: demo.unscraped.clone(),
             scraped_releases,
             p_ignored,
+            peers_cut_off,
             promtool,
             model,
             soak: demo.soak.as_ref().map(SoakReport::new),
@@ -493,13 +448,23 @@ impl Report {
             f.extend(attacks.iter().flat_map(AttackResult::failures));
             f.extend(self.availability.iter().flat_map(Availability::failures));
         }
-        if self.attacks.is_some() && self.attack_plan != Some(AttackPlan::Storms) {
+        if self.attacks.is_some() && matches!(self.attack_plan, Some(AttackPlan::Messages | AttackPlan::MessagesShort))
+        {
             // The attacks that P must have noticed, by its own counts (summed over its ranks).
             for cause in ["foreign", "unauthenticated"] {
                 let counted = self.p_ignored.as_ref().and_then(|m| m.get(cause)).copied().unwrap_or(0);
                 if counted == 0 {
                     f.push(format!("P counted no kvflow_ignored_messages_total{{cause=\"{cause}\"}} under attack"));
                 }
+            }
+        }
+        // Only P under a key holder's flood cuts a peer off: never an engine's own peer.
+        for (incarnation, (n, prefill)) in &self.peers_cut_off {
+            let flooded = *prefill && self.attacks.is_some();
+            if !flooded {
+                f.push(format!(
+                    "{incarnation} cut off {n} peers (kvflow_peers_cut_off_total) with no flood against it"
+                ));
             }
         }
         // What the router saw P free, by reason, is what P's metrics say it released.
