@@ -118,9 +118,10 @@ impl Inbox {
         self.events.push_back(Queued::Event(event));
     }
 
-    /// `peer` connected as NIXL agent `nixl`.
+    /// `peer` connected as NIXL agent `nixl`: a new connection starts with nothing overrun.
     pub fn connected(&mut self, nixl: &str, peer: &AgentName) {
         self.names.insert(nixl.to_owned(), peer.clone());
+        self.overrun.remove(peer);
     }
 
     /// NIXL agent `nixl` is no longer a connected peer.

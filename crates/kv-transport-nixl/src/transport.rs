@@ -387,15 +387,20 @@ impl NixlTransport {
                 Item::Event(SideEvent::Lost { conn, agent, .. }) => {
                     // Only the connection's own peer goes: a newer incarnation may hold the name.
                     if self.peers.get(&agent).is_some_and(|p| p.conn == conn) {
-                        if let Some(peer) = self.peers.remove(&agent) {
-                            // Never the inbox held across a NIXL call: the drainer waits on it.
-                            self.fetcher.inbox().forget(&peer.nixl);
-                            // A peer cut off is invalidated once it is quiet.
-                            if !self.cut_agents.contains(&peer.nixl) {
-                                let _ = self.agent.invalidate_remote_md(&peer.nixl);
+                        let peer = self.peers.remove(&agent);
+                        {
+                            // In one hold of the inbox (never held across a NIXL call: fetches
+                            // wait on it): nothing of its is queued after its loss.
+                            let mut inbox = self.fetcher.inbox();
+                            if let Some(peer) = &peer {
+                                inbox.forget(&peer.nixl);
                             }
+                            inbox.push(PeerEvent::Lost(agent));
                         }
-                        self.fetcher.inbox().push(PeerEvent::Lost(agent));
+                        // A peer cut off is invalidated once it is quiet.
+                        if let Some(peer) = peer.filter(|p| !self.cut_agents.contains(&p.nixl)) {
+                            let _ = self.agent.invalidate_remote_md(&peer.nixl);
+                        }
                     }
                 }
             }
@@ -427,13 +432,22 @@ impl NixlTransport {
             });
         match loaded {
             Ok(peer) => {
-                self.fetcher.inbox().connected(&peer.nixl, &agent);
-                if let Some(old) = self.peers.insert(agent, peer) {
-                    // A newer incarnation replaced it (its loss may still be on the way).
-                    self.fetcher.inbox().forget(&old.nixl);
+                let nixl = peer.nixl.clone();
+                // A newer incarnation replaces an older one (whose loss may still be on the way).
+                let old = self.peers.insert(agent.clone(), peer);
+                {
+                    // In one hold of the inbox: its `Connected` comes before any notification of
+                    // its that a fetch queues once its name is known.
+                    let mut inbox = self.fetcher.inbox();
+                    if let Some(old) = &old {
+                        inbox.forget(&old.nixl);
+                    }
+                    inbox.push(PeerEvent::Connected(info));
+                    inbox.connected(&nixl, &agent);
+                }
+                if let Some(old) = old {
                     let _ = self.agent.invalidate_remote_md(&old.nixl);
                 }
-                self.fetcher.inbox().push(PeerEvent::Connected(info));
             }
             Err(error) => {
                 tracing::warn!(peer = %agent, %error, "peer dropped: its metadata does not load");

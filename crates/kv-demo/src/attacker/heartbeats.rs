@@ -179,8 +179,8 @@ impl Attacker {
 
     /// The flood (see the module's docs); `contended`: with P starved of CPU ([`Hog`]) from
     /// a second before it to its end; `returns`: the flooder comes back as a new incarnation
-    /// each time P cuts it off (else it goes on sending to the incarnation cut off, which its
-    /// transport then refuses).
+    /// each time P cuts it off (else it stops there, as a peer does that sees its side
+    /// channel closed; the probes go on).
     pub(super) fn heartbeat_flood(&mut self, contended: bool, returns: bool) -> Result<Outcome> {
         let engine = if contended { "flooder-contended" } else { "flooder" };
         let mut witness = self.nixl_witness(if contended { "witness-contended" } else { "witness" })?;
