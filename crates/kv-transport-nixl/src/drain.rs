@@ -16,7 +16,7 @@
 //! the bounds admit and drops the rest unread (a cut-off peer's without even copying it), so
 //! that it takes a notification in for less CPU than NIXL spent receiving it. What it queues
 //! wakes the engine. Fetches are serialised, so the engine sees each peer's notifications in
-//! NIXL's order whoever fetched them. With it, the same flood grew P by 26 to 45 MiB (5 runs).
+//! NIXL's order whoever fetched them. With it, the same flood grew P by 24 to 45 MiB (10 runs).
 //!
 //! What no fetch bounds: nixl-sys serialises every call on an agent behind one lock, so the
 //! drainer also waits while the engine's thread is inside any NIXL call, and under a flood such

@@ -70,8 +70,8 @@ pub enum AttackRun {
     /// NIXL, push: P stopped past D's watchdog with writes in flight; the same attacks but the
     /// heartbeat flood.
     Push,
-    /// NIXL, pull: a key holder's heartbeat flood with every core kept busy beside P, so that
-    /// P drains it with a starved engine's share of the CPU.
+    /// NIXL, pull: a key holder's heartbeat flood with P starved of CPU (its threads confined
+    /// to one core beside busy threads, the flood sent from the others).
     Contended,
     /// The TCP transport under storms: a churn storm, a data-port flood, a sniffer.
     Storms,
