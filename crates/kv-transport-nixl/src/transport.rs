@@ -1,7 +1,7 @@
 //! [`NixlTransport`]: one NIXL agent with the UCX backend, for one TP rank.
 #![allow(unsafe_code)] // NIXL's descriptor trait hands out raw pointers: see RawRegion.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::task::Waker;
@@ -214,7 +214,7 @@ pub struct NixlTransport {
     next_transfer: u64,
     /// Peers cut off and logged at WARNING, most recent last (bounded: later cut-offs of
     /// older ones are logged again).
-    warned: std::collections::VecDeque<AgentName>,
+    warned: VecDeque<AgentName>,
     /// NIXL agents of peers cut off, not invalidated yet: see [`NixlTransport::invalidate_quiet`].
     cut_agents: Vec<String>,
     poll_intervals: PollIntervals,
@@ -323,7 +323,7 @@ impl NixlTransport {
             peers: BTreeMap::new(),
             transfers: BTreeMap::new(),
             next_transfer: 0,
-            warned: std::collections::VecDeque::new(),
+            warned: VecDeque::new(),
             cut_agents: Vec::new(),
             poll_intervals: config.poll_intervals,
             threaded: thread_pool(&config.ucx_params),

@@ -14,8 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
 use kv_core::{
-    AgentName, DescriptorPair, LeaseState, MemoryKind, Message, PeerEvent, Region, RegionId, RequestId, TransferOp,
-    TransferRequest, TransferStatus, Transport, TransportError,
+    AgentName, LeaseState, MemoryKind, Message, PeerEvent, Region, RegionId, RequestId, Transport, TransportError,
 };
 use kv_transport_nixl::{KeySource, NixlTransport};
 
@@ -102,23 +101,8 @@ impl Witness {
                 None => std::thread::sleep(Duration::from_micros(200)),
             }
         }
-        let pairs = vec![DescriptorPair {
-            local_region: 0,
-            local_addr: self.pool.as_ptr() as u64,
-            remote_region: 0,
-            remote_addr: self.p_pool,
-            len: 16,
-        }];
-        let read = TransferRequest { op: TransferOp::Read, peer: self.p.clone(), pairs, notification: None };
-        let id = self.t.post(read).map_err(|e| format!("read not posted: {e}"))?;
-        loop {
-            match self.t.poll_transfer(id) {
-                TransferStatus::Done => return Ok(start.elapsed().as_secs_f64() * 1e3),
-                TransferStatus::InProgress if start.elapsed() < limit => std::thread::sleep(Duration::from_micros(200)),
-                TransferStatus::InProgress => return Err(format!("no read within {limit:?}")),
-                TransferStatus::Failed(e) => return Err(format!("the read failed: {e}")),
-            }
-        }
+        super::read_16(&mut self.t, &self.p, self.pool.as_ptr() as u64, self.p_pool, start + limit)?;
+        Ok(start.elapsed().as_secs_f64() * 1e3)
     }
 }
 
@@ -252,7 +236,7 @@ impl Attacker {
         drop(cut_off);
         let starved = hog.map(|hog| {
             let core = hog.core;
-            hog.stop();
+            drop(hog);
             format!(
                 ", P confined to core {core} beside {} busy threads and the flood sent from the other cores",
                 Hog::THREADS

@@ -81,7 +81,7 @@ fn threads_of(pid: u32) -> Vec<libc::pid_t> {
 }
 
 /// P confined to one core beside busy threads, and the calling thread kept off that core,
-/// until [`Hog::stop`] (or drop) gives everyone their cores back.
+/// until it is dropped, which stops the busy threads and gives everyone their cores back.
 pub(super) struct Hog {
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
@@ -134,11 +134,6 @@ impl Hog {
             }));
         }
         Ok(hog)
-    }
-
-    /// Stops the busy threads and gives P and the calling thread their cores back.
-    pub(super) fn stop(mut self) {
-        self.release();
     }
 
     fn release(&mut self) {

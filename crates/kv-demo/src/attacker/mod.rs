@@ -31,7 +31,8 @@ use clap::Parser;
 use kv_core::agent::AgentTable;
 use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint, SideEvent};
 use kv_core::{
-    AgentName, EngineId, Handshake, Message, PeerAddress, PeerEvent, PeerInfo, RequestId, Role, Time, Transport,
+    AgentName, DescriptorPair, EngineId, Handshake, Message, PeerAddress, PeerEvent, PeerInfo, RequestId, Role, Time,
+    TransferOp, TransferRequest, TransferStatus, Transport,
 };
 use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
 
@@ -601,6 +602,23 @@ fn rss_mib_of(pid: u32) -> f64 {
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .unwrap_or(0.0);
     kb / 1024.0
+}
+
+/// Reads 16 bytes of `peer`'s memory at `remote` into `local` over `t`, polling until it ends
+/// or `deadline` passes: a key holder's read of P's pool, as the probes make it.
+fn read_16(t: &mut dyn Transport, peer: &AgentName, local: u64, remote: u64, deadline: Instant) -> Result<(), String> {
+    let pairs =
+        vec![DescriptorPair { local_region: 0, local_addr: local, remote_region: 0, remote_addr: remote, len: 16 }];
+    let read = TransferRequest { op: TransferOp::Read, peer: peer.clone(), pairs, notification: None };
+    let id = t.post(read).map_err(|e| format!("the read was not posted: {e}"))?;
+    loop {
+        match t.poll_transfer(id) {
+            TransferStatus::Done => return Ok(()),
+            TransferStatus::InProgress if Instant::now() < deadline => std::thread::sleep(Duration::from_micros(200)),
+            TransferStatus::InProgress => return Err("no read by its deadline".into()),
+            TransferStatus::Failed(e) => return Err(format!("the read failed: {e}")),
+        }
+    }
 }
 
 /// Polls `t` until it connects to a peer (or fails to), up to `limit`.

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 use kv_core::agent::AgentTable;
-use kv_core::{DescriptorPair, MemoryKind, Region, RegionId, TransferOp, TransferRequest, TransferStatus, Transport};
+use kv_core::{MemoryKind, Region, RegionId, Transport};
 use kv_transport_tcp::{KeySource, TcpConfig, TcpTransport};
 
 use super::{connected, hello, Attacker, Outcome};
@@ -300,26 +300,6 @@ impl Attacker {
         t.connect(&kv_core::PeerAddress(p.to_string())).map_err(|e| e.to_string())?;
         let info = connected(t, limit)?;
         let remote = info.handshake.regions.first().ok_or("P offers no region")?.addr;
-        let pairs = vec![DescriptorPair {
-            local_region: 0,
-            local_addr: pool.as_ptr() as u64,
-            remote_region: 0,
-            remote_addr: remote,
-            len: 16,
-        }];
-        let id = t
-            .post(TransferRequest { op: TransferOp::Read, peer: info.agent.clone(), pairs, notification: None })
-            .map_err(|e| e.to_string())?;
-        loop {
-            match t.poll_transfer(id) {
-                TransferStatus::Done => break,
-                TransferStatus::InProgress if start.elapsed() < limit * 2 => {
-                    std::thread::sleep(Duration::from_micros(200))
-                }
-                TransferStatus::InProgress => return Err(format!("no read within {:?}", limit * 2)),
-                TransferStatus::Failed(e) => return Err(format!("the read failed: {e}")),
-            }
-        }
-        Ok(())
+        super::read_16(t, &info.agent, pool.as_ptr() as u64, remote, start + limit * 2)
     }
 }
