@@ -69,6 +69,7 @@ pub use inbox::{
 pub fn nixl_agent_metadata(agent_metadata: &[u8]) -> Result<&[u8], String> {
     metadata::decode(agent_metadata).map(|(_, nixl)| nixl).map_err(|e| e.to_string())
 }
+pub use transport::admit::{MAX_DEFERRAL, PENALTY_FIRST, PENALTY_MAX};
 pub use transport::{
     engine_config, nixl_name, NixlConfig, NixlTransport, DEFAULT_POLL_INTERVALS, DEFAULT_POST_PIECE_BUDGET,
     DEFAULT_POST_PIECE_BYTES, DEFAULT_SIDE_CHANNEL_PORT, UCX_ENGINE_CONFIG,

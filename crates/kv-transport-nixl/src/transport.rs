@@ -25,6 +25,7 @@ use kv_side_tcp::{Item, KeySource, SideChannel, SideProbe, SideStatus};
 
 use crate::{runtime, NixlError};
 
+pub(crate) mod admit;
 mod cut;
 mod pieces;
 
@@ -217,6 +218,10 @@ pub struct NixlTransport {
     warned: VecDeque<AgentName>,
     /// NIXL agents of peers cut off, not invalidated yet: see [`NixlTransport::invalidate_quiet`].
     cut_agents: Vec<String>,
+    /// Engines cut off, refused for a while: see [`admit`].
+    penalties: admit::Penalties,
+    /// Peers whose metadata waits while one cut off still floods in.
+    deferred: admit::DeferredQueue,
     poll_intervals: PollIntervals,
     /// NIXL's UCX backend runs a thread pool (`num_threads` above 1), which splits a
     /// transfer's descriptors across threads.
@@ -325,6 +330,8 @@ impl NixlTransport {
             next_transfer: 0,
             warned: VecDeque::new(),
             cut_agents: Vec::new(),
+            penalties: admit::Penalties::default(),
+            deferred: admit::DeferredQueue::new(),
             poll_intervals: config.poll_intervals,
             threaded: thread_pool(&config.ucx_params),
             piece_bytes: config.post_piece_bytes,
@@ -377,7 +384,7 @@ impl NixlTransport {
                     self.fetcher.fetch();
                     self.side.peer_closed(conn);
                 }
-                Item::Event(SideEvent::Connected { conn, info }) => self.connected(conn, info),
+                Item::Event(SideEvent::Connected { conn, info }) => self.admit(conn, info),
                 Item::Event(SideEvent::ConnectFailed { address, error, .. }) => {
                     self.fetcher.inbox().push(PeerEvent::ConnectFailed { address, error });
                 }
@@ -385,6 +392,7 @@ impl NixlTransport {
                     self.fetcher.inbox().push(PeerEvent::Refused { peer: claimed, cause, reason });
                 }
                 Item::Event(SideEvent::Lost { conn, agent, .. }) => {
+                    self.drop_deferred(conn);
                     // Only the connection's own peer goes: a newer incarnation may hold the name.
                     if self.peers.get(&agent).is_some_and(|p| p.conn == conn) {
                         let peer = self.peers.remove(&agent);
@@ -409,7 +417,7 @@ impl NixlTransport {
 
     /// A peer authenticated and its offer checked out: load its NIXL metadata (only now, from
     /// a key holder), or drop it.
-    fn connected(&mut self, conn: ConnId, info: Box<PeerInfo>) {
+    pub(super) fn connected(&mut self, conn: ConnId, info: Box<PeerInfo>) {
         let agent = info.agent.clone();
         let expected = nixl_name(&agent, info.handshake.instance);
         let loaded = metadata::decode(&info.handshake.agent_metadata)
@@ -451,18 +459,7 @@ impl NixlTransport {
             }
             Err(error) => {
                 tracing::warn!(peer = %agent, %error, "peer dropped: its metadata does not load");
-                self.side.peer_closed(conn);
-                // A peer this engine dialed: the connection it asked for failed, and it may
-                // ask again. One that dialed this engine was refused.
-                let event = match info.dialed {
-                    Some(address) => PeerEvent::ConnectFailed { address, error },
-                    None => PeerEvent::Refused {
-                        peer: Some(agent),
-                        cause: RefusalCause::Malformed,
-                        reason: error.to_string(),
-                    },
-                };
-                self.fetcher.inbox().push(event);
+                self.drop_peer(conn, &info, RefusalCause::Malformed, error);
             }
         }
     }
@@ -722,6 +719,7 @@ impl Transport for NixlTransport {
             self.pump_side_channel();
         }
         self.invalidate_quiet();
+        self.admit_deferred();
         self.fetcher.inbox().pop()
     }
 }

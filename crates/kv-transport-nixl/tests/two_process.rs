@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kv_core::{
-    DescriptorPair, Message, PeerAddress, PeerEvent, PreparedTransfer, RequestId, Role, TransferOp, TransferRequest,
-    TransferStatus, Transport, TransportError,
+    DescriptorPair, Handshake, Message, PeerAddress, PeerEvent, PreparedTransfer, RequestId, Role, TransferOp,
+    TransferRequest, TransferStatus, Transport, TransportError,
 };
 use kv_transport_nixl::{KeySource, NixlConfig, NixlError, NixlTransport};
 
@@ -573,6 +573,20 @@ fn a_peer_whose_notifications_outrun_the_engine_is_cut_off_and_the_others_are_se
     }
     assert_eq!(cut.as_deref(), Some("flooder/tp0 notification_flood"));
     assert_eq!(expect_line(&mut flood_out, "P CLOSED"), "true", "the flooder sent {sent} and was not closed");
+    // Back at once as a new incarnation: refused while its engine's penalty lasts, before P
+    // loads anything of it; taken again once the penalty is over.
+    let back = |instance| {
+        let mut t = transport(Handshake { instance, ..offer("flooder", Role::Decode, 1, 16, &pool, 4) }, &pool);
+        t.connect(&PeerAddress(format!("127.0.0.1:{port}"))).unwrap();
+        t
+    };
+    let _refused = back(5);
+    let refused = expect_line(&mut out, "REFUSED");
+    assert!(refused.starts_with("flooder/tp0: Overloaded"), "{refused}");
+    assert!(refused.contains("engine flooder was cut off 1 time(s) for a notification flood"), "{refused}");
+    std::thread::sleep(kv_transport_nixl::PENALTY_FIRST);
+    let _taken = back(6);
+    assert_eq!(expect_line(&mut out, "CONNECTED"), "flooder/tp0", "the penalty is over");
     // This D's own connection was never touched.
     let start = Instant::now();
     while start.elapsed() < Duration::from_millis(500) {

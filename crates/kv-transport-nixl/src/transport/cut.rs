@@ -16,15 +16,18 @@ impl NixlTransport {
         let mut closed = false;
         for (peer, nixl, reason) in cut {
             let Some(conn) = self.peers.get(&peer).filter(|p| p.nixl == nixl).map(|p| p.conn) else { continue };
+            let refused = self.penalties.strike(&peer.engine, std::time::Instant::now());
             if self.warned.contains(&peer) {
-                tracing::debug!(%peer, reason = reason.as_str(), "peer cut off again");
+                tracing::debug!(%peer, reason = reason.as_str(), refused_ms = refused.as_millis() as u64, "peer cut off again");
             } else {
                 tracing::warn!(
                     %peer,
                     reason = reason.as_str(),
                     "peer cut off: its notifications outran what this engine takes in (more than {} bytes dropped \
-                     unread since its queue was last empty); its side channel is closed",
-                    crate::inbox::CUT_OFF_AFTER_DROPPED_BYTES
+                     unread since its queue was last empty); its side channel is closed, and its engine's \
+                     connections are refused for {} ms",
+                    crate::inbox::CUT_OFF_AFTER_DROPPED_BYTES,
+                    refused.as_millis()
                 );
                 if self.warned.len() == WARNED_PEERS {
                     self.warned.pop_front();
