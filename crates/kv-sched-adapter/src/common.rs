@@ -225,8 +225,8 @@ impl Counters {
     /// twice counts as a duplicate.
     pub(crate) fn refused(&mut self, peer: Option<&AgentName>, cause: RefusalCause, reason: &str) {
         let peer = peer.map_or_else(|| "an unnamed peer".to_owned(), AgentName::to_string);
-        // Debug, not warn: anyone who can reach the side channel can cause these, and a log
-        // line per refusal would let them fill the engine's disk. The counters say how many.
+        // Debug here: anyone who can reach the side channel can cause these, so the workers'
+        // WARNING lines are rate-limited (`crate::warnings`); the counters say how many.
         tracing::debug!(%peer, ?cause, %reason, "the transport refused input");
         self.refusal(cause);
     }

@@ -13,6 +13,7 @@
 //! | `kv_connector_extra_config` | `{}` | kvflow's keys, below |
 //! | `kv_connector_module_path`, `engine_id` | none | for the engine; the connector does not read them |
 //! | `kv_buffer_device`, `kv_buffer_size`, `kv_rank`, `kv_parallel_size`, `kv_ip`, `kv_port`, `enable_permute_local_kv` | vLLM's | vLLM's own; accepted and not read |
+//! | any other key | | ignored ([`KvTransferConfig::unknown`]: a newer vLLM's field must not stop the engine) |
 //!
 //! | `kv_connector_extra_config` key | default | meaning |
 //! |---|---|---|
@@ -29,6 +30,11 @@
 //! | `kv_descriptors` | `auto` | `auto`, `pairs` or `prepared` |
 //! | `backends` | `["UCX"]` | NIXL backends; kvflow runs UCX only, so anything else is an error |
 //! | `num_threads` | none: the transport's default | NIXL's UCX thread pool ([`Config::ucx_params`]); vLLM's NixlConnector sets 4 |
+//! | `enforce_handshake_compat`, `engine_ttl`, `bidirectional_kv_xfer`, `kv_recompute_threshold` | NixlConnector's | NixlConnector's keys kvflow does not act on: accepted, and named in [`KvTransferConfig::ignored`] for the engine to log at WARNING |
+//!
+//! Any other key of `kv_connector_extra_config` is an error naming it (a misspelt key of
+//! kvflow's must not pass unseen). Where `kv_lease_duration` is left out, NixlConnector's
+//! older `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` sets it ([`KvTransferConfig::with_abort_timeout`]).
 
 use std::fmt;
 use std::time::Duration;
@@ -392,13 +398,39 @@ pub struct ExtraConfig {
     /// `num_threads` (none: the transport's default; vLLM's NixlConnector sets 4): the size of
     /// NIXL's UCX thread pool ([`Config::num_threads`]).
     pub num_threads: Option<u32>,
+    /// NixlConnector's `enforce_handshake_compat`: accepted, not acted on (kvflow's handshake
+    /// always checks compatibility).
+    pub enforce_handshake_compat: Option<bool>,
+    /// NixlConnector's `engine_ttl` (seconds): accepted, not acted on (kvflow forgets a peer
+    /// when its side channel closes, or discovery says it is gone).
+    pub engine_ttl: Option<f64>,
+    /// NixlConnector's `bidirectional_kv_xfer`: accepted, not acted on.
+    pub bidirectional_kv_xfer: Option<bool>,
+    /// NixlConnector's `kv_recompute_threshold` (tokens): accepted, not acted on.
+    pub kv_recompute_threshold: Option<i64>,
+}
+
+impl ExtraConfig {
+    /// The NixlConnector keys given that kvflow accepts and does not act on.
+    pub fn ignored_nixl_keys(&self) -> Vec<&'static str> {
+        [
+            ("enforce_handshake_compat", self.enforce_handshake_compat.is_some()),
+            ("engine_ttl", self.engine_ttl.is_some()),
+            ("bidirectional_kv_xfer", self.bidirectional_kv_xfer.is_some()),
+            ("kv_recompute_threshold", self.kv_recompute_threshold.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(key, given)| given.then_some(key))
+        .collect()
+    }
 }
 
 /// vLLM's whole `kv_transfer_config`, as its users write it (`--kv-transfer-config`), for
-/// [`Config::from_kv_transfer_config`]: every key vLLM 0.33 has, and, with the `serde`
-/// feature, unknown keys refused. The keys vLLM reads for itself are accepted and not read.
+/// [`Config::from_kv_transfer_config`]: every key vLLM 0.33 has. The keys vLLM reads for
+/// itself are accepted and not read; keys it does not know (a newer vLLM's) are ignored and
+/// named in [`KvTransferConfig::unknown`].
 #[derive(Clone, Default, PartialEq, Debug)]
-#[cfg_attr(feature = "serde", derive(serde::Deserialize), serde(deny_unknown_fields))]
+#[cfg_attr(feature = "serde", derive(serde::Deserialize))]
 pub struct KvTransferConfig {
     /// `kv_connector` (required): `NixlConnector`, `NixlPullConnector` or `KvflowConnector`
     /// for pull, `NixlPushConnector` or `KvflowPushConnector` for push.
@@ -429,7 +461,80 @@ pub struct KvTransferConfig {
     pub kv_port: Option<i64>,
     /// `enable_permute_local_kv` (vLLM's false): vLLM's; not read.
     pub enable_permute_local_kv: Option<bool>,
+    /// The top-level keys given that this list does not name (fields a newer vLLM added):
+    /// ignored, so that an upgrade of vLLM does not stop the engine at startup.
+    #[cfg_attr(feature = "serde", serde(flatten))]
+    pub unknown: UnknownKeys,
 }
+
+/// The names of keys given and not known, in the order given; their values are dropped unread.
+#[derive(Clone, Default, PartialEq, Eq, Debug)]
+pub struct UnknownKeys(pub Vec<String>);
+
+#[cfg(feature = "serde")]
+impl<'de> serde::Deserialize<'de> for UnknownKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Names;
+        impl<'de> serde::de::Visitor<'de> for Names {
+            type Value = UnknownKeys;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a map")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<UnknownKeys, A::Error> {
+                let mut names = Vec::new();
+                while let Some(name) = map.next_key::<String>()? {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                    names.push(name);
+                }
+                Ok(UnknownKeys(names))
+            }
+        }
+        deserializer.deserialize_map(Names)
+    }
+}
+
+/// What a `kv_transfer_config` gave that kvflow does not act on, for the engine to log.
+#[derive(Clone, Default, PartialEq, Eq, Debug)]
+pub struct Ignored {
+    /// Top-level keys kvflow does not know: log at debug.
+    pub top_level: Vec<String>,
+    /// NixlConnector's extra-config keys kvflow does not act on: log at WARNING.
+    pub nixl_keys: Vec<&'static str>,
+}
+
+impl KvTransferConfig {
+    /// What this configuration gives that kvflow does not act on.
+    pub fn ignored(&self) -> Ignored {
+        Ignored { top_level: self.unknown.0.clone(), nixl_keys: self.kv_connector_extra_config.ignored_nixl_keys() }
+    }
+
+    /// NixlConnector's older `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` (seconds, the environment's
+    /// text in `value`) as the lease, where `kv_lease_duration` is left out: the configuration
+    /// to use, and a warning that names the old variable when it was taken. An error names a
+    /// value that is not a number of seconds.
+    pub fn with_abort_timeout(mut self, value: Option<&str>) -> Result<(Self, Option<String>), ConfigError> {
+        let Some(text) = value else { return Ok((self, None)) };
+        let seconds: f64 = text
+            .trim()
+            .parse()
+            .map_err(|_| ConfigError::Environment { name: ABORT_TIMEOUT_ENV, value: text.to_owned() })?;
+        if let Some(lease) = self.kv_connector_extra_config.kv_lease_duration {
+            let note = format!(
+                "{ABORT_TIMEOUT_ENV}={text} is not read: kv_connector_extra_config sets kv_lease_duration {lease} s"
+            );
+            return Ok((self, Some(note)));
+        }
+        self.kv_connector_extra_config.kv_lease_duration = Some(seconds);
+        let note = format!(
+            "{ABORT_TIMEOUT_ENV}={text} sets the lease on P's exports (kv_lease_duration {seconds} s): it is \
+             NixlConnector's old name; set kv_connector_extra_config's kv_lease_duration instead"
+        );
+        Ok((self, Some(note)))
+    }
+}
+
+/// NixlConnector's older environment variable for how long P holds a request's blocks for D.
+pub const ABORT_TIMEOUT_ENV: &str = "VLLM_NIXL_ABORT_REQUEST_TIMEOUT";
 
 /// The NIXL backends kvflow runs.
 const BACKENDS: [&str; 1] = ["UCX"];
@@ -561,6 +666,14 @@ pub enum ConfigError {
         heartbeat_interval: Duration,
         /// The extension.
         lease_extension: Duration,
+    },
+    /// An environment variable's value is not what it must be.
+    #[error("{name}={value:?} is not a number of seconds")]
+    Environment {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
     },
     /// Heartbeats come no faster than the extension they grant.
     #[error(

@@ -163,9 +163,13 @@ mod decode;
 pub mod driver;
 pub mod metrics;
 mod prefill;
+mod warnings;
 
 pub use common::{Action, Consumer, Counters, ExportInfo, LocalPool, PrefillEngine, RemoteRef, XferToken};
-pub use config::{Config, ConfigError, ExtraConfig, KvRole, KvTransferConfig, LoadFailurePolicy, Mode, ReleaseReason};
+pub use config::{
+    Config, ConfigError, ExtraConfig, Ignored, KvRole, KvTransferConfig, LoadFailurePolicy, Mode, ReleaseReason,
+    UnknownKeys, ABORT_TIMEOUT_ENV,
+};
 pub use decode::{
     DecodeCommand, DecodeError, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LoadOutcome,
 };

@@ -2,27 +2,47 @@
 //! connectors check them when they are built: the connector's name gives the mode, its
 //! `kv_connector_extra_config` kvflow's keys (durations in seconds, unknown keys refused).
 
-use kv_sched_adapter::{Config, KvRole, KvTransferConfig};
+use kv_sched_adapter::{Config, KvRole, KvTransferConfig, ABORT_TIMEOUT_ENV};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::scheduler::{from_json, refuse};
 
-/// vLLM's whole `kv_transfer_config` (JSON text), and the connector's settings from it.
-pub(crate) fn parse(kv_transfer_config: &str) -> PyResult<(KvTransferConfig, Config)> {
+/// vLLM's whole `kv_transfer_config` (JSON text), and the connector's settings from it, with
+/// NixlConnector's older `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` as the lease where the config
+/// leaves it out, and what to say of that variable if it was set.
+pub(crate) fn parse(kv_transfer_config: &str) -> PyResult<(KvTransferConfig, Config, Option<String>)> {
     let transfer: KvTransferConfig = from_json("kv_transfer_config", kv_transfer_config)?;
+    let old = std::env::var(ABORT_TIMEOUT_ENV).ok();
+    let (transfer, note) = transfer.with_abort_timeout(old.as_deref()).map_err(|e| refuse("kv_transfer_config", e))?;
+    if let Some(ignored) = Some(transfer.ignored()).filter(|i| !i.top_level.is_empty()) {
+        tracing::debug!(keys = ?ignored.top_level, "kv_transfer_config keys kvflow does not know are ignored");
+    }
     let config = Config::from_kv_transfer_config(&transfer).map_err(|e| refuse("kv_transfer_config", e))?;
-    Ok((transfer, config))
+    Ok((transfer, config, note))
 }
 
 /// The settings a `kv_transfer_config` (its JSON text) gives kvflow's connector, as a dict:
 /// `mode`, `kv_role`, `kv_connector_module_path`, `engine_id`, `kv_lease_duration`,
 /// `heartbeat_interval`, `heartbeat_lease_extension`, `read_safety_margin` (seconds),
-/// `kv_load_failure_policy` and `num_threads`. Raises `ValueError` naming what is wrong.
+/// `kv_load_failure_policy` and `num_threads`; and `warnings`, the lines the engine logs at
+/// WARNING once at startup (NixlConnector's keys kvflow does not act on, the old lease
+/// variable), and `ignored_keys`, the top-level keys kvflow does not know. Raises `ValueError`
+/// naming what is wrong.
 #[pyfunction]
 pub fn connector_settings<'py>(py: Python<'py>, kv_transfer_config: &str) -> PyResult<Bound<'py, PyDict>> {
-    let (transfer, config) = parse(kv_transfer_config)?;
+    let (transfer, config, note) = parse(kv_transfer_config)?;
+    let ignored = transfer.ignored();
+    let mut warnings: Vec<String> = note.into_iter().collect();
+    if !ignored.nixl_keys.is_empty() {
+        warnings.push(format!(
+            "kv_connector_extra_config keys of NixlConnector that kvflow does not act on are ignored: {}",
+            ignored.nixl_keys.join(", ")
+        ));
+    }
     let settings = PyDict::new(py);
+    settings.set_item("warnings", warnings)?;
+    settings.set_item("ignored_keys", ignored.top_level)?;
     settings.set_item("mode", config.mode.as_str())?;
     let role = transfer.kv_role.map(|role| match role {
         KvRole::Producer => "kv_producer",

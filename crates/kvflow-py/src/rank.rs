@@ -95,7 +95,7 @@ impl Rank {
         let bases = regions.iter().map(|&(addr, len)| RegionBase { addr, len }).collect();
         let pool = LocalPool { shape, regions: bases };
         let offer = pool.offer(&AgentName::new(EngineId::new(engine), rank), tp, instance, role, model);
-        let bind = side_bind.parse().map_err(|e| refuse("side_bind", format!("{side_bind:?}: {e}")))?;
+        let bind = resolve(side_bind)?;
         // The connector's `num_threads` sizes NIXL's UCX thread pool.
         let key = match key {
             None => KeySource::None,
@@ -228,4 +228,21 @@ pub fn prepare_nixl(dir: std::path::PathBuf) -> PyResult<String> {
 #[pyfunction]
 pub fn now_ns() -> u64 {
     HostClock.now().as_nanos()
+}
+
+/// Where the side channel listens, from `host:port` as NixlConnector's users write
+/// `VLLM_NIXL_SIDE_CHANNEL_HOST`: an IP literal, `localhost` or a host name (its first IPv4
+/// address, else its first address).
+fn resolve(side_bind: &str) -> PyResult<std::net::SocketAddr> {
+    use std::net::ToSocketAddrs;
+    let addresses: Vec<std::net::SocketAddr> = side_bind
+        .to_socket_addrs()
+        .map_err(|e| refuse("side_bind", format!("{side_bind:?} does not resolve: {e}")))?
+        .collect();
+    addresses
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addresses.first())
+        .copied()
+        .ok_or_else(|| refuse("side_bind", format!("{side_bind:?} resolves to no address")))
 }

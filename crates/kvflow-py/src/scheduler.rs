@@ -32,7 +32,7 @@ pub(crate) fn to_json(value: &impl Serialize) -> PyResult<String> {
 
 /// The connector's settings from vLLM's whole `kv_transfer_config` (JSON text).
 pub(crate) fn config(kv_transfer_config: &str) -> PyResult<Config> {
-    crate::config::parse(kv_transfer_config).map(|(_, config)| config)
+    crate::config::parse(kv_transfer_config).map(|(_, config, _)| config)
 }
 
 fn blocks(ids: Vec<u32>) -> Vec<BlockId> {

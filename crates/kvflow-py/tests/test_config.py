@@ -44,3 +44,35 @@ def test_a_bad_config_is_refused_naming_the_value(connector, extra, says):
     with pytest.raises(ValueError, match="kv_transfer_config") as refused:
         settings(config(connector, **extra))
     assert says in str(refused.value)
+
+
+def test_a_newer_vllm_s_fields_and_nixl_connector_s_keys_start_the_engine_with_a_warning():
+    # A deployment's config written for NixlConnector, run on a vLLM that added a field.
+    given = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer",
+        "kv_cache_prefetch": True,
+        "kv_connector_extra_config": {"engine_ttl": 600, "enforce_handshake_compat": False, "backends": ["UCX"]},
+    }
+    read = settings(given)
+    assert read["mode"] == "pull"
+    assert read["ignored_keys"] == ["kv_cache_prefetch"]
+    assert read["warnings"] == [
+        "kv_connector_extra_config keys of NixlConnector that kvflow does not act on are ignored: "
+        "enforce_handshake_compat, engine_ttl"
+    ]
+    assert settings(config())["warnings"] == []
+    with pytest.raises(ValueError, match="unknown field `engine_tll`"):
+        settings(config(engine_tll=600))
+
+
+def test_the_old_abort_timeout_variable_sets_the_lease_with_a_warning(monkeypatch):
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "120")
+    read = settings(config())
+    assert read["kv_lease_duration"] == 120.0
+    assert read["heartbeat_interval"] == pytest.approx(20.0)
+    assert "VLLM_NIXL_ABORT_REQUEST_TIMEOUT=120 sets the lease" in read["warnings"][0]
+    assert settings(config(kv_lease_duration=6.0))["kv_lease_duration"] == 6.0
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match='VLLM_NIXL_ABORT_REQUEST_TIMEOUT="soon" is not a number of seconds'):
+        settings(config())

@@ -94,6 +94,11 @@ def test_decode_from_kv_moved_by_kvflow_equals_one_engine(model, prompts, tmp_pa
     assert total(d, "vllm:kvflow_transfers_posted_total", rank="0") >= len(LENGTHS), d
     # vLLM counted every prompt token as held by the connector (an external prefix cache hit).
     assert total(d, "vllm:external_prefix_cache_hits_total") == sum(LENGTHS), d
+    # P's answers carry NixlConnector's fields too, for routers that read them.
+    for handoff in json.loads((tmp_path / "moved" / "handoffs.json").read_text()):
+        assert (handoff["remote_host"], handoff["remote_port"], handoff["tp_size"]) == ("127.0.0.1", 5610, 1), handoff
+        assert handoff["remote_request_id"] == handoff["kvflow"]["request"], handoff
+        assert handoff["remote_engine_id"] == handoff["kvflow"]["prefill"]["engine"], handoff
 
     (tmp_path / "noise").mkdir()
     output, freed = disaggregated(model, prompts, tmp_path / "noise", 5630, "noise")
@@ -282,14 +287,15 @@ def test_a_decode_engine_whose_blocks_differ_from_p_computes_the_prompt_itself(m
 
 def test_handoffs_a_client_made_up_are_computed_by_d_and_never_break_it(model, prompts, tmp_path):
     """Four requests reach D with kv_transfer_params no P made (a string for the handoff, a
-    handoff of the wrong types, a layout that is a number, a block size of 0) and one with P's
-    export cut to one of its blocks: D computes them itself, the others load as before, and
-    every token is one engine's. P frees the 3 D read and, at once, the cut one D rejected; the
-    4 it exported for the made-up ones wait for their lease."""
+    handoff of the wrong types, a layout that is a number, a block size of 0), one with only
+    NixlConnector's fields of P's answer (a router that rebuilt them; not taken yet, logged at
+    WARNING) and one with P's export cut to one of its blocks: D computes them itself, the
+    others load as before, and every token is one engine's. P frees the 2 D read and, at once,
+    the cut one D rejected; the 5 it exported for the others wait for their lease."""
     prompts, alone = prompts
     output, freed = disaggregated(model, prompts, tmp_path, 6100, decode=["garbage"], env={"PD_DRAIN": "5"})
     assert output["tokens"] == alone
-    assert freed["reasons"] == {"transferred": len(LENGTHS) - 5, "rejected": 1}, freed
+    assert freed["reasons"] == {"transferred": len(LENGTHS) - 6, "rejected": 1}, freed
 
 
 def test_requests_d_rejects_before_admission_are_freed_at_p_at_once(model, prompts, tmp_path):

@@ -35,8 +35,8 @@ def pool():
     return memory, [(ctypes.addressof(memory), len(memory))]
 
 
-def rank(role, engine, regions):
-    return native.Rank(role, engine, 1, 0, 1, LAYOUT, BLOCKS, regions, "127.0.0.1:0", RANK_CONFIG, "tiny")
+def rank(role, engine, regions, host="127.0.0.1"):
+    return native.Rank(role, engine, 1, 0, 1, LAYOUT, BLOCKS, regions, f"{host}:0", RANK_CONFIG, "tiny")
 
 
 def test_d_reads_p_s_blocks_and_p_frees_them_as_transferred():
@@ -44,8 +44,11 @@ def test_d_reads_p_s_blocks_and_p_frees_them_as_transferred():
     d_memory, d_regions = pool()
     for i in range(2 * BLOCK):
         p_memory[i] = i % 251
-    p, d = rank("prefill", "prefill0", p_regions), rank("decode", "decode0", d_regions)
+    # NixlConnector's users set VLLM_NIXL_SIDE_CHANNEL_HOST to a host name (vLLM's default is
+    # localhost): it resolves.
+    p, d = rank("prefill", "prefill0", p_regions, "localhost"), rank("decode", "decode0", d_regions)
     try:
+        assert p.address().startswith("127.0.0.1:")
         p_scheduler = native.PrefillScheduler(p.offer(), [p.address()], RANK_CONFIG)
         d_scheduler = native.DecodeScheduler("decode0", 1, RANK_CONFIG)
         remote = p_scheduler.finished(native.now_ns(), "req-1", [0, 1], 32)
@@ -72,6 +75,8 @@ def test_d_reads_p_s_blocks_and_p_frees_them_as_transferred():
 def test_bad_input_is_a_value_error_that_names_it():
     with pytest.raises(ValueError, match='role: "both"'):
         native.Rank("both", "x", 1, 0, 1, LAYOUT, BLOCKS, [], "127.0.0.1:0", RANK_CONFIG, "tiny")
+    with pytest.raises(ValueError, match='side_bind: "localhost:port" does not resolve'):
+        native.Rank("prefill", "x", 1, 0, 1, LAYOUT, BLOCKS, [], "localhost:port", RANK_CONFIG, "tiny")
     with pytest.raises(ValueError, match="offer"):
         native.PrefillScheduler(b"not an offer", ["127.0.0.1:1"], RANK_CONFIG)
     scheduler = native.DecodeScheduler("decode0", 1, RANK_CONFIG)

@@ -178,7 +178,6 @@ fn kv_transfer_config_refuses_what_disagrees_naming_the_values() {
         r#"{"kv_connector": "LMCacheConnectorV1"}"#,
         r#"kv_connector "LMCacheConnectorV1" is not kvflow's: NixlConnector, NixlPullConnector and KvflowConnector pull, NixlPushConnector and KvflowPushConnector push"#,
     );
-    check(r#"{"kv_connector": "NixlConnector", "kv_roles": "kv_both"}"#, "unknown field `kv_roles`");
     check(r#"{"kv_role": "kv_both"}"#, "missing field `kv_connector`");
     check(r#"{"kv_connector": "NixlConnector", "kv_role": "both"}"#, "unknown variant `both`");
     check(
@@ -209,4 +208,58 @@ fn extra_config_refuses_bad_values_naming_key_and_value() {
         r#"{"kv_descriptors": "indices"}"#,
         r#"kv_descriptors is "indices"; it must be "auto", "pairs" or "prepared""#,
     );
+}
+
+#[cfg(feature = "serde")]
+#[test]
+fn a_newer_vllm_s_fields_and_nixl_connector_s_keys_start_the_engine_and_are_named() {
+    // A top-level field vLLM may add, and NixlConnector's extra keys kvflow does not act on.
+    let json = r#"{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_cache_offload": {"a": [1, 2]},
+        "kv_roles": "kv_both", "kv_connector_extra_config": {"enforce_handshake_compat": false,
+        "engine_ttl": 60, "kv_lease_duration": 12, "kv_recompute_threshold": 64, "bidirectional_kv_xfer": true}}"#;
+    let parsed: KvTransferConfig = serde_json::from_str(json).unwrap();
+    assert_eq!(parsed.kv_role, Some(KvRole::Producer), "the known keys still read");
+    let config = Config::from_kv_transfer_config(&parsed).unwrap();
+    assert_eq!(config.kv_lease_duration, Duration::from_secs(12));
+    assert_eq!(
+        parsed.ignored(),
+        Ignored {
+            top_level: vec!["kv_cache_offload".to_owned(), "kv_roles".to_owned()],
+            nixl_keys: vec![
+                "enforce_handshake_compat",
+                "engine_ttl",
+                "bidirectional_kv_xfer",
+                "kv_recompute_threshold"
+            ],
+        }
+    );
+    let plain: KvTransferConfig = serde_json::from_str(r#"{"kv_connector": "NixlConnector"}"#).unwrap();
+    assert_eq!(plain.ignored(), Ignored::default());
+    // kvflow's own keys stay strict, and a NixlConnector key of the wrong type is named.
+    let err = transfer(r#"{"kv_connector": "NixlConnector", "kv_connector_extra_config": {"engine_tll": 5}}"#);
+    assert!(err.unwrap_err().contains("unknown field `engine_tll`"));
+    let err = transfer(r#"{"kv_connector": "NixlConnector", "kv_connector_extra_config": {"engine_ttl": "x"}}"#);
+    assert!(err.unwrap_err().contains("invalid type: string \"x\""));
+}
+
+#[cfg(feature = "serde")]
+#[test]
+fn the_old_abort_timeout_sets_the_lease_only_where_the_config_leaves_it_out() {
+    let read = |json: &str| serde_json::from_str::<KvTransferConfig>(json).unwrap();
+    let plain = read(r#"{"kv_connector": "NixlConnector"}"#);
+    let (taken, note) = plain.clone().with_abort_timeout(Some("120")).unwrap();
+    assert_eq!(Config::from_kv_transfer_config(&taken).unwrap().kv_lease_duration, Duration::from_secs(120));
+    let note = note.unwrap();
+    assert!(note.contains("VLLM_NIXL_ABORT_REQUEST_TIMEOUT=120 sets the lease") && note.contains("old name"), "{note}");
+    let (same, note) = plain.clone().with_abort_timeout(None).unwrap();
+    assert_eq!((same, note), (plain.clone(), None));
+    let given = read(r#"{"kv_connector": "NixlConnector", "kv_connector_extra_config": {"kv_lease_duration": 9}}"#);
+    let (kept, note) = given.clone().with_abort_timeout(Some("120")).unwrap();
+    assert_eq!(kept, given, "the config's own lease wins");
+    assert!(note.unwrap().contains("is not read: kv_connector_extra_config sets kv_lease_duration 9 s"));
+    let err = plain.clone().with_abort_timeout(Some("soon")).unwrap_err();
+    assert_eq!(err.to_string(), r#"VLLM_NIXL_ABORT_REQUEST_TIMEOUT="soon" is not a number of seconds"#);
+    let (negative, _) = plain.with_abort_timeout(Some("-1")).unwrap();
+    let err = Config::from_kv_transfer_config(&negative).unwrap_err();
+    assert_eq!(err.to_string(), "kv_lease_duration = -1.0 is not a duration in seconds");
 }

@@ -149,6 +149,8 @@ pub struct DecodeWorker {
     descriptors: Descriptors,
     out: Outbox<DecodeReport>,
     counters: Counters,
+    /// The WARNING lines this rank logs, rate-limited.
+    warnings: crate::warnings::Warnings,
 }
 
 impl DecodeWorker {
@@ -173,6 +175,7 @@ impl DecodeWorker {
             descriptors: config.descriptors.unwrap_or(Descriptors::Prepared),
             out: Outbox::default(),
             counters: Counters::default(),
+            warnings: Default::default(),
         })
     }
 
@@ -517,7 +520,11 @@ impl DecodeWorker {
             // Its loss follows, and ends what was bound to it.
             PeerEvent::CutOff { peer, reason } => self.counters.cut_off(&peer, reason),
             PeerEvent::Lost(agent) => self.peer_gone(now, &agent),
-            PeerEvent::Refused { peer, cause, reason } => self.counters.refused(peer.as_ref(), cause, &reason),
+            PeerEvent::Refused { peer, cause, reason } => {
+                let local = AgentName::new(self.offer.engine.clone(), self.offer.rank);
+                self.warnings.refused(now, &local, peer.as_ref(), cause, &reason);
+                self.counters.refused(peer.as_ref(), cause, &reason);
+            }
             PeerEvent::Notification(notification) => self.handle_notification(now, notification),
         }
     }
@@ -550,6 +557,8 @@ impl DecodeWorker {
     fn peer_gone(&mut self, now: Time, agent: &AgentName) {
         if self.peers.remove(agent).is_some() {
             self.counters.peers_lost += 1;
+            let local = AgentName::new(self.offer.engine.clone(), self.offer.rank);
+            self.warnings.peer_lost(now, &local, agent);
         }
         self.lists.forget(agent);
         self.queued.remove(agent);

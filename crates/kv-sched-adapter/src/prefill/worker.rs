@@ -230,6 +230,8 @@ pub struct PrefillWorker {
     descriptors: Descriptors,
     out: Outbox<PrefillReport>,
     counters: Counters,
+    /// The WARNING lines this rank logs, rate-limited.
+    warnings: crate::warnings::Warnings,
     /// When each D engine incarnation connected to this rank was last heard from (for the
     /// stranded block-time; an entry goes with the incarnation's agents).
     heard: BTreeMap<Consumer, Time>,
@@ -267,6 +269,7 @@ impl PrefillWorker {
             descriptors: config.descriptors.unwrap_or(Descriptors::Prepared),
             out: Outbox::default(),
             counters: Counters::default(),
+            warnings: Default::default(),
             heard: BTreeMap::new(),
             stranded_block_ns: 0,
             next_accrual: Time::ZERO,
@@ -477,7 +480,10 @@ impl PrefillWorker {
                 self.release_gone_owners(now);
             }
             PeerEvent::ConnectFailed { .. } => {}
-            PeerEvent::Refused { peer, cause, reason } => self.counters.refused(peer.as_ref(), cause, &reason),
+            PeerEvent::Refused { peer, cause, reason } => {
+                self.warnings.refused(now, &self.agent(), peer.as_ref(), cause, &reason);
+                self.counters.refused(peer.as_ref(), cause, &reason);
+            }
             // Its loss follows, and ends what was bound to it.
             PeerEvent::CutOff { peer, reason } => self.counters.cut_off(&peer, reason),
             PeerEvent::Lost(agent) => self.peer_gone(now, &agent),
@@ -569,6 +575,7 @@ impl PrefillWorker {
         }
         let _span = request_span(&self.offer.engine, Some(self.offer.rank), id).entered();
         tracing::debug!(%reason, "export released");
+        self.warn_release(now, id, reason, export.blocks.len(), &export.family);
         self.out.report(PrefillReport::Released { request: id.clone(), reason });
         let family = self.families.get_mut(&export.family).expect("an export's family exists");
         family.members.remove(id);

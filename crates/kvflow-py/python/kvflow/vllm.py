@@ -237,6 +237,18 @@ def _incarnation(vllm_config) -> int:
     return boot * 1_000_000_000 + ticks * (1_000_000_000 // hz)
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(lines: list[str]) -> None:
+    """Logs each of the settings' warnings at WARNING, once per process (the scheduler's and
+    the worker's connectors read the same settings)."""
+    for line in lines:
+        if line not in _warned:
+            _warned.add(line)
+            logger.warning("kvflow: %s", line)
+
+
 def _prompt_digest(token_ids) -> str | None:
     """A digest of a prompt's token ids (None for a prompt of embeddings): D checks that the
     prompt it was sent is the one P computed."""
@@ -279,6 +291,7 @@ class KvflowConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         self._config = json.dumps(dataclasses.asdict(transfer))
         self._settings = _settings(transfer)
+        _warn_once(self._settings["warnings"])
         self._engine = transfer.engine_id
         self._tp = vllm_config.parallel_config.tensor_parallel_size
         pp = vllm_config.parallel_config.pipeline_parallel_size
@@ -335,9 +348,18 @@ class KvflowConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request):
         params = request.kv_transfer_params or {}
-        if self._decode is None or "kvflow" not in params or not params.get("do_remote_prefill"):
+        if self._decode is None or not params.get("do_remote_prefill"):
             return
         rid = request.request_id
+        if "kvflow" not in params:
+            # NixlConnector's own handoff form (a router that rebuilt P's answer, or vLLM's push
+            # proxy): not taken yet (issue 48); said, never silent.
+            logger.warning(
+                "kvflow: %s's kv_transfer_params carry no kvflow handoff (keys %s): computing it here; pass P's "
+                "answer to D unchanged",
+                rid, sorted(params),
+            )
+            return
         # The parameters come from the client: whatever they hold, a request whose handoff does
         # not parse is computed here, never an exception in vLLM's scheduler.
         # vLLM's CPU attention keeps each head's K (transposed) and V together in a block, so a
@@ -498,12 +520,19 @@ class KvflowConnector(KVConnectorBase_V1):
                 return True, None
             return False, None
         self._exports.add(rid)
+        # NixlConnector's fields beside kvflow's own, for routers that read or rebuild them:
+        # where P's first rank's side channel listens, and P's request id.
+        host, _, port = remote["prefill"]["addresses"][0].rpartition(":")
         return True, {
             "kvflow": remote,
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": blocks,
             "remote_engine_id": self._engine,
+            "remote_host": host.strip("[]"),
+            "remote_port": int(port),
+            "remote_request_id": rid,
+            "tp_size": self._tp,
             "kvflow_layout": {"block_size": self._block_size, "tp_size": self._tp},
             "kvflow_prompt": _prompt_digest(request.prompt_token_ids),
         }
@@ -554,7 +583,7 @@ class KvflowConnector(KVConnectorBase_V1):
         self._kv_caches = kv_caches
         native.prepare_nixl(str(runtime_dir()))
         self._tp_rank = get_tensor_model_parallel_rank()
-        host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+        host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
         base = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
         roles = [role for role, on in (("prefill", self._producer), ("decode", self._consumer)) if on]
         incarnation = _incarnation(self._vllm_config)

@@ -13,7 +13,8 @@ sending) and prints what it freed.
 ``pd.py decode MODEL PROMPTS OUT HANDOFFS DONE [queued] [abort] [die] [block64] [both] [n2]
 [garbage] [reject]``: D (kv_consumer, or kv_both with ``both``; with ``n2``, n = 2, sampled with a seed,
 both siblings' tokens per prompt; with ``garbage``, prompts 1, 3 and 5 come with handoffs a
-client made up, 6 with a block size of 0, and 7 with P's export cut to one block) decodes 16 greedy tokens per prompt from the KV it loads through
+client made up, 4 with NixlConnector's fields of P's answer only, 6 with a block size of 0, and 7 with
+P's export cut to one block) decodes 16 greedy tokens per prompt from the KV it loads through
 the handoff, writes them and each request's finish reason to OUT, then creates DONE. One request at a time,
 or with ``queued`` all of them at once into an engine whose KV cache (8 blocks, 1024 tokens) a
 request computed there first fills for 120 tokens of decode (50 ms a step), so they wait in
@@ -349,6 +350,8 @@ if __name__ == "__main__":
                 # What a client may send instead of P's handoff.
                 handoffs[1] = {"do_remote_prefill": True, "kvflow": "not a handoff"}
                 handoffs[3] = {"do_remote_prefill": True, "kvflow": {"prefill": [], "request": {}}}
+                # P's answer as a router that rebuilds NixlConnector's fields passes it on.
+                handoffs[4] = {k: v for k, v in handoffs[4].items() if not k.startswith("kvflow")}
                 handoffs[5] = dict(handoffs[5], kvflow_layout=5)
                 handoffs[6] = dict(handoffs[6], kvflow_layout={"block_size": 0})
                 # P's real export, cut to one of its 5 blocks.

@@ -121,3 +121,62 @@ fn push_prepares_the_descriptor_lists_when_a_d_rank_connects_not_at_its_first_wr
     assert_eq!(prepares(Mode::Push), vec![(None, entries), (Some("decode0/tp0".to_owned()), entries)]);
     assert_eq!(prepares(Mode::Pull), Vec::new());
 }
+
+/// What `run` logs at WARNING and above, as text.
+fn warnings_of(run: impl FnOnce()) -> String {
+    use std::sync::{Arc, Mutex};
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Lines {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let lines = Lines::default();
+    let writer = lines.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    tracing::subscriber::with_default(subscriber, run);
+    let text = lines.0.lock().unwrap().clone();
+    String::from_utf8(text).unwrap()
+}
+
+#[test]
+fn expired_leases_are_logged_at_warning_a_few_a_window_naming_request_and_engine() {
+    let config = Config::default();
+    let mut worker = worker();
+    let expiry = Time::ZERO + config.kv_lease_duration;
+    let export = |worker: &mut PrefillWorker, now: Time, i: u32| {
+        let command = PrefillCommand::Export {
+            request: RequestId::new(format!("r{i}")),
+            blocks: vec![BlockId(i)],
+            deadline: now + config.kv_lease_duration,
+            consumer: None,
+        };
+        worker.handle_command(now, command);
+    };
+    let logged = warnings_of(|| {
+        for i in 0..8 {
+            export(&mut worker, Time::ZERO, i);
+        }
+        worker.handle_timeout(expiry);
+    });
+    let lines: Vec<&str> = logged.lines().filter(|l| l.contains("its lease expired")).collect();
+    assert_eq!(lines.len(), crate::warnings::PER_WINDOW as usize, "{logged}");
+    assert!(lines.iter().all(|l| l.contains("WARN") && l.contains("engine=prefill0/tp0")), "{logged}");
+    assert!(lines[0].contains("request=r0") && lines[0].contains("left_out=0"), "{lines:?}");
+    // The next window's first line says how many the last one left out.
+    let later = expiry + crate::warnings::WINDOW;
+    let logged = warnings_of(|| {
+        export(&mut worker, later, 8);
+        worker.handle_timeout(later + config.kv_lease_duration);
+    });
+    assert!(logged.contains("request=r8") && logged.contains("left_out=3"), "{logged}");
+}

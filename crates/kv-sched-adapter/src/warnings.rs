@@ -1,0 +1,107 @@
+//! The WARNING lines operators watch for (a lease that expired, a peer lost, a peer refused),
+//! one line each, rate-limited: a peer that can cause them must not fill the engine's disk.
+//! Of each kind at most [`PER_WINDOW`] lines are logged in a [`WINDOW`]; the first line after
+//! a window that left some out says how many.
+
+use std::time::Duration;
+
+use kv_core::{AgentName, RefusalCause, Time};
+
+/// The window the limit counts in.
+pub const WINDOW: Duration = Duration::from_secs(10);
+
+/// Lines of one kind logged in a window at most.
+pub const PER_WINDOW: u32 = 5;
+
+/// What a line says happened.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Kind {
+    /// P released an export unread because its lease ran out.
+    Expired,
+    /// P released an export because the engine that held it was seen gone.
+    ReleasedForLoss,
+    /// A peer's connection was lost.
+    PeerLost,
+    /// The transport refused a peer, or its input.
+    Refused,
+}
+
+impl Kind {
+    const COUNT: usize = 4;
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+#[derive(Clone, Copy, Default, Debug)]
+struct Window {
+    start: Option<Time>,
+    logged: u32,
+    left_out: u64,
+}
+
+/// The limit's books, one window a kind.
+#[derive(Default, Debug)]
+pub(crate) struct Warnings {
+    windows: [Window; Kind::COUNT],
+}
+
+impl Warnings {
+    /// Whether a line of `kind` may be logged at `now`: `Some(n)` with the lines of its kind
+    /// left out before it (0 mostly), `None` if this one is left out.
+    pub(crate) fn admit(&mut self, kind: Kind, now: Time) -> Option<u64> {
+        let window = &mut self.windows[kind.index()];
+        if window.start.is_none_or(|start| now.saturating_since(start) >= WINDOW) {
+            window.start = Some(now);
+            window.logged = 0;
+        }
+        if window.logged >= PER_WINDOW {
+            window.left_out += 1;
+            return None;
+        }
+        window.logged += 1;
+        Some(std::mem::take(&mut window.left_out))
+    }
+
+    /// Logs that the transport refused `peer` (or its input) for `cause`, within the limit.
+    pub(crate) fn refused(
+        &mut self,
+        now: Time,
+        local: &AgentName,
+        peer: Option<&AgentName>,
+        cause: RefusalCause,
+        reason: &str,
+    ) {
+        if let Some(left_out) = self.admit(Kind::Refused, now) {
+            let peer = peer.map_or_else(|| "an unnamed peer".to_owned(), AgentName::to_string);
+            tracing::warn!(engine = %local, %peer, ?cause, %reason, left_out, "peer refused");
+        }
+    }
+
+    /// Logs that `peer`'s connection was lost, within the limit.
+    pub(crate) fn peer_lost(&mut self, now: Time, local: &AgentName, peer: &AgentName) {
+        if let Some(left_out) = self.admit(Kind::PeerLost, now) {
+            tracing::warn!(engine = %local, %peer, left_out, "peer lost: its side channel closed, or a newer incarnation replaced it");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_kind_logs_a_few_lines_a_window_and_then_says_how_many_it_left_out() {
+        let mut warnings = Warnings::default();
+        let t0 = Time::from_millis(1_000);
+        let logged: Vec<Option<u64>> = (0..8).map(|_| warnings.admit(Kind::Expired, t0)).collect();
+        assert_eq!(logged, [Some(0), Some(0), Some(0), Some(0), Some(0), None, None, None]);
+        assert_eq!(warnings.admit(Kind::PeerLost, t0), Some(0), "another kind has its own window");
+        let later = t0.saturating_add(WINDOW - Duration::from_millis(1));
+        assert_eq!(warnings.admit(Kind::Expired, later), None, "still the same window");
+        let next = t0.saturating_add(WINDOW);
+        assert_eq!(warnings.admit(Kind::Expired, next), Some(4), "the first of the next window counts those left out");
+        assert_eq!(warnings.admit(Kind::Expired, next), Some(0));
+    }
+}
