@@ -1,6 +1,7 @@
 //! The connector's settings from vLLM's whole `kv_transfer_config`, checked as kvflow's
 //! connectors check them when they are built: the connector's name gives the mode, its
-//! `kv_connector_extra_config` kvflow's keys (durations in seconds, unknown keys refused).
+//! `kv_connector_extra_config` kvflow's keys (durations in seconds, unknown extra keys refused;
+//! top-level keys kvflow does not know are ignored).
 
 use kv_sched_adapter::{Config, KvRole, KvTransferConfig, ABORT_TIMEOUT_ENV};
 use pyo3::prelude::*;
