@@ -5,7 +5,10 @@
 
 use std::time::Duration;
 
-use kv_core::{AgentName, RefusalCause, Time};
+use kv_core::{AgentName, RefusalCause, RequestId, Time};
+
+use crate::common::Consumer;
+use crate::config::ReleaseReason;
 
 /// The window the limit counts in.
 pub const WINDOW: Duration = Duration::from_secs(10);
@@ -41,16 +44,22 @@ struct Window {
     left_out: u64,
 }
 
-/// The limit's books, one window a kind.
-#[derive(Default, Debug)]
+/// One rank's lines: its name, and the limit's books, one window a kind.
+#[derive(Debug)]
 pub(crate) struct Warnings {
+    local: AgentName,
     windows: [Window; Kind::COUNT],
 }
 
 impl Warnings {
+    /// The lines of the rank `local`.
+    pub(crate) fn new(local: AgentName) -> Self {
+        Warnings { local, windows: Default::default() }
+    }
+
     /// Whether a line of `kind` may be logged at `now`: `Some(n)` with the lines of its kind
     /// left out before it (0 mostly), `None` if this one is left out.
-    pub(crate) fn admit(&mut self, kind: Kind, now: Time) -> Option<u64> {
+    fn admit(&mut self, kind: Kind, now: Time) -> Option<u64> {
         let window = &mut self.windows[kind.index()];
         if window.start.is_none_or(|start| now.saturating_since(start) >= WINDOW) {
             window.start = Some(now);
@@ -65,24 +74,49 @@ impl Warnings {
     }
 
     /// Logs that the transport refused `peer` (or its input) for `cause`, within the limit.
-    pub(crate) fn refused(
-        &mut self,
-        now: Time,
-        local: &AgentName,
-        peer: Option<&AgentName>,
-        cause: RefusalCause,
-        reason: &str,
-    ) {
+    pub(crate) fn refused(&mut self, now: Time, peer: Option<&AgentName>, cause: RefusalCause, reason: &str) {
         if let Some(left_out) = self.admit(Kind::Refused, now) {
             let peer = peer.map_or_else(|| "an unnamed peer".to_owned(), AgentName::to_string);
-            tracing::warn!(engine = %local, %peer, ?cause, %reason, left_out, "peer refused");
+            tracing::warn!(engine = %self.local, %peer, ?cause, %reason, left_out, "peer refused");
+        }
+    }
+
+    /// P: logs, within the limit, export `id` of `blocks` blocks released unread because its
+    /// lease ran out or the engine that held it (`owner`) was seen gone; other releases are the
+    /// lifecycle working, and log nothing here.
+    pub(crate) fn released(
+        &mut self,
+        now: Time,
+        id: &RequestId,
+        reason: ReleaseReason,
+        blocks: usize,
+        owner: Option<&Consumer>,
+    ) {
+        let kind = match reason {
+            ReleaseReason::Expired => Kind::Expired,
+            ReleaseReason::PeerLost => Kind::ReleasedForLoss,
+            _ => return,
+        };
+        let Some(left_out) = self.admit(kind, now) else { return };
+        let owner = owner.map_or_else(|| "no engine claimed it".to_owned(), ToString::to_string);
+        let engine = &self.local;
+        if kind == Kind::Expired {
+            tracing::warn!(
+                request = %id, %engine, owner, blocks, left_out,
+                "export released: its lease expired before the decode engine read it (its blocks are free again)"
+            );
+        } else {
+            tracing::warn!(
+                request = %id, %engine, owner, blocks, left_out,
+                "export released: the decode engine that held it was seen gone"
+            );
         }
     }
 
     /// Logs that `peer`'s connection was lost, within the limit.
-    pub(crate) fn peer_lost(&mut self, now: Time, local: &AgentName, peer: &AgentName) {
+    pub(crate) fn peer_lost(&mut self, now: Time, peer: &AgentName) {
         if let Some(left_out) = self.admit(Kind::PeerLost, now) {
-            tracing::warn!(engine = %local, %peer, left_out, "peer lost: its side channel closed, or a newer incarnation replaced it");
+            tracing::warn!(engine = %self.local, %peer, left_out, "peer lost: its side channel closed, or a newer incarnation replaced it");
         }
     }
 }
@@ -93,7 +127,7 @@ mod tests {
 
     #[test]
     fn each_kind_logs_a_few_lines_a_window_and_then_says_how_many_it_left_out() {
-        let mut warnings = Warnings::default();
+        let mut warnings = Warnings::new(AgentName::new(kv_core::EngineId::new("prefill0"), 0));
         let t0 = Time::from_millis(1_000);
         let logged: Vec<Option<u64>> = (0..8).map(|_| warnings.admit(Kind::Expired, t0)).collect();
         assert_eq!(logged, [Some(0), Some(0), Some(0), Some(0), Some(0), None, None, None]);

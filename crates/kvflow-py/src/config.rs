@@ -16,8 +16,8 @@ pub(crate) fn parse(kv_transfer_config: &str) -> PyResult<(KvTransferConfig, Con
     let transfer: KvTransferConfig = from_json("kv_transfer_config", kv_transfer_config)?;
     let old = std::env::var(ABORT_TIMEOUT_ENV).ok();
     let (transfer, note) = transfer.with_abort_timeout(old.as_deref()).map_err(|e| refuse("kv_transfer_config", e))?;
-    if let Some(ignored) = Some(transfer.ignored()).filter(|i| !i.top_level.is_empty()) {
-        tracing::debug!(keys = ?ignored.top_level, "kv_transfer_config keys kvflow does not know are ignored");
+    if !transfer.unknown.0.is_empty() {
+        tracing::debug!(keys = ?transfer.unknown.0, "kv_transfer_config keys kvflow does not know are ignored");
     }
     let config = Config::from_kv_transfer_config(&transfer).map_err(|e| refuse("kv_transfer_config", e))?;
     Ok((transfer, config, note))

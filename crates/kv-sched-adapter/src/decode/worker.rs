@@ -160,6 +160,7 @@ impl DecodeWorker {
     pub fn new(offer: Handshake, config: Config, pool: LocalPool) -> Result<Self, ConfigError> {
         config.validate()?;
         pool.check_offer(&offer, Role::Decode)?;
+        let warnings = crate::warnings::Warnings::new(AgentName::new(offer.engine.clone(), offer.rank));
         Ok(DecodeWorker {
             heartbeats: HeartbeatPlanner::new(config.heartbeat_interval),
             offer,
@@ -175,7 +176,7 @@ impl DecodeWorker {
             descriptors: config.descriptors.unwrap_or(Descriptors::Prepared),
             out: Outbox::default(),
             counters: Counters::default(),
-            warnings: Default::default(),
+            warnings,
         })
     }
 
@@ -521,8 +522,7 @@ impl DecodeWorker {
             PeerEvent::CutOff { peer, reason } => self.counters.cut_off(&peer, reason),
             PeerEvent::Lost(agent) => self.peer_gone(now, &agent),
             PeerEvent::Refused { peer, cause, reason } => {
-                let local = AgentName::new(self.offer.engine.clone(), self.offer.rank);
-                self.warnings.refused(now, &local, peer.as_ref(), cause, &reason);
+                self.warnings.refused(now, peer.as_ref(), cause, &reason);
                 self.counters.refused(peer.as_ref(), cause, &reason);
             }
             PeerEvent::Notification(notification) => self.handle_notification(now, notification),
@@ -557,8 +557,7 @@ impl DecodeWorker {
     fn peer_gone(&mut self, now: Time, agent: &AgentName) {
         if self.peers.remove(agent).is_some() {
             self.counters.peers_lost += 1;
-            let local = AgentName::new(self.offer.engine.clone(), self.offer.rank);
-            self.warnings.peer_lost(now, &local, agent);
+            self.warnings.peer_lost(now, agent);
         }
         self.lists.forget(agent);
         self.queued.remove(agent);

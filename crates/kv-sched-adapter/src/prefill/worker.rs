@@ -248,6 +248,7 @@ impl PrefillWorker {
     pub fn new(offer: Handshake, config: Config, pool: LocalPool) -> Result<Self, ConfigError> {
         config.validate()?;
         pool.check_offer(&offer, Role::Prefill)?;
+        let warnings = crate::warnings::Warnings::new(AgentName::new(offer.engine.clone(), offer.rank));
         Ok(PrefillWorker {
             early: EarlyStage::new(config.early_notification_capacity),
             offer,
@@ -269,7 +270,7 @@ impl PrefillWorker {
             descriptors: config.descriptors.unwrap_or(Descriptors::Prepared),
             out: Outbox::default(),
             counters: Counters::default(),
-            warnings: Default::default(),
+            warnings,
             heard: BTreeMap::new(),
             stranded_block_ns: 0,
             next_accrual: Time::ZERO,
@@ -481,7 +482,7 @@ impl PrefillWorker {
             }
             PeerEvent::ConnectFailed { .. } => {}
             PeerEvent::Refused { peer, cause, reason } => {
-                self.warnings.refused(now, &self.agent(), peer.as_ref(), cause, &reason);
+                self.warnings.refused(now, peer.as_ref(), cause, &reason);
                 self.counters.refused(peer.as_ref(), cause, &reason);
             }
             // Its loss follows, and ends what was bound to it.
@@ -575,7 +576,8 @@ impl PrefillWorker {
         }
         let _span = request_span(&self.offer.engine, Some(self.offer.rank), id).entered();
         tracing::debug!(%reason, "export released");
-        self.warn_release(now, id, reason, export.blocks.len(), &export.family);
+        let owner = self.families.get(&export.family).and_then(|f| f.owner.as_ref());
+        self.warnings.released(now, id, reason, export.blocks.len(), owner);
         self.out.report(PrefillReport::Released { request: id.clone(), reason });
         let family = self.families.get_mut(&export.family).expect("an export's family exists");
         family.members.remove(id);

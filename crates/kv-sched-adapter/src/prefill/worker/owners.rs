@@ -8,7 +8,7 @@ impl PrefillWorker {
     pub(super) fn peer_gone(&mut self, now: Time, agent: &AgentName) {
         let Some(peer) = self.peers.remove(agent) else { return };
         self.counters.peers_lost += 1;
-        self.warnings.peer_lost(now, &self.agent(), agent);
+        self.warnings.peer_lost(now, agent);
         self.lists.forget(agent);
         let gone = peer.consumer();
         self.gone.mark_below(&gone.engine, gone.instance.saturating_add(1));
@@ -137,42 +137,5 @@ impl PrefillWorker {
     /// sender may be gone, and a newer incarnation may have taken its name since.
     pub(super) fn live(&self, from: &Claimant) -> bool {
         self.peers.get(&from.agent).is_some_and(|p| p.consumer() == from.consumer)
-    }
-
-    /// This rank's agent name, for its log lines.
-    pub(super) fn agent(&self) -> AgentName {
-        AgentName::new(self.offer.engine.clone(), self.offer.rank)
-    }
-
-    /// Logs at WARNING, rate-limited, an export of `blocks` blocks released unread because its
-    /// lease ran out or the engine that held it was seen gone (other releases are the lifecycle
-    /// working, logged at debug).
-    pub(super) fn warn_release(
-        &mut self,
-        now: Time,
-        id: &RequestId,
-        reason: ReleaseReason,
-        blocks: usize,
-        family: &RequestId,
-    ) {
-        let kind = match reason {
-            ReleaseReason::Expired => crate::warnings::Kind::Expired,
-            ReleaseReason::PeerLost => crate::warnings::Kind::ReleasedForLoss,
-            _ => return,
-        };
-        let Some(left_out) = self.warnings.admit(kind, now) else { return };
-        let owner = self.families.get(family).and_then(|f| f.owner.as_ref()).map(ToString::to_string);
-        let owner = owner.as_deref().unwrap_or("no engine claimed it");
-        let engine = self.agent();
-        match reason {
-            ReleaseReason::Expired => tracing::warn!(
-                request = %id, %engine, owner, blocks, left_out,
-                "export released: its lease expired before the decode engine read it (its blocks are free again)"
-            ),
-            _ => tracing::warn!(
-                request = %id, %engine, owner, blocks, left_out,
-                "export released: the decode engine that held it was seen gone"
-            ),
-        }
     }
 }
