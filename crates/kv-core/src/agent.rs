@@ -156,7 +156,8 @@ mod tests {
         assert_eq!(AgentTable::decode(&bytes, "tcp").unwrap(), (table(), &b"nixl agent"[..]));
         // The layout docs/side-channel.md gives: header, transport, data address, registrations.
         let tcp = AgentTable { data: Some("127.0.0.1:4242".parse().unwrap()), ..AgentTable::new("tcp") };
-        let expected = [&b"KV"[..], &[0, 3, 3], b"tcp", &[1, 0, 127, 0, 0, 1, 0x92, 0x21, 0]].concat();
+        let expected =
+            [&b"KV"[..], &[0, PROTOCOL_VERSION as u8, 3], b"tcp", &[1, 0, 127, 0, 0, 1, 0x92, 0x21, 0]].concat();
         assert_eq!(tcp.encode(b"").unwrap(), expected);
         let empty = AgentTable::new("nixl");
         assert_eq!(AgentTable::decode(&empty.encode(b"").unwrap(), "nixl").unwrap(), (empty, &b""[..]));

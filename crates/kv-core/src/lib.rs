@@ -37,6 +37,7 @@ pub mod id;
 pub mod layout;
 pub mod plan;
 pub mod ports;
+pub mod prompt;
 pub mod side;
 pub mod time;
 pub mod tp;
@@ -53,6 +54,7 @@ pub use ports::{
     PollIntervals, PreparedId, PreparedLists, PreparedTransfer, RefusalCause, Region, RegionId, TransferId, TransferOp,
     TransferRequest, TransferSizes, TransferStatus, Transport, TransportError,
 };
+pub use prompt::{Digest, Prompt, PromptMismatch};
 pub use time::Time;
 pub use tp::{DecodeRankPlan, HeadSlice, TpError, TpMapping};
-pub use wire::{Handshake, LeaseState, Message, PushRegistration, Renewal, Role, WireError};
+pub use wire::{Claim, Handshake, LeaseState, Message, PushRegistration, Renewal, Role, WireError};

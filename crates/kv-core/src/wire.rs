@@ -10,11 +10,14 @@ use serde::{Deserialize, Serialize};
 use crate::id::{AgentName, BlockId, EngineId, RequestId, MAX_REQUEST_ID_LEN};
 use crate::layout::KvLayout;
 use crate::plan::RegionBase;
+use crate::prompt::{Digest, Prompt};
 use crate::time::Time;
 
-/// The protocol version this build speaks. 3: the layout carries its element format
+/// The protocol version this build speaks. 4: D claims an export with [`Message::Claim`],
+/// naming the prompt and P's blocks it loads for, P may answer [`LeaseState::Refused`], and a
+/// push registration names its prompt; 3 carried the layout's element format
 /// ([`crate::Dtype`]) where 2 carried only its size in bytes.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// The largest notification frame kvflow sends or accepts, in bytes.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
@@ -58,6 +61,23 @@ pub enum Message {
     },
     /// Push mode: D's blocks for a request, for P to write into.
     PushRegistration(PushRegistration),
+    /// D claims an export for its engine: sent on arrival, and in place of each renewal until
+    /// P answers it `Held`. P binds the export to the sender only if the claim names the prompt
+    /// (and, where it names them, the blocks) P computed; otherwise it releases the export
+    /// (`rejected`) and answers `Refused`.
+    Claim(Claim),
+}
+
+/// D's claim of one export.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct Claim {
+    /// P's request id.
+    pub request: RequestId,
+    /// D's own prompt (its length, and its tokens' digest where D has them).
+    pub prompt: Prompt,
+    /// [`Digest::of_blocks`] of the P blocks D will read, as the handoff named them: `None`
+    /// in push mode, where P writes from its own blocks.
+    pub blocks: Option<Digest>,
 }
 
 /// P's answer for one request id of a heartbeat.
@@ -80,6 +100,9 @@ pub enum LeaseState {
     /// cannot say yet: in push mode, a write into the asking rank's blocks is in flight, and
     /// its completion will answer.
     Unknown,
+    /// The claim names another prompt, or other blocks, than P's export: P released it
+    /// (`rejected`), and D must not load it.
+    Refused,
 }
 
 /// Push mode: D's registration of the blocks it allocated for a request.
@@ -102,6 +125,9 @@ pub struct PushRegistration {
     /// stage and waits for each one's write (`prefill_pp * max(1, p_tp / d_tp)` completions
     /// per D rank). P refuses a registration whose count is not its own.
     pub prefill_pp: u32,
+    /// D's prompt: P writes only into the blocks of a registration whose prompt is the one it
+    /// computed, and answers any other with `Abort`, releasing its export (`rejected`).
+    pub prompt: Prompt,
 }
 
 /// What each side of a side-channel handshake tells the other.
@@ -224,6 +250,7 @@ impl Message {
             Message::Heartbeat { requests } => Box::new(requests.iter()),
             Message::HeartbeatAck { renewals } => Box::new(renewals.iter().map(|r| &r.request)),
             Message::PushRegistration(reg) => Box::new(std::iter::once(&reg.request)),
+            Message::Claim(claim) => Box::new(std::iter::once(&claim.request)),
         }
     }
 }
@@ -374,7 +401,8 @@ mod tests {
                         .map(|(request, held, released)| {
                             let lease = match (held, released) {
                                 (Some(d), _) => LeaseState::Held(Time::from_nanos(d)),
-                                (None, true) => LeaseState::Released,
+                                (None, true) if request.as_str().len() % 2 == 0 => LeaseState::Released,
+                                (None, true) => LeaseState::Refused,
                                 (None, false) => LeaseState::Unknown,
                             };
                             Renewal { request, lease }
@@ -389,10 +417,11 @@ mod tests {
                 "[a-z0-9]{1,16}",
                 (any::<u32>(), any::<u32>()),
                 prop::collection::vec(any::<u32>(), 0..64),
-                (any::<u32>(), any::<u32>())
+                (any::<u32>(), any::<u32>()),
+                prompt()
             )
                 .prop_map(
-                    |(request, engine, (decode_rank, decode_tp), blocks, (first_block, prefill_pp))| {
+                    |(request, engine, (decode_rank, decode_tp), blocks, (first_block, prefill_pp), prompt)| {
                         Message::PushRegistration(PushRegistration {
                             request,
                             decode_engine: EngineId::new(engine),
@@ -401,10 +430,19 @@ mod tests {
                             blocks: blocks.into_iter().map(BlockId).collect(),
                             first_block,
                             prefill_pp,
+                            prompt,
                         })
                     }
                 ),
+            (request_id(), prompt(), prop::option::of(any::<[u8; 16]>())).prop_map(|(request, prompt, blocks)| {
+                Message::Claim(Claim { request, prompt, blocks: blocks.map(Digest) })
+            }),
         ]
+    }
+
+    fn prompt() -> impl Strategy<Value = Prompt> {
+        (any::<u64>(), prop::option::of(any::<[u8; 16]>()))
+            .prop_map(|(tokens, digest)| Prompt { tokens, digest: digest.map(Digest) })
     }
 
     proptest! {
@@ -451,7 +489,7 @@ mod tests {
         );
         let mut future = frame.clone();
         future[3] = 9;
-        assert_eq!(Message::decode(&future).unwrap_err().to_string(), "protocol version mismatch: peer 9, local 3");
+        assert_eq!(Message::decode(&future).unwrap_err().to_string(), "protocol version mismatch: peer 9, local 4");
         let mut trailing = frame.clone();
         trailing.push(0);
         assert_eq!(Message::decode(&trailing).unwrap_err().to_string(), "malformed message: 1 trailing bytes");

@@ -18,8 +18,8 @@ use hmac::{Hmac, Mac};
 use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint, SideEvent, Transmit};
 use kv_core::wire::compatibility_hash;
 use kv_core::{
-    AgentName, BlockId, EngineId, Handshake, KvLayout, LeaseState, Message, PeerAddress, PushRegistration, RegionBase,
-    Renewal, Role, Time,
+    AgentName, BlockId, Claim, Digest as KvDigest, EngineId, Handshake, KvLayout, LeaseState, Message, PeerAddress,
+    Prompt, PushRegistration, RegionBase, Renewal, Role, Time,
 };
 use sha2::{Digest, Sha256};
 
@@ -382,12 +382,34 @@ fn the_documented_handshake_replays_byte_for_byte() {
         blocks: vec![BlockId(7), BlockId(8), BlockId(300)],
         first_block: 2,
         prefill_pp: 2,
+        prompt: Prompt::of_tokens(&[1, 2, 3]),
     });
     let registration_frame = registration.encode().unwrap();
     block.bytes("push_registration", &registration_frame);
     check(
         Message::decode(&bytes_or("push_registration", &registration_frame)) == Ok(registration),
         "push_registration decodes to the documented registration",
+    );
+
+    // A claim: D names P's request, its own prompt (tokens 1, 2, 3) and the P blocks 7, 8 and
+    // 300 it will read.
+    let claim = Message::Claim(Claim {
+        request: "cmpl-42-0".into(),
+        prompt: Prompt::of_tokens(&[1, 2, 3]),
+        blocks: Some(KvDigest::of_blocks(&[BlockId(7), BlockId(8), BlockId(300)])),
+    });
+    let claim_frame = claim.encode().unwrap();
+    block.bytes("prompt_digest", &KvDigest::of_tokens(&[1, 2, 3]).0);
+    block.bytes("blocks_digest", &KvDigest::of_blocks(&[BlockId(7), BlockId(8), BlockId(300)]).0);
+    block.bytes("claim", &claim_frame);
+    check(Message::decode(&bytes_or("claim", &claim_frame)) == Ok(claim), "claim decodes to the documented claim");
+    let mut prompt_input = b"kvflow prompt v1".to_vec();
+    for token in [1u32, 2, 3] {
+        prompt_input.extend_from_slice(&token.to_le_bytes());
+    }
+    check(
+        Sha256::digest(&prompt_input)[..16] == KvDigest::of_tokens(&[1, 2, 3]).0,
+        "the prompt digest is SHA-256 of the domain and the tokens as u32 LE, cut to 16 bytes",
     );
 
     // A listener refuses a HELLO of side protocol version 3 with an ERROR naming both.

@@ -111,12 +111,14 @@ fn main() -> Fallible<()> {
     let computed: Vec<u8> = (0..2 * BLOCK).map(|i| (i % 251) as u8).collect();
     p_rank.memory.write(p_rank.region.id, 0, &computed)?;
     let request = RequestId::new("req-1");
-    let remote = p.scheduler().handle_finished(clock.now(), request.clone(), vec![BlockId(0), BlockId(1)], 32, None)?;
+    let prompt = kv_core::Prompt::len_only(32);
+    let remote =
+        p.scheduler().handle_finished(clock.now(), request.clone(), vec![BlockId(0), BlockId(1)], prompt, None)?;
     // The router carries the handoff to D as JSON, inside vLLM's kv_transfer_params.
     let params = serde_json::to_string(&remote)?;
     println!("kv_transfer_params: {params}");
     let remote: RemoteRef = serde_json::from_str(&params)?;
-    d.scheduler().handle_arrive(request.clone(), remote)?;
+    d.scheduler().handle_arrive(request.clone(), remote, prompt)?;
     d.scheduler().handle_schedule(request.clone(), vec![BlockId(4), BlockId(5)], false)?;
 
     let (mut freed, mut ready, deadline) = (None, false, Instant::now() + Duration::from_secs(10));

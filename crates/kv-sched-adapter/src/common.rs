@@ -71,6 +71,11 @@ pub struct RemoteRef {
     pub instance: Option<u64>,
     /// Prompt tokens P computed.
     pub prompt_tokens: u64,
+    /// The digest of the prompt's token ids P computed ([`kv_core::Digest::of_tokens`]), where
+    /// P had them: D refuses a handoff whose prompt is not its own before it claims (P checks
+    /// D's claim again, whatever the handoff says). Absent in JSON when unknown.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+    pub prompt_digest: Option<kv_core::Digest>,
     /// The export, once P has finished the prompt: absent in push mode when D comes first.
     pub export: Option<ExportInfo>,
     /// The D engine the router named at prefill, to which P bound the export at once: another
@@ -84,11 +89,14 @@ pub struct RemoteRef {
 pub struct ExportInfo {
     /// P's blocks, in prompt order (the same ids on every P rank).
     pub blocks: Vec<BlockId>,
-    /// The lease's deadline on P's clock.
+    /// The lease's deadline on P's clock as P first granted it ([`Time::ZERO`] where the
+    /// handoff does not say, as NixlConnector's): D reads only once P has answered its claim
+    /// with a deadline, and never past the later of the two.
     pub deadline: Time,
     /// When P finished the prompt, on P's clock: D measures from it how long the KV took to
-    /// reach it (`kvflow_kv_ready_latency_seconds`).
-    pub finished: Time,
+    /// reach it (`kvflow_kv_ready_latency_seconds`); `None` where the handoff does not say.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub finished: Option<Time>,
 }
 
 /// A handle the machine gives a transfer it asks to post; the driver maps it to the
@@ -186,6 +194,9 @@ pub struct Counters {
     pub reads_fenced: u64,
     /// Reads that completed after P's acknowledged deadline (less the margin): failed loads.
     pub late_reads: u64,
+    /// Claims that named another prompt, or other blocks, than P's export: refused by P (on
+    /// P), or heard refused (on D).
+    pub claims_refused: u64,
     /// Push loads given up whose blocks went into quarantine until P confirmed no write.
     pub quarantined: u64,
     /// Reads posted by prepared-list indices rather than address pairs.
@@ -298,6 +309,7 @@ impl Counters {
         self.transfers_failed += other.transfers_failed;
         self.reads_fenced += other.reads_fenced;
         self.late_reads += other.late_reads;
+        self.claims_refused += other.claims_refused;
         self.quarantined += other.quarantined;
         self.prepared_reads += other.prepared_reads;
         self.prepared_writes += other.prepared_writes;

@@ -10,7 +10,9 @@
 //! pair over the fake transport, NIXL and TCP):
 //!
 //! ```
-//! use kv_core::{AgentName, BlockId, EngineId, KvLayout, PeerAddress, PoolShape, RegionBase, RequestId, Role, Time};
+//! use kv_core::{
+//!     AgentName, BlockId, EngineId, KvLayout, PeerAddress, PoolShape, Prompt, RegionBase, RequestId, Role, Time,
+//! };
 //! use kv_sched_adapter::{Config, DecodeCommand, DecodeEvent, DecodeScheduler, LocalPool, PrefillScheduler};
 //!
 //! let config = Config::default(); // or `Config::from_extra` with vLLM's kv_connector_extra_config
@@ -24,12 +26,15 @@
 //! let mut d = DecodeScheduler::new(EngineId::new("decode0"), 1, config)?;
 //!
 //! // P finished a 40-token prompt in its blocks 7, 8 and 9: the router hands D what P returns.
+//! // (P's ranks lend the blocks only to a claim that names this prompt.)
 //! let request = RequestId::new("req-1");
-//! let remote = p.handle_finished(Time::ZERO, request.clone(), vec![BlockId(7), BlockId(8), BlockId(9)], 40, None)?;
+//! let prompt = Prompt::of_tokens(&[1; 40]);
+//! let remote = p.handle_finished(Time::ZERO, request.clone(), vec![BlockId(7), BlockId(8), BlockId(9)], prompt, None)?;
 //! assert_eq!(remote.export.as_ref().map(|e| e.blocks.len()), Some(3));
 //!
-//! // D admits it, then gives it blocks 0, 1 and 2: its worker is told to load the KV.
-//! d.handle_arrive(request.clone(), remote)?;
+//! // D admits it with its own prompt, then gives it blocks 0, 1 and 2: its worker is told to
+//! // load the KV.
+//! d.handle_arrive(request.clone(), remote, prompt)?;
 //! d.handle_schedule(request.clone(), vec![BlockId(0), BlockId(1), BlockId(2)], false)?;
 //! let commands: Vec<DecodeCommand> = std::iter::from_fn(|| d.poll_event())
 //!     .filter_map(|e| match e {
@@ -161,6 +166,8 @@ mod common;
 mod config;
 mod decode;
 pub mod driver;
+#[cfg(feature = "serde")]
+mod handoff;
 pub mod metrics;
 mod prefill;
 mod warnings;
@@ -172,6 +179,11 @@ pub use config::{
 };
 pub use decode::{
     DecodeCommand, DecodeError, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LoadOutcome,
+};
+#[cfg(feature = "serde")]
+pub use handoff::{
+    Arrival, BlockIds, HandoffError, HandoffRefusal, LayoutNote, TransferParams, HANDOFF_VERSION, MAX_HANDOFF_BLOCKS,
+    MAX_HANDOFF_TP,
 };
 pub use prefill::{
     LayerProgress, PrefillBook, PrefillCommand, PrefillError, PrefillEvent, PrefillReport, PrefillScheduler,

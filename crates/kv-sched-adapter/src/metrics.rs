@@ -70,6 +70,10 @@ pub const STRANDED: &str = "kvflow_stranded_block_seconds_total";
 pub const READS_FENCED: &str = "kvflow_reads_fenced_total";
 /// Reads that ended after the acknowledged deadline.
 pub const LATE_READS: &str = "kvflow_late_reads_total";
+/// Handoffs D refused, by reason.
+pub const HANDOFFS_REFUSED: &str = "kvflow_handoffs_refused_total";
+/// Claims that named another prompt or other blocks than P's export.
+pub const CLAIMS_REFUSED: &str = "kvflow_claims_refused_total";
 /// Push loads whose blocks went into quarantine.
 pub const QUARANTINED: &str = "kvflow_quarantined_total";
 /// Rejections D could not tell P about.
@@ -120,6 +124,18 @@ pub const METRICS: &[MetricDoc] = &[
     doc(STRANDED, "counter", &[], "P: block-seconds held for an owner that is silent (nothing from it for two heartbeat intervals) or never claimed the export, each rank's blocks counted"),
     doc(READS_FENCED, "counter", &[], "D: loads not started because P's lease could end before the read"),
     doc(LATE_READS, "counter", &[], "D: reads that ended after P's acknowledged deadline, less the margin (failed loads)"),
+    doc(
+        HANDOFFS_REFUSED,
+        "counter",
+        &["reason"],
+        "D: handoffs it could not use (malformed, incomplete, other_prompt, block_count, block_size, unsupported_form, refused); it computes the prompt as kv_load_failure_policy says, and rejects the export named",
+    ),
+    doc(
+        CLAIMS_REFUSED,
+        "counter",
+        &[],
+        "Claims of an export that named another prompt or other blocks than P computed: P refused them and released the export (P), or heard so (D)",
+    ),
     doc(QUARANTINED, "counter", &[], "D: push loads given up whose blocks waited in quarantine"),
     doc(REJECTIONS_UNSENT, "counter", &[], "D: rejections that could not be sent to P (its parameters map onto no P rank)"),
     doc(TRANSFERS_POSTED, "counter", &[], "transfers posted (reads on D, push writes on P)"),
@@ -250,6 +266,14 @@ impl DecodeMetrics {
         self.on.held.set(blocks as f64);
         #[cfg(not(feature = "metrics"))]
         let _ = blocks;
+    }
+
+    /// D refused a handoff, for `reason`.
+    pub fn handoff_refused(&self, reason: &'static str) {
+        #[cfg(feature = "metrics")]
+        metrics::counter!(HANDOFFS_REFUSED, "engine" => self.on.engine.clone(), "reason" => reason).increment(1);
+        #[cfg(not(feature = "metrics"))]
+        let _ = reason;
     }
 
     /// A request reached its final state.
@@ -407,6 +431,7 @@ mod imp {
 
     #[derive(Debug)]
     pub struct Decode {
+        pub engine: String,
         pub held: Gauge,
         pub loads: Vec<(DecodeState, Counter)>,
         pub latency: Histogram,
@@ -417,6 +442,7 @@ mod imp {
             let engine = engine.to_string();
             let states = [DecodeState::Ready, DecodeState::Failed, DecodeState::Recompute, DecodeState::Gone];
             Decode {
+                engine: engine.clone(),
                 held: gauge!(BLOCKS_HELD, "engine" => engine.clone()),
                 loads: states
                     .iter()
@@ -462,13 +488,14 @@ mod imp {
                 l.push((key, value.to_owned()));
                 l
             };
-            let plain: [(&'static str, Field); 12] = [
+            let plain: [(&'static str, Field); 13] = [
                 (LEASES_RENEWED, |c| c.leases_renewed),
                 (AFTER_EXPIRY, |c| c.notifications_after_expiry),
                 (EARLY_STAGED, |c| c.early_staged),
                 (EARLY_EVICTED, |c| c.early_evicted),
                 (READS_FENCED, |c| c.reads_fenced),
                 (LATE_READS, |c| c.late_reads),
+                (CLAIMS_REFUSED, |c| c.claims_refused),
                 (QUARANTINED, |c| c.quarantined),
                 (REJECTIONS_UNSENT, |c| c.rejections_unsent),
                 (PREPARED, |c| c.prepared_reads + c.prepared_writes),

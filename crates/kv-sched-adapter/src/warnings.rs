@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use kv_core::{AgentName, RefusalCause, RequestId, Time};
+use kv_core::{AgentName, EngineId, RefusalCause, RequestId, Time};
 
 use crate::common::Consumer;
 use crate::config::ReleaseReason;
@@ -27,10 +27,12 @@ pub(crate) enum Kind {
     PeerLost,
     /// The transport refused a peer, or its input.
     Refused,
+    /// A claim named another prompt or other blocks than P's export: P refused it, D heard so.
+    ClaimRefused,
 }
 
 impl Kind {
-    const COUNT: usize = 4;
+    const COUNT: usize = 5;
 
     fn index(self) -> usize {
         self as usize
@@ -109,6 +111,35 @@ impl Warnings {
             tracing::warn!(
                 request = %id, %engine, owner, blocks, left_out,
                 "export released: the decode engine that held it was seen gone"
+            );
+        }
+    }
+
+    /// P: logs, within the limit, that `from` claimed export `id` for another prompt or other
+    /// blocks (`why`), and that the export was released.
+    pub(crate) fn claim_refused(&mut self, now: Time, id: &RequestId, from: &Consumer, why: &str) {
+        if let Some(left_out) = self.admit(Kind::ClaimRefused, now) {
+            tracing::warn!(
+                request = %id, engine = %self.local, claimant = %from, reason = %why, left_out,
+                "claim refused, export released (rejected): the handoff the decode engine holds was not made for its prompt"
+            );
+        }
+    }
+
+    /// D: logs, within the limit, that P engine `prefill` refused this engine's claim of its
+    /// request `prefill_request` for D's `request`: D computes the prompt as its load-failure
+    /// policy says.
+    pub(crate) fn handoff_refused(
+        &mut self,
+        now: Time,
+        request: &RequestId,
+        prefill: &EngineId,
+        prefill_request: &RequestId,
+    ) {
+        if let Some(left_out) = self.admit(Kind::ClaimRefused, now) {
+            tracing::warn!(
+                %request, engine = %self.local, %prefill, %prefill_request, reason = "other_prompt", left_out,
+                "handoff refused: P computed another prompt or holds other blocks than the handoff names; the load fails (kv_load_failure_policy)"
             );
         }
     }

@@ -15,10 +15,11 @@ fn handoff() -> RemoteRef {
         request: RequestId::new("req-1"),
         instance: Some(7),
         prompt_tokens: 40,
+        prompt_digest: None,
         export: Some(ExportInfo {
             blocks: vec![BlockId(7), BlockId(8), BlockId(9)],
             deadline: Time::from_nanos(30_000_000_000),
-            finished: Time::from_nanos(12_345),
+            finished: Some(Time::from_nanos(12_345)),
         }),
         consumer: Some(Consumer { engine: EngineId::new("decode1"), instance: 3 }),
     }

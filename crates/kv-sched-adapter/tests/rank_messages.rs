@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use kv_core::{BlockId, EngineId, PeerAddress, RequestId, Time};
+use kv_core::{BlockId, EngineId, PeerAddress, Prompt, RequestId, Time};
 use kv_sched_adapter::{
     Consumer, DecodeCommand, DecodeReport, ExportInfo, LayerProgress, LoadOutcome, PrefillCommand, PrefillEngine,
     PrefillReport, ReleaseReason, RemoteRef,
@@ -34,10 +34,11 @@ fn remote() -> RemoteRef {
         request: RequestId::new("req-1"),
         instance: Some(7),
         prompt_tokens: 40,
+        prompt_digest: Some(Prompt::of_tokens(&[3; 40]).digest.unwrap()),
         export: Some(ExportInfo {
             blocks: vec![BlockId(7), BlockId(8), BlockId(9)],
             deadline: Time::from_nanos(30_000_000_000),
-            finished: Time::from_nanos(12_345),
+            finished: Some(Time::from_nanos(12_345)),
         }),
         consumer: None,
     }
@@ -51,8 +52,11 @@ fn prefill_commands_and_reports_round_trip() {
         blocks: vec![BlockId(1), BlockId(2)],
         deadline: Time::from_nanos(5_000_000_000),
         consumer: consumer.clone(),
+        prompt: Prompt::of_tokens(&[1, 2, 3]),
     };
     let json = round_trip(&export);
+    assert_eq!(json["export"]["prompt"]["tokens"], 3);
+    assert_eq!(json["export"]["prompt"]["digest"].as_str().map(str::len), Some(32), "hex: {json}");
     assert_eq!(json["export"]["blocks"], serde_json::json!([1, 2]));
     assert_eq!(json["export"]["consumer"]["engine"], "decode1");
     let progress = |part| PrefillCommand::Progress {
@@ -74,7 +78,10 @@ fn prefill_commands_and_reports_round_trip() {
 
 #[test]
 fn decode_commands_and_reports_round_trip() {
-    round_trip(&DecodeCommand::Track { request: RequestId::new("req-1"), remote: remote() });
+    let prompt = Prompt::of_tokens(&[3; 40]);
+    let json =
+        round_trip(&DecodeCommand::Track { request: RequestId::new("req-1"), remote: Box::new(remote()), prompt });
+    assert_eq!(json["track"]["remote"]["prompt_digest"], json["track"]["prompt"]["digest"]);
     let json = round_trip(&DecodeCommand::Load {
         request: RequestId::new("req-1"),
         blocks: vec![BlockId(4), BlockId(5)],

@@ -177,7 +177,7 @@ fn each_engine_runs_on_its_own_clock() {
     cluster.prefill("prefill0", &r1, 64, 1, None).unwrap();
     // P exported on its own clock: the deadline it handed the router is 30 s after 11 s.
     let export = cluster.transfer_params("prefill0", &r1).and_then(|p| p.export.clone()).expect("exported");
-    assert_eq!((export.finished, export.deadline), (Time::from_millis(11_000), Time::from_millis(41_000)));
+    assert_eq!((export.finished, export.deadline), (Some(Time::from_millis(11_000)), Time::from_millis(41_000)));
     // D carries the deadlines P acknowledges onto its own clock through the handshake's
     // offset, and loads across the 10 s the two clocks disagree.
     cluster.arrive("decode0", &r1, "prefill0", &r1, None, None).unwrap();

@@ -1,9 +1,11 @@
 //! Push registrations P must handle with care. One that reaches P twice (a D that sends it
 //! again, a network that repeats it) is counted as a duplicate and staged once: P writes D's
 //! blocks once, and the load ends ready with the bytes P computed. One that counts other
-//! pipeline stages than P has is refused.
+//! pipeline stages than P has is refused, and so is one that names another prompt than P
+//! computed (P writes nothing into it and frees the export at once).
 
-use kv_core::{EngineId, Message, PushRegistration, RequestId, Time};
+use kv_core::{EngineId, Message, Prompt, PushRegistration, RequestId, Time};
+use kv_sched_adapter::ReleaseReason;
 use kv_testkit::cluster::Cluster;
 use kv_testkit::scenario::runner::{apply, cluster_config};
 use kv_testkit::scenario::Scenario;
@@ -50,6 +52,7 @@ fn a_registration_sent_twice_is_a_duplicate_and_p_writes_once() {
         blocks,
         first_block: 0,
         prefill_pp: 1,
+        prompt: Prompt::len_only(64),
     });
     cluster.send_as("decode0", "prefill0", &again).unwrap();
     cluster.advance_to(Time::from_millis(300));
@@ -86,6 +89,7 @@ fn a_registration_counting_other_pipeline_stages_is_refused_and_nothing_is_writt
         blocks,
         first_block: 0,
         prefill_pp: 2,
+        prompt: Prompt::len_only(64),
     });
     let malformed_before = cluster.engine_counters("prefill0").malformed;
     cluster.send_as("decode0", "prefill0", &miscounted).unwrap();
@@ -100,5 +104,36 @@ fn a_registration_counting_other_pipeline_stages_is_refused_and_nothing_is_writt
     assert_eq!(cluster.held_blocks("prefill0"), 4, "r2's export waits for a registration that counts right");
     assert_eq!(cluster.decode_state("decode0", &r1).map(|s| s.as_str()), Some("ready"));
     assert_eq!(cluster.network().moved(&p0, &r1), 4 * 2048);
+    assert_eq!(cluster.corrupt_reads(), 0);
+}
+
+/// A registration whose prompt is not the one P computed (a handoff rebuilt wrong, edited or
+/// replayed) gets no write: P answers that none will come and frees the export (`rejected`) at
+/// once, without waiting for its lease; D's load fails, and its blocks never hold another
+/// prompt's KV.
+#[test]
+fn a_registration_for_another_prompt_is_refused_and_the_export_freed_at_once() {
+    let mut cluster = registered_r1();
+    let r2 = RequestId::new("r2");
+    let other = Message::PushRegistration(PushRegistration {
+        request: r2.clone(),
+        decode_engine: EngineId::new("decode0"),
+        decode_rank: 0,
+        decode_tp: 1,
+        blocks: cluster.decode_blocks("decode0", &RequestId::new("r1")).expect("decode0 is loading r1"),
+        first_block: 0,
+        prefill_pp: 1,
+        prompt: Prompt::len_only(48),
+    });
+    cluster.send_as("decode0", "prefill0", &other).unwrap();
+    cluster.advance_to(Time::from_millis(300));
+    let refused_before = cluster.engine_counters("prefill0").claims_refused;
+    cluster.prefill("prefill0", &r2, 64, 1, None).unwrap();
+    cluster.advance_to(Time::from_millis(400));
+
+    assert_eq!(cluster.engine_counters("prefill0").claims_refused, refused_before + 1);
+    assert_eq!(cluster.release_reason("prefill0", &r2), Some(ReleaseReason::Rejected), "freed at once");
+    let p0 = kv_core::AgentName::new(EngineId::new("prefill0"), 0);
+    assert_eq!(cluster.network().moved(&p0, &r2), 0, "nothing is written for it");
     assert_eq!(cluster.corrupt_reads(), 0);
 }

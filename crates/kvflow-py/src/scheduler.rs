@@ -4,10 +4,10 @@
 //! are processes of their own; the handoff (`RemoteRef`) is one JSON object, as it travels in
 //! `kv_transfer_params`.
 
-use kv_core::{BlockId, EngineId, Handshake, PeerAddress, RequestId, Time};
+use kv_core::{BlockId, EngineId, Handshake, PeerAddress, Prompt, RequestId, Time};
 use kv_sched_adapter::{
-    Config, Consumer, DecodeEvent, DecodeScheduler as Decode, LayerProgress, PrefillEngine, PrefillEvent,
-    PrefillScheduler as Prefill, RemoteRef,
+    Arrival, Config, Consumer, DecodeEvent, DecodeScheduler as Decode, LayerProgress, PrefillEngine, PrefillEvent,
+    PrefillScheduler as Prefill, RemoteRef, TransferParams,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -33,6 +33,25 @@ pub(crate) fn to_json(value: &impl Serialize) -> PyResult<String> {
 /// The connector's settings from vLLM's whole `kv_transfer_config` (JSON text).
 pub(crate) fn config(kv_transfer_config: &str) -> PyResult<Config> {
     crate::config::parse(kv_transfer_config).map(|(_, config, _)| config)
+}
+
+/// The prompt of `prompt_tokens` tokens whose ids are `token_ids`, where the engine has them
+/// (a prompt of embeddings has none); ids that are not the prompt's count are not trusted as
+/// its digest.
+fn prompt(prompt_tokens: u64, token_ids: Option<Vec<u32>>) -> Prompt {
+    match token_ids {
+        Some(ids) if ids.len() as u64 == prompt_tokens => Prompt::of_tokens(&ids),
+        _ => Prompt::len_only(prompt_tokens),
+    }
+}
+
+/// P's `kv_transfer_params` for a handoff (`remote`, JSON, as `PrefillScheduler.finished` gives
+/// it) of blocks of `block_size` tokens: kvflow's form and NixlConnector's fields beside it
+/// (JSON).
+#[pyfunction]
+pub(crate) fn handoff_answer(remote: &str, block_size: u32) -> PyResult<String> {
+    let remote: RemoteRef = from_json("remote", remote)?;
+    to_json(&TransferParams::answer(&remote, block_size))
 }
 
 fn blocks(ids: Vec<u32>) -> Vec<BlockId> {
@@ -74,16 +93,19 @@ impl PrefillScheduler {
         Ok(PrefillScheduler { inner })
     }
 
-    /// Request `request` finished its prompt at `now_ns` (`now_ns()`, the host clock) in
+    /// Request `request` finished its prompt of `prompt_tokens` tokens (whose ids are
+    /// `token_ids`, where the engine has them) at `now_ns` (`now_ns()`, the host clock) in
     /// `blocks`: export them, bound to `consumer` (engine, incarnation) if the router named
-    /// one; returns the handoff for D, one JSON object.
-    #[pyo3(signature = (now_ns, request, blocks, prompt_tokens, consumer=None))]
+    /// one; returns the handoff for D, one JSON object. P's ranks lend the blocks only to a
+    /// claim that names this prompt.
+    #[pyo3(signature = (now_ns, request, blocks, prompt_tokens, token_ids=None, consumer=None))]
     fn finished(
         &mut self,
         now_ns: u64,
         request: &str,
         blocks: Vec<u32>,
         prompt_tokens: u64,
+        token_ids: Option<Vec<u32>>,
         consumer: Option<(String, u64)>,
     ) -> PyResult<String> {
         let consumer = consumer.map(|(engine, instance)| Consumer { engine: EngineId::new(engine), instance });
@@ -93,7 +115,7 @@ impl PrefillScheduler {
                 Time::from_nanos(now_ns),
                 RequestId::new(request),
                 self::blocks(blocks),
-                prompt_tokens,
+                prompt(prompt_tokens, token_ids),
                 consumer,
             )
             .map_err(|e| refuse("finished", e))?;
@@ -173,10 +195,62 @@ impl DecodeScheduler {
         Ok(())
     }
 
-    /// Request `request` arrived with P's handoff (`remote`, JSON) and waits for blocks.
-    fn arrive(&mut self, request: &str, remote: &str) -> PyResult<()> {
+    /// Request `request`'s `kv_transfer_params` (JSON), in whichever form the router sent
+    /// them, for its prompt of `prompt_tokens` tokens (ids `token_ids`, where the engine has
+    /// them) in blocks of `block_size` tokens: `("none", None)` when they ask for no remote
+    /// prefill, `("ok", remote)` with P's handoff (JSON) to `arrive` with, or `("refused",
+    /// (reason, detail))` when this engine cannot use them: counted
+    /// (`kvflow_handoffs_refused_total`), and the export they name rejected, so P frees it at
+    /// once. The engine then computes the prompt.
+    #[pyo3(signature = (request, params, prompt_tokens, token_ids, block_size))]
+    fn handoff(
+        &mut self,
+        py: Python<'_>,
+        request: &str,
+        params: &str,
+        prompt_tokens: u64,
+        token_ids: Option<Vec<u32>>,
+        block_size: u32,
+    ) -> PyResult<(&'static str, Py<PyAny>)> {
+        let arrival = Arrival { mode: self.inner.mode(), prompt: prompt(prompt_tokens, token_ids), block_size };
+        let resolved = serde_json::from_str::<TransferParams>(params)
+            .map_err(|e| kv_sched_adapter::HandoffError {
+                reason: kv_sched_adapter::HandoffRefusal::Malformed,
+                detail: e.to_string(),
+                // A field beside it that does not parse still leaves kvflow's own handoff to
+                // reject, so that P frees the export it names at once.
+                remote: serde_json::from_str::<serde_json::Value>(params)
+                    .ok()
+                    .and_then(|mut v| v.get_mut("kvflow").map(serde_json::Value::take))
+                    .and_then(|v| serde_json::from_value::<RemoteRef>(v).ok())
+                    .map(Box::new),
+            })
+            .and_then(|params| params.resolve(&arrival));
+        match resolved {
+            Ok(None) => Ok(("none", py.None())),
+            Ok(Some(remote)) => Ok(("ok", to_json(&remote)?.into_bound_py_any(py)?.unbind())),
+            Err(refused) => {
+                self.inner.handle_refused(RequestId::new(request), &refused);
+                let fields = (refused.reason.as_str(), refused.detail).into_bound_py_any(py)?;
+                Ok(("refused", fields.unbind()))
+            }
+        }
+    }
+
+    /// Request `request` arrived with P's handoff (`remote`, JSON) and waits for blocks; its
+    /// prompt has `prompt_tokens` tokens (the handoff's count if not given) with ids
+    /// `token_ids`, which the ranks' claims name.
+    #[pyo3(signature = (request, remote, prompt_tokens=None, token_ids=None))]
+    fn arrive(
+        &mut self,
+        request: &str,
+        remote: &str,
+        prompt_tokens: Option<u64>,
+        token_ids: Option<Vec<u32>>,
+    ) -> PyResult<()> {
         let remote: RemoteRef = from_json("remote", remote)?;
-        self.inner.handle_arrive(RequestId::new(request), remote).map_err(|e| refuse("arrive", e))
+        let prompt = prompt(prompt_tokens.unwrap_or(remote.prompt_tokens), token_ids);
+        self.inner.handle_arrive(RequestId::new(request), remote, prompt).map_err(|e| refuse("arrive", e))
     }
 
     /// The engine gave `request` its `blocks`, of which the first `cached_blocks` its own prefix

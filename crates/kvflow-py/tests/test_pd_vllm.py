@@ -286,16 +286,17 @@ def test_a_decode_engine_whose_blocks_differ_from_p_computes_the_prompt_itself(m
 
 
 def test_handoffs_a_client_made_up_are_computed_by_d_and_never_break_it(model, prompts, tmp_path):
-    """Four requests reach D with kv_transfer_params no P made (a string for the handoff, a
-    handoff of the wrong types, a layout that is a number, a block size of 0), one with only
-    NixlConnector's fields of P's answer (a router that rebuilt them; not taken yet, logged at
-    WARNING) and one with P's export cut to one of its blocks: D computes them itself, the
-    others load as before, and every token is one engine's. P frees the 2 D read and, at once,
-    the cut one D rejected; the 5 it exported for the others wait for their lease."""
+    """Five requests reach D with kv_transfer_params D cannot use (a string for the handoff, a
+    handoff of the wrong types, a layout that is a number beside P's real handoff, a block size
+    of 0 beside another, P's export cut to one of its blocks), and one with only NixlConnector's
+    fields of P's answer (a router that rebuilt them): D computes the first five itself, loads
+    the rebuilt one and the others as before, and every token is one engine's. P frees the 3 D
+    read and, at once, the 3 real exports the unusable handoffs named (D rejected them); the 2
+    exported for the others wait for their lease."""
     prompts, alone = prompts
     output, freed = disaggregated(model, prompts, tmp_path, 6100, decode=["garbage"], env={"PD_DRAIN": "5"})
     assert output["tokens"] == alone
-    assert freed["reasons"] == {"transferred": len(LENGTHS) - 6, "rejected": 1}, freed
+    assert freed["reasons"] == {"transferred": len(LENGTHS) - 5, "rejected": 3}, freed
 
 
 def test_requests_d_rejects_before_admission_are_freed_at_p_at_once(model, prompts, tmp_path):

@@ -75,9 +75,10 @@ pub fn pull_pair<N: Net>(net: &mut N) -> Fallible<()> {
     let block = 4096; // bytes of one block: 2 layers, K and V, 4 heads of 8, 16 tokens, 2 bytes each
     p_rank.memory.write(p_rank.region.id, 0, &(0..2 * block).map(|i| (i % 251) as u8).collect::<Vec<_>>())?;
     let request = RequestId::new("req-1");
-    let remote = p.handle_finished(net.now(), request.clone(), vec![BlockId(0), BlockId(1)], 32, None)?;
+    let prompt = kv_core::Prompt::len_only(32);
+    let remote = p.handle_finished(net.now(), request.clone(), vec![BlockId(0), BlockId(1)], prompt, None)?;
     // The router hands D the parameters; D admits the request and gives it blocks 4 and 5.
-    d.handle_arrive(request.clone(), remote)?;
+    d.handle_arrive(request.clone(), remote, prompt)?;
     d.handle_schedule(request.clone(), vec![BlockId(4), BlockId(5)], false)?;
 
     // Both engines' loops: scheduler events to the workers, worker reports to the schedulers.

@@ -548,6 +548,7 @@ impl Demo {
                     request: RequestId::new(export.clone()),
                     instance: None,
                     prompt_tokens: tokens,
+                    prompt_digest: None,
                     export: None,
                     consumer: None,
                 };

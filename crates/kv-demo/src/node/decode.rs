@@ -88,7 +88,8 @@ impl Side for DecodeSide {
                         return Self::settle(node);
                     }
                 };
-                match node.connector.scheduler().handle_arrive(id.clone(), remote.clone()) {
+                let prompt = kv_core::Prompt::len_only(remote.prompt_tokens);
+                match node.connector.scheduler().handle_arrive(id.clone(), remote.clone(), prompt) {
                     Ok(()) => {
                         let load = Load {
                             remote,

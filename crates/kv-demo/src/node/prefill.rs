@@ -309,7 +309,7 @@ impl Node<PrefillSide> {
                 now,
                 RequestId::new(export),
                 blocks.clone(),
-                prompt_tokens,
+                kv_core::Prompt::len_only(prompt_tokens),
                 consumer.clone(),
             )?;
             exported.push(Event::Exported { id: id.clone(), remote, finished_at_ns, first });

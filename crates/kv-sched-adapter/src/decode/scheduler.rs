@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use kv_core::{BlockId, EngineId, RequestId};
+use kv_core::{BlockId, EngineId, Prompt, RequestId};
 
 use crate::common::{PrefillEngine, RemoteRef};
 use crate::config::{Config, ConfigError, LoadFailurePolicy, Mode};
@@ -17,8 +17,10 @@ pub enum DecodeCommand {
     Track {
         /// D's request id.
         request: RequestId,
-        /// P's parameters.
-        remote: RemoteRef,
+        /// P's parameters (boxed: the other commands are small).
+        remote: Box<RemoteRef>,
+        /// D's own prompt, which the ranks' claims name (P checks it against what it computed).
+        prompt: Prompt,
     },
     /// Blocks are allocated: load the KV into them (or, on a prefix hit, only tell P).
     Load {
@@ -245,6 +247,11 @@ impl DecodeScheduler {
         &self.engine
     }
 
+    /// Whether the engine pulls or is pushed to.
+    pub fn mode(&self) -> Mode {
+        self.config.mode
+    }
+
     fn broadcast(&mut self, command: impl Fn() -> DecodeCommand) {
         for rank in 0..self.tp {
             self.events.push_back(DecodeEvent::ToWorker { rank, command: command() });
@@ -258,8 +265,10 @@ impl DecodeScheduler {
         }
     }
 
-    /// A request carrying P's parameters enters the waiting queue.
-    pub fn handle_arrive(&mut self, request: RequestId, remote: RemoteRef) -> Result<(), DecodeError> {
+    /// A request carrying P's parameters enters the waiting queue; `prompt` is D's own (its
+    /// length, and its tokens' digest where the engine has them), which the ranks' claims name
+    /// so that P lends its KV only for the prompt it computed.
+    pub fn handle_arrive(&mut self, request: RequestId, remote: RemoteRef, prompt: Prompt) -> Result<(), DecodeError> {
         if self.requests.contains_key(&request) {
             return Err(DecodeError::AlreadyKnown(request));
         }
@@ -276,7 +285,7 @@ impl DecodeScheduler {
             kv_latency: Some(std::time::Duration::ZERO),
         };
         self.requests.insert(request.clone(), entry);
-        self.broadcast(|| DecodeCommand::Track { request: request.clone(), remote: remote.clone() });
+        self.broadcast(|| DecodeCommand::Track { request: request.clone(), remote: Box::new(remote.clone()), prompt });
         Ok(())
     }
 
@@ -338,6 +347,19 @@ impl DecodeScheduler {
         self.broadcast(|| DecodeCommand::Reject { remote: remote.clone() });
         self.events.push_back(DecodeEvent::Ended { request, state: DecodeState::Gone, kept_blocks: 0 });
         Ok(())
+    }
+
+    /// D refused `request`'s handoff ([`crate::TransferParams::resolve`]): counted by reason
+    /// (`kvflow_handoffs_refused_total`), and the export it names, if any, rejected so that P
+    /// frees it at once rather than at its lease's end. The engine computes the prompt (or
+    /// fails the request), as its load-failure policy says.
+    #[cfg(feature = "serde")]
+    pub fn handle_refused(&mut self, request: RequestId, refused: &crate::HandoffError) {
+        self.metrics.handoff_refused(refused.reason.as_str());
+        if let Some(remote) = refused.remote.as_deref() {
+            // Known already (tracked under this id): nothing to reject that it has not claimed.
+            let _ = self.handle_reject(request, remote.clone());
+        }
     }
 
     /// The router aborts the request on D.

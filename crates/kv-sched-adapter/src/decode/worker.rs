@@ -2,16 +2,20 @@
 //! done.
 //!
 //! A worker tracks a request from arrival: it connects to the P ranks it maps to, claims the
-//! export at once (its first renewal goes out on arrival) and renews P's lease by heartbeat;
-//! P's acknowledgements carry the new deadlines. It never loads an export the router named for
-//! another engine incarnation (P may free it at any time for that one). Unless the router named
-//! this engine at prefill, it reads only once every P rank it reads has answered its claim:
-//! with a deadline (P holds the export for this engine), or, for a request that is not a
-//! parallel-sampling sibling, "not known yet" (P's worker staged the claim, and no other
-//! engine's claim came first); "released" fails the load. So a request retried on a new
-//! incarnation never reads what P freed for the old one, and a sibling, which another
-//! sibling's completion releases unless its owner claimed it, waits for the deadline, named
-//! or not. A
+//! export at once, naming its own prompt and the P blocks the handoff says it will read, and
+//! renews P's lease by heartbeat (claiming again, at each beat, where P has not answered the
+//! claim `Held`); P's acknowledgements carry the new deadlines, and P answers `Held` only to a
+//! claim that names the prompt and the blocks it computed ("refused" otherwise, and the export
+//! is gone). It never loads an export the router named for another engine incarnation (P may
+//! free it at any time for that one). Unless the router named this engine at prefill, it
+//! reads only once every P rank it reads has answered its claim: with a deadline (P holds the
+//! export for this engine), or, for a request that is not a parallel-sampling sibling, "not
+//! known yet" (P's worker staged the claim, and no other engine's claim came first);
+//! "released" or "refused" fails the load. A handoff that carries no deadline of P's
+//! (NixlConnector's form, rebuilt by a router) waits for P's deadline whatever else holds. So
+//! a request retried on a new incarnation never reads what P freed for the old one, and a
+//! sibling, which another sibling's completion releases unless its owner claimed it, waits for
+//! the deadline, named or not. A
 //! pipeline-parallel P is read stage by stage: every stage's ranks, each holding its share of
 //! the layers. At schedule it fences the read: a
 //! read that could outlive P's lease (the deadline on D's clock, minus the safety margin and
@@ -35,9 +39,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kv_core::{
-    check_compatible, AgentName, BlockId, DecodeRankPlan, Descriptors, EngineId, Granularity, Handshake, Initiator,
-    LeaseState, Message, Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer,
-    PushRegistration, RequestId, Role, Time, TpMapping, TransferOp, TransferPlan, TransferRequest, TransportError,
+    check_compatible, AgentName, BlockId, Claim, DecodeRankPlan, Descriptors, Digest, EngineId, Granularity, Handshake,
+    Initiator, LeaseState, Message, Notification, PeerAddress, PeerEvent, PlanInput, PoolSide, PreparedId,
+    PreparedTransfer, Prompt, PushRegistration, RequestId, Role, Time, TpMapping, TransferOp, TransferPlan,
+    TransferRequest, TransportError,
 };
 use kv_lease::HeartbeatPlanner;
 
@@ -65,6 +70,11 @@ enum Phase {
 #[derive(Debug)]
 struct Load {
     remote: RemoteRef,
+    /// What this engine claims of the export (its own prompt, and P's blocks it will read):
+    /// sent on arrival and, to each P rank that has not answered it `Held`, at every beat.
+    claim: Claim,
+    /// When it arrived.
+    since: Time,
     tp: TpMapping,
     plan: DecodeRankPlan,
     targets: Vec<AgentName>,
@@ -216,7 +226,7 @@ impl DecodeWorker {
     /// A command from the scheduler.
     pub fn handle_command(&mut self, now: Time, command: DecodeCommand) {
         match command {
-            DecodeCommand::Track { request, remote } => self.track(now, request, remote),
+            DecodeCommand::Track { request, remote, prompt } => self.track(now, request, *remote, prompt),
             DecodeCommand::Load { request, blocks, cached_blocks } => {
                 let Some(load) = self.loads.get_mut(&request).filter(|l| l.phase == Phase::Waiting) else {
                     self.counters.late_messages += 1;
@@ -303,7 +313,7 @@ impl DecodeWorker {
         Ok((tp, plan, targets))
     }
 
-    fn track(&mut self, now: Time, request: RequestId, remote: RemoteRef) {
+    fn track(&mut self, now: Time, request: RequestId, remote: RemoteRef, prompt: Prompt) {
         let _span = request_span(&self.offer.engine, Some(self.offer.rank), &request).entered();
         tracing::debug!(prefill = %remote.prefill.engine, prefill_request = %remote.request, "load tracked: P's lease is renewed until it starts");
         if self.loads.contains_key(&request) {
@@ -337,11 +347,17 @@ impl DecodeWorker {
             }
         };
         // Claim it at once, so that P binds the export to this engine before anything else can,
-        // and learns of this engine in time to release it if this engine goes.
-        let claim = Message::Heartbeat { requests: vec![remote.request.clone()] };
+        // and learns of this engine in time to release it if this engine goes. The claim names
+        // this engine's own prompt and, in pull mode, the P blocks it will read: P holds the
+        // export for it only if they are what P computed, whatever the handoff said.
+        let blocks = match self.config.mode {
+            Mode::Pull => remote.export.as_ref().map(|e| Digest::of_blocks(&e.blocks)),
+            Mode::Push => None,
+        };
+        let claim = Claim { request: remote.request.clone(), prompt, blocks };
         for target in &targets {
             self.heartbeats.track(target.clone(), remote.request.clone(), now);
-            self.send_to(target, claim.clone());
+            self.send_to(target, Message::Claim(claim.clone()));
         }
         self.by_remote
             .entry((remote.prefill.engine.clone(), remote.request.clone()))
@@ -349,6 +365,8 @@ impl DecodeWorker {
             .insert(request.clone());
         let load = Load {
             remote,
+            claim,
+            since: now,
             tp,
             plan,
             targets,
@@ -473,7 +491,7 @@ impl DecodeWorker {
     /// clock offset measured at the handshake; unknown when P had not finished when the load
     /// began (push, D first) or no P rank of it is connected.
     fn kv_latency(&self, now: Time, load: &Load) -> Option<std::time::Duration> {
-        let finished = load.remote.export.as_ref()?.finished;
+        let finished = load.remote.export.as_ref()?.finished?;
         let peer = load.targets.iter().find_map(|t| self.peers.get(t))?;
         Some(now.saturating_since(peer.offset.to_local(finished)))
     }
@@ -604,102 +622,27 @@ impl DecodeWorker {
             }
             Message::Completion { request, .. } => self.on_push_answer(now, &from, &request, true),
             Message::Abort { request } => self.on_push_answer(now, &from, &request, false),
-            Message::Heartbeat { .. } | Message::Rejection { .. } | Message::PushRegistration(_) => {
-                self.counters.ignored(Ignored::Unknown)
-            }
-        }
-    }
-
-    fn on_renewal(&mut self, now: Time, request: &RequestId, from: &AgentName, lease: LeaseState) {
-        let Some(load) = self.loads.get_mut(request) else { return };
-        match lease {
-            LeaseState::Held(deadline) => {
-                let entry = load.deadlines.entry(from.rank).or_insert(deadline);
-                *entry = (*entry).max(deadline);
-                if load.phase == Phase::Starting {
-                    self.try_start(now, request);
-                }
-            }
-            // P's worker has not learned of the export yet; it staged the claim and answers it
-            // when the export registers (and the next beat asks again).
-            LeaseState::Unknown => {
-                if load.staged.insert(from.rank) && load.phase == Phase::Starting {
-                    self.try_start(now, request);
-                }
-            }
-            LeaseState::Released => match load.phase {
-                Phase::Waiting | Phase::Starting => {
-                    tracing::info!(%request, peer = %from, "P no longer holds the export");
-                    self.fail(now, request);
-                }
-                // A read raced the export's end: its bytes cannot be trusted.
-                Phase::Reading => load.distrust(),
-                // Push: P released it, so no write will come from that rank.
-                Phase::Registered | Phase::Cancelling => self.on_push_answer(now, from, request, false),
-            },
-        }
-    }
-
-    /// Push: P's write landed (`written`), or P said none will come.
-    fn on_push_answer(&mut self, now: Time, from: &AgentName, request: &RequestId, written: bool) {
-        let request = if self.loads.contains_key(request) {
-            request.clone()
-        } else {
-            // P answers with D's id; an abort may name P's id instead.
-            let key = (from.engine.clone(), request.clone());
-            match self.by_remote.get(&key).and_then(|s| s.first()) {
-                Some(r) => r.clone(),
-                None => {
-                    self.counters.late_messages += 1;
-                    return;
-                }
-            }
-        };
-        let load = self.loads.get_mut(&request).expect("exists");
-        if !matches!(load.phase, Phase::Registered | Phase::Cancelling) || !load.targets.contains(from) {
-            self.counters.late_messages += 1;
-            return;
-        }
-        let fresh = if written { load.written.insert(from.rank) } else { load.declined.insert(from.rank) };
-        if !fresh {
-            self.counters.duplicate_messages += 1;
-            return;
-        }
-        if load.phase == Phase::Cancelling {
-            // Given up already: a write that landed, or P's word that none will, both say
-            // that no write can come from that rank any more.
-            return self.settle_cancel(now, &request);
-        }
-        if !written && !load.failed && !load.aborted {
-            // One P rank will not write: the load cannot complete; stop the others too. D did
-            // not ask, so the answer may be a stale one (to a cancel of the same id, taken in
-            // after this registration went out) and cannot vouch that no write is in flight:
-            // D cancels that rank too, and its blocks wait in quarantine for the answer.
-            load.declined.remove(&from.rank);
-            self.fail(now, &request);
-            return;
-        }
-        let load = &self.loads[&request];
-        let answered = load.targets.iter().all(|t| load.written.contains(&t.rank) || load.declined.contains(&t.rank));
-        if answered {
-            let all_written = load.targets.iter().all(|t| load.written.contains(&t.rank));
-            self.finish(now, &request, all_written);
-        }
-    }
-
-    /// Push, given up: the blocks leave quarantine once every P rank has answered.
-    fn settle_cancel(&mut self, now: Time, request: &RequestId) {
-        let Some(load) = self.loads.get(request) else { return };
-        if load.targets.iter().all(|t| load.written.contains(&t.rank) || load.declined.contains(&t.rank)) {
-            self.finish(now, request, false);
+            Message::Heartbeat { .. }
+            | Message::Rejection { .. }
+            | Message::PushRegistration(_)
+            | Message::Claim(_) => self.counters.ignored(Ignored::Unknown),
         }
     }
 
     /// The clock reached a wake-up (spurious wake-ups are harmless).
     pub fn handle_timeout(&mut self, now: Time) {
         while let Some((peer, ids)) = self.heartbeats.poll(now) {
+            // A request this P rank has not answered `Held` yet is claimed again (the claim, or
+            // its answer, may have been lost); the others are renewed.
+            let (claims, renewals): (Vec<RequestId>, Vec<RequestId>) =
+                ids.into_iter().partition(|id| self.unclaimed(&peer, id).is_some());
+            for id in claims {
+                if let Some(claim) = self.unclaimed(&peer, &id) {
+                    self.send_to(&peer, Message::Claim(claim));
+                }
+            }
             // Request ids are at most 256 bytes, so 200 per frame stay under the size limit.
-            for chunk in ids.chunks(200) {
+            for chunk in renewals.chunks(200) {
                 self.send_to(&peer, Message::Heartbeat { requests: chunk.to_vec() });
             }
         }
@@ -765,6 +708,7 @@ impl DecodeWorker {
     }
 }
 
+mod answers;
 mod loads;
 #[cfg(test)]
 mod tests;

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use kv_core::{BlockId, EngineId, Handshake, PeerAddress, RequestId, Role, Time};
+use kv_core::{BlockId, EngineId, Handshake, PeerAddress, Prompt, RequestId, Role, Time};
 
 use super::book::{Recent, RECENT_RELEASES};
 use crate::common::{Consumer, ExportInfo, PrefillEngine, RemoteRef};
@@ -25,6 +25,8 @@ pub enum PrefillCommand {
         deadline: Time,
         /// The D engine the router named, bound to the export (and its siblings) at once.
         consumer: Option<Consumer>,
+        /// The prompt P computed: a claim or a push registration that names another is refused.
+        prompt: Prompt,
     },
     /// Push: a request still computing has these blocks finished (the prompt's first ones, in
     /// order); the worker may write them into the blocks D registered before the prompt ends.
@@ -244,13 +246,15 @@ impl PrefillScheduler {
 
     /// A request finished its prompt: export `blocks` under a lease from `now` (the workers'
     /// clock), bound to `consumer` when the router has already chosen the D engine, and
-    /// return the parameters the router hands D.
+    /// return the parameters the router hands D. `prompt` is the prompt computed (its length,
+    /// and its tokens' digest where the engine has them): P's ranks lend the KV only to a
+    /// claim that names it.
     pub fn handle_finished(
         &mut self,
         now: Time,
         request: RequestId,
         blocks: Vec<BlockId>,
-        prompt_tokens: u64,
+        prompt: Prompt,
         consumer: Option<Consumer>,
     ) -> Result<RemoteRef, PrefillError> {
         self.stamp_freed(now);
@@ -272,6 +276,7 @@ impl PrefillScheduler {
                 blocks: blocks.clone(),
                 deadline,
                 consumer: consumer.clone(),
+                prompt,
             };
             self.events.push_back(PrefillEvent::ToWorker { rank, command });
         }
@@ -289,8 +294,9 @@ impl PrefillScheduler {
             },
             request,
             instance: Some(self.instance),
-            prompt_tokens,
-            export: Some(ExportInfo { blocks, deadline, finished: now }),
+            prompt_tokens: prompt.tokens,
+            prompt_digest: prompt.digest,
+            export: Some(ExportInfo { blocks, deadline, finished: Some(now) }),
             consumer,
         })
     }
@@ -502,9 +508,9 @@ mod tests {
         assert_eq!(events(&mut s).len(), 2, "one Progress command for each rank");
         let err = s.handle_progress(r.clone(), blocks(&[4, 6, 7]), None).unwrap_err();
         assert_eq!(err.to_string(), "request r1: 3 blocks do not extend the 2 reported computed before");
-        let err = s.handle_finished(Time::ZERO, r.clone(), blocks(&[5, 4, 6]), 48, None).unwrap_err();
+        let err = s.handle_finished(Time::ZERO, r.clone(), blocks(&[5, 4, 6]), Prompt::len_only(48), None).unwrap_err();
         assert!(matches!(err, PrefillError::ProgressMismatch { blocks: 3, computed: 2, .. }), "{err}");
-        s.handle_finished(Time::ZERO, r, blocks(&[4, 5, 6]), 48, None).unwrap();
+        s.handle_finished(Time::ZERO, r, blocks(&[4, 5, 6]), Prompt::len_only(48), None).unwrap();
     }
 
     #[test]
@@ -590,7 +596,7 @@ mod tests {
         let mut now = Time::ZERO;
         for i in 0..60_000u32 {
             let r = RequestId::new(format!("r{i}"));
-            s.handle_finished(now, r.clone(), blocks(&[i % 64]), 16, None).unwrap();
+            s.handle_finished(now, r.clone(), blocks(&[i % 64]), Prompt::len_only(16), None).unwrap();
             s.handle_report(0, released(&r)).unwrap();
             s.handle_report(1, released(&r)).unwrap();
             now = now + Duration::from_millis(10);
@@ -601,10 +607,12 @@ mod tests {
         assert!(remembered <= per_two_leases + 2, "{remembered} ids remembered; two leases hold {per_two_leases}");
         // Refused while a worker may still remember it, accepted two leases past the stamp.
         let last = RequestId::new("r59999");
-        let err = s.handle_finished(now, last.clone(), blocks(&[1]), 16, None).unwrap_err();
+        let err = s.handle_finished(now, last.clone(), blocks(&[1]), Prompt::len_only(16), None).unwrap_err();
         assert_eq!(err, PrefillError::Reused(last.clone()));
-        let err = s.handle_finished(now + lease * 2, last.clone(), blocks(&[1]), 16, None).unwrap_err();
+        let err =
+            s.handle_finished(now + lease * 2, last.clone(), blocks(&[1]), Prompt::len_only(16), None).unwrap_err();
         assert_eq!(err, PrefillError::Reused(last.clone()), "stamped at the call after its release");
-        s.handle_finished(now + lease * 2 + Duration::from_millis(1), last, blocks(&[1]), 16, None).unwrap();
+        s.handle_finished(now + lease * 2 + Duration::from_millis(1), last, blocks(&[1]), Prompt::len_only(16), None)
+            .unwrap();
     }
 }

@@ -41,9 +41,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kv_core::{
-    check_compatible, AgentName, BlockId, Descriptors, EngineId, Granularity, Handshake, Initiator, LeaseState,
-    Message, Notification, PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer, PushRegistration,
-    RefusalCause, Renewal, RequestId, Role, Time, TransferOp, TransferPlan, TransferRequest, TransportError,
+    check_compatible, AgentName, BlockId, Claim, Descriptors, Digest, EngineId, Granularity, Handshake, Initiator,
+    LeaseState, Message, Notification, PeerEvent, PlanInput, PoolSide, PreparedId, PreparedTransfer, Prompt,
+    PushRegistration, RefusalCause, Renewal, RequestId, Role, Time, TransferOp, TransferPlan, TransferRequest,
+    TransportError,
 };
 use kv_lease::LeaseTable;
 
@@ -114,6 +115,8 @@ impl Family {
 #[derive(Debug)]
 struct Export {
     blocks: Vec<BlockId>,
+    /// The prompt it was computed for: claims and registrations must name it.
+    prompt: Prompt,
     /// The family it belongs to: its parent's id for a sibling, else its own.
     family: RequestId,
     /// Its owner claimed this very export: a sibling's completion does not release it, since
@@ -364,8 +367,8 @@ impl PrefillWorker {
         self.reap_expired(now);
         self.forget_old(now);
         match command {
-            PrefillCommand::Export { request, blocks, deadline, consumer } => {
-                self.on_export(now, request, blocks, deadline, consumer)
+            PrefillCommand::Export { request, blocks, deadline, consumer, prompt } => {
+                self.on_export(now, request, blocks, deadline, consumer, prompt)
             }
             PrefillCommand::Progress { request, blocks, consumer, part } => {
                 self.on_progress(request, blocks, part, consumer)
@@ -381,6 +384,7 @@ impl PrefillWorker {
         blocks: Vec<BlockId>,
         deadline: Time,
         consumer: Option<Consumer>,
+        prompt: Prompt,
     ) {
         let _span = request_span(&self.offer.engine, Some(self.offer.rank), &request).entered();
         tracing::debug!(blocks = blocks.len(), deadline_ns = deadline.as_nanos(), consumer = ?consumer, "export registered");
@@ -403,6 +407,7 @@ impl PrefillWorker {
             self.computing.remove(&request).map(|c| (c.writing, c.ahead, c.stopped)).unwrap_or_default();
         let export = Export {
             blocks,
+            prompt,
             family: family_id.clone(),
             claimed: false,
             completed: BTreeSet::new(),

@@ -270,7 +270,13 @@ impl Cluster {
         for id in &ids {
             let remote = engine
                 .scheduler
-                .handle_finished(now, id.clone(), blocks.clone(), prompt_tokens, consumer.clone())
+                .handle_finished(
+                    now,
+                    id.clone(),
+                    blocks.clone(),
+                    kv_core::Prompt::len_only(prompt_tokens),
+                    consumer.clone(),
+                )
                 .map_err(|e| ClusterError(e.to_string()))?;
             engine.export_blocks.insert(id.clone(), blocks.clone());
             refs.push((id.clone(), remote));
@@ -329,6 +335,7 @@ impl Cluster {
             // D comes first in push mode: it cannot know P's incarnation yet.
             instance: None,
             prompt_tokens,
+            prompt_digest: None,
             export: None,
             consumer: None,
         })
@@ -400,7 +407,12 @@ impl Cluster {
 
     fn arrive_now(&mut self, node: &str, request: &RequestId, remote: RemoteRef) -> Result<(), ClusterError> {
         let engine = self.decode_engine(node)?;
-        engine.scheduler.handle_arrive(request.clone(), remote.clone()).map_err(|e| ClusterError(e.to_string()))?;
+        // The simulated engines know their prompts' lengths, not their tokens.
+        let prompt = kv_core::Prompt::len_only(remote.prompt_tokens);
+        engine
+            .scheduler
+            .handle_arrive(request.clone(), remote.clone(), prompt)
+            .map_err(|e| ClusterError(e.to_string()))?;
         engine
             .loads
             .insert(request.clone(), DecodeLoad { remote, blocks: Vec::new(), cached: 0, cache_pending: false });

@@ -15,13 +15,19 @@ in the worker metadata, and each worker tells vLLM which requests it finished se
 receiving.
 
 D tracks a request from the moment vLLM queues it (``on_new_request``): its ranks claim P's
-export and renew the lease while it waits, so a request may wait past the lease. D rejects
-(P frees the export at once) a request vLLM's serving layer refused before admission and one
-whose prompt is not the one P computed (its length, or the digest P adds to the handoff) or
-whose export does not fit its prompt, and computes the latter itself; a D that
-cannot use P's KV (another block size) computes the prompt itself; a request aborted while it
+export and renew the lease while it waits, so a request may wait past the lease. D takes the
+handoff in kvflow's form (P's answer passed on) or in NixlConnector's pull form (a router
+that rebuilt ``remote_engine_id``, ``remote_host``, ``remote_port``, ``remote_request_id``,
+``remote_block_ids`` and ``tp_size`` from it); kvflow's Rust side decides which, and checks it
+against the request. Each claim names D's own prompt (its length and its tokens' digest) and
+the P blocks it reads, and P lends its KV only to a claim that names what it computed. D
+rejects (P frees the export at once) a request vLLM's serving layer refused before admission
+and a handoff it cannot use (another prompt, blocks that do not fit it, another block size,
+fields that do not parse beside kvflow's handoff), logs a WARNING naming the reason, counts it
+(``kvflow_handoffs_refused_total``) and computes the prompt itself; a request aborted while it
 waits or loads is aborted at P too, and the blocks of a load in flight go back to vLLM only
-once every rank's reads have ended.
+once every rank's reads have ended. NixlPushConnector's push form (a ``transfer_id``) is
+refused by name so far.
 
 In push mode D may learn of a request before P has computed it: the proxy sends it to D and
 P under one request id, and to D with P's engine (``{"kvflow": {"prefill": {"engine",
@@ -42,10 +48,8 @@ them; a preempted one is not exported (D computes it, as its ``kv_load_failure_p
 
 from __future__ import annotations
 
-import array
 import collections
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -249,31 +253,6 @@ def _warn_once(lines: list[str]) -> None:
             logger.warning("kvflow: %s", line)
 
 
-def _prompt_digest(token_ids) -> str | None:
-    """A digest of a prompt's token ids (None for a prompt of embeddings): D checks that the
-    prompt it was sent is the one P computed."""
-    if token_ids is None:
-        return None
-    return hashlib.blake2b(array.array("q", token_ids).tobytes(), digest_size=16).hexdigest()
-
-
-def _handoff_mismatch(request, params, block_size: int) -> str | None:
-    """How the handoff does not fit the request D was sent, if it does not: its prompt has
-    another length than the handoff's, or tokens whose digest is not P's (a proxy that routed
-    the wrong handoff, a client that edited the prompt), or P's export has another number of
-    blocks than that prompt fills at P's block size (``block_size``)."""
-    theirs = params["kvflow"]["prompt_tokens"]
-    if theirs != request.num_prompt_tokens:
-        return f"has {request.num_prompt_tokens} prompt tokens, P computed {theirs}"
-    digest = params.get("kvflow_prompt")
-    if digest is not None and digest != _prompt_digest(request.prompt_token_ids):
-        return "has other prompt tokens than P computed (their digests differ)"
-    export = params["kvflow"].get("export")
-    if export is not None and len(export["blocks"]) != math.ceil(theirs / block_size):
-        return f"comes with an export of {len(export['blocks'])} blocks, where its {theirs} tokens fill {math.ceil(theirs / block_size)} of {block_size}"
-    return None
-
-
 def side_channel_port(base: int, dp_index: int, roles: int, role: int, tp: int, tp_rank: int) -> int:
     """Where a worker's rank listens: the base port (``VLLM_NIXL_SIDE_CHANNEL_PORT``) plus its
     TP rank, after the ranks of every lower data-parallel engine (whose ranks each take ``roles
@@ -351,61 +330,46 @@ class KvflowConnector(KVConnectorBase_V1):
         if self._decode is None or not params.get("do_remote_prefill"):
             return
         rid = request.request_id
-        if "kvflow" not in params:
-            # NixlConnector's own handoff form (a router that rebuilt P's answer, or vLLM's push
-            # proxy): not taken yet (issue 48); said, never silent.
-            logger.warning(
-                "kvflow: %s's kv_transfer_params carry no kvflow handoff (keys %s): computing it here; pass P's "
-                "answer to D unchanged",
-                rid, sorted(params),
-            )
-            return
-        # The parameters come from the client: whatever they hold, a request whose handoff does
-        # not parse is computed here, never an exception in vLLM's scheduler.
-        # vLLM's CPU attention keeps each head's K (transposed) and V together in a block, so a
-        # head's part of a block moves whole and P's block size must be D's (any TP sizes
-        # whose heads divide). Engines whose layouts cannot exchange KV refuse each other's
-        # handshake, so D cannot tell P either: P frees the export when its lease ends. (A
-        # proxy that sends D the request before P computed it may not know P's layout: the
-        # handshake then refuses, and the load fails.)
+        # The parameters come from the client, in whichever form its router wrote them
+        # (kvflow's own, or NixlConnector's pull form): kvflow's Rust side decides what they
+        # name and whether they fit this request (its prompt's length and tokens, P's blocks and
+        # block size). One that does not is logged, counted and rejected (P frees what it
+        # names at once), and the prompt computed here; never an exception in vLLM's scheduler.
+        # P lends its KV only to a claim that names the prompt it computed, whatever the
+        # handoff said.
         try:
-            remote = json.dumps(params["kvflow"])
-            if getattr(request, "abort_immediately", False):
-                # vLLM's serving layer refused the request before admission (a render error, a
-                # validation) and submits it aborted only so that the connector can free P's
-                # blocks: D rejects it, and P frees them at once.
-                self._decode.reject(rid, remote)
-                return
-            theirs = (params.get("kvflow_layout") or {}).get("block_size", self._block_size)
-            if type(theirs) is not int or theirs <= 0:
-                raise ValueError(f"a prefill block size of {theirs!r}")
-            mismatch = _handoff_mismatch(request, params, theirs)
-            if mismatch:
-                # P's KV is not this prompt's: decoding from it would be silently wrong.
-                logger.warning("kvflow: %s %s: rejected (P frees its export), computing it here", rid, mismatch)
-                self._decode.reject(rid, remote)
-                return
-            if theirs != self._block_size:
-                logger.warning(
-                    "kvflow: %s's prefill engine has blocks of %s tokens, this engine %s: computing it here "
-                    "(the engines cannot exchange KV; P frees it when its lease ends)",
-                    rid, theirs, self._block_size,
-                )
-                return
-            export = (params["kvflow"]["prefill"]["engine"], params["kvflow"]["request"])
-            leader = self._loading_export.get(export)
-            if leader is not None:
-                # Parallel sampling at D (n > 1): vLLM's siblings share one handoff, and one
-                # export is read once. The others wait for that load and then take its blocks
-                # from vLLM's prefix cache.
-                self._followers[rid] = leader
-                return
-            # D's ranks claim the export and renew its lease while the request waits.
-            self._decode.arrive(rid, remote)
-            self._tracked[rid] = export
-            self._loading_export[export] = rid
-        except (ValueError, KeyError, TypeError, AttributeError, ArithmeticError) as error:
-            logger.warning("kvflow: %s's kvflow handoff is unusable (%r): computing it here", rid, error)
+            text = json.dumps(params)
+        except (TypeError, ValueError) as error:
+            logger.warning("kvflow: %s's kv_transfer_params do not serialize (%r): computing it here", rid, error)
+            return
+        tokens = request.prompt_token_ids
+        outcome, value = self._decode.handoff(rid, text, request.num_prompt_tokens, tokens, self._block_size)
+        if outcome == "refused":
+            reason, detail = value
+            logger.warning("kvflow: %s's handoff is refused (%s: %s): computing it here", rid, reason, detail)
+            return
+        if outcome != "ok":
+            return
+        remote = value
+        if getattr(request, "abort_immediately", False):
+            # vLLM's serving layer refused the request before admission (a render error, a
+            # validation) and submits it aborted only so that the connector can free P's
+            # blocks: D rejects it, and P frees them at once.
+            self._decode.reject(rid, remote)
+            return
+        parsed = json.loads(remote)
+        export = (parsed["prefill"]["engine"], parsed["request"])
+        leader = self._loading_export.get(export)
+        if leader is not None:
+            # Parallel sampling at D (n > 1): vLLM's siblings share one handoff, and one
+            # export is read once. The others wait for that load and then take its blocks
+            # from vLLM's prefix cache.
+            self._followers[rid] = leader
+            return
+        # D's ranks claim the export, naming this prompt, and renew its lease while it waits.
+        self._decode.arrive(rid, remote, request.num_prompt_tokens, tokens)
+        self._tracked[rid] = export
+        self._loading_export[export] = rid
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         rid = request.request_id
@@ -509,7 +473,7 @@ class KvflowConnector(KVConnectorBase_V1):
         prompt = request.num_prompt_tokens
         blocks = list(block_ids[: math.ceil(prompt / self._block_size)])
         try:
-            remote = json.loads(self._prefill.finished(native.now_ns(), rid, blocks, prompt))
+            remote = self._prefill.finished(native.now_ns(), rid, blocks, prompt, request.prompt_token_ids)
         except ValueError as error:
             # (An id that named an export before, say.) No handoff: D computes the prompt.
             logger.error("kvflow: %s is not exported: %s", rid, error)
@@ -520,22 +484,10 @@ class KvflowConnector(KVConnectorBase_V1):
                 return True, None
             return False, None
         self._exports.add(rid)
-        # NixlConnector's fields beside kvflow's own, for routers that read or rebuild them:
-        # where P's first rank's side channel listens, and P's request id.
-        host, _, port = remote["prefill"]["addresses"][0].rpartition(":")
-        return True, {
-            "kvflow": remote,
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": blocks,
-            "remote_engine_id": self._engine,
-            "remote_host": host.strip("[]"),
-            "remote_port": int(port),
-            "remote_request_id": rid,
-            "tp_size": self._tp,
-            "kvflow_layout": {"block_size": self._block_size, "tp_size": self._tp},
-            "kvflow_prompt": _prompt_digest(request.prompt_token_ids),
-        }
+        # kvflow's handoff with NixlConnector's fields beside it, for routers that read or
+        # rebuild them (where P's first rank's side channel listens, its request, blocks and
+        # TP size), and the prompt's digest, which D checks against its own.
+        return True, json.loads(native.handoff_answer(remote, self._block_size))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config):

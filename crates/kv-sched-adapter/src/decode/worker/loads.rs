@@ -58,6 +58,7 @@ impl DecodeWorker {
                     blocks: load.blocks[load.cached..].to_vec(),
                     first_block: u32::try_from(load.cached).unwrap_or(u32::MAX),
                     prefill_pp: load.remote.prefill.pp_size,
+                    prompt: load.claim.prompt,
                 });
                 load.phase = Phase::Registered;
                 load.watchdog = Some(now + self.config.push_registration_timeout);
@@ -107,18 +108,23 @@ impl DecodeWorker {
         // this engine at prefill (P bound the export to it then), another engine may own it (a
         // stale incarnation of this one that claimed it and is gone, say, when the router
         // retries here), and the blocks could be freed under the read. So D reads once every
-        // read target has answered its claim (sent on arrival): with a deadline (this engine
-        // owns it), or, unless it is a sibling, with "not known yet" (P's worker staged the
-        // claim, and no other engine's came first). "Released" fails the load; no answer
-        // waits, bounded by the fence above. A sibling waits for the deadline even when the
-        // router named this engine: P binds the family to it at prefill, but releases a sibling
-        // its owner has not claimed yet when another sibling completes, and this engine's own
-        // completion of a sibling (a prefix hit) can reach P before the claim (random seed 1393,
-        // once the read margin followed short leases: its reads had all been fenced before).
-        let named = load.remote.consumer.as_ref() == Some(&Consumer::of(&self.offer));
+        // read target has answered its claim (sent on arrival, and again at each beat): with a
+        // deadline (this engine owns it, and the claim named the prompt and the blocks P
+        // computed), or, unless it is a sibling, with "not known yet" (P's worker staged the
+        // claim, and no other engine's came first). "Released" or "refused" fails the load; no
+        // answer waits, bounded by the fence above. A sibling waits for the deadline even when
+        // the router named this engine: P binds the family to it at prefill, but releases a
+        // sibling its owner has not claimed yet when another sibling completes, and this
+        // engine's own completion of a sibling (a prefix hit) can reach P before the claim
+        // (random seed 1393, once the read margin followed short leases: its reads had all been
+        // fenced before). A handoff without P's deadline (NixlConnector's form, which a router
+        // rebuilt) vouches for nothing: its load waits for P's deadline, whatever else holds.
+        let vouched = export.deadline > Time::ZERO;
+        let named = vouched && load.remote.consumer.as_ref() == Some(&Consumer::of(&self.offer));
         let sibling = load.remote.request.parent().is_some();
         let answered = |slice: &kv_core::HeadSlice| {
-            load.deadlines.contains_key(&slice.prefill_rank) || (!sibling && load.staged.contains(&slice.prefill_rank))
+            load.deadlines.contains_key(&slice.prefill_rank)
+                || (vouched && !sibling && load.staged.contains(&slice.prefill_rank))
         };
         if (!named || sibling) && !load.plan.reads.iter().all(answered) {
             return;
@@ -208,6 +214,13 @@ impl DecodeWorker {
     /// of P's deadline on D's clock minus the safety margin and the clock's uncertainty.
     pub(super) fn last_safe_start(&self, load: &Load) -> Option<Time> {
         let export = load.remote.export.as_ref()?;
+        if export.deadline == Time::ZERO
+            && !load.plan.reads.iter().all(|s| load.deadlines.contains_key(&s.prefill_rank))
+        {
+            // The handoff named no deadline, and P has not given its own yet: the load waits
+            // for it one lease at most (P would have let an export nobody claimed expire).
+            return Some(load.since + self.config.kv_lease_duration);
+        }
         load.plan
             .reads
             .iter()

@@ -1,7 +1,7 @@
 //! Unit tests of the decode worker; the scenarios and random seeds of kv-testkit drive the rest of it.
 
 use crate::PrefillEngine;
-use kv_core::{EngineId, KvLayout, PeerAddress, PoolShape, RegionBase, Role, Time};
+use kv_core::{EngineId, KvLayout, PeerAddress, PoolShape, RegionBase, Renewal, Role, Time};
 
 use crate::DecodeScheduler;
 
@@ -63,6 +63,7 @@ fn remote(tp_size: u32, addresses: usize) -> RemoteRef {
         request: RequestId::new("r1"),
         instance: Some(1),
         prompt_tokens: 16,
+        prompt_digest: None,
         export: None,
         consumer: None,
     }
@@ -85,8 +86,9 @@ fn a_partial_prefix_hit_loads_in_either_mode_and_too_many_cached_is_refused() {
     let blocks = || vec![BlockId(0), BlockId(1), BlockId(2)];
     let scheduled = |mode: Mode, cached: usize| {
         let mut d = DecodeScheduler::new(EngineId::new("decode0"), 1, Config { mode, ..Config::default() }).unwrap();
-        let export = crate::ExportInfo { blocks: blocks(), deadline: Time::from_millis(30_000), finished: Time::ZERO };
-        d.handle_arrive(RequestId::new("r1"), RemoteRef { export: Some(export), ..remote(1, 1) }).unwrap();
+        let export = crate::ExportInfo { blocks: blocks(), deadline: Time::from_millis(30_000), finished: None };
+        let remote = RemoteRef { export: Some(export), ..remote(1, 1) };
+        d.handle_arrive(RequestId::new("r1"), remote, Prompt::len_only(16)).unwrap();
         d.handle_schedule_cached(RequestId::new("r1"), blocks(), cached).map_err(|e| e.to_string())
     };
     assert_eq!(scheduled(Mode::Pull, 2), Ok(()));
@@ -130,4 +132,76 @@ fn pull_prepares_the_descriptor_lists_when_a_p_rank_connects_not_at_its_first_re
         vec![(None, entries), (Some(AgentName::new(EngineId::new("prefill0"), 0)), entries)]
     );
     assert_eq!(prepares(Mode::Push), Vec::new());
+}
+
+/// D's first message about an export is a claim naming its own prompt and the P blocks the
+/// handoff says it reads; it claims again at each beat until P answers `Held`, and only renews
+/// after. P's refusal (another prompt, other blocks) fails the load, counted.
+#[test]
+fn d_claims_until_p_holds_the_export_and_a_refusal_fails_the_load() {
+    let pool = pool(1);
+    let offer = pool.offer(&AgentName::new(EngineId::new("decode0"), 0), 1, 1, Role::Decode, "m");
+    let config = Config::default();
+    let mut d = DecodeWorker::new(offer, config, pool.clone()).unwrap();
+    let p = AgentName::new(EngineId::new("prefill0"), 0);
+    let p_pool = LocalPool { regions: vec![RegionBase { addr: 0x90_0000, len: pool.shape.pool_bytes() }], ..pool };
+    let info = kv_core::PeerInfo {
+        agent: p.clone(),
+        handshake: p_pool.offer(&p, 1, 1, Role::Prefill, "m"),
+        sent_at: Time::ZERO,
+        received_at: Time::ZERO,
+        dialed: Some(PeerAddress("127.0.0.1:5600".into())),
+    };
+    d.handle_peer_event(Time::ZERO, PeerEvent::Connected(Box::new(info)));
+    let sent = |d: &mut DecodeWorker| {
+        std::iter::from_fn(|| d.poll_action())
+            .filter_map(|a| match a {
+                Action::Send { payload, .. } => Message::decode(&payload).ok(),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    sent(&mut d);
+    let p_blocks = vec![BlockId(4), BlockId(5)];
+    let export = crate::ExportInfo { blocks: p_blocks.clone(), deadline: Time::from_millis(30_000), finished: None };
+    let prompt = Prompt::of_tokens(&[9; 16]);
+    let track = |id: &str| DecodeCommand::Track {
+        request: RequestId::new(id),
+        remote: Box::new(RemoteRef {
+            request: RequestId::new(id),
+            export: Some(export.clone()),
+            prompt_tokens: 16,
+            ..remote(1, 1)
+        }),
+        prompt,
+    };
+    d.handle_command(Time::ZERO, track("r1"));
+    d.handle_command(Time::ZERO, track("r2"));
+    let expected = |id: &str| {
+        Message::Claim(Claim { request: RequestId::new(id), prompt, blocks: Some(Digest::of_blocks(&p_blocks)) })
+    };
+    assert_eq!(sent(&mut d), [expected("r1"), expected("r2")]);
+
+    // P holds r1 for this engine; r2's answer is lost: the next beat renews r1, claims r2 again.
+    let held = Renewal { request: RequestId::new("r1"), lease: LeaseState::Held(Time::from_millis(40_000)) };
+    let ack = Message::HeartbeatAck { renewals: vec![held] }.encode().unwrap();
+    d.handle_notification(Time::from_millis(10), Notification { from: p.clone(), payload: ack });
+    let beat = Time::ZERO + config.heartbeat_interval;
+    d.handle_timeout(beat);
+    let messages = sent(&mut d);
+    assert!(messages.contains(&expected("r2")), "{messages:?}");
+    assert!(messages.contains(&Message::Heartbeat { requests: vec![RequestId::new("r1")] }), "{messages:?}");
+
+    // P refuses r2's claim: the load fails at once, and the refusal is counted.
+    let refused = Renewal { request: RequestId::new("r2"), lease: LeaseState::Refused };
+    let ack = Message::HeartbeatAck { renewals: vec![refused] }.encode().unwrap();
+    d.handle_notification(beat, Notification { from: p, payload: ack });
+    let reports: Vec<_> = std::iter::from_fn(|| d.poll_action())
+        .filter_map(|a| match a {
+            Action::Report(DecodeReport::Finished { request, outcome, .. }) => Some((request, outcome)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reports, [(RequestId::new("r2"), LoadOutcome::Failed)]);
+    assert_eq!(d.counters().claims_refused, 1);
 }

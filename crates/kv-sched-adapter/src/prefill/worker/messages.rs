@@ -31,6 +31,7 @@ impl PrefillWorker {
             Message::Rejection { request } => self.on_ended(now, from, request, ReleaseReason::Rejected),
             Message::Abort { request } => self.on_ended(now, from, request, ReleaseReason::Aborted),
             Message::PushRegistration(reg) => self.on_registration(now, from, reg),
+            Message::Claim(claim) => self.renew(now, from, vec![(claim.request.clone(), Some(claim))]),
             Message::HeartbeatAck { .. } => self.counters.ignored(Ignored::Unknown),
         }
     }
@@ -141,11 +142,48 @@ impl PrefillWorker {
     }
 
     pub(super) fn on_heartbeat(&mut self, now: Time, from: Claimant, requests: Vec<RequestId>) {
+        self.renew(now, from, requests.into_iter().map(|r| (r, None)).collect());
+    }
+
+    /// How a claim of export `id` from `from` differs from what P computed, if it does: its
+    /// prompt, or (pull) the blocks it would read. `None` also when the export is bound to
+    /// another engine: that claim is answered as foreign, and changes nothing.
+    pub(super) fn claim_mismatch(&self, id: &RequestId, from: &Claimant, claim: &Claim) -> Option<String> {
+        let export = self.exports.get(id)?;
+        let owner = self.families.get(&export.family).and_then(|f| f.owner.as_ref());
+        if owner.is_some_and(|o| *o != from.consumer) {
+            return None;
+        }
+        if let Some(mismatch) = claim.prompt.mismatch(&export.prompt) {
+            return Some(mismatch.to_string());
+        }
+        let theirs = claim.blocks?;
+        (theirs != Digest::of_blocks(&export.blocks)).then(|| {
+            format!("the claim names other P blocks than the export's {} (digest {theirs})", export.blocks.len())
+        })
+    }
+
+    /// Renews (and, the first time, binds to `from`) the exports `requests` name; each with a
+    /// claim is checked first, and one that names another prompt or other blocks than P's
+    /// export releases it (`rejected`) and is answered `Refused`.
+    pub(super) fn renew(&mut self, now: Time, from: Claimant, requests: Vec<(RequestId, Option<Claim>)>) {
         let extension = self.config.lease_extension;
         let mut foreign = false;
         let mut renewals = Vec::with_capacity(requests.len());
-        for request in requests {
-            let lease = match self.resolve(&request) {
+        for (request, claim) in requests {
+            let resolved = self.resolve(&request);
+            let refused = match (&resolved, &claim) {
+                (Some(id), Some(claim)) => self.claim_mismatch(id, &from, claim),
+                _ => None,
+            };
+            if let (Some(why), Some(id)) = (refused, &resolved) {
+                self.warnings.claim_refused(now, id, &from.consumer, &why);
+                self.counters.claims_refused += 1;
+                self.release(now, id, ReleaseReason::Rejected);
+                renewals.push(Renewal { request, lease: LeaseState::Refused });
+                continue;
+            }
+            let lease = match resolved {
                 Some(id) if self.bind(&id, &from) => match self.leases.renew(&id, now, extension) {
                     Some(deadline) => {
                         self.counters.leases_renewed += 1;
@@ -169,7 +207,10 @@ impl PrefillWorker {
                     // Another engine's claim staged first would bind it instead, and this engine
                     // must not read on the strength of "not known yet": no answer until then.
                     let contested = self.early.any(&request, |e| e.from.consumer != from.consumer);
-                    let message = Message::Heartbeat { requests: vec![request.clone()] };
+                    let message = match claim {
+                        Some(claim) => Message::Claim(claim),
+                        None => Message::Heartbeat { requests: vec![request.clone()] },
+                    };
                     self.stage(now, from.clone(), request.clone(), message);
                     if contested {
                         continue;

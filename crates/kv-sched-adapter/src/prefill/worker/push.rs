@@ -38,6 +38,16 @@ impl PrefillWorker {
             }
             return;
         };
+        let claim = Claim { request: reg.request.clone(), prompt: reg.prompt, blocks: None };
+        if let Some(why) = self.claim_mismatch(&id, &from, &claim) {
+            // D's prompt is not the one P computed: no write (the answer waits for any write
+            // ahead into D's blocks, which D then never decodes from), and the export goes.
+            self.warnings.claim_refused(now, &id, &from.consumer, &why);
+            self.counters.claims_refused += 1;
+            self.release(now, &id, ReleaseReason::Rejected);
+            self.answer_abort(Some(&id), &from, reg.request);
+            return;
+        }
         if !self.bind(&id, &from) {
             // Written ahead to before the router's choice bound it elsewhere, perhaps: the
             // answer waits for those writes.

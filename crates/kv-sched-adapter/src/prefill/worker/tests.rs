@@ -40,7 +40,9 @@ fn an_id_named_by_a_freed_export_is_refused_and_a_worker_that_still_remembers_it
         }
         None
     };
-    scheduler.handle_finished(Time::ZERO, r1.clone(), vec![BlockId(1), BlockId(2)], 32, None).unwrap();
+    scheduler
+        .handle_finished(Time::ZERO, r1.clone(), vec![BlockId(1), BlockId(2)], Prompt::len_only(32), None)
+        .unwrap();
     assert_eq!(carry(&mut scheduler, &mut worker, Time::ZERO), None);
     // Nobody claims it: the lease runs out and every rank (the one) releases it.
     let expiry = Time::ZERO + config.kv_lease_duration;
@@ -52,7 +54,8 @@ fn an_id_named_by_a_freed_export_is_refused_and_a_worker_that_still_remembers_it
     assert_eq!(freed, Some((r1.clone(), vec![BlockId(1), BlockId(2)], ReleaseReason::Expired)));
 
     // The scheduler refuses the id: the engine keeps its blocks and hears why.
-    let again = scheduler.handle_finished(expiry, r1.clone(), vec![BlockId(3)], 16, None).unwrap_err();
+    let again =
+        scheduler.handle_finished(expiry, r1.clone(), vec![BlockId(3)], Prompt::len_only(16), None).unwrap_err();
     assert_eq!(again.to_string(), "request r1 was exported or given up before; a request id names one export");
     assert_eq!(scheduler.handle_progress(r1.clone(), vec![BlockId(3)], None), Err(PrefillError::Reused(r1.clone())));
     assert_eq!(scheduler.pending(), 0);
@@ -60,7 +63,9 @@ fn an_id_named_by_a_freed_export_is_refused_and_a_worker_that_still_remembers_it
     // A worker that is handed such an export anyway (a scheduler that forgot the id first)
     // releases it at once instead of dropping it: the scheduler would wait for ever.
     let deadline = expiry + config.kv_lease_duration;
-    let export = PrefillCommand::Export { request: r1.clone(), blocks: vec![BlockId(3)], deadline, consumer: None };
+    let prompt = Prompt::len_only(16);
+    let export =
+        PrefillCommand::Export { request: r1.clone(), blocks: vec![BlockId(3)], deadline, consumer: None, prompt };
     worker.handle_command(expiry, export);
     assert_eq!(reports(&mut worker), vec![PrefillReport::Released { request: r1, reason: ReleaseReason::Aborted }]);
     assert_eq!(worker.book().exports, 0);
@@ -83,7 +88,8 @@ fn a_push_prompt_given_up_keeps_its_id_but_a_pull_one_does_not() {
         for report in reports(&mut worker) {
             scheduler.handle_report(0, report).unwrap();
         }
-        let again = scheduler.handle_finished(Time::ZERO, r1.clone(), vec![BlockId(1), BlockId(2)], 32, None);
+        let again =
+            scheduler.handle_finished(Time::ZERO, r1.clone(), vec![BlockId(1), BlockId(2)], Prompt::len_only(32), None);
         match mode {
             // The workers told D none will come and take late messages for the old attempt.
             Mode::Push => assert_eq!(again, Err(PrefillError::Reused(r1))),
@@ -159,6 +165,7 @@ fn expired_leases_are_logged_at_warning_a_few_a_window_naming_request_and_engine
             blocks: vec![BlockId(i)],
             deadline: now + config.kv_lease_duration,
             consumer: None,
+            prompt: Prompt::len_only(16),
         };
         worker.handle_command(now, command);
     };

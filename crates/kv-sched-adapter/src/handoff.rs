@@ -1,0 +1,362 @@
+//! The handoff as a vLLM deployment sends it: the `kv_transfer_params` a request reaches D
+//! with, in whichever form the router or proxy wrote it, decided here (feature `serde`).
+//!
+//! Two forms are taken:
+//! - kvflow's own: P's answer passed on unchanged, whose `"kvflow"` key is the [`RemoteRef`]
+//!   (and `"kvflow_layout"` P's block size);
+//! - NixlConnector's pull form, which routers rebuild from P's answer without the `"kvflow"`
+//!   key: P's engine (`remote_engine_id`), its side channel (`remote_host`, `remote_port`,
+//!   where P's first rank listens and rank `r` at the port plus `r`), its request
+//!   (`remote_request_id`), blocks (`remote_block_ids`) and TP size (`tp_size`).
+//!
+//! NixlPushConnector's push form (P's coordinates and a `transfer_id`) is recognised and
+//! refused by name until P pairs registrations by it. Whatever the form, the handoff comes
+//! through the client and is trusted for nothing: it says where to claim, and P's ranks lend
+//! their KV only to a claim that names the prompt (and the blocks) P computed. The checks here
+//! refuse early, with a reason, what cannot be this request's.
+//!
+//! P's answer ([`TransferParams::answer`]) carries kvflow's form and NixlConnector's fields
+//! beside it, so that a router reading either works.
+
+use kv_core::{blocks_for_tokens, BlockId, EngineId, PeerAddress, Prompt, RequestId, Time};
+use serde::{Deserialize, Serialize};
+
+use crate::common::{ExportInfo, PrefillEngine, RemoteRef};
+use crate::config::Mode;
+
+/// The version of the handoff's forms as this module reads and writes them.
+pub const HANDOFF_VERSION: u32 = 1;
+
+/// The most TP ranks a handoff may name, and the most blocks: beyond them it is refused before
+/// anything is sized from it.
+pub const MAX_HANDOFF_TP: u64 = 1024;
+/// See [`MAX_HANDOFF_TP`].
+pub const MAX_HANDOFF_BLOCKS: usize = 1 << 20;
+
+/// P's block size and TP size, as kvflow's form carries them beside the [`RemoteRef`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct LayoutNote {
+    /// P's tokens per block.
+    pub block_size: u32,
+    /// P's TP size.
+    pub tp_size: u32,
+}
+
+/// NixlConnector's block ids: one list, or (vLLM's hybrid KV cache manager) one per KV cache
+/// group, of which kvflow takes a single group.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum BlockIds {
+    /// One group's ids.
+    Flat(Vec<u64>),
+    /// One list per group.
+    Groups(Vec<Vec<u64>>),
+}
+
+/// The `kv_transfer_params` fields kvflow reads or writes; others are ignored. Every field may
+/// be absent or `null`.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct TransferParams {
+    /// D: the prompt was computed remotely.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub do_remote_prefill: Option<bool>,
+    /// P: export the prompt's KV.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub do_remote_decode: Option<bool>,
+    /// kvflow's own handoff.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvflow: Option<RemoteRef>,
+    /// P's block and TP size beside kvflow's handoff.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvflow_layout: Option<LayoutNote>,
+    /// NixlConnector: P's engine id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_engine_id: Option<String>,
+    /// NixlConnector: P's side-channel host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_host: Option<String>,
+    /// NixlConnector: P's side-channel port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_port: Option<u64>,
+    /// NixlConnector: P's request id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_request_id: Option<String>,
+    /// NixlConnector: P's blocks, in prompt order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_block_ids: Option<BlockIds>,
+    /// NixlConnector: P's TP size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp_size: Option<u64>,
+    /// NixlPushConnector: P's pipeline-parallel size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pp_size: Option<u64>,
+    /// NixlPushConnector: the id pairing D's leg with P's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfer_id: Option<String>,
+}
+
+/// Why D cannot use a handoff: the label of `kvflow_handoffs_refused_total`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum HandoffRefusal {
+    /// It does not parse, or a field has a value no engine could have sent.
+    Malformed,
+    /// A field the form needs is missing.
+    Incomplete,
+    /// It was made for another prompt: another length, or other tokens.
+    OtherPrompt,
+    /// Its export has another number of blocks than the prompt fills.
+    BlockCount,
+    /// P's blocks hold another number of tokens than D's.
+    BlockSize,
+    /// A form this engine does not take (NixlPushConnector's, or a pull form in push mode).
+    UnsupportedForm,
+    /// vLLM's serving layer refused the request before admission.
+    Refused,
+}
+
+impl HandoffRefusal {
+    /// Every reason, in label order.
+    pub const ALL: [HandoffRefusal; 7] = [
+        HandoffRefusal::Malformed,
+        HandoffRefusal::Incomplete,
+        HandoffRefusal::OtherPrompt,
+        HandoffRefusal::BlockCount,
+        HandoffRefusal::BlockSize,
+        HandoffRefusal::UnsupportedForm,
+        HandoffRefusal::Refused,
+    ];
+
+    /// The metric's label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HandoffRefusal::Malformed => "malformed",
+            HandoffRefusal::Incomplete => "incomplete",
+            HandoffRefusal::OtherPrompt => "other_prompt",
+            HandoffRefusal::BlockCount => "block_count",
+            HandoffRefusal::BlockSize => "block_size",
+            HandoffRefusal::UnsupportedForm => "unsupported_form",
+            HandoffRefusal::Refused => "refused",
+        }
+    }
+}
+
+/// A handoff D refused: why, in words that name the values, and P's export where the handoff
+/// names one (D rejects it, so P frees it at once).
+#[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
+#[error("{reason}: {detail}", reason = reason.as_str())]
+pub struct HandoffError {
+    /// The metric's reason.
+    pub reason: HandoffRefusal,
+    /// What was wrong, with the values.
+    pub detail: String,
+    /// The export the handoff names, to reject.
+    pub remote: Option<Box<RemoteRef>>,
+}
+
+/// What D knows of the request a handoff came with.
+#[derive(Clone, Copy, Debug)]
+pub struct Arrival {
+    /// D's mode.
+    pub mode: Mode,
+    /// D's own prompt.
+    pub prompt: Prompt,
+    /// D's tokens per block.
+    pub block_size: u32,
+}
+
+impl TransferParams {
+    /// P's answer for an export: kvflow's handoff, P's layout, and NixlConnector's fields
+    /// (where P's first rank listens, its request, blocks and TP size).
+    pub fn answer(remote: &RemoteRef, block_size: u32) -> TransferParams {
+        let (host, port) = remote.prefill.addresses.first().map(split_address).unwrap_or_default();
+        TransferParams {
+            do_remote_prefill: Some(true),
+            do_remote_decode: Some(false),
+            kvflow_layout: Some(LayoutNote { block_size, tp_size: remote.prefill.tp_size }),
+            remote_engine_id: Some(remote.prefill.engine.to_string()),
+            remote_host: Some(host),
+            remote_port: Some(port),
+            remote_request_id: Some(remote.request.to_string()),
+            remote_block_ids: remote
+                .export
+                .as_ref()
+                .map(|e| BlockIds::Flat(e.blocks.iter().map(|b| u64::from(b.0)).collect())),
+            tp_size: Some(u64::from(remote.prefill.tp_size)),
+            pp_size: Some(u64::from(remote.prefill.pp_size)),
+            kvflow: Some(remote.clone()),
+            transfer_id: None,
+        }
+    }
+
+    /// The export this request loads, if its parameters ask for a remote prefill: from
+    /// kvflow's form or NixlConnector's pull form, checked against D's own request.
+    pub fn resolve(self, arrival: &Arrival) -> Result<Option<RemoteRef>, HandoffError> {
+        if self.do_remote_prefill != Some(true) {
+            return Ok(None);
+        }
+        let (remote, p_block_size) = if let Some(remote) = self.kvflow.clone() {
+            let block_size = self.kvflow_layout.map_or(arrival.block_size, |l| l.block_size);
+            (remote, block_size)
+        } else if self.remote_block_ids.is_some() {
+            (self.nixl_pull(arrival)?, arrival.block_size)
+        } else if self.transfer_id.is_some() || self.remote_engine_id.is_some() {
+            return Err(refuse(
+                HandoffRefusal::UnsupportedForm,
+                "NixlPushConnector's push form (P's coordinates and a transfer_id, no blocks) is not taken yet: \
+                 send D P's answer, or kvflow's push form"
+                    .into(),
+                None,
+            ));
+        } else {
+            return Err(refuse(
+                HandoffRefusal::Incomplete,
+                "do_remote_prefill without a handoff: neither kvflow's (\"kvflow\") nor NixlConnector's \
+                 (\"remote_block_ids\", \"remote_engine_id\", ...)"
+                    .into(),
+                None,
+            ));
+        };
+        check(remote, p_block_size, arrival).map(Some)
+    }
+
+    /// NixlConnector's pull form as kvflow's handoff: P's ranks at the port and those after it.
+    fn nixl_pull(&self, arrival: &Arrival) -> Result<RemoteRef, HandoffError> {
+        let missing: Vec<&str> = [
+            ("remote_engine_id", self.remote_engine_id.is_none()),
+            ("remote_host", self.remote_host.is_none()),
+            ("remote_port", self.remote_port.is_none()),
+            ("remote_request_id", self.remote_request_id.is_none()),
+        ]
+        .into_iter()
+        .filter_map(|(name, absent)| absent.then_some(name))
+        .collect();
+        if !missing.is_empty() {
+            let detail = format!("NixlConnector's pull form without {}", missing.join(", "));
+            return Err(refuse(HandoffRefusal::Incomplete, detail, None));
+        }
+        let malformed = |detail: String| refuse(HandoffRefusal::Malformed, detail, None);
+        let tp = self.tp_size.unwrap_or(1);
+        if !(1..=MAX_HANDOFF_TP).contains(&tp) {
+            return Err(malformed(format!("tp_size {tp} is not in 1..={MAX_HANDOFF_TP}")));
+        }
+        let pp = self.pp_size.unwrap_or(1);
+        if pp != 1 {
+            return Err(malformed(format!("pp_size {pp}: NixlConnector's pull form names one stage")));
+        }
+        let port = self.remote_port.expect("checked");
+        if port == 0 || port + tp - 1 > u64::from(u16::MAX) {
+            return Err(malformed(format!("remote_port {port} with tp_size {tp} runs past port 65535")));
+        }
+        let host = self.remote_host.as_deref().expect("checked");
+        if host.is_empty() || host.len() > 253 || host.chars().any(|c| c.is_whitespace() || c == '/') {
+            return Err(malformed(format!("remote_host {host:?} is no host name or address")));
+        }
+        let engine = self.remote_engine_id.clone().expect("checked");
+        let request = self.remote_request_id.clone().expect("checked");
+        if engine.is_empty() || engine.len() > 256 || request.is_empty() || request.len() > 256 {
+            return Err(malformed(format!(
+                "remote_engine_id of {} bytes, remote_request_id of {}: each must be 1 to 256",
+                engine.len(),
+                request.len()
+            )));
+        }
+        let blocks = self.blocks()?;
+        let host = if host.contains(':') { format!("[{host}]") } else { host.to_owned() };
+        let addresses = (0..tp).map(|r| PeerAddress(format!("{host}:{}", port + r))).collect();
+        Ok(RemoteRef {
+            prefill: PrefillEngine { engine: EngineId::new(engine), addresses, tp_size: tp as u32, pp_size: 1 },
+            request: RequestId::new(request),
+            // NixlConnector's form says nothing of P's incarnation, lease or prompt: P's answer to
+            // the claim, which names D's own prompt and these blocks, decides.
+            instance: None,
+            prompt_tokens: arrival.prompt.tokens,
+            prompt_digest: None,
+            export: Some(ExportInfo { blocks, deadline: Time::ZERO, finished: None }),
+            consumer: None,
+        })
+    }
+
+    /// `remote_block_ids` as block ids: one list, or one group of hybrid lists.
+    fn blocks(&self) -> Result<Vec<BlockId>, HandoffError> {
+        let malformed = |detail: String| refuse(HandoffRefusal::Malformed, detail, None);
+        let ids = match self.remote_block_ids.as_ref().expect("checked") {
+            BlockIds::Flat(ids) => ids,
+            BlockIds::Groups(groups) if groups.len() == 1 => &groups[0],
+            BlockIds::Groups(groups) => {
+                return Err(refuse(
+                    HandoffRefusal::UnsupportedForm,
+                    format!("remote_block_ids of {} KV cache groups: kvflow moves one group", groups.len()),
+                    None,
+                ))
+            }
+        };
+        if ids.len() > MAX_HANDOFF_BLOCKS {
+            return Err(malformed(format!("{} remote_block_ids, more than {MAX_HANDOFF_BLOCKS}", ids.len())));
+        }
+        ids.iter()
+            .map(|&id| u32::try_from(id).map(BlockId).map_err(|_| malformed(format!("block id {id} is past u32"))))
+            .collect()
+    }
+}
+
+/// `host:port` split; an address without a port has port 0.
+fn split_address(address: &PeerAddress) -> (String, u64) {
+    match address.0.rsplit_once(':') {
+        Some((host, port)) => {
+            (host.trim_start_matches('[').trim_end_matches(']').to_owned(), port.parse().unwrap_or_default())
+        }
+        None => (address.0.clone(), 0),
+    }
+}
+
+fn refuse(reason: HandoffRefusal, detail: String, remote: Option<RemoteRef>) -> HandoffError {
+    HandoffError { reason, detail, remote: remote.map(Box::new) }
+}
+
+/// Whether `remote` (P's blocks of `p_block_size` tokens) can be D's request's.
+fn check(remote: RemoteRef, p_block_size: u32, arrival: &Arrival) -> Result<RemoteRef, HandoffError> {
+    let ours = arrival.prompt;
+    if remote.prompt_tokens != ours.tokens {
+        let detail = format!("the request has {} prompt tokens, P computed {}", ours.tokens, remote.prompt_tokens);
+        return Err(refuse(HandoffRefusal::OtherPrompt, detail, Some(remote)));
+    }
+    if let (Some(theirs), Some(mine)) = (remote.prompt_digest, ours.digest) {
+        if theirs != mine {
+            let detail =
+                format!("the request's prompt tokens are not the ones P computed (digest {mine}, P's {theirs})");
+            return Err(refuse(HandoffRefusal::OtherPrompt, detail, Some(remote)));
+        }
+    }
+    if p_block_size != arrival.block_size {
+        let detail = format!(
+            "P's blocks hold {p_block_size} tokens, this engine's {}: they cannot exchange KV",
+            arrival.block_size
+        );
+        return Err(refuse(HandoffRefusal::BlockSize, detail, Some(remote)));
+    }
+    if p_block_size == 0 {
+        return Err(refuse(HandoffRefusal::Malformed, "a block size of 0".into(), Some(remote)));
+    }
+    match (arrival.mode, remote.export.as_ref()) {
+        (Mode::Pull, None) => {
+            let detail = "a pull handoff without P's export (a push form sent to a pull engine?)".to_owned();
+            return Err(refuse(HandoffRefusal::UnsupportedForm, detail, Some(remote)));
+        }
+        (_, Some(export)) => {
+            let needed = blocks_for_tokens(ours.tokens, p_block_size);
+            if export.blocks.len() as u64 != needed {
+                let detail = format!(
+                    "the export has {} blocks, where {} tokens fill {needed} of {p_block_size}",
+                    export.blocks.len(),
+                    ours.tokens
+                );
+                return Err(refuse(HandoffRefusal::BlockCount, detail, Some(remote)));
+            }
+        }
+        (Mode::Push, None) => {}
+    }
+    Ok(remote)
+}
+
+#[cfg(test)]
+mod tests;

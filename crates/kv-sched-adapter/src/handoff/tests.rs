@@ -1,0 +1,181 @@
+//! The handoff's forms, as routers send them, and what D refuses.
+
+use super::*;
+use crate::common::Consumer;
+use kv_core::Digest;
+
+const TOKENS: [u32; 40] = [7; 40];
+
+fn prompt() -> Prompt {
+    Prompt::of_tokens(&TOKENS)
+}
+
+fn arrival(mode: Mode) -> Arrival {
+    Arrival { mode, prompt: prompt(), block_size: 16 }
+}
+
+fn remote() -> RemoteRef {
+    RemoteRef {
+        prefill: PrefillEngine {
+            engine: EngineId::new("prefill0"),
+            addresses: vec![PeerAddress("10.0.0.1:5600".into()), PeerAddress("10.0.0.1:5601".into())],
+            tp_size: 2,
+            pp_size: 1,
+        },
+        request: RequestId::new("cmpl-1"),
+        instance: Some(3),
+        prompt_tokens: 40,
+        prompt_digest: prompt().digest,
+        export: Some(ExportInfo {
+            blocks: vec![BlockId(4), BlockId(5), BlockId(6)],
+            deadline: Time::from_millis(30_000),
+            finished: Some(Time::from_millis(1)),
+        }),
+        consumer: Some(Consumer { engine: EngineId::new("decode0"), instance: 9 }),
+    }
+}
+
+fn params(json: serde_json::Value) -> TransferParams {
+    serde_json::from_value(json).expect("parses")
+}
+
+fn refusal(params: TransferParams, mode: Mode) -> HandoffError {
+    params.resolve(&arrival(mode)).expect_err("refused")
+}
+
+#[test]
+fn p_answer_carries_both_forms_and_d_takes_it_back_unchanged() {
+    let answer = TransferParams::answer(&remote(), 16);
+    let json = serde_json::to_value(&answer).unwrap();
+    assert_eq!(json["remote_host"], "10.0.0.1");
+    assert_eq!(json["remote_port"], 5600);
+    assert_eq!(json["remote_engine_id"], "prefill0");
+    assert_eq!(json["remote_request_id"], "cmpl-1");
+    assert_eq!(json["remote_block_ids"], serde_json::json!([4, 5, 6]));
+    assert_eq!(json["tp_size"], 2);
+    assert_eq!(json["do_remote_prefill"], true);
+    assert_eq!(json["kvflow"]["prompt_digest"], serde_json::Value::String(prompt().digest.unwrap().to_hex()));
+    assert_eq!(params(json.clone()).resolve(&arrival(Mode::Pull)), Ok(Some(remote())));
+
+    // A router that rebuilt NixlConnector's fields alone: the same P ranks, request and blocks,
+    // and nothing the claim does not check again (incarnation, lease, digest).
+    let mut rebuilt = json.as_object().unwrap().clone();
+    rebuilt.remove("kvflow");
+    rebuilt.remove("kvflow_layout");
+    let taken = params(rebuilt.into()).resolve(&arrival(Mode::Pull)).unwrap().expect("a handoff");
+    assert_eq!(taken.prefill, remote().prefill);
+    assert_eq!(taken.request, remote().request);
+    assert_eq!(taken.export.as_ref().unwrap().blocks, remote().export.unwrap().blocks);
+    assert_eq!((taken.instance, taken.prompt_digest, taken.consumer), (None, None, None));
+    assert_eq!(taken.export.unwrap().deadline, Time::ZERO, "D waits for P's deadline");
+}
+
+#[test]
+fn parameters_without_a_remote_prefill_are_no_handoff() {
+    assert_eq!(params(serde_json::json!({})).resolve(&arrival(Mode::Pull)), Ok(None));
+    let json = serde_json::json!({"do_remote_decode": true, "unknown": [1, 2], "do_remote_prefill": null});
+    assert_eq!(params(json).resolve(&arrival(Mode::Pull)), Ok(None));
+}
+
+#[test]
+fn a_handoff_made_for_another_prompt_is_refused_naming_both() {
+    let shorter = RemoteRef { prompt_tokens: 39, ..remote() };
+    let err = refusal(TransferParams::answer(&shorter, 16), Mode::Pull);
+    assert_eq!(err.reason, HandoffRefusal::OtherPrompt);
+    assert!(err.detail.contains("40 prompt tokens, P computed 39"), "{err}");
+    assert_eq!(err.remote.as_ref().map(|r| &r.request), Some(&RequestId::new("cmpl-1")), "rejected at P");
+
+    let other = RemoteRef { prompt_digest: Some(Digest::of_tokens(&[8; 40])), ..remote() };
+    let err = refusal(TransferParams::answer(&other, 16), Mode::Pull);
+    assert_eq!(err.reason, HandoffRefusal::OtherPrompt);
+    assert!(err.detail.contains("not the ones P computed"), "{err}");
+}
+
+#[test]
+fn blocks_that_do_not_fit_the_prompt_are_refused() {
+    let mut json = serde_json::to_value(TransferParams::answer(&remote(), 16)).unwrap();
+    json["kvflow"]["export"]["blocks"] = serde_json::json!([4, 5]);
+    let err = refusal(params(json), Mode::Pull);
+    assert_eq!(err.reason, HandoffRefusal::BlockCount);
+    assert!(err.detail.contains("2 blocks, where 40 tokens fill 3 of 16"), "{err}");
+
+    let err = refusal(TransferParams::answer(&remote(), 32), Mode::Pull);
+    assert_eq!(err.reason, HandoffRefusal::BlockSize);
+    assert!(err.detail.contains("32 tokens, this engine's 16"), "{err}");
+
+    // NixlConnector's form: D's own prompt decides how many blocks it needs.
+    let json = serde_json::json!({
+        "do_remote_prefill": true, "remote_engine_id": "p", "remote_host": "h", "remote_port": 5600,
+        "remote_request_id": "r", "remote_block_ids": [1, 2, 3, 4], "tp_size": 1,
+    });
+    assert_eq!(refusal(params(json), Mode::Pull).reason, HandoffRefusal::BlockCount);
+}
+
+#[test]
+fn nixl_connector_pull_form_reaches_each_p_rank_at_the_port_after_the_first() {
+    let json = serde_json::json!({
+        "do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "prefill-a",
+        "remote_host": "::1", "remote_port": 5600, "remote_request_id": "cmpl-7-0",
+        "remote_block_ids": [[9, 8, 7]], "tp_size": 4,
+    });
+    let remote = params(json).resolve(&arrival(Mode::Pull)).unwrap().unwrap();
+    let addresses: Vec<&str> = remote.prefill.addresses.iter().map(|a| a.0.as_str()).collect();
+    assert_eq!(addresses, ["[::1]:5600", "[::1]:5601", "[::1]:5602", "[::1]:5603"]);
+    assert_eq!(remote.prefill.engine, EngineId::new("prefill-a"));
+    assert_eq!(remote.export.unwrap().blocks, [BlockId(9), BlockId(8), BlockId(7)]);
+    assert_eq!(remote.prompt_tokens, 40, "D's own prompt, which its claim names");
+}
+
+#[test]
+fn incomplete_malformed_and_huge_handoffs_are_refused_by_name() {
+    let base = serde_json::json!({
+        "do_remote_prefill": true, "remote_engine_id": "p", "remote_host": "h", "remote_port": 5600,
+        "remote_request_id": "r", "remote_block_ids": [1, 2, 3], "tp_size": 1,
+    });
+    let with = |key: &str, value: serde_json::Value| {
+        let mut json = base.clone();
+        json[key] = value;
+        params(json)
+    };
+    let err = refusal(with("remote_host", serde_json::Value::Null), Mode::Pull);
+    assert_eq!(
+        (err.reason, err.detail.as_str()),
+        (HandoffRefusal::Incomplete, "NixlConnector's pull form without remote_host")
+    );
+    let err = refusal(with("tp_size", serde_json::json!(1u64 << 40)), Mode::Pull);
+    assert_eq!(err.reason, HandoffRefusal::Malformed);
+    assert!(err.detail.contains("tp_size 1099511627776 is not in 1..=1024"), "{err}");
+    let err = refusal(with("remote_port", serde_json::json!(70_000)), Mode::Pull);
+    assert!(err.detail.contains("remote_port 70000 with tp_size 1 runs past port 65535"), "{err}");
+    let two = with("tp_size", serde_json::json!(2)).resolve(&arrival(Mode::Pull)).unwrap().unwrap();
+    assert_eq!(two.prefill.addresses.len(), 2, "the base form is fine at TP 2");
+    let err = refusal(with("remote_block_ids", serde_json::json!([1, 2, 1u64 << 33])), Mode::Pull);
+    assert!(err.detail.contains("block id 8589934592 is past u32"), "{err}");
+    let err = refusal(with("remote_block_ids", serde_json::json!([[1], [2]])), Mode::Pull);
+    assert_eq!(err.reason, HandoffRefusal::UnsupportedForm);
+    let err = refusal(with("remote_host", serde_json::json!("a b")), Mode::Pull);
+    assert_eq!(err.reason, HandoffRefusal::Malformed);
+    let err = refusal(with("remote_request_id", serde_json::json!("x".repeat(300))), Mode::Pull);
+    assert_eq!(err.reason, HandoffRefusal::Malformed);
+    // Garbage where a field's type is fixed does not parse at all.
+    assert!(serde_json::from_value::<TransferParams>(serde_json::json!({"remote_port": "five"})).is_err());
+    assert!(serde_json::from_value::<TransferParams>(serde_json::json!({"kvflow": 12})).is_err());
+}
+
+#[test]
+fn the_push_form_is_refused_until_p_pairs_by_transfer_id() {
+    let json = serde_json::json!({
+        "do_remote_prefill": true, "remote_engine_id": "p", "remote_host": "h", "remote_port": 5600,
+        "remote_request_id": "r", "tp_size": 1, "pp_size": 1, "transfer_id": "t-1",
+    });
+    let err = refusal(params(json), Mode::Push);
+    assert_eq!(err.reason, HandoffRefusal::UnsupportedForm);
+    assert!(err.detail.contains("transfer_id"), "{err}");
+    let err = refusal(params(serde_json::json!({"do_remote_prefill": true})), Mode::Push);
+    assert_eq!(err.reason, HandoffRefusal::Incomplete);
+    // kvflow's push form (D first, no export) is taken in push mode only.
+    let early = RemoteRef { export: None, instance: None, consumer: None, ..remote() };
+    let answer = TransferParams::answer(&early, 16);
+    assert_eq!(answer.clone().resolve(&arrival(Mode::Push)), Ok(Some(early)));
+    assert_eq!(refusal(answer, Mode::Pull).reason, HandoffRefusal::UnsupportedForm);
+}
