@@ -108,8 +108,11 @@ pub enum LeaseState {
 /// Push mode: D's registration of the blocks it allocated for a request.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
 pub struct PushRegistration {
-    /// D's request id (P matches it exactly, then by base id).
+    /// D's request id: P's write and its answers name it.
     pub request: RequestId,
+    /// P's request id as D's handoff names it (P matches it exactly, as a transfer id, then by
+    /// base id).
+    pub export: RequestId,
     /// The registering D engine.
     pub decode_engine: EngineId,
     /// The registering D rank.
@@ -249,7 +252,7 @@ impl Message {
             }
             Message::Heartbeat { requests } => Box::new(requests.iter()),
             Message::HeartbeatAck { renewals } => Box::new(renewals.iter().map(|r| &r.request)),
-            Message::PushRegistration(reg) => Box::new(std::iter::once(&reg.request)),
+            Message::PushRegistration(reg) => Box::new([&reg.request, &reg.export].into_iter()),
             Message::Claim(claim) => Box::new(std::iter::once(&claim.request)),
         }
     }
@@ -423,6 +426,7 @@ mod tests {
                 .prop_map(
                     |(request, engine, (decode_rank, decode_tp), blocks, (first_block, prefill_pp), prompt)| {
                         Message::PushRegistration(PushRegistration {
+                            export: request.clone(),
                             request,
                             decode_engine: EngineId::new(engine),
                             decode_rank,

@@ -376,6 +376,7 @@ fn the_documented_handshake_replays_byte_for_byte() {
     // holds, with a P of two pipeline stages.
     let registration = Message::PushRegistration(PushRegistration {
         request: "cmpl-42-0".into(),
+        export: "cmpl-42-0-2f1c9e0a".into(),
         decode_engine: offer_i.engine.clone(),
         decode_rank: 1,
         decode_tp: 2,

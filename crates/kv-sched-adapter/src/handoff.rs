@@ -108,7 +108,8 @@ pub enum HandoffRefusal {
     BlockCount,
     /// P's blocks hold another number of tokens than D's.
     BlockSize,
-    /// A form this engine does not take (NixlPushConnector's, or a pull form in push mode).
+    /// A form this engine does not take (a push form in pull mode, a pull form in push mode,
+    /// block ids of several KV cache groups).
     UnsupportedForm,
     /// vLLM's serving layer refused the request before admission.
     Refused,
@@ -200,13 +201,11 @@ impl TransferParams {
         } else if self.remote_block_ids.is_some() {
             (self.nixl_pull(arrival)?, arrival.block_size)
         } else if self.transfer_id.is_some() || self.remote_engine_id.is_some() {
-            return Err(refuse(
-                HandoffRefusal::UnsupportedForm,
-                "NixlPushConnector's push form (P's coordinates and a transfer_id, no blocks) is not taken yet: \
-                 send D P's answer, or kvflow's push form"
-                    .into(),
-                None,
-            ));
+            if arrival.mode == Mode::Pull {
+                let detail = "NixlPushConnector's push form (P's coordinates, no blocks) sent to a pull engine".into();
+                return Err(refuse(HandoffRefusal::UnsupportedForm, detail, None));
+            }
+            (self.nixl_push(arrival)?, arrival.block_size)
         } else {
             return Err(refuse(
                 HandoffRefusal::Incomplete,
@@ -221,51 +220,17 @@ impl TransferParams {
 
     /// NixlConnector's pull form as kvflow's handoff: P's ranks at the port and those after it.
     fn nixl_pull(&self, arrival: &Arrival) -> Result<RemoteRef, HandoffError> {
-        let missing: Vec<&str> = [
-            ("remote_engine_id", self.remote_engine_id.is_none()),
-            ("remote_host", self.remote_host.is_none()),
-            ("remote_port", self.remote_port.is_none()),
-            ("remote_request_id", self.remote_request_id.is_none()),
-        ]
-        .into_iter()
-        .filter_map(|(name, absent)| absent.then_some(name))
-        .collect();
-        if !missing.is_empty() {
-            let detail = format!("NixlConnector's pull form without {}", missing.join(", "));
-            return Err(refuse(HandoffRefusal::Incomplete, detail, None));
+        let prefill =
+            self.coordinates("NixlConnector's pull form", &[("remote_request_id", self.remote_request_id.is_none())])?;
+        if prefill.pp_size != 1 {
+            let detail = format!("pp_size {}: NixlConnector's pull form names one stage", prefill.pp_size);
+            return Err(refuse(HandoffRefusal::Malformed, detail, None));
         }
-        let malformed = |detail: String| refuse(HandoffRefusal::Malformed, detail, None);
-        let tp = self.tp_size.unwrap_or(1);
-        if !(1..=MAX_HANDOFF_TP).contains(&tp) {
-            return Err(malformed(format!("tp_size {tp} is not in 1..={MAX_HANDOFF_TP}")));
-        }
-        let pp = self.pp_size.unwrap_or(1);
-        if pp != 1 {
-            return Err(malformed(format!("pp_size {pp}: NixlConnector's pull form names one stage")));
-        }
-        let port = self.remote_port.expect("checked");
-        if port == 0 || port + tp - 1 > u64::from(u16::MAX) {
-            return Err(malformed(format!("remote_port {port} with tp_size {tp} runs past port 65535")));
-        }
-        let host = self.remote_host.as_deref().expect("checked");
-        if host.is_empty() || host.len() > 253 || host.chars().any(|c| c.is_whitespace() || c == '/') {
-            return Err(malformed(format!("remote_host {host:?} is no host name or address")));
-        }
-        let engine = self.remote_engine_id.clone().expect("checked");
-        let request = self.remote_request_id.clone().expect("checked");
-        if engine.is_empty() || engine.len() > 256 || request.is_empty() || request.len() > 256 {
-            return Err(malformed(format!(
-                "remote_engine_id of {} bytes, remote_request_id of {}: each must be 1 to 256",
-                engine.len(),
-                request.len()
-            )));
-        }
+        let request = checked_id("remote_request_id", self.remote_request_id.as_deref().expect("checked"))?;
         let blocks = self.blocks()?;
-        let host = if host.contains(':') { format!("[{host}]") } else { host.to_owned() };
-        let addresses = (0..tp).map(|r| PeerAddress(format!("{host}:{}", port + r))).collect();
         Ok(RemoteRef {
-            prefill: PrefillEngine { engine: EngineId::new(engine), addresses, tp_size: tp as u32, pp_size: 1 },
-            request: RequestId::new(request),
+            prefill,
+            request,
             // NixlConnector's form says nothing of P's incarnation, lease or prompt: P's answer to
             // the claim, which names D's own prompt and these blocks, decides.
             instance: None,
@@ -273,6 +238,71 @@ impl TransferParams {
             prompt_digest: None,
             export: Some(ExportInfo { blocks, deadline: Time::ZERO, finished: None }),
             consumer: None,
+        })
+    }
+
+    /// NixlPushConnector's push form as kvflow's handoff: D registers its blocks with P's ranks
+    /// (at the port and those after it) for the export its `transfer_id` (else
+    /// `remote_request_id`) names, which P may not have computed yet.
+    fn nixl_push(&self, arrival: &Arrival) -> Result<RemoteRef, HandoffError> {
+        let pairing = self.transfer_id.is_none() && self.remote_request_id.is_none();
+        let prefill = self.coordinates("NixlPushConnector's push form", &[("transfer_id", pairing)])?;
+        let (name, id) = match (&self.transfer_id, &self.remote_request_id) {
+            (Some(transfer), _) => ("transfer_id", transfer),
+            (None, Some(request)) => ("remote_request_id", request),
+            (None, None) => unreachable!("checked"),
+        };
+        Ok(RemoteRef {
+            prefill,
+            request: checked_id(name, id)?,
+            instance: None,
+            prompt_tokens: arrival.prompt.tokens,
+            prompt_digest: None,
+            export: None,
+            consumer: None,
+        })
+    }
+
+    /// P's engine as NixlConnector's forms name it: its id, and its ranks' side channels at
+    /// `remote_port` and the ports after it, one per rank (`tp_size` times `pp_size`); `form`
+    /// and the other fields it needs (`more`: name, absent) name what is missing.
+    fn coordinates(&self, form: &str, more: &[(&'static str, bool)]) -> Result<PrefillEngine, HandoffError> {
+        let missing: Vec<&str> = [
+            ("remote_engine_id", self.remote_engine_id.is_none()),
+            ("remote_host", self.remote_host.is_none()),
+            ("remote_port", self.remote_port.is_none()),
+        ]
+        .iter()
+        .chain(more)
+        .filter_map(|&(name, absent)| absent.then_some(name))
+        .collect();
+        if !missing.is_empty() {
+            return Err(refuse(HandoffRefusal::Incomplete, format!("{form} without {}", missing.join(", ")), None));
+        }
+        let malformed = |detail: String| refuse(HandoffRefusal::Malformed, detail, None);
+        let (tp, pp) = (self.tp_size.unwrap_or(1), self.pp_size.unwrap_or(1));
+        if !(1..=MAX_HANDOFF_TP).contains(&tp) || !(1..=MAX_HANDOFF_TP).contains(&pp) || tp * pp > MAX_HANDOFF_TP {
+            return Err(malformed(format!("tp_size {tp} x pp_size {pp} is not in 1..={MAX_HANDOFF_TP} ranks")));
+        }
+        let ranks = tp * pp;
+        let port = self.remote_port.expect("checked");
+        if port == 0 || port + ranks - 1 > u64::from(u16::MAX) {
+            return Err(malformed(format!("remote_port {port} with {ranks} ranks runs past port 65535")));
+        }
+        let host = self.remote_host.as_deref().expect("checked");
+        if host.is_empty() || host.len() > 253 || host.chars().any(|c| c.is_whitespace() || c == '/') {
+            return Err(malformed(format!("remote_host {host:?} is no host name or address")));
+        }
+        let engine = self.remote_engine_id.as_deref().expect("checked");
+        if engine.is_empty() || engine.len() > 256 {
+            return Err(malformed(format!("remote_engine_id of {} bytes: it must be 1 to 256", engine.len())));
+        }
+        let host = if host.contains(':') { format!("[{host}]") } else { host.to_owned() };
+        Ok(PrefillEngine {
+            engine: EngineId::new(engine),
+            addresses: (0..ranks).map(|r| PeerAddress(format!("{host}:{}", port + r))).collect(),
+            tp_size: tp as u32,
+            pp_size: pp as u32,
         })
     }
 
@@ -307,6 +337,15 @@ fn split_address(address: &PeerAddress) -> (String, u64) {
         }
         None => (address.0.clone(), 0),
     }
+}
+
+/// `id` (field `name`) as a request id: 1 to 256 bytes.
+fn checked_id(name: &str, id: &str) -> Result<RequestId, HandoffError> {
+    if id.is_empty() || id.len() > 256 {
+        let detail = format!("{name} of {} bytes: it must be 1 to 256", id.len());
+        return Err(refuse(HandoffRefusal::Malformed, detail, None));
+    }
+    Ok(RequestId::new(id))
 }
 
 fn refuse(reason: HandoffRefusal, detail: String, remote: Option<RemoteRef>) -> HandoffError {

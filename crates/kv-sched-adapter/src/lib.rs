@@ -187,5 +187,5 @@ pub use handoff::{
 };
 pub use prefill::{
     LayerProgress, PrefillBook, PrefillCommand, PrefillError, PrefillEvent, PrefillReport, PrefillScheduler,
-    PrefillWorker,
+    PrefillWorker, MAX_PAIRINGS,
 };

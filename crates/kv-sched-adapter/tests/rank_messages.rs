@@ -53,9 +53,11 @@ fn prefill_commands_and_reports_round_trip() {
         deadline: Time::from_nanos(5_000_000_000),
         consumer: consumer.clone(),
         prompt: Prompt::of_tokens(&[1, 2, 3]),
+        transfer: Some(RequestId::new("t-1")),
     };
     let json = round_trip(&export);
     assert_eq!(json["export"]["prompt"]["tokens"], 3);
+    assert_eq!(json["export"]["transfer"], "t-1");
     assert_eq!(json["export"]["prompt"]["digest"].as_str().map(str::len), Some(32), "hex: {json}");
     assert_eq!(json["export"]["blocks"], serde_json::json!([1, 2]));
     assert_eq!(json["export"]["consumer"]["engine"], "decode1");
@@ -64,6 +66,7 @@ fn prefill_commands_and_reports_round_trip() {
         blocks: vec![BlockId(4), BlockId(5)],
         consumer: consumer.clone(),
         part,
+        transfer: None,
     };
     let json = round_trip(&progress(None));
     assert!(json["progress"].get("part").is_none(), "a chunk-wise report says nothing of layers: {json}");

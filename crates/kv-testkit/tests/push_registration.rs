@@ -46,6 +46,7 @@ fn a_registration_sent_twice_is_a_duplicate_and_p_writes_once() {
     let blocks = cluster.decode_blocks("decode0", &r1).expect("decode0 is loading r1");
     let again = Message::PushRegistration(PushRegistration {
         request: r1.clone(),
+        export: r1.clone(),
         decode_engine: EngineId::new("decode0"),
         decode_rank: 0,
         decode_tp: 1,
@@ -83,6 +84,7 @@ fn a_registration_counting_other_pipeline_stages_is_refused_and_nothing_is_writt
     let blocks = cluster.decode_blocks("decode0", &r1).expect("decode0 is loading r1");
     let miscounted = Message::PushRegistration(PushRegistration {
         request: r2.clone(),
+        export: r2.clone(),
         decode_engine: EngineId::new("decode0"),
         decode_rank: 0,
         decode_tp: 1,
@@ -117,6 +119,7 @@ fn a_registration_for_another_prompt_is_refused_and_the_export_freed_at_once() {
     let r2 = RequestId::new("r2");
     let other = Message::PushRegistration(PushRegistration {
         request: r2.clone(),
+        export: r2.clone(),
         decode_engine: EngineId::new("decode0"),
         decode_rank: 0,
         decode_tp: 1,
@@ -136,4 +139,41 @@ fn a_registration_for_another_prompt_is_refused_and_the_export_freed_at_once() {
     let p0 = kv_core::AgentName::new(EngineId::new("prefill0"), 0);
     assert_eq!(cluster.network().moved(&p0, &r2), 0, "nothing is written for it");
     assert_eq!(cluster.corrupt_reads(), 0);
+}
+
+/// NixlPushConnector's proxy pairs P's and D's legs by a `transfer_id`, each leg under its own
+/// request id (a router that does not forward `X-Request-Id`): D's claim and registration name
+/// the transfer id, P pairs it with its own request, writes into D's blocks, and frees the
+/// export as transferred. A registration naming no export (a transfer id P never paired) gets
+/// no write and holds nothing at P.
+#[test]
+fn legs_under_their_own_ids_pair_by_transfer_id() {
+    let scenario = Scenario::from_toml_str(
+        r#"
+        name = "D's leg names P's by a transfer id"
+        [cluster]
+        mode = "push"
+        "#,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut cluster = Cluster::new(cluster_config(&scenario, 0)).unwrap_or_else(|e| panic!("{e}"));
+    let (p1, d1, t1) = (RequestId::new("cmpl-aaaa-0"), RequestId::new("cmpl-bbbb-0"), RequestId::new("xfer-1"));
+    let (d2, t2) = (RequestId::new("cmpl-cccc-0"), RequestId::new("xfer-unknown"));
+    cluster.pair("prefill0", &p1, &t1).unwrap();
+    cluster.arrive("decode0", &d1, "prefill0", &t1, Some(64), None).unwrap();
+    cluster.arrive("decode0", &d2, "prefill0", &t2, Some(64), None).unwrap();
+    cluster.advance_to(Time::from_millis(50));
+    cluster.schedule("decode0", &d1, false).unwrap();
+    cluster.schedule("decode0", &d2, false).unwrap();
+    cluster.advance_to(Time::from_millis(100));
+    cluster.prefill("prefill0", &p1, 64, 1, None).unwrap();
+    cluster.advance_to(Time::from_millis(600));
+
+    assert_eq!(cluster.decode_state("decode0", &d1).map(|s| s.as_str()), Some("ready"));
+    assert_eq!(cluster.release_reason("prefill0", &p1), Some(ReleaseReason::Transferred));
+    assert_eq!(cluster.corrupt_reads(), 0);
+    let p0 = kv_core::AgentName::new(EngineId::new("prefill0"), 0);
+    assert_eq!(cluster.network().moved(&p0, &d1), 4 * 2048, "P wrote D's blocks once, its completion naming D's id");
+    assert_eq!(cluster.held_blocks("prefill0"), 0);
+    assert_ne!(cluster.decode_state("decode0", &d2).map(|s| s.as_str()), Some("ready"), "nothing came for it");
 }

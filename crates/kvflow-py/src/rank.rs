@@ -177,13 +177,14 @@ impl Rank {
             return Err(refuse("layers_computed", "a decode rank writes no layers"));
         };
         for step in &self.layer_steps {
-            let PrefillCommand::Progress { request, blocks, consumer, part } = step else { continue };
+            let PrefillCommand::Progress { request, blocks, consumer, part, transfer } = step else { continue };
             let part = match (layers, part) {
                 (Some(layers), Some(part)) => Some(LayerProgress { layers, ..*part }),
                 _ => None,
             };
-            let (request, blocks, consumer) = (request.clone(), blocks.clone(), consumer.clone());
-            thread.send(PrefillCommand::Progress { request, blocks, consumer, part });
+            let (request, blocks, consumer, transfer) =
+                (request.clone(), blocks.clone(), consumer.clone(), transfer.clone());
+            thread.send(PrefillCommand::Progress { request, blocks, consumer, part, transfer });
         }
         Ok(self.layer_steps.len())
     }

@@ -149,6 +149,18 @@ impl PrefillScheduler {
         self.inner.handle_abandoned(RequestId::new(request)).map_err(|e| refuse("abandoned", e))
     }
 
+    /// Push: `request` is paired with D's leg by `transfer` (NixlPushConnector's
+    /// `transfer_id`): D's ranks may name its export by that id. Call before its first
+    /// progress report or its export; `unpaired` ends a pairing of a request not exported.
+    fn pair(&mut self, request: &str, transfer: &str) -> PyResult<()> {
+        self.inner.handle_pairing(RequestId::new(request), RequestId::new(transfer)).map_err(|e| refuse("pair", e))
+    }
+
+    /// The engine is done with `request` without exporting it: its pairing, if any, ends.
+    fn unpaired(&mut self, request: &str) {
+        self.inner.handle_unpaired(&RequestId::new(request));
+    }
+
     /// A report of rank `rank` (JSON, as `Rank.reports()` gives it).
     fn report(&mut self, rank: u32, report: &str) -> PyResult<()> {
         let report = from_json("report", report)?;

@@ -146,6 +146,18 @@ def test_push_from_p_into_blocks_d_registered_first_equals_one_engine(model, pro
     assert (freed["freed"], freed["reasons"]) == (len(LENGTHS), {"transferred": len(LENGTHS)}), freed
 
 
+def test_push_with_nixl_push_connector_params_pairs_each_leg_by_its_transfer_id(model, prompts, tmp_path):
+    """The requests at D first with NixlPushConnector's parameters (P's engine id and side
+    channel, a transfer id, no request id) and each leg under its own id (a proxy that forwards
+    no X-Request-Id): P pairs each with its own request by the transfer id, writes into D's
+    blocks, D's tokens equal one engine's, and P frees every export as transferred."""
+    prompts, alone = prompts
+    output, freed = pushed(model, prompts, tmp_path, 6420, env={"PD_FORM": "nixl"})
+    assert output["reasons"] == ["length"] * len(LENGTHS), output
+    assert output["tokens"] == alone
+    assert (freed["freed"], freed["reasons"]) == (len(LENGTHS), {"transferred": len(LENGTHS)}), freed
+
+
 def test_push_writes_each_layer_of_a_chunked_prefill_as_vllm_stores_it(model, prompts, tmp_path):
     """Push with vLLM's chunked prefill at P (at most 96 tokens a step, so the longer prompts
     take up to 6 steps, in chunks that end inside blocks): before each step P reports the

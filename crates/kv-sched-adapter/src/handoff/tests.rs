@@ -144,9 +144,9 @@ fn incomplete_malformed_and_huge_handoffs_are_refused_by_name() {
     );
     let err = refusal(with("tp_size", serde_json::json!(1u64 << 40)), Mode::Pull);
     assert_eq!(err.reason, HandoffRefusal::Malformed);
-    assert!(err.detail.contains("tp_size 1099511627776 is not in 1..=1024"), "{err}");
+    assert!(err.detail.contains("tp_size 1099511627776 x pp_size 1 is not in 1..=1024 ranks"), "{err}");
     let err = refusal(with("remote_port", serde_json::json!(70_000)), Mode::Pull);
-    assert!(err.detail.contains("remote_port 70000 with tp_size 1 runs past port 65535"), "{err}");
+    assert!(err.detail.contains("remote_port 70000 with 1 ranks runs past port 65535"), "{err}");
     let two = with("tp_size", serde_json::json!(2)).resolve(&arrival(Mode::Pull)).unwrap().unwrap();
     assert_eq!(two.prefill.addresses.len(), 2, "the base form is fine at TP 2");
     let err = refusal(with("remote_block_ids", serde_json::json!([1, 2, 1u64 << 33])), Mode::Pull);
@@ -163,14 +163,35 @@ fn incomplete_malformed_and_huge_handoffs_are_refused_by_name() {
 }
 
 #[test]
-fn the_push_form_is_refused_until_p_pairs_by_transfer_id() {
+fn nixl_push_connector_form_names_the_export_by_its_transfer_id_in_push_mode_only() {
     let json = serde_json::json!({
-        "do_remote_prefill": true, "remote_engine_id": "p", "remote_host": "h", "remote_port": 5600,
-        "remote_request_id": "r", "tp_size": 1, "pp_size": 1, "transfer_id": "t-1",
+        "do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "p", "remote_host": "h",
+        "remote_port": 5600, "remote_request_id": null, "tp_size": 2, "pp_size": 1, "transfer_id": "t-1",
     });
-    let err = refusal(params(json), Mode::Push);
+    let taken = params(json.clone()).resolve(&arrival(Mode::Push)).unwrap().unwrap();
+    assert_eq!(taken.request, RequestId::new("t-1"));
+    assert_eq!(taken.prefill.addresses, [PeerAddress("h:5600".into()), PeerAddress("h:5601".into())]);
+    assert_eq!((taken.export, taken.instance, taken.prompt_tokens), (None, None, 40));
+    let err = refusal(params(json.clone()), Mode::Pull);
     assert_eq!(err.reason, HandoffRefusal::UnsupportedForm);
-    assert!(err.detail.contains("transfer_id"), "{err}");
+    assert!(err.detail.contains("sent to a pull engine"), "{err}");
+    // Without a transfer id, P's request id pairs the legs (by base id at P).
+    let mut by_id = json.clone();
+    by_id["transfer_id"] = serde_json::Value::Null;
+    by_id["remote_request_id"] = serde_json::json!("cmpl-9-0");
+    let by_request = params(by_id.clone()).resolve(&arrival(Mode::Push)).unwrap().unwrap();
+    assert_eq!(by_request.request, RequestId::new("cmpl-9-0"));
+    by_id["remote_request_id"] = serde_json::Value::Null;
+    let err = refusal(params(by_id), Mode::Push);
+    assert_eq!(
+        (err.reason, err.detail.as_str()),
+        (HandoffRefusal::Incomplete, "NixlPushConnector's push form without transfer_id")
+    );
+    let mut staged = json;
+    staged["pp_size"] = serde_json::json!(2);
+    let stages = params(staged).resolve(&arrival(Mode::Push)).unwrap().unwrap();
+    assert_eq!((stages.prefill.addresses.len(), stages.prefill.pp_size), (4, 2), "every stage's ranks");
+
     let err = refusal(params(serde_json::json!({"do_remote_prefill": true})), Mode::Push);
     assert_eq!(err.reason, HandoffRefusal::Incomplete);
     // kvflow's push form (D first, no export) is taken in push mode only.

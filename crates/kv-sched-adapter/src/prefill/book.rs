@@ -91,6 +91,25 @@ impl<T> EarlyStage<T> {
             .map(|s| (&s.request, &s.item))
     }
 
+    /// Files the entries about `from` exactly under `to` instead, in their arrival order: the
+    /// messages that named an export by another id of it (a transfer id) before that id was
+    /// known.
+    pub fn rename(&mut self, from: &RequestId, to: &RequestId) {
+        let Some(seqs) = self.by_base.get(&from.base()) else { return };
+        let moved: Vec<u64> = seqs.iter().copied().filter(|seq| self.entries[seq].request == *from).collect();
+        for seq in moved {
+            let base = from.base();
+            if let Some(set) = self.by_base.get_mut(&base) {
+                set.remove(&seq);
+                if set.is_empty() {
+                    self.by_base.remove(&base);
+                }
+            }
+            self.entries.get_mut(&seq).expect("staged").request = to.clone();
+            self.by_base.entry(to.base()).or_default().insert(seq);
+        }
+    }
+
     /// Whether an entry about `request` exactly satisfies `test`.
     pub fn any(&self, request: &RequestId, test: impl Fn(&T) -> bool) -> bool {
         self.by_base.get(&request.base()).is_some_and(|seqs| {

@@ -6,5 +6,7 @@ mod book;
 mod scheduler;
 mod worker;
 
-pub use scheduler::{LayerProgress, PrefillCommand, PrefillError, PrefillEvent, PrefillReport, PrefillScheduler};
+pub use scheduler::{
+    LayerProgress, PrefillCommand, PrefillError, PrefillEvent, PrefillReport, PrefillScheduler, MAX_PAIRINGS,
+};
 pub use worker::{PrefillBook, PrefillWorker};

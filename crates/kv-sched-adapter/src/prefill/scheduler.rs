@@ -11,6 +11,10 @@ use crate::common::{Consumer, ExportInfo, PrefillEngine, RemoteRef};
 use crate::config::{Config, ConfigError, Mode, ReleaseReason};
 use crate::metrics::PrefillMetrics;
 
+/// The most requests a P scheduler holds paired by a transfer id at once
+/// ([`PrefillScheduler::handle_pairing`]).
+pub const MAX_PAIRINGS: usize = 65_536;
+
 /// What P's scheduler tells a worker rank.
 #[derive(Clone, PartialEq, Eq, Debug)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize), serde(rename_all = "snake_case"))]
@@ -27,6 +31,10 @@ pub enum PrefillCommand {
         consumer: Option<Consumer>,
         /// The prompt P computed: a claim or a push registration that names another is refused.
         prompt: Prompt,
+        /// The id that pairs the export with D's leg of the request (NixlPushConnector's
+        /// `transfer_id`), by which D's messages may name it too.
+        #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+        transfer: Option<RequestId>,
     },
     /// Push: a request still computing has these blocks finished (the prompt's first ones, in
     /// order); the worker may write them into the blocks D registered before the prompt ends.
@@ -42,6 +50,9 @@ pub enum PrefillCommand {
         /// block is computed in every layer.
         #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
         part: Option<LayerProgress>,
+        /// The id that pairs the request with D's leg (see `Export`).
+        #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+        transfer: Option<RequestId>,
     },
     /// Push: the engine gave up a request it reported progress on, before finishing it. The
     /// worker writes no more into D's blocks, tells D none will come, and releases the request
@@ -143,6 +154,22 @@ pub enum PrefillError {
     /// The request was not reported in progress.
     #[error("request {0} is not computing")]
     NotComputing(RequestId),
+    /// A transfer id pairs one request: another has it, or this one has another.
+    #[error("request {request} cannot be paired by transfer id {transfer}: {other} is paired with it")]
+    Paired {
+        /// P's request id.
+        request: RequestId,
+        /// The transfer id asked for.
+        transfer: RequestId,
+        /// What holds it: the other request, or this request's other transfer id.
+        other: RequestId,
+    },
+    /// More requests are paired than [`MAX_PAIRINGS`].
+    #[error("request {request} cannot be paired: {MAX_PAIRINGS} requests are paired already")]
+    TooManyPairings {
+        /// P's request id.
+        request: RequestId,
+    },
     /// A report named a rank outside the engine.
     #[error("rank {rank} is outside the engine's {tp} workers")]
     NoSuchRank {
@@ -194,6 +221,10 @@ pub struct PrefillScheduler {
     freed: Recent,
     /// The latest `now` given.
     latest: Time,
+    /// Push: each request's transfer id (NixlPushConnector's `transfer_id`), and the request
+    /// of each transfer id; at most [`MAX_PAIRINGS`], each until its request is freed.
+    transfers: BTreeMap<RequestId, RequestId>,
+    paired: BTreeMap<RequestId, RequestId>,
     events: VecDeque<PrefillEvent>,
     metrics: PrefillMetrics,
 }
@@ -229,8 +260,45 @@ impl PrefillScheduler {
             unstamped: Recent::new(RECENT_RELEASES),
             freed: Recent::new(RECENT_RELEASES),
             latest: Time::ZERO,
+            transfers: BTreeMap::new(),
+            paired: BTreeMap::new(),
             events: VecDeque::new(),
         })
+    }
+
+    /// Push: `request` is paired with D's leg of it by `transfer` (NixlPushConnector's
+    /// `transfer_id`, which the router gave P and D): D's ranks may name its export by that id,
+    /// whatever their own request id. Call it before the request's first progress report or
+    /// its export; the pairing ends when the request is freed, or at
+    /// [`PrefillScheduler::handle_unpaired`] for a request never exported. One transfer id
+    /// pairs one request, and a request keeps its first.
+    pub fn handle_pairing(&mut self, request: RequestId, transfer: RequestId) -> Result<(), PrefillError> {
+        match (self.transfers.get(&request), self.paired.get(&transfer)) {
+            (Some(t), _) if *t == transfer => return Ok(()),
+            (Some(t), _) => return Err(PrefillError::Paired { request, transfer, other: t.clone() }),
+            (None, Some(other)) => return Err(PrefillError::Paired { request, transfer, other: other.clone() }),
+            (None, None) => {}
+        }
+        if self.transfers.len() >= MAX_PAIRINGS {
+            return Err(PrefillError::TooManyPairings { request });
+        }
+        self.paired.insert(transfer.clone(), request.clone());
+        self.transfers.insert(request, transfer);
+        Ok(())
+    }
+
+    /// The engine is done with `request`, which it did not export: its pairing, if any, ends.
+    pub fn handle_unpaired(&mut self, request: &RequestId) {
+        if self.computing.contains_key(request) || self.exports.contains_key(request) {
+            return;
+        }
+        self.unpair(request);
+    }
+
+    fn unpair(&mut self, request: &RequestId) {
+        if let Some(transfer) = self.transfers.remove(request) {
+            self.paired.remove(&transfer);
+        }
     }
 
     /// The engine runs `pp` pipeline stages: its addresses are those of `pp` stages of equal
@@ -277,6 +345,7 @@ impl PrefillScheduler {
                 deadline,
                 consumer: consumer.clone(),
                 prompt,
+                transfer: self.transfers.get(&request).cloned(),
             };
             self.events.push_back(PrefillEvent::ToWorker { rank, command });
         }
@@ -396,6 +465,7 @@ impl PrefillScheduler {
                     blocks: blocks.clone(),
                     consumer: consumer.clone(),
                     part,
+                    transfer: self.transfers.get(&request).cloned(),
                 };
                 self.events.push_back(PrefillEvent::ToWorker { rank, command });
             }
@@ -415,6 +485,7 @@ impl PrefillScheduler {
         };
         let reason = ReleaseReason::Aborted;
         if self.config.mode == Mode::Pull {
+            self.unpair(&request);
             self.events.push_back(PrefillEvent::Free { request, blocks, reason });
             return Ok(());
         }
@@ -438,6 +509,7 @@ impl PrefillScheduler {
                 let abandoned = self.abandoned.remove(&request).expect("present");
                 let reason = ReleaseReason::Aborted;
                 self.unstamped.insert(request.clone(), Time::ZERO);
+                self.unpair(&request);
                 self.events.push_back(PrefillEvent::Free { request, blocks: abandoned.blocks, reason });
             }
             return Ok(());
@@ -454,6 +526,7 @@ impl PrefillScheduler {
             tracing::debug!(%reason, blocks = export.blocks.len(), "export freed on every rank");
             self.metrics.freed(&export.blocks, reason);
             self.unstamped.insert(request.clone(), Time::ZERO);
+            self.unpair(&request);
             self.events.push_back(PrefillEvent::Free { request, blocks: export.blocks, reason });
         }
         Ok(())

@@ -115,6 +115,8 @@ impl Family {
 #[derive(Debug)]
 struct Export {
     blocks: Vec<BlockId>,
+    /// Push: the transfer id that names it too.
+    transfer: Option<RequestId>,
     /// The prompt it was computed for: claims and registrations must name it.
     prompt: Prompt,
     /// The family it belongs to: its parent's id for a sibling, else its own.
@@ -145,6 +147,15 @@ struct Export {
     cancels: BTreeMap<AgentName, RequestId>,
 }
 
+/// An export as the scheduler's command gives it.
+struct Exported {
+    blocks: Vec<BlockId>,
+    deadline: Time,
+    consumer: Option<Consumer>,
+    prompt: Prompt,
+    transfer: Option<RequestId>,
+}
+
 /// Push: a request P still computes, whose finished blocks it writes ahead.
 #[derive(Debug)]
 struct Computing {
@@ -163,6 +174,8 @@ struct Computing {
     stopped: BTreeSet<AgentName>,
     /// The engine gave the request up: released once no write is in flight.
     abandoned: bool,
+    /// The transfer id that names it too.
+    transfer: Option<RequestId>,
 }
 
 /// A write this rank posted.
@@ -210,6 +223,8 @@ pub struct PrefillWorker {
     exports: BTreeMap<RequestId, Export>,
     leases: LeaseTable<RequestId>,
     by_base: BTreeMap<RequestId, BTreeSet<RequestId>>,
+    /// Push: the request each transfer id names (one per export or computing request).
+    transfers: BTreeMap<RequestId, RequestId>,
     families: BTreeMap<RequestId, Family>,
     /// Parents whose sibling was transferred: a sibling that registers later is released at once.
     pulled: Recent,
@@ -261,6 +276,7 @@ impl PrefillWorker {
             exports: BTreeMap::new(),
             leases: LeaseTable::new(),
             by_base: BTreeMap::new(),
+            transfers: BTreeMap::new(),
             families: BTreeMap::new(),
             pulled: Recent::new(PULLED_PARENTS),
             cancelled: Recent::new(config.early_notification_capacity),
@@ -362,30 +378,41 @@ impl PrefillWorker {
         self.cancelled.expire(now.saturating_sub(self.stage_lifetime()));
     }
 
+    /// Push: `request` is named by `transfer` too (NixlPushConnector's `transfer_id`): D's
+    /// messages that named it by that id, staged before it was known, are filed under it.
+    /// Returns the transfer id taken: none when another request has it.
+    fn pair(&mut self, request: &RequestId, transfer: Option<RequestId>) -> Option<RequestId> {
+        let transfer = transfer.filter(|_| self.config.mode == Mode::Push)?;
+        match self.transfers.get(&transfer) {
+            Some(id) if id == request => return Some(transfer),
+            Some(id) => {
+                tracing::warn!(%request, %transfer, other = %id, "transfer id already names another request; not paired");
+                return None;
+            }
+            None => {}
+        }
+        self.transfers.insert(transfer.clone(), request.clone());
+        self.early.rename(&transfer, request);
+        Some(transfer)
+    }
+
     /// A command from the scheduler.
     pub fn handle_command(&mut self, now: Time, command: PrefillCommand) {
         self.reap_expired(now);
         self.forget_old(now);
         match command {
-            PrefillCommand::Export { request, blocks, deadline, consumer, prompt } => {
-                self.on_export(now, request, blocks, deadline, consumer, prompt)
+            PrefillCommand::Export { request, blocks, deadline, consumer, prompt, transfer } => {
+                self.on_export(now, request, Exported { blocks, deadline, consumer, prompt, transfer })
             }
-            PrefillCommand::Progress { request, blocks, consumer, part } => {
-                self.on_progress(request, blocks, part, consumer)
+            PrefillCommand::Progress { request, blocks, consumer, part, transfer } => {
+                self.on_progress(request, blocks, part, consumer, transfer)
             }
             PrefillCommand::Abandon { request } => self.on_abandon(now, request),
         }
     }
 
-    fn on_export(
-        &mut self,
-        now: Time,
-        request: RequestId,
-        blocks: Vec<BlockId>,
-        deadline: Time,
-        consumer: Option<Consumer>,
-        prompt: Prompt,
-    ) {
+    fn on_export(&mut self, now: Time, request: RequestId, exported: Exported) {
+        let Exported { blocks, deadline, consumer, prompt, transfer } = exported;
         let _span = request_span(&self.offer.engine, Some(self.offer.rank), &request).entered();
         tracing::debug!(blocks = blocks.len(), deadline_ns = deadline.as_nanos(), consumer = ?consumer, "export registered");
         if self.exports.contains_key(&request) {
@@ -401,12 +428,14 @@ impl PrefillWorker {
             self.out.report(PrefillReport::Released { request, reason: ReleaseReason::Aborted });
             return;
         }
+        let transfer = self.pair(&request, transfer);
         let family_id = request.parent().unwrap_or_else(|| request.clone());
         // What was written ahead while it computed, and the writes still in flight, go with it.
         let (writing, ahead, ahead_failed) =
             self.computing.remove(&request).map(|c| (c.writing, c.ahead, c.stopped)).unwrap_or_default();
         let export = Export {
             blocks,
+            transfer,
             prompt,
             family: family_id.clone(),
             claimed: false,
@@ -568,6 +597,10 @@ impl PrefillWorker {
             }
         }
         self.recent.insert(id.clone(), now);
+        if let Some(transfer) = &export.transfer {
+            self.transfers.remove(transfer);
+            self.recent.insert(transfer.clone(), now);
+        }
         // Push: D ranks that registered and got no write, or asked to cancel, learn that none will come.
         for (agent, reg) in &export.registrations {
             if !export.written.contains(agent) && self.peers.contains_key(agent) {

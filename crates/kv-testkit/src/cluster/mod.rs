@@ -187,6 +187,8 @@ pub struct Cluster {
     exports: BTreeMap<(EngineId, RequestId), RemoteRef>,
     /// The oracle: what P computed for each export id.
     computed: BTreeMap<(EngineId, RequestId), Computed>,
+    /// The router's pairings: the P request each transfer id names, on its engine.
+    transfers: BTreeMap<(EngineId, RequestId), RequestId>,
     corrupt_reads: u64,
     /// Blocks found written while their engine had them free (at their next allocation).
     written_after_free: u64,
@@ -240,6 +242,7 @@ impl Cluster {
             history: BTreeMap::new(),
             exports: BTreeMap::new(),
             computed: BTreeMap::new(),
+            transfers: BTreeMap::new(),
             corrupt_reads: 0,
             written_after_free: 0,
             loads_verified: 0,

@@ -154,10 +154,14 @@ impl Cluster {
     /// Compares the first `kept` blocks of a request that ended (all of them when it is ready,
     /// the intact prefix D keeps when it recomputes the rest) on every D rank with what P
     /// computed.
-    /// What P computed for the export `remote` names. Push mode matches by base id when the
-    /// engines' suffixes differ; so does the oracle, when one computed request has that base.
+    /// What P computed for the export `remote` names. Push mode matches by transfer id, and by
+    /// base id when the engines' suffixes differ; so does the oracle, when one computed request
+    /// has that base.
     pub(super) fn computed_for(&self, remote: &RemoteRef) -> Option<Computed> {
-        let key = (remote.prefill.engine.clone(), remote.request.clone());
+        let mut key = (remote.prefill.engine.clone(), remote.request.clone());
+        if let Some(request) = self.transfers.get(&key) {
+            key.1 = request.clone();
+        }
         self.computed.get(&key).copied().or_else(|| {
             let base = key.1.base();
             let mut matches = self.computed.iter().filter(|((e, r), _)| *e == key.0 && r.base() == base);

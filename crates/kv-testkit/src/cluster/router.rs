@@ -92,6 +92,16 @@ impl Cluster {
         self.export(node, prompt)
     }
 
+    /// Push: the router pairs P's `request` with D's leg of it by `transfer` (NixlPushConnector's
+    /// `transfer_id`), before P runs it: D's handoff may name the export by that id.
+    pub fn pair(&mut self, node: &str, request: &RequestId, transfer: &RequestId) -> Result<(), ClusterError> {
+        let engine = self.prefill_engine(node)?;
+        engine.scheduler.handle_pairing(request.clone(), transfer.clone()).map_err(|e| ClusterError(e.to_string()))?;
+        self.transfers.insert((EngineId::new(node), transfer.clone()), request.clone());
+        self.record(format!("{node} paired {request} with {transfer}"));
+        Ok(())
+    }
+
     /// P starts a chunked prefill of one prompt: it allocates the prompt's blocks and computes
     /// into them as [`Cluster::progress`] says, and exports at [`Cluster::finish_prefill`] or
     /// gives up at [`Cluster::abandon_prefill`]. In push mode the blocks it has finished are

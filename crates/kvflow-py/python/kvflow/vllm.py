@@ -26,16 +26,18 @@ and a handoff it cannot use (another prompt, blocks that do not fit it, another 
 fields that do not parse beside kvflow's handoff), logs a WARNING naming the reason, counts it
 (``kvflow_handoffs_refused_total``) and computes the prompt itself; a request aborted while it
 waits or loads is aborted at P too, and the blocks of a load in flight go back to vLLM only
-once every rank's reads have ended. NixlPushConnector's push form (a ``transfer_id``) is
-refused by name so far.
+once every rank's reads have ended.
 
 In push mode D may learn of a request before P has computed it: the proxy sends it to D and
-P under one request id, and to D with P's engine (``{"kvflow": {"prefill": {"engine",
-"addresses", "tp_size", "pp_size"}, "request": <that id>, "instance": null, "prompt_tokens",
-"export": null, "consumer": null}, "do_remote_prefill": true}``). D's ranks register its blocks
-with P's under D's request id, which P matches to its export by the id without vLLM's random
-suffix (as NixlConnector's push matches them), and P writes into them once it has computed the
-prompt.
+P at once. D takes kvflow's form (``{"kvflow": {"prefill": {"engine", "addresses", "tp_size",
+"pp_size"}, "request": <P's id>, "instance": null, "prompt_tokens", "export": null,
+"consumer": null}, "do_remote_prefill": true}``) or NixlPushConnector's (P's
+``remote_engine_id``, ``remote_host``, ``remote_port``, ``tp_size``, ``pp_size`` and the
+``transfer_id`` vLLM's push proxy gives both legs). D's ranks register its blocks with P's,
+naming P's request as the handoff does; P matches it to its export by the id, by the
+``transfer_id`` P's leg carried (each leg may run under its own request id), or by the id
+without vLLM's random suffix, and writes into them once it has computed the prompt and
+checked that D's prompt is the one it computed.
 
 In push mode P also writes while it computes (``kvflow.layerwise``): before each step of a
 chunked prefill it reports the step's chunk of each such request to its scheduler, and its
@@ -387,8 +389,22 @@ class KvflowConnector(KVConnectorBase_V1):
         self._local_tokens[rid] = num_computed_tokens
         return count, True
 
+    def _pair(self, request) -> None:
+        """P, push: a request vLLM's push proxy paired with D's leg by a ``transfer_id`` (each
+        leg under its own id, when the proxy forwards no request id): D's ranks name the export
+        by it."""
+        params = request.kv_transfer_params or {}
+        transfer = params.get("transfer_id")
+        if self._prefill is None or not self._push or not params.get("do_remote_decode") or transfer is None:
+            return
+        try:
+            self._prefill.pair(request.request_id, str(transfer))
+        except ValueError as error:
+            logger.warning("kvflow: %s is not paired by transfer_id %r: %s", request.request_id, transfer, error)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         rid = request.request_id
+        self._pair(request)
         if self._progress is not None:
             self._progress.track(request)
         if num_external_tokens == 0 or rid not in self._tracked:
@@ -458,6 +474,10 @@ class KvflowConnector(KVConnectorBase_V1):
         if self._prefill is None or not params.get("do_remote_decode"):
             return False, None
         exported = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if exported:
+            self._pair(request)
+        else:
+            self._prefill.unpaired(rid)
         progress = self._progress.finished(self._prefill, rid, exported) if self._progress is not None else None
         if progress == "abandoned":
             # Aborted while P wrote its chunks ahead: the blocks go back to vLLM once every rank
@@ -466,6 +486,7 @@ class KvflowConnector(KVConnectorBase_V1):
             return True, None
         if progress == "given_up":
             logger.warning("kvflow: %s was preempted while P wrote its KV ahead: not exported (D computes it)", rid)
+            self._prefill.unpaired(rid)
             return False, None
         if not exported:
             # An aborted prefill has no KV for D: nothing to export.
@@ -482,6 +503,7 @@ class KvflowConnector(KVConnectorBase_V1):
                 self._prefill.abandoned(rid)
                 self._abandoned.add(rid)
                 return True, None
+            self._prefill.unpaired(rid)
             return False, None
         self._exports.add(rid)
         # kvflow's handoff with NixlConnector's fields beside it, for routers that read or

@@ -201,8 +201,11 @@ def push_prefill(model, prompts, done, go, flags):
     for _ in wait_for(go, 300):
         time.sleep(0.05)
     engine_ = llm.llm_engine
+    nixl = os.environ.get("PD_FORM") == "nixl"
     for i, prompt in enumerate(prompts):
-        engine_.add_request(f"p{i}", prompt, params(1, {"do_remote_decode": True}))
+        # vLLM's push proxy pairs the legs by a transfer id, each leg under its own request id.
+        handoff = {"do_remote_decode": True, "transfer_id": f"xfer-{i}"} if nixl else {"do_remote_decode": True}
+        engine_.add_request(f"p{i}", prompt, params(1, handoff))
     aborted_at, preempted = None, []
     if "abort" in flags or "preempt" in flags:
         last, scheduler = f"p{len(prompts) - 1}", engine_.engine_core.engine_core.scheduler
@@ -250,19 +253,29 @@ def serve_until_freed(llm, requests, done):
 def push_decode(model, prompts, done, go):
     port = int(os.environ.get("PD_PORT", "5610"))
     llm = engine(model, "kv_consumer", port + 100, connector="KvflowPushConnector")
-    # The proxy gives both legs of a request one id.
-    engine_, ids = llm.llm_engine, [f"p{i}" for i in range(len(prompts))]
+    nixl = os.environ.get("PD_FORM") == "nixl"
+    # kvflow's form: the proxy gives both legs of a request one id. NixlPushConnector's: each leg
+    # its own, and P's coordinates with the transfer id that pairs them.
+    engine_, ids = llm.llm_engine, [f"{'d' if nixl else 'p'}{i}" for i in range(len(prompts))]
     prefill = {"engine": PUSH_PREFILL, "addresses": [f"127.0.0.1:{port}"], "tp_size": 1, "pp_size": 1}
     for i, (rid, prompt) in enumerate(zip(ids, prompts)):
-        remote = {
-            "prefill": prefill,
-            "request": rid,
-            "instance": None,
-            "prompt_tokens": len(prompt["prompt_token_ids"]),
-            "export": None,
-            "consumer": None,
-        }
-        engine_.add_request(rid, prompt, params(16, {"kvflow": remote, "do_remote_prefill": True}))
+        if nixl:
+            handoff = {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": PUSH_PREFILL,
+                "remote_host": "localhost", "remote_port": port, "tp_size": 1, "pp_size": 1,
+                "remote_request_id": None, "transfer_id": f"xfer-{i}",
+            }
+        else:
+            remote = {
+                "prefill": prefill,
+                "request": rid,
+                "instance": None,
+                "prompt_tokens": len(prompt["prompt_token_ids"]),
+                "export": None,
+                "consumer": None,
+            }
+            handoff = {"kvflow": remote, "do_remote_prefill": True}
+        engine_.add_request(rid, prompt, params(16, handoff))
     tokens, reasons = {}, {}
 
     def step():

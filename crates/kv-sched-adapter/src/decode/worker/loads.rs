@@ -52,6 +52,7 @@ impl DecodeWorker {
                 // A partial prefix hit registers only the blocks P must write.
                 let registration = Message::PushRegistration(PushRegistration {
                     request: request.clone(),
+                    export: load.remote.request.clone(),
                     decode_engine: self.offer.engine.clone(),
                     decode_rank: self.offer.rank,
                     decode_tp: self.offer.tp_size,

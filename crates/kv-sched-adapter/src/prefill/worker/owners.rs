@@ -116,13 +116,17 @@ impl PrefillWorker {
         self.counters.foreign_messages += 1;
     }
 
-    /// The export a D message names: exactly, or in push mode by base id when that is unambiguous.
+    /// The export a D message names: exactly, or in push mode by its transfer id, or by base id
+    /// when that is unambiguous.
     pub(super) fn resolve(&self, request: &RequestId) -> Option<RequestId> {
         if self.exports.contains_key(request) {
             return Some(request.clone());
         }
         if self.config.mode != Mode::Push {
             return None;
+        }
+        if let Some(id) = self.transfers.get(request).filter(|id| self.exports.contains_key(*id)) {
+            return Some(id.clone());
         }
         let candidates = self.by_base.get(&request.base())?;
         (candidates.len() == 1).then(|| candidates.first().expect("one").clone())

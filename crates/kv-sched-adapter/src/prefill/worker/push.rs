@@ -18,20 +18,21 @@ impl PrefillWorker {
             self.answer(&from, &Message::Abort { request: reg.request });
             return;
         }
-        if self.cancelled.contains(&(agent.clone(), reg.request.base())) {
+        if self.cancelled.contains(&(agent.clone(), reg.export.base())) {
             // It came after D's cancel, which P answered: no write, ever.
             self.counters.late_messages += 1;
             self.answer(&from, &Message::Abort { request: reg.request });
             return;
         }
-        let Some(id) = self.resolve(&reg.request) else {
-            if self.recent.contains(&reg.request) || self.recent.contains(&reg.request.base()) {
+        // P's request as D's handoff names it: its id, its transfer id, or its base id.
+        let Some(id) = self.resolve(&reg.export) else {
+            if self.recent.contains(&reg.export) || self.recent.contains(&reg.export.base()) {
                 self.counters.late_messages += 1;
                 self.answer(&from, &Message::Abort { request: reg.request });
             } else {
-                let request = reg.request.clone();
-                self.stage(now, from, request.clone(), Message::PushRegistration(reg));
-                if let Some(id) = self.computing_for(&request) {
+                let named = reg.export.clone();
+                self.stage(now, from, named.clone(), Message::PushRegistration(reg));
+                if let Some(id) = self.computing_for(&named) {
                     // P is computing it: the blocks finished so far can go now.
                     self.write_ahead(&id);
                 }
@@ -285,10 +286,15 @@ impl PrefillWorker {
         blocks: Vec<BlockId>,
         part: Option<LayerProgress>,
         consumer: Option<Consumer>,
+        transfer: Option<RequestId>,
     ) {
         if self.config.mode != Mode::Push || self.exports.contains_key(&request) || self.recent.contains(&request) {
             return;
         }
+        let transfer = match self.computing.get(&request) {
+            Some(computing) => computing.transfer.clone(),
+            None => self.pair(&request, transfer),
+        };
         let computing = self.computing.entry(request.clone()).or_insert_with(|| Computing {
             blocks: Vec::new(),
             whole: 0,
@@ -298,6 +304,7 @@ impl PrefillWorker {
             writing: BTreeMap::new(),
             stopped: BTreeSet::new(),
             abandoned: false,
+            transfer,
         });
         if computing.abandoned {
             return;
@@ -323,6 +330,9 @@ impl PrefillWorker {
     pub(super) fn computing_for(&self, request: &RequestId) -> Option<RequestId> {
         if self.computing.contains_key(request) {
             return Some(request.clone());
+        }
+        if let Some(id) = self.transfers.get(request).filter(|id| self.computing.contains_key(*id)) {
+            return Some(id.clone());
         }
         if self.config.mode != Mode::Push || self.by_base.contains_key(&request.base()) {
             return None;
@@ -426,7 +436,7 @@ impl PrefillWorker {
                     && reg.decode_engine == agent.engine
                     && reg.decode_rank == agent.rank
                     && reg.prefill_pp == self.offer.pp_size
-                    && !self.cancelled.contains(&(agent.clone(), reg.request.base()))
+                    && !self.cancelled.contains(&(agent.clone(), reg.export.base()))
             }
             _ => true,
         }
@@ -450,7 +460,10 @@ impl PrefillWorker {
     /// now on are late.
     pub(super) fn finish_abandon(&mut self, now: Time, id: &RequestId) {
         let by_base = self.unique_base(id);
-        self.computing.remove(id);
+        if let Some(transfer) = self.computing.remove(id).and_then(|c| c.transfer) {
+            self.transfers.remove(&transfer);
+            self.recent.insert(transfer, now);
+        }
         self.recent.insert(id.clone(), now);
         let staged = self.early.take(id, by_base, |_, early| matches!(early.message, Message::PushRegistration(_)));
         for (_, early) in staged {

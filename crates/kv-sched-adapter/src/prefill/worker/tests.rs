@@ -64,8 +64,8 @@ fn an_id_named_by_a_freed_export_is_refused_and_a_worker_that_still_remembers_it
     // releases it at once instead of dropping it: the scheduler would wait for ever.
     let deadline = expiry + config.kv_lease_duration;
     let prompt = Prompt::len_only(16);
-    let export =
-        PrefillCommand::Export { request: r1.clone(), blocks: vec![BlockId(3)], deadline, consumer: None, prompt };
+    let (request, blocks) = (r1.clone(), vec![BlockId(3)]);
+    let export = PrefillCommand::Export { request, blocks, deadline, consumer: None, prompt, transfer: None };
     worker.handle_command(expiry, export);
     assert_eq!(reports(&mut worker), vec![PrefillReport::Released { request: r1, reason: ReleaseReason::Aborted }]);
     assert_eq!(worker.book().exports, 0);
@@ -166,6 +166,7 @@ fn expired_leases_are_logged_at_warning_a_few_a_window_naming_request_and_engine
             deadline: now + config.kv_lease_duration,
             consumer: None,
             prompt: Prompt::len_only(16),
+            transfer: None,
         };
         worker.handle_command(now, command);
     };
