@@ -192,6 +192,22 @@ impl TransferParams {
     /// The export this request loads, if its parameters ask for a remote prefill: from
     /// kvflow's form or NixlConnector's pull form, checked against D's own request.
     pub fn resolve(self, arrival: &Arrival) -> Result<Option<RemoteRef>, HandoffError> {
+        match self.named(arrival)? {
+            Some((remote, p_block_size)) => check(remote, p_block_size, arrival).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The refusal of a request vLLM's serving layer turned away before admission (submitted
+    /// aborted, with a placeholder prompt, only so that P's blocks are freed): the export its
+    /// parameters name, whatever its prompt, to reject; `None` if they name none.
+    pub fn refused_before_admission(self, arrival: &Arrival) -> Result<Option<HandoffError>, HandoffError> {
+        let detail = "vLLM's serving layer refused the request before admission".to_owned();
+        Ok(self.named(arrival)?.map(|(remote, _)| refuse(HandoffRefusal::Refused, detail, Some(remote))))
+    }
+
+    /// The export the parameters name and P's block size, if they ask for a remote prefill.
+    fn named(self, arrival: &Arrival) -> Result<Option<(RemoteRef, u32)>, HandoffError> {
         if self.do_remote_prefill != Some(true) {
             return Ok(None);
         }
@@ -215,7 +231,7 @@ impl TransferParams {
                 None,
             ));
         };
-        check(remote, p_block_size, arrival).map(Some)
+        Ok(Some((remote, p_block_size)))
     }
 
     /// NixlConnector's pull form as kvflow's handoff: P's ranks at the port and those after it.

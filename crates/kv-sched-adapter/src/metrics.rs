@@ -128,7 +128,7 @@ pub const METRICS: &[MetricDoc] = &[
         HANDOFFS_REFUSED,
         "counter",
         &["reason"],
-        "D: handoffs it could not use (malformed, incomplete, other_prompt, block_count, block_size, unsupported_form, refused); it computes the prompt as kv_load_failure_policy says, and rejects the export named",
+        "D: handoffs it could not use (malformed, incomplete, other_prompt, block_count, block_size, unsupported_form; refused: the engine turned the request away before admission); it computes the prompt as kv_load_failure_policy says, and rejects the export named",
     ),
     doc(
         CLAIMS_REFUSED,

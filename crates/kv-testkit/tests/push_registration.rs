@@ -177,3 +177,30 @@ fn legs_under_their_own_ids_pair_by_transfer_id() {
     assert_eq!(cluster.held_blocks("prefill0"), 0);
     assert_ne!(cluster.decode_state("decode0", &d2).map(|s| s.as_str()), Some("ready"), "nothing came for it");
 }
+
+/// The same pairing when P is already computing the prompt as D registers (vLLM's push proxy
+/// sends both legs at once): the registration naming the transfer id waits for the export P
+/// registers under its own id, and P writes into it.
+#[test]
+fn a_registration_naming_a_transfer_id_while_p_computes_is_written() {
+    let scenario = Scenario::from_toml_str("name = \"pairing while P computes\"\n[cluster]\nmode = \"push\"\n")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut cluster = Cluster::new(cluster_config(&scenario, 0)).unwrap_or_else(|e| panic!("{e}"));
+    let (p1, d1, t1) = (RequestId::new("cmpl-aaaa-0"), RequestId::new("cmpl-bbbb-0"), RequestId::new("xfer-1"));
+    cluster.pair("prefill0", &p1, &t1).unwrap();
+    cluster.begin_prefill("prefill0", &p1, 64, None).unwrap();
+    cluster.progress("prefill0", &p1, 32).unwrap();
+    cluster.advance_to(Time::from_millis(20));
+    cluster.arrive("decode0", &d1, "prefill0", &t1, Some(64), None).unwrap();
+    cluster.advance_to(Time::from_millis(50));
+    cluster.schedule("decode0", &d1, false).unwrap();
+    cluster.advance_to(Time::from_millis(100));
+    cluster.progress("prefill0", &p1, 64).unwrap();
+    cluster.finish_prefill("prefill0", &p1).unwrap();
+    cluster.advance_to(Time::from_millis(600));
+
+    assert_eq!(cluster.decode_state("decode0", &d1).map(|s| s.as_str()), Some("ready"));
+    assert_eq!(cluster.release_reason("prefill0", &p1), Some(ReleaseReason::Transferred));
+    assert_eq!(cluster.corrupt_reads(), 0);
+    assert_eq!(cluster.held_blocks("prefill0"), 0);
+}

@@ -249,6 +249,22 @@ impl DecodeScheduler {
         }
     }
 
+    /// Request `request`, which vLLM's serving layer refused before admission (submitted aborted,
+    /// with a placeholder prompt, so that P's blocks are freed), came with `params` (JSON): the
+    /// export they name, if any, is rejected (reason `refused`), whatever the prompt. Returns
+    /// whether one was.
+    fn reject_unadmitted(&mut self, request: &str, params: &str) -> bool {
+        // The placeholder prompt is not checked: only the form matters.
+        let arrival = Arrival { mode: self.inner.mode(), prompt: Prompt::len_only(0), block_size: 1 };
+        let refused = serde_json::from_str::<TransferParams>(params)
+            .ok()
+            .and_then(|params| params.refused_before_admission(&arrival).ok().flatten());
+        if let Some(refused) = &refused {
+            self.inner.handle_refused(RequestId::new(request), refused);
+        }
+        refused.is_some()
+    }
+
     /// Request `request` arrived with P's handoff (`remote`, JSON) and waits for blocks; its
     /// prompt has `prompt_tokens` tokens (the handoff's count if not given) with ids
     /// `token_ids`, which the ranks' claims name.

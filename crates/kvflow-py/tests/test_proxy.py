@@ -204,6 +204,19 @@ def run(scenario: Any) -> None:
     asyncio.run(asyncio.wait_for(scenario, 20))
 
 
+def test_pull_with_nixl_fields_only_passes_d_what_a_rebuilding_router_does() -> None:
+    async def scenario() -> None:
+        async with cluster("pull", nixl_fields_only=True) as c:
+            status, answer = await c.post("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 4})
+            assert status == 200, answer
+            (d_leg,) = c.legs("D")
+            expected = {k: v for k, v in produced_params("P0").items() if k in proxy.NIXL_FIELDS}
+            assert d_leg.body["kv_transfer_params"] == expected
+            assert "kvflow" not in d_leg.body["kv_transfer_params"] and expected
+
+    run(scenario())
+
+
 @pytest.mark.parametrize(
     "path, body",
     [

@@ -200,3 +200,14 @@ fn nixl_push_connector_form_names_the_export_by_its_transfer_id_in_push_mode_onl
     assert_eq!(answer.clone().resolve(&arrival(Mode::Push)), Ok(Some(early)));
     assert_eq!(refusal(answer, Mode::Pull).reason, HandoffRefusal::UnsupportedForm);
 }
+
+#[test]
+fn a_request_refused_before_admission_rejects_what_it_names_whatever_its_prompt() {
+    // vLLM submits it with a placeholder prompt of one token.
+    let placeholder = Arrival { mode: Mode::Pull, prompt: Prompt::of_tokens(&[0]), block_size: 16 };
+    let answer = TransferParams::answer(&remote(), 16);
+    let refused = answer.refused_before_admission(&placeholder).unwrap().expect("names an export");
+    assert_eq!(refused.reason, HandoffRefusal::Refused);
+    assert_eq!(refused.remote.as_deref(), Some(&remote()), "rejected at P");
+    assert_eq!(params(serde_json::json!({})).refused_before_admission(&placeholder), Ok(None));
+}

@@ -30,6 +30,8 @@ URLs are a server's root (``http://host:port`` or ``host:port``, without ``/v1``
 
 Behaviour worth knowing:
 
+- ``--nixl-fields-only`` (pull): D gets only NixlConnector's fields of P's answer, without
+  kvflow's ``"kvflow"`` key, as a router that rebuilds them sends it; kvflow's D takes either.
 - Request ids: both legs get the same ``X-Request-Id`` (the client's, else a fresh uuid), so
   P and D log one id and push mode's ``remote_request_id`` names P's request.
   ``--no-request-id`` sends none; push mode's ``remote_request_id`` is then null and only
@@ -75,6 +77,11 @@ log = logging.getLogger("kvflow.proxy")
 MAX_BODY_BYTES = 16 * 1024 * 1024
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+# NixlConnector's fields of P's answer, which routers rebuild.
+NIXL_FIELDS = (
+    "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids", "remote_host",
+    "remote_port", "remote_request_id", "tp_size",
+)
 # P would refuse these beside max_tokens 1, and it prefills once whatever D samples.
 PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens", "n", "best_of")
 
@@ -98,6 +105,8 @@ class ProxyConfig:
     prefills: tuple[Prefill, ...]
     decodes: tuple[str, ...]
     request_id: bool = True
+    # Pull: pass D only NixlConnector's fields of P's answer, as routers that rebuild them do.
+    nixl_fields_only: bool = False
     timeout: float = 600.0
     max_body_bytes: int = MAX_BODY_BYTES
 
@@ -263,6 +272,8 @@ class Proxy:
         params = answer.get("kv_transfer_params")
         decode_body = {key: value for key, value in body.items() if key != "kv_transfer_params"}
         if isinstance(params, dict):
+            if self.config.nixl_fields_only:
+                params = {key: value for key, value in params.items() if key in NIXL_FIELDS}
             decode_body["kv_transfer_params"] = params
         else:
             log.warning(
@@ -493,6 +504,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", default=8000, type=_port, help="port to listen on (default 8000)")
     parser.add_argument("--no-request-id", action="store_true",
                         help="send no X-Request-Id upstream (default: the same id to both legs)")
+    parser.add_argument("--nixl-fields-only", action="store_true",
+                        help="pull: pass D only NixlConnector's fields of P's answer (no \"kvflow\" key), "
+                        "as routers that rebuild them do")
     parser.add_argument("--timeout", default=600.0, type=_seconds, metavar="SECONDS",
                         help="longest wait for an upstream's next bytes (default 600)")
     return parser
@@ -515,6 +529,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str, int
         prefills=tuple(args.prefill),
         decodes=tuple(args.decode),
         request_id=not args.no_request_id,
+        nixl_fields_only=args.nixl_fields_only,
         timeout=args.timeout,
     )
     return config, args.host, args.port

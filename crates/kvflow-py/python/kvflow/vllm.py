@@ -344,6 +344,12 @@ class KvflowConnector(KVConnectorBase_V1):
         except (TypeError, ValueError) as error:
             logger.warning("kvflow: %s's kv_transfer_params do not serialize (%r): computing it here", rid, error)
             return
+        if getattr(request, "abort_immediately", False):
+            # vLLM's serving layer refused the request before admission (a render error, a
+            # validation) and submits it aborted, with a placeholder prompt, only so that the
+            # connector can free P's blocks: D rejects it, and P frees them at once.
+            self._decode.reject_unadmitted(rid, text)
+            return
         tokens = request.prompt_token_ids
         outcome, value = self._decode.handoff(rid, text, request.num_prompt_tokens, tokens, self._block_size)
         if outcome == "refused":
@@ -353,12 +359,6 @@ class KvflowConnector(KVConnectorBase_V1):
         if outcome != "ok":
             return
         remote = value
-        if getattr(request, "abort_immediately", False):
-            # vLLM's serving layer refused the request before admission (a render error, a
-            # validation) and submits it aborted only so that the connector can free P's
-            # blocks: D rejects it, and P frees them at once.
-            self._decode.reject(rid, remote)
-            return
         parsed = json.loads(remote)
         export = (parsed["prefill"]["engine"], parsed["request"])
         leader = self._loading_export.get(export)

@@ -206,7 +206,8 @@ impl PrefillWorker {
                     // Staged: it claims the export when the export registers, and is answered then.
                     // Another engine's claim staged first would bind it instead, and this engine
                     // must not read on the strength of "not known yet": no answer until then.
-                    let contested = self.early.any(&request, |e| e.from.consumer != from.consumer);
+                    let key = self.staged_under(request.clone());
+                    let contested = self.early.any(&key, |e| e.from.consumer != from.consumer);
                     let message = match claim {
                         Some(claim) => Message::Claim(claim),
                         None => Message::Heartbeat { requests: vec![request.clone()] },

@@ -132,9 +132,18 @@ impl PrefillWorker {
         (candidates.len() == 1).then(|| candidates.first().expect("one").clone())
     }
 
+    /// Stages `message` about `request` until its export registers: under the request a
+    /// transfer id names, when it names one P computes (its export registers under that id).
     pub(super) fn stage(&mut self, now: Time, from: Claimant, request: RequestId, message: Message) {
+        let request = self.staged_under(request);
         self.counters.early_staged += 1;
         self.counters.early_evicted += self.early.push(now, request, Early { from, message });
+    }
+
+    /// The id messages about `request` are staged under: the request a transfer id names, else
+    /// `request` itself.
+    pub(super) fn staged_under(&self, request: RequestId) -> RequestId {
+        self.transfers.get(&request).cloned().unwrap_or(request)
     }
 
     /// Whether `from`'s incarnation is the one connected under its name now: a staged claim's

@@ -1,0 +1,284 @@
+"""kvflow as a vLLM user runs it: vLLM's OpenAI server (what ``vllm serve`` runs, with its
+default multiprocess engine core) for P and D, kvflow's proxy (``python -m kvflow.proxy``) in
+front, and a one-engine server beside as the reference, on a random model with a tokenizer
+of its own. Each set of completions (greedy, seeded sampling, ``n=2``, streaming, prompts
+sharing a prefix, chat; 6 at a time) must equal the reference's text, P must free every export
+as transferred (none expired or lost), and D must count the transferred tokens as external
+prefix-cache hits: in pull with kvflow's handoff and with NixlConnector's fields alone (as a
+router rebuilds them), and in push with vLLM's push-proxy parameters, with and without
+``X-Request-Id`` forwarded."""
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import run
+
+SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+HOST = "127.0.0.1"
+# HTTP ports of the servers and proxies, and side-channel ports (far from the other tests').
+REF, PULL_P, PULL_D, PUSH_P, PUSH_D = 8610, 8611, 8612, 8613, 8614
+PROXIES = {"pull": 8620, "pull-nixl": 8621, "pull-nixl-anon": 8622, "push": 8623, "push-anon": 8624}
+PUSH_ENGINE = "serve-push-p"
+
+
+@pytest.fixture(scope="module")
+def tokenized_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("served-model")
+    run("model.py", str(path), "--tokenizer")
+    return str(path)
+
+
+def kv_config(connector, role, **extra):
+    config = {
+        "kv_connector": connector,
+        "kv_connector_module_path": "kvflow.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"kv_lease_duration": 60},
+        "kv_load_failure_policy": "fail",
+    }
+    return json.dumps(dict(config, **extra))
+
+
+class Server:
+    """A process (group) that serves HTTP on ``port``: started at once, waited for with
+    ``ready``, and killed whole (vLLM's engine core and workers with it)."""
+
+    def __init__(self, name, port, argv, log_dir, env=None):
+        self.name, self.port = name, port
+        self.log = pathlib.Path(log_dir) / f"{name}.log"
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})), start_new_session=True
+            )
+
+    def ready(self, deadline):
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"{self.name} exited {self.process.returncode}:\n{self.log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(1)
+        pytest.fail(f"{self.name} did not answer within its deadline:\n{self.log.read_text()[-4000:]}")
+
+    def stop(self):
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+
+# vLLM's CPU workers pin themselves (and so kvflow's rank threads) to one core each, and
+# every engine on this two-core machine picks the same one, where its idle worker polls:
+# the side channel's handshake then starves past its 5 s. A real P or D has cores of its own.
+UNPINNED = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def vllm(name, model, port, log_dir, kv=None, env=None):
+    argv = [*SERVE, "--model", model, "--host", HOST, "--port", str(port), "--dtype", "float32",
+            "--enforce-eager", "--max-model-len", "1024", "--seed", "0", "--served-model-name", "tiny",
+            # vLLM's CPU backend reserves 92 % of memory by default; five servers share it here.
+            "--kv-cache-memory-bytes", str(128 << 20)]
+    if kv is not None:
+        argv += ["--kv-transfer-config", kv]
+    return Server(name, port, argv, log_dir, dict(UNPINNED, **(env or {})))
+
+
+def proxy(name, port, log_dir, *args):
+    argv = [sys.executable, "-m", "kvflow.proxy", "--port", str(port), *args]
+    return Server(name, port, argv, log_dir)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve-logs")
+
+
+@pytest.fixture(scope="module")
+def reference(tokenized_model, logs):
+    """One engine's texts for the batch, from a server of its own, stopped before the
+    disaggregated ones start (vLLM's idle workers poll, and the machine has two cores)."""
+    server = vllm("reference", tokenized_model, REF, logs)
+    try:
+        server.ready(time.monotonic() + 600)
+        return texts(REF, requests())
+    finally:
+        server.stop()
+
+
+def disaggregated(tokenized_model, logs, mode):
+    """P and D of `mode` (``pull`` or ``push``) and the proxies before them, started."""
+    side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "localhost"}
+    if mode == "pull":
+        started = [
+            vllm("pull-p", tokenized_model, PULL_P, logs, kv_config("KvflowConnector", "kv_producer"),
+                 dict(side, VLLM_NIXL_SIDE_CHANNEL_PORT="5800")),
+            vllm("pull-d", tokenized_model, PULL_D, logs, kv_config("KvflowConnector", "kv_consumer"),
+                 dict(side, VLLM_NIXL_SIDE_CHANNEL_PORT="5810")),
+        ]
+        pull = ["--mode", "pull", "--prefill", f"http://{HOST}:{PULL_P}", "--decode", f"http://{HOST}:{PULL_D}"]
+        started += [
+            proxy("pull", PROXIES["pull"], logs, *pull),
+            proxy("pull-nixl", PROXIES["pull-nixl"], logs, *pull, "--nixl-fields-only"),
+            proxy("pull-nixl-anon", PROXIES["pull-nixl-anon"], logs, *pull, "--nixl-fields-only", "--no-request-id"),
+        ]
+    else:
+        started = [
+            vllm("push-p", tokenized_model, PUSH_P, logs,
+                 kv_config("KvflowPushConnector", "kv_producer", engine_id=PUSH_ENGINE),
+                 dict(side, VLLM_NIXL_SIDE_CHANNEL_PORT="5820")),
+            vllm("push-d", tokenized_model, PUSH_D, logs, kv_config("KvflowPushConnector", "kv_consumer"),
+                 dict(side, VLLM_NIXL_SIDE_CHANNEL_PORT="5830")),
+        ]
+        push = ["--mode", "push", "--prefill", f"http://{HOST}:{PUSH_P}@{PUSH_ENGINE}@localhost:5820",
+                "--decode", f"http://{HOST}:{PUSH_D}"]
+        started += [
+            proxy("push", PROXIES["push"], logs, *push),
+            proxy("push-anon", PROXIES["push-anon"], logs, *push, "--no-request-id"),
+        ]
+    return started
+
+
+@pytest.fixture(scope="class")
+def servers(request, tokenized_model, logs, reference):
+    """The class's P and D and their proxies, up; stopped (whole process groups) after it."""
+    started = disaggregated(tokenized_model, logs, request.cls.MODE)
+    try:
+        deadline = time.monotonic() + 600
+        for server in started:
+            server.ready(deadline)
+        yield reference
+    finally:
+        for server in started:
+            server.stop()
+
+
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
+
+
+def prompt(i, words):
+    return " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(words))
+
+
+def requests():
+    """24 completions of every kind a client sends, each with its route."""
+    shared = prompt(99, 120)
+    out = []
+    for i in range(6):
+        out.append(("/v1/completions", {"prompt": prompt(i, 5 + 40 * i), "max_tokens": 12, "temperature": 0}))
+    for i in range(4):
+        body = {"prompt": prompt(10 + i, 30 + 20 * i), "max_tokens": 12, "temperature": 0.9, "seed": 100 + i}
+        out.append(("/v1/completions", body))
+    for i in range(4):
+        body = {"prompt": prompt(20 + i, 60), "max_tokens": 10, "n": 2, "temperature": 0.8, "seed": 200 + i}
+        out.append(("/v1/completions", body))
+    for i in range(4):
+        out.append(("/v1/completions", {"prompt": prompt(30 + i, 50), "max_tokens": 12, "temperature": 0, "stream": True}))
+    for i in range(4):
+        out.append(("/v1/completions", {"prompt": shared + " " + prompt(40 + i, 20), "max_tokens": 12, "temperature": 0}))
+    for i in range(2):
+        messages = [{"role": "user", "content": prompt(50 + i, 40)}]
+        out.append(("/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0}))
+    return [(route, dict(body, model="tiny")) for route, body in out]
+
+
+def post(port, route, body):
+    """The texts of the answer's choices (streamed ones joined), in choice order."""
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(f"http://{HOST}:{port}{route}", data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as answer:
+        raw = answer.read().decode()
+    if body.get("stream"):
+        texts = {}
+        for line in raw.splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] = texts.get(choice["index"], "") + (choice.get("text") or "")
+        return [texts[i] for i in sorted(texts)]
+    choices = sorted(json.loads(raw)["choices"], key=lambda c: c["index"])
+    return [c["text"] if "text" in c else c["message"]["content"] for c in choices]
+
+
+def texts(port, batch):
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        return list(pool.map(lambda r: post(port, *r), batch))
+
+
+def metrics(port):
+    """Counter samples of the server's Prometheus endpoint: ``{(name, labels): value}``."""
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=30) as answer:
+        lines = answer.read().decode().splitlines()
+    out = {}
+    for line in lines:
+        match = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if match:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+            key = (match.group(1), tuple(sorted((k, v) for k, v in labels.items() if k in ("reason",))))
+            out[key] = out.get(key, 0.0) + float(match.group(3))
+    return out
+
+
+def releases(samples):
+    return {dict(labels)["reason"]: v for (name, labels), v in samples.items() if name == "vllm:kvflow_releases_total"}
+
+
+def delta(after, before):
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def settle(port, expected, seconds=20):
+    """P's releases, once they add up to ``expected`` (its exports freed) or time is up."""
+    deadline = time.monotonic() + seconds
+    while True:
+        samples = metrics(port)
+        if sum(releases(samples).values()) >= expected or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.5)
+
+
+HITS = "vllm:external_prefix_cache_hits_total"
+
+
+def check_set(reference, via):
+    """The batch through proxy `via` equals one engine's texts; P frees every export as
+    transferred; D counts external prefix-cache hits."""
+    batch = requests()
+    p, d = (PULL_P, PULL_D) if via.startswith("pull") else (PUSH_P, PUSH_D)
+    p_before, d_before = metrics(p), metrics(d)
+    got = texts(PROXIES[via], batch)
+    mismatched = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
+    assert not mismatched, f"{via}: completions {mismatched} differ from one engine's: {[got[i] for i in mismatched]}"
+    freed = delta(releases(settle(p, sum(releases(p_before).values()) + len(batch))), releases(p_before))
+    assert freed == {"transferred": len(batch)}, f"{via}: P freed {freed}"
+    hits = metrics(d).get((HITS, ()), 0) - d_before.get((HITS, ()), 0)
+    assert hits > 0, f"{via}: D counted no external prefix-cache hits"
+
+
+class TestPull:
+    """Pull: kvflow's handoff, NixlConnector's fields alone, and those without a request id."""
+
+    MODE = "pull"
+
+    @pytest.mark.parametrize("via", ["pull", "pull-nixl", "pull-nixl-anon"])
+    def test_completions_equal_one_engine_and_every_export_is_transferred(self, servers, via):
+        check_set(servers, via)
+
+
+class TestPush:
+    """Push: vLLM's push-proxy parameters, with and without a request id."""
+
+    MODE = "push"
+
+    @pytest.mark.parametrize("via", ["push", "push-anon"])
+    def test_completions_equal_one_engine_and_every_export_is_transferred(self, servers, via):
+        check_set(servers, via)
