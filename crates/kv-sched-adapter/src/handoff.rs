@@ -1,16 +1,20 @@
 //! The handoff as a vLLM deployment sends it: the `kv_transfer_params` a request reaches D
 //! with, in whichever form the router or proxy wrote it, decided here (feature `serde`).
 //!
-//! Two forms are taken:
+//! Three forms are taken:
 //! - kvflow's own: P's answer passed on unchanged, whose `"kvflow"` key is the [`RemoteRef`]
 //!   (and `"kvflow_layout"` P's block size);
 //! - NixlConnector's pull form, which routers rebuild from P's answer without the `"kvflow"`
 //!   key: P's engine (`remote_engine_id`), its side channel (`remote_host`, `remote_port`,
 //!   where P's first rank listens and rank `r` at the port plus `r`), its request
-//!   (`remote_request_id`), blocks (`remote_block_ids`) and TP size (`tp_size`).
+//!   (`remote_request_id`), blocks (`remote_block_ids`) and TP size (`tp_size`);
+//! - NixlPushConnector's push form (push mode): P's engine and side channel as above, and the
+//!   `transfer_id` that pairs D's leg with P's (else `remote_request_id`), by which D's ranks
+//!   name the export P may not have computed yet (P's engine pairs its request with the
+//!   transfer id: `PrefillScheduler::handle_pairing`).
 //!
-//! NixlPushConnector's push form (P's coordinates and a `transfer_id`) is recognised and
-//! refused by name until P pairs registrations by it. Whatever the form, the handoff comes
+//! kvflow's form carries its version (`kvflow_version`, [`HANDOFF_VERSION`]); a newer one is
+//! refused by name. Whatever the form, the handoff comes
 //! through the client and is trusted for nothing: it says where to claim, and P's ranks lend
 //! their KV only to a claim that names the prompt (and the blocks) P computed. The checks here
 //! refuse early, with a reason, what cannot be this request's.
@@ -69,6 +73,9 @@ pub struct TransferParams {
     /// P's block and TP size beside kvflow's handoff.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kvflow_layout: Option<LayoutNote>,
+    /// The version of kvflow's form ([`HANDOFF_VERSION`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvflow_version: Option<u32>,
     /// NixlConnector: P's engine id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_engine_id: Option<String>,
@@ -174,6 +181,7 @@ impl TransferParams {
             do_remote_prefill: Some(true),
             do_remote_decode: Some(false),
             kvflow_layout: Some(LayoutNote { block_size, tp_size: remote.prefill.tp_size }),
+            kvflow_version: Some(HANDOFF_VERSION),
             remote_engine_id: Some(remote.prefill.engine.to_string()),
             remote_host: Some(host),
             remote_port: Some(port),
@@ -212,6 +220,10 @@ impl TransferParams {
             return Ok(None);
         }
         let (remote, p_block_size) = if let Some(remote) = self.kvflow.clone() {
+            if let Some(version) = self.kvflow_version.filter(|v| *v > HANDOFF_VERSION) {
+                let detail = format!("kvflow's handoff of version {version}; this engine reads {HANDOFF_VERSION}");
+                return Err(refuse(HandoffRefusal::UnsupportedForm, detail, Some(remote)));
+            }
             let block_size = self.kvflow_layout.map_or(arrival.block_size, |l| l.block_size);
             (remote, block_size)
         } else if self.remote_block_ids.is_some() {

@@ -53,15 +53,24 @@ fn p_answer_carries_both_forms_and_d_takes_it_back_unchanged() {
     assert_eq!(json["remote_request_id"], "cmpl-1");
     assert_eq!(json["remote_block_ids"], serde_json::json!([4, 5, 6]));
     assert_eq!(json["tp_size"], 2);
+    assert_eq!(json["kvflow_version"], HANDOFF_VERSION);
     assert_eq!(json["do_remote_prefill"], true);
     assert_eq!(json["kvflow"]["prompt_digest"], serde_json::Value::String(prompt().digest.unwrap().to_hex()));
     assert_eq!(params(json.clone()).resolve(&arrival(Mode::Pull)), Ok(Some(remote())));
 
     // A router that rebuilt NixlConnector's fields alone: the same P ranks, request and blocks,
     // and nothing the claim does not check again (incarnation, lease, digest).
+    let mut newer = json.clone();
+    newer["kvflow_version"] = serde_json::json!(HANDOFF_VERSION + 1);
+    let err = refusal(params(newer), Mode::Pull);
+    assert_eq!(err.reason, HandoffRefusal::UnsupportedForm);
+    assert!(err.detail.contains(&format!("version {}", HANDOFF_VERSION + 1)), "{err}");
+    assert!(err.remote.is_some(), "rejected at P");
+
     let mut rebuilt = json.as_object().unwrap().clone();
     rebuilt.remove("kvflow");
     rebuilt.remove("kvflow_layout");
+    rebuilt.remove("kvflow_version");
     let taken = params(rebuilt.into()).resolve(&arrival(Mode::Pull)).unwrap().expect("a handoff");
     assert_eq!(taken.prefill, remote().prefill);
     assert_eq!(taken.request, remote().request);
