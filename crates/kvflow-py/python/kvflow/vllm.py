@@ -333,7 +333,8 @@ class KvflowConnector(KVConnectorBase_V1):
             return
         rid = request.request_id
         # The parameters come from the client, in whichever form its router wrote them
-        # (kvflow's own, or NixlConnector's pull form): kvflow's Rust side decides what they
+        # (kvflow's own, NixlConnector's pull form or NixlPushConnector's push form): kvflow's
+        # Rust side decides what they
         # name and whether they fit this request (its prompt's length and tokens, P's blocks and
         # block size). One that does not is logged, counted and rejected (P frees what it
         # names at once), and the prompt computed here; never an exception in vLLM's scheduler.
@@ -369,7 +370,12 @@ class KvflowConnector(KVConnectorBase_V1):
             self._followers[rid] = leader
             return
         # D's ranks claim the export, naming this prompt, and renew its lease while it waits.
-        self._decode.arrive(rid, remote, request.num_prompt_tokens, tokens)
+        try:
+            self._decode.arrive(rid, remote, request.num_prompt_tokens, tokens)
+        except ValueError as error:
+            # (A request id D tracks already, say.) Computed here, never an exception in vLLM.
+            logger.warning("kvflow: %s is not loaded (%s): computing it here", rid, error)
+            return
         self._tracked[rid] = export
         self._loading_export[export] = rid
 
