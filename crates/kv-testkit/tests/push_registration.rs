@@ -4,7 +4,7 @@
 //! pipeline stages than P has is refused, and so is one that names another prompt than P
 //! computed (P writes nothing into it and frees the export at once).
 
-use kv_core::{EngineId, Message, Prompt, PushRegistration, RequestId, Time};
+use kv_core::{BlockId, EngineId, Message, Prompt, PushRegistration, RequestId, Time};
 use kv_sched_adapter::ReleaseReason;
 use kv_testkit::cluster::Cluster;
 use kv_testkit::scenario::runner::{apply, cluster_config};
@@ -39,22 +39,28 @@ fn registered_r1() -> Cluster {
     cluster
 }
 
-#[test]
-fn a_registration_sent_twice_is_a_duplicate_and_p_writes_once() {
-    let mut cluster = registered_r1();
-    let r1 = RequestId::new("r1");
-    let blocks = cluster.decode_blocks("decode0", &r1).expect("decode0 is loading r1");
-    let again = Message::PushRegistration(PushRegistration {
-        request: r1.clone(),
-        export: r1.clone(),
+/// decode0's rank 0 (of 1) registering `blocks` for `request` (its own id and the export's), for
+/// a P of `prefill_pp` stages and a prompt of `tokens` tokens.
+fn registration(request: &RequestId, blocks: Vec<BlockId>, prefill_pp: u32, tokens: u64) -> Message {
+    Message::PushRegistration(PushRegistration {
+        request: request.clone(),
+        export: request.clone(),
         decode_engine: EngineId::new("decode0"),
         decode_rank: 0,
         decode_tp: 1,
         blocks,
         first_block: 0,
-        prefill_pp: 1,
-        prompt: Prompt::len_only(64),
-    });
+        prefill_pp,
+        prompt: Prompt::len_only(tokens),
+    })
+}
+
+#[test]
+fn a_registration_sent_twice_is_a_duplicate_and_p_writes_once() {
+    let mut cluster = registered_r1();
+    let r1 = RequestId::new("r1");
+    let blocks = cluster.decode_blocks("decode0", &r1).expect("decode0 is loading r1");
+    let again = registration(&r1, blocks, 1, 64);
     cluster.send_as("decode0", "prefill0", &again).unwrap();
     cluster.advance_to(Time::from_millis(300));
     let duplicates_before = cluster.engine_counters("prefill0").duplicate_messages;
@@ -82,17 +88,7 @@ fn a_registration_counting_other_pipeline_stages_is_refused_and_nothing_is_writt
     let mut cluster = registered_r1();
     let (r1, r2) = (RequestId::new("r1"), RequestId::new("r2"));
     let blocks = cluster.decode_blocks("decode0", &r1).expect("decode0 is loading r1");
-    let miscounted = Message::PushRegistration(PushRegistration {
-        request: r2.clone(),
-        export: r2.clone(),
-        decode_engine: EngineId::new("decode0"),
-        decode_rank: 0,
-        decode_tp: 1,
-        blocks,
-        first_block: 0,
-        prefill_pp: 2,
-        prompt: Prompt::len_only(64),
-    });
+    let miscounted = registration(&r2, blocks, 2, 64);
     let malformed_before = cluster.engine_counters("prefill0").malformed;
     cluster.send_as("decode0", "prefill0", &miscounted).unwrap();
     cluster.advance_to(Time::from_millis(300));
@@ -117,17 +113,8 @@ fn a_registration_counting_other_pipeline_stages_is_refused_and_nothing_is_writt
 fn a_registration_for_another_prompt_is_refused_and_the_export_freed_at_once() {
     let mut cluster = registered_r1();
     let r2 = RequestId::new("r2");
-    let other = Message::PushRegistration(PushRegistration {
-        request: r2.clone(),
-        export: r2.clone(),
-        decode_engine: EngineId::new("decode0"),
-        decode_rank: 0,
-        decode_tp: 1,
-        blocks: cluster.decode_blocks("decode0", &RequestId::new("r1")).expect("decode0 is loading r1"),
-        first_block: 0,
-        prefill_pp: 1,
-        prompt: Prompt::len_only(48),
-    });
+    let blocks = cluster.decode_blocks("decode0", &RequestId::new("r1")).expect("decode0 is loading r1");
+    let other = registration(&r2, blocks, 1, 48);
     cluster.send_as("decode0", "prefill0", &other).unwrap();
     cluster.advance_to(Time::from_millis(300));
     let refused_before = cluster.engine_counters("prefill0").claims_refused;

@@ -634,11 +634,11 @@ impl DecodeWorker {
         while let Some((peer, ids)) = self.heartbeats.poll(now) {
             // A request this P rank has not answered `Held` yet is claimed again (the claim, or
             // its answer, may have been lost); the others are renewed.
-            let (claims, renewals): (Vec<RequestId>, Vec<RequestId>) =
-                ids.into_iter().partition(|id| self.unclaimed(&peer, id).is_some());
-            for id in claims {
-                if let Some(claim) = self.unclaimed(&peer, &id) {
-                    self.send_to(&peer, Message::Claim(claim));
+            let mut renewals = Vec::with_capacity(ids.len());
+            for id in ids {
+                match self.unclaimed(&peer, &id) {
+                    Some(claim) => self.send_to(&peer, Message::Claim(claim)),
+                    None => renewals.push(id),
                 }
             }
             // Request ids are at most 256 bytes, so 200 per frame stay under the size limit.

@@ -396,6 +396,16 @@ impl PrefillWorker {
         Some(transfer)
     }
 
+    /// Request `id`, named by `transfer` too if paired, is released: later messages naming
+    /// either are late, and the transfer id names nothing any more.
+    fn remember_released(&mut self, now: Time, id: &RequestId, transfer: Option<RequestId>) {
+        self.recent.insert(id.clone(), now);
+        if let Some(transfer) = transfer {
+            self.transfers.remove(&transfer);
+            self.recent.insert(transfer, now);
+        }
+    }
+
     /// A command from the scheduler.
     pub fn handle_command(&mut self, now: Time, command: PrefillCommand) {
         self.reap_expired(now);
@@ -596,11 +606,7 @@ impl PrefillWorker {
                 self.by_base.remove(&id.base());
             }
         }
-        self.recent.insert(id.clone(), now);
-        if let Some(transfer) = &export.transfer {
-            self.transfers.remove(transfer);
-            self.recent.insert(transfer.clone(), now);
-        }
+        self.remember_released(now, id, export.transfer.clone());
         // Push: D ranks that registered and got no write, or asked to cancel, learn that none will come.
         for (agent, reg) in &export.registrations {
             if !export.written.contains(agent) && self.peers.contains_key(agent) {

@@ -163,6 +163,15 @@ impl PrefillWorker {
         })
     }
 
+    /// Refuses `from`'s claim (or push registration) of export `id`, which names another prompt
+    /// or other blocks (`why`): logged, counted, and the export released (`rejected`); the
+    /// caller answers.
+    pub(super) fn refuse_claim(&mut self, now: Time, id: &RequestId, from: &Claimant, why: &str) {
+        self.warnings.claim_refused(now, id, &from.consumer, why);
+        self.counters.claims_refused += 1;
+        self.release(now, id, ReleaseReason::Rejected);
+    }
+
     /// Renews (and, the first time, binds to `from`) the exports `requests` name; each with a
     /// claim is checked first, and one that names another prompt or other blocks than P's
     /// export releases it (`rejected`) and is answered `Refused`.
@@ -177,9 +186,7 @@ impl PrefillWorker {
                 _ => None,
             };
             if let (Some(why), Some(id)) = (refused, &resolved) {
-                self.warnings.claim_refused(now, id, &from.consumer, &why);
-                self.counters.claims_refused += 1;
-                self.release(now, id, ReleaseReason::Rejected);
+                self.refuse_claim(now, id, &from, &why);
                 renewals.push(Renewal { request, lease: LeaseState::Refused });
                 continue;
             }

@@ -43,9 +43,7 @@ impl PrefillWorker {
         if let Some(why) = self.claim_mismatch(&id, &from, &claim) {
             // D's prompt is not the one P computed: no write (the answer waits for any write
             // ahead into D's blocks, which D then never decodes from), and the export goes.
-            self.warnings.claim_refused(now, &id, &from.consumer, &why);
-            self.counters.claims_refused += 1;
-            self.release(now, &id, ReleaseReason::Rejected);
+            self.refuse_claim(now, &id, &from, &why);
             self.answer_abort(Some(&id), &from, reg.request);
             return;
         }
@@ -460,11 +458,8 @@ impl PrefillWorker {
     /// now on are late.
     pub(super) fn finish_abandon(&mut self, now: Time, id: &RequestId) {
         let by_base = self.unique_base(id);
-        if let Some(transfer) = self.computing.remove(id).and_then(|c| c.transfer) {
-            self.transfers.remove(&transfer);
-            self.recent.insert(transfer, now);
-        }
-        self.recent.insert(id.clone(), now);
+        let transfer = self.computing.remove(id).and_then(|c| c.transfer);
+        self.remember_released(now, id, transfer);
         let staged = self.early.take(id, by_base, |_, early| matches!(early.message, Message::PushRegistration(_)));
         for (_, early) in staged {
             if let Message::PushRegistration(reg) = early.message {
