@@ -113,10 +113,36 @@ pub trait Memory: Send {
     fn write(&mut self, region: RegionId, offset: u64, data: &[u8]) -> Result<(), MemoryError>;
 }
 
-/// Where to reach a peer's side channel: `host:port` for NIXL, an agent name for the fake.
+/// Where to reach a peer's side channel: `host:port` (a port of the rank's own) or
+/// `host:port/tpRANK` (one rank of an engine whose ranks share a port, [`PeerAddress::of_rank`])
+/// over TCP, an agent name for the fake.
 #[derive(Clone, PartialEq, Eq, Hash, Debug, serde::Serialize, serde::Deserialize)]
 #[serde(transparent)]
 pub struct PeerAddress(pub String);
+
+impl PeerAddress {
+    /// The address of TP rank `rank` of an engine whose ranks share one side-channel port at
+    /// `host_port` (`host:port`): `host:port/tpRANK`. The HELLO names the rank, and the
+    /// engine's process that accepts hands the connection to that rank's process.
+    pub fn of_rank(host_port: &str, rank: u32) -> PeerAddress {
+        PeerAddress(format!("{host_port}/tp{rank}"))
+    }
+
+    /// What a side channel dials, and the rank its HELLO asks for: `host:port/tpRANK` names
+    /// rank RANK of an engine whose ranks share the port; `host:port` asks for whichever rank
+    /// listens there (a port of its own), `None`.
+    pub fn side_target(&self) -> (&str, Option<u32>) {
+        match self.0.rsplit_once("/tp") {
+            Some((host_port, rank)) if !host_port.is_empty() && rank.bytes().all(|b| b.is_ascii_digit()) => {
+                match rank.parse::<u32>() {
+                    Ok(rank) if rank != u32::MAX => (host_port, Some(rank)),
+                    _ => (&self.0, None),
+                }
+            }
+            _ => (&self.0, None),
+        }
+    }
+}
 
 impl fmt::Display for PeerAddress {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -608,6 +634,19 @@ mod tests {
         let never = Err(TransportError::InvalidTransfer(format!("{of_p:?} was never prepared")));
         assert_eq!(lists.get(of_p, Some(&p)), never, "a lost peer's lists are gone");
         assert_eq!((lists.len(), lists.get(of_q, Some(&q))), (2, Ok(&"q's")));
+    }
+
+    #[test]
+    fn an_address_names_a_rank_of_a_shared_port_or_none() {
+        let shared = PeerAddress::of_rank("10.0.0.1:5600", 3);
+        assert_eq!(shared.0, "10.0.0.1:5600/tp3");
+        assert_eq!(shared.side_target(), ("10.0.0.1:5600", Some(3)));
+        assert_eq!(PeerAddress::of_rank("[::1]:5600", 0).side_target(), ("[::1]:5600", Some(0)));
+        assert_eq!(PeerAddress("10.0.0.1:5600".into()).side_target(), ("10.0.0.1:5600", None));
+        // What is not a rank stays part of the address, which then does not resolve.
+        for odd in ["h:1/tp", "h:1/tpx", "h:1/tp-1", "h:1/tp4294967295", "/tp1"] {
+            assert_eq!(PeerAddress(odd.into()).side_target(), (odd, None), "{odd}");
+        }
     }
 
     #[test]

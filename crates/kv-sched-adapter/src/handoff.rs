@@ -291,9 +291,10 @@ impl TransferParams {
         })
     }
 
-    /// P's engine as NixlConnector's forms name it: its id, and its ranks' side channels at
-    /// `remote_port` and the ports after it, one per rank (`tp_size` times `pp_size`); `form`
-    /// and the other fields it needs (`more`: name, absent) name what is missing.
+    /// P's engine as NixlConnector's forms name it: its id, and its ranks' side channels, all
+    /// at `remote_port` (one port per engine, shared by its `tp_size` times `pp_size` ranks,
+    /// each dialed as `host:port/tpRANK`); `form` and the other fields it needs (`more`: name,
+    /// absent) name what is missing.
     fn coordinates(&self, form: &str, more: &[(&'static str, bool)]) -> Result<PrefillEngine, HandoffError> {
         let missing: Vec<&str> = [
             ("remote_engine_id", self.remote_engine_id.is_none()),
@@ -314,8 +315,8 @@ impl TransferParams {
         }
         let ranks = tp * pp;
         let port = self.remote_port.expect("checked");
-        if port == 0 || port + ranks - 1 > u64::from(u16::MAX) {
-            return Err(malformed(format!("remote_port {port} with {ranks} ranks runs past port 65535")));
+        if port == 0 || port > u64::from(u16::MAX) {
+            return Err(malformed(format!("remote_port {port} is not a port (1 to 65535)")));
         }
         let host = self.remote_host.as_deref().expect("checked");
         if host.is_empty() || host.len() > 253 || host.chars().any(|c| c.is_whitespace() || c == '/') {
@@ -328,7 +329,7 @@ impl TransferParams {
         let host = if host.contains(':') { format!("[{host}]") } else { host.to_owned() };
         Ok(PrefillEngine {
             engine: EngineId::new(engine),
-            addresses: (0..ranks).map(|r| PeerAddress(format!("{host}:{}", port + r))).collect(),
+            addresses: (0..ranks as u32).map(|r| PeerAddress::of_rank(&format!("{host}:{port}"), r)).collect(),
             tp_size: tp as u32,
             pp_size: pp as u32,
         })
@@ -359,7 +360,7 @@ impl TransferParams {
 
 /// `host:port` split; an address without a port has port 0.
 fn split_address(address: &PeerAddress) -> (String, u64) {
-    match address.0.rsplit_once(':') {
+    match address.side_target().0.rsplit_once(':') {
         Some((host, port)) => {
             (host.trim_start_matches('[').trim_end_matches(']').to_owned(), port.parse().unwrap_or_default())
         }

@@ -34,7 +34,7 @@ use kv_core::side::{
 };
 use kv_core::{AgentName, Clock, Handshake, PeerAddress, TransportError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{mpsc, oneshot, Notify};
 
 /// Sockets beyond the endpoint's own bounds: outgoing connections in flight, and slack.
@@ -144,7 +144,7 @@ impl Io {
     }
 }
 
-struct Shared {
+pub(crate) struct Shared {
     io: Mutex<Io>,
     clock: Arc<dyn Clock>,
     /// How long a connection we open may take to connect.
@@ -221,15 +221,48 @@ pub struct SideChannel {
     shared: Arc<Shared>,
     runtime: tokio::runtime::Handle,
     local: SocketAddr,
+    /// What peers dial: `local`, or `local` naming this rank on a shared port.
+    address: PeerAddress,
     shutdown: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl SideChannel {
     /// Binds the listener on the calling thread (so that a bad address fails here), then
-    /// starts the socket thread.
+    /// starts the socket thread: a port of this rank's own.
     pub fn start(
         bind: SocketAddr,
+        key: ClusterKey,
+        limits: SideLimits,
+        offer: Handshake,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, TransportError> {
+        Self::start_on(bind, PortPlan::Own, key, limits, offer, clock)
+    }
+
+    /// Starts a side channel at `bind` as `plan` says: a port of this rank's own, as
+    /// [`SideChannel::start`], or a port the engine's ranks share (see [`crate::shared`]), where
+    /// this rank takes the connections whose HELLO asks for its rank (and comes from the other
+    /// role), handed to it by the process that accepts on the port (this one if `accept`).
+    /// Peers dial [`SideChannel::address`]. A shared port fails, naming it, if it is 0, if this
+    /// rank is taken on this host, or (`accept`) if the port is.
+    pub fn start_on(
+        bind: SocketAddr,
+        plan: PortPlan,
+        key: ClusterKey,
+        limits: SideLimits,
+        offer: Handshake,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, TransportError> {
+        let listen = match plan {
+            PortPlan::Own => Listen::Own(bind),
+            PortPlan::Shared { accept } => Listen::Shared { port: bind, accept },
+        };
+        Self::launch(listen, key, limits, offer, clock)
+    }
+
+    fn launch(
+        listen: Listen,
         key: ClusterKey,
         limits: SideLimits,
         offer: Handshake,
@@ -238,12 +271,33 @@ impl SideChannel {
         let max_sockets = Stage::ALL.len() * limits.max_unauthenticated + limits.max_peers + SOCKET_SLACK;
         let max_queued = limits.max_queued_events;
         let connect_timeout = limits.auth_timeout;
+        let (role, rank) = (offer.role, offer.rank);
         let side = SideEndpoint::new(SideConfig { key, limits }, offer)
             .map_err(|e| TransportError::Backend(format!("side channel: {e}")))?;
-        let listener = crate::listen(bind)
-            .map_err(|e| TransportError::backend(format!("side channel cannot listen on {bind}"), e))?;
-        let local = listener.local_addr().map_err(|e| TransportError::backend("side channel", e))?;
-        listener.set_nonblocking(true).map_err(|e| TransportError::backend("side channel", e))?;
+        let tcp = |bind: SocketAddr| -> Result<std::net::TcpListener, TransportError> {
+            let listener = crate::listen(bind)
+                .map_err(|e| TransportError::backend(format!("side channel cannot listen on {bind}"), e))?;
+            listener.set_nonblocking(true).map_err(|e| TransportError::backend("side channel", e))?;
+            Ok(listener)
+        };
+        let shared_port = matches!(listen, Listen::Shared { .. });
+        let (local, own, intake, dispatch) = match listen {
+            Listen::Own(bind) => {
+                let listener = tcp(bind)?;
+                let local = listener.local_addr().map_err(|e| TransportError::backend("side channel", e))?;
+                (local, Some(listener), None, None)
+            }
+            Listen::Shared { port, .. } if port.port() == 0 => {
+                return Err(TransportError::Backend(format!(
+                "side channel: a port the engine's ranks share must be given ({port} lets each process pick its own)"
+            )))
+            }
+            Listen::Shared { port, accept } => {
+                let intake = crate::shared::bind_intake(port, role, rank)?;
+                let dispatch = if accept { Some(tcp(port)?) } else { None };
+                (port, None, Some(intake), dispatch)
+            }
+        };
         let io = Io {
             side,
             sockets: HashMap::new(),
@@ -272,14 +326,35 @@ impl SideChannel {
                 };
                 let _ = started.send(Ok(runtime.handle().clone()));
                 runtime.block_on(async move {
-                    let listener = match TcpListener::from_std(listener) {
-                        Ok(listener) => listener,
+                    let deadline = connect_timeout;
+                    let (own, intake, dispatch) = match registered(own, intake, dispatch) {
+                        Ok(listeners) => listeners,
                         Err(e) => return tracing::error!(error = %e, "side channel listener"),
+                    };
+                    let own = async {
+                        match own {
+                            Some(listener) => serve(listener, serving.clone()).await,
+                            None => std::future::pending().await,
+                        }
+                    };
+                    let intake = async {
+                        match intake {
+                            Some(listener) => crate::shared::intake(listener, serving.clone(), deadline).await,
+                            None => std::future::pending().await,
+                        }
+                    };
+                    let dispatch = async {
+                        match dispatch {
+                            Some(listener) => crate::shared::dispatch(listener, local, deadline).await,
+                            None => std::future::pending().await,
+                        }
                     };
                     tokio::select! {
                         _ = stop => {}
-                        _ = serve(listener, serving.clone()) => {}
-                        _ = timer(serving) => {}
+                        _ = own => {}
+                        _ = intake => {}
+                        _ = dispatch => {}
+                        _ = timer(serving.clone()) => {}
                     }
                 });
                 // On its own thread, this ends every task and socket; a name lookup that is
@@ -292,7 +367,9 @@ impl SideChannel {
             .map_err(|_| TransportError::Backend("side channel thread ended at start".into()))?
             .map_err(TransportError::Backend)?;
         tracing::debug!(%local, "side channel listening");
-        Ok(SideChannel { shared, runtime, local, shutdown: Some(shutdown), thread: Some(thread) })
+        let address =
+            if shared_port { PeerAddress::of_rank(&local.to_string(), rank) } else { PeerAddress(local.to_string()) };
+        Ok(SideChannel { shared, runtime, local, address, shutdown: Some(shutdown), thread: Some(thread) })
     }
 
     /// Replaces the offer that handshakes from now on send.
@@ -305,13 +382,19 @@ impl SideChannel {
         self.shared.lock().side.offer().clone()
     }
 
-    /// Where the listener listens.
+    /// Where the listener listens (a shared port: the port).
     pub fn local_addr(&self) -> SocketAddr {
         self.local
     }
 
-    /// Starts a handshake with the listener at `address` (`host:port`); the outcome comes as
-    /// an event.
+    /// What peers dial to reach this rank: `host:port`, or `host:port/tpRANK` on a port the
+    /// engine's ranks share.
+    pub fn address(&self) -> &PeerAddress {
+        &self.address
+    }
+
+    /// Starts a handshake with the listener at `address` (`host:port`, or `host:port/tpRANK`
+    /// for one rank of an engine whose ranks share the port); the outcome comes as an event.
     pub fn connect(&self, address: &PeerAddress) -> Result<(), TransportError> {
         let nonce = nonce()?;
         // Our own connections are not held to the socket bound: the engine asks for them.
@@ -322,7 +405,8 @@ impl SideChannel {
         let shared = self.shared.clone();
         let address = address.clone();
         self.runtime.spawn(async move {
-            match tokio::time::timeout(shared.connect_timeout, TcpStream::connect(address.0.as_str())).await {
+            let dial = address.side_target().0;
+            match tokio::time::timeout(shared.connect_timeout, TcpStream::connect(dial)).await {
                 Ok(Ok(stream)) => {
                     let _ = stream.set_nodelay(true);
                     run_socket(stream, conn, outgoing, Vec::new(), shared).await;
@@ -443,6 +527,44 @@ impl Drop for SideChannel {
     }
 }
 
+/// Whether a side channel listens on a port of its rank's own or on one that the engine's
+/// ranks share ([`crate::shared`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum PortPlan {
+    /// A port of the rank's own: peers dial `host:port`.
+    #[default]
+    Own,
+    /// A port the engine's ranks share: peers dial `host:port/tpRANK`. `accept` for the one
+    /// process that accepts on the port for them all (rank 0's).
+    Shared {
+        /// Whether this process accepts on the port.
+        accept: bool,
+    },
+}
+
+/// How a side channel listens.
+enum Listen {
+    /// A port of this rank's own.
+    Own(SocketAddr),
+    /// A port the engine's ranks share; `accept`: this process accepts on it for them all.
+    Shared { port: SocketAddr, accept: bool },
+}
+
+type Listeners = (Option<TcpListener>, Option<UnixListener>, Option<TcpListener>);
+
+/// The listeners bound on the caller's thread, registered with the socket thread's runtime.
+fn registered(
+    own: Option<std::net::TcpListener>,
+    intake: Option<std::os::unix::net::UnixListener>,
+    dispatch: Option<std::net::TcpListener>,
+) -> std::io::Result<Listeners> {
+    Ok((
+        own.map(TcpListener::from_std).transpose()?,
+        intake.map(UnixListener::from_std).transpose()?,
+        dispatch.map(TcpListener::from_std).transpose()?,
+    ))
+}
+
 /// Accepts connections for as long as the channel lives.
 async fn serve(listener: TcpListener, shared: Arc<Shared>) {
     loop {
@@ -460,21 +582,25 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>) {
                 continue;
             }
         };
-        let Ok(nonce) = nonce() else { continue };
-        let source = from.ip();
-        let Some((conn, mut outgoing)) =
-            shared.open(true, |side, now, conn| side.handle_accept(now, conn, source, nonce))
-        else {
-            tracing::debug!(%from, "side channel at its socket bound; closed");
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        // A real engine's HELLO is in by the time its connection is accepted: take it now, and
-        // answer, so that the connection is greeted (ranked above silent ones) before the next
-        // accept can displace it, rather than once its task first runs.
-        let unsent = greet_at_once(&stream, conn, &mut outgoing, &shared);
-        tokio::spawn(run_socket(stream, conn, outgoing, unsent, shared.clone()));
+        admit(stream, from, &shared);
     }
+}
+
+/// Gives the endpoint a connection accepted from `from` (on our port, or handed over by the
+/// process that accepts on a port the engine's ranks share), and runs its socket.
+pub(crate) fn admit(stream: TcpStream, from: SocketAddr, shared: &Arc<Shared>) {
+    let Ok(nonce) = nonce() else { return };
+    let source = from.ip();
+    let Some((conn, mut outgoing)) = shared.open(true, |side, now, conn| side.handle_accept(now, conn, source, nonce))
+    else {
+        return tracing::debug!(%from, "side channel at its socket bound; closed");
+    };
+    let _ = stream.set_nodelay(true);
+    // A real engine's HELLO is in by the time its connection is accepted: take it now, and
+    // answer, so that the connection is greeted (ranked above silent ones) before the next
+    // accept can displace it, rather than once its task first runs.
+    let unsent = greet_at_once(&stream, conn, &mut outgoing, shared);
+    tokio::spawn(run_socket(stream, conn, outgoing, unsent, shared.clone()));
 }
 
 /// Feeds the endpoint what arrived on a connection just accepted, and writes what it answered

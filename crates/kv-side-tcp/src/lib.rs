@@ -53,8 +53,9 @@
 
 mod channel;
 mod key;
+pub mod shared;
 
-pub use channel::{nonce, Item, NotificationOpener, SideChannel, SideProbe, SideStatus};
+pub use channel::{nonce, Item, NotificationOpener, PortPlan, SideChannel, SideProbe, SideStatus};
 
 /// How many connections the kernel queues for a listener of [`listen`] before it accepts them
 /// (the kernel caps it at `net.core.somaxconn`, 4096 by default).

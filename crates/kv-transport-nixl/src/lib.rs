@@ -56,7 +56,7 @@ mod transport;
 
 use std::path::PathBuf;
 
-pub use kv_side_tcp::{KeySource, SideProbe, SideStatus};
+pub use kv_side_tcp::{KeySource, PortPlan, SideProbe, SideStatus};
 
 pub use drain::{DRAIN_BUSY_PERIOD, DRAIN_IDLE_PERIOD};
 pub use inbox::{

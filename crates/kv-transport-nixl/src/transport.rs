@@ -21,7 +21,7 @@ use nixl_sys::{
 
 use crate::drain::{Drainer, Fetcher};
 use crate::metadata::{self, mem_type, Registration, TypedRanges};
-use kv_side_tcp::{Item, KeySource, SideChannel, SideProbe, SideStatus};
+use kv_side_tcp::{Item, KeySource, PortPlan, SideChannel, SideProbe, SideStatus};
 
 use crate::{runtime, NixlError};
 
@@ -65,6 +65,9 @@ pub struct NixlConfig {
     /// Where the side channel listens (loopback and port 5600 unless configured). Without a
     /// key it must be a loopback address.
     pub bind: SocketAddr,
+    /// Whether `bind` is this rank's own port or one the engine's ranks share (peers then dial
+    /// `host:port/tpRANK`); its own unless configured.
+    pub port_plan: PortPlan,
     /// Where the cluster key is read from when the transport is made (none: loopback only).
     pub key: KeySource,
     /// The side channel's bounds and handshake deadline.
@@ -101,6 +104,7 @@ impl Default for NixlConfig {
     fn default() -> Self {
         NixlConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], DEFAULT_SIDE_CHANNEL_PORT)),
+            port_plan: PortPlan::Own,
             key: KeySource::None,
             side_limits: SideLimits::default(),
             ucx_workers: None,
@@ -312,7 +316,7 @@ impl NixlTransport {
         let nixl_md = agent.get_local_md().map_err(|e| NixlError::Agent(format!("local metadata: {e}")))?;
         offer.agent_metadata =
             metadata::encode(&[], &nixl_md).map_err(|e| NixlError::Agent(format!("local metadata: {e}")))?;
-        let side = SideChannel::start(config.bind, key, config.side_limits.clone(), offer, clock)?;
+        let side = SideChannel::start_on(config.bind, config.port_plan, key, config.side_limits.clone(), offer, clock)?;
         let fetcher = Arc::new(Fetcher::new(agent.clone(), side.opener()));
         let drainer = Drainer::start(fetcher.clone())
             .map_err(|e| NixlError::Agent(format!("the notification drainer's thread: {e}")))?;
@@ -340,9 +344,15 @@ impl NixlTransport {
         })
     }
 
-    /// Where the side channel listens: give it to peers as `host:port`.
+    /// Where the side channel listens (on a shared port: the port).
     pub fn side_channel_addr(&self) -> SocketAddr {
         self.side.local_addr()
+    }
+
+    /// What peers dial to reach this rank's side channel: `host:port`, or `host:port/tpRANK`
+    /// on a port the engine's ranks share.
+    pub fn side_channel_address(&self) -> &PeerAddress {
+        self.side.address()
     }
 
     /// What the side channel holds now: peers, pending handshakes, sockets and buffered bytes,

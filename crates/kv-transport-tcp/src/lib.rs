@@ -203,7 +203,7 @@ mod transport;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 pub use frame::{MAX_CHUNK, MAX_RANGES_PER_READ, MAX_SEALED_NOTIFICATION, STALL_TIMEOUT};
-pub use kv_side_tcp::{KeySource, SideProbe, SideStatus};
+pub use kv_side_tcp::{KeySource, PortPlan, SideProbe, SideStatus};
 pub use server::MAX_LINKS_PER_PEER;
 pub use shared::{MAX_QUEUED_NOTIFICATION_BYTES, MAX_QUEUED_NOTIFICATION_BYTES_PER_PEER};
 pub use transport::{TcpProbe, TcpTransport};
@@ -217,6 +217,9 @@ pub struct TcpConfig {
     /// Where the side channel listens (loopback and port 5700 unless configured). Without a
     /// key it must be a loopback address.
     pub bind: SocketAddr,
+    /// Whether `bind` is this rank's own port or one the engine's ranks share (peers then dial
+    /// `host:port/tpRANK`); its own unless configured.
+    pub port_plan: PortPlan,
     /// The data listener's IP (its port is chosen by the OS); peers connect to it, so it must
     /// be an address they reach, not `0.0.0.0`. Without a key it must be a loopback address.
     pub data_bind: IpAddr,
@@ -241,6 +244,7 @@ impl Default for TcpConfig {
         let side_limits = kv_core::side::SideLimits::default();
         TcpConfig {
             bind: SocketAddr::from((Ipv4Addr::LOCALHOST, DEFAULT_SIDE_CHANNEL_PORT)),
+            port_plan: PortPlan::Own,
             data_bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
             key: KeySource::None,
             max_data_connections: side_limits.max_peers * server::MAX_LINKS_PER_PEER,

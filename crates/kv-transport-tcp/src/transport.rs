@@ -127,7 +127,7 @@ impl TcpTransport {
         offer.agent_metadata =
             metadata::encode(data_addr, &[]).map_err(|e| TcpError::Start(format!("local metadata: {e}")))?;
         let incarnation = offer.instance;
-        let side = SideChannel::start(config.bind, key, config.side_limits.clone(), offer, clock)?;
+        let side = SideChannel::start_on(config.bind, config.port_plan, key, config.side_limits.clone(), offer, clock)?;
         let limits = config.side_limits.clone();
         let shared = Arc::new(Shared::new(side, limits, config.max_data_connections, config.payload_tags));
         let listener = Listener::start(shared.clone(), listener)?;
@@ -148,9 +148,15 @@ impl TcpTransport {
         })
     }
 
-    /// Where the side channel listens: give it to peers as `host:port`.
+    /// Where the side channel listens (on a shared port: the port).
     pub fn side_channel_addr(&self) -> SocketAddr {
         self.shared.side.local_addr()
+    }
+
+    /// What peers dial to reach this rank's side channel: `host:port`, or `host:port/tpRANK`
+    /// on a port the engine's ranks share.
+    pub fn side_channel_address(&self) -> &PeerAddress {
+        self.shared.side.address()
     }
 
     /// Where the data listener listens (peers learn it from the handshake).

@@ -12,7 +12,7 @@ use kv_core::{
 use kv_engine::{HostClock, RankOptions, RankThread};
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{DecodeWorker, LayerProgress, LocalPool, PrefillCommand, PrefillWorker};
-use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport};
+use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport, PortPlan};
 use pyo3::prelude::*;
 
 use crate::scheduler::{config, from_json, refuse, to_json};
@@ -63,11 +63,13 @@ impl Rank {
     /// rank runs: host memory, or memory of GPU `device`), and its side channel listens at
     /// `side_bind`
     /// (`"host:port"`, port 0 for any), proving the cluster key `key` holds (`("file", path)`
-    /// or `("env", variable)`; without one, the side channel listens on loopback only). NIXL's
-    /// runtime must be prepared first (`prepare_nixl`).
+    /// or `("env", variable)`; without one, the side channel listens on loopback only). With
+    /// `shared_port` set, `side_bind` is a port the engine's ranks share (peers dial
+    /// `host:port/tpRANK`), and `shared_port=True` makes this process the one that accepts on
+    /// it (rank 0's). NIXL's runtime must be prepared first (`prepare_nixl`).
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (role, engine, instance, rank, tp, layout, num_blocks, regions, side_bind, kv_transfer_config, model, key=None, device=None))]
+    #[pyo3(signature = (role, engine, instance, rank, tp, layout, num_blocks, regions, side_bind, kv_transfer_config, model, key=None, device=None, shared_port=None))]
     fn new(
         role: &str,
         engine: &str,
@@ -82,6 +84,7 @@ impl Rank {
         model: &str,
         key: Option<(String, String)>,
         device: Option<u32>,
+        shared_port: Option<bool>,
     ) -> PyResult<Self> {
         let role = match role {
             "prefill" => Role::Prefill,
@@ -103,7 +106,8 @@ impl Rank {
             Some((kind, at)) if kind == "env" => KeySource::Env(at),
             Some((kind, _)) => return Err(refuse("key", format!("{kind:?}, not \"file\" or \"env\""))),
         };
-        let nixl = NixlConfig { bind, key, ucx_params: config.ucx_params(), ..NixlConfig::default() };
+        let port_plan = shared_port.map_or(PortPlan::Own, |accept| PortPlan::Shared { accept });
+        let nixl = NixlConfig { bind, port_plan, key, ucx_params: config.ucx_params(), ..NixlConfig::default() };
         let mut transport = NixlTransport::new(offer.clone(), &nixl, Arc::new(HostClock))
             .map_err(|e| refuse("the NIXL transport", e))?;
         for (i, &(addr, len)) in (0u64..).zip(&regions) {
@@ -111,7 +115,7 @@ impl Rank {
             let region = Region { id: RegionId(i), kind, addr, len };
             transport.register(&region).map_err(|e| refuse("registering the pool", e))?;
         }
-        let address = transport.side_channel_addr().to_string();
+        let address = transport.side_channel_address().to_string();
         let encoded = offer.encode().map_err(|e| refuse("offer", e))?;
         let transport: Box<dyn Transport> = Box::new(transport);
         let running = match role {

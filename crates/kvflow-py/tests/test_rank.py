@@ -5,6 +5,7 @@ registered in place."""
 
 import ctypes
 import json
+import socket
 
 import pytest
 
@@ -70,6 +71,56 @@ def test_d_reads_p_s_blocks_and_p_frees_them_as_transferred():
     finally:
         d.close()
         p.close()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_p_s_two_ranks_share_one_port_and_d_reads_both_through_it():
+    # NixlConnector's port plan: one side-channel port per engine, rank 0's process accepting
+    # for every rank; D (TP 1) reads each P rank's half of the heads through that one port.
+    port, half = free_port(), BLOCK // 2
+    p_pools = [(ctypes.c_uint8 * (BLOCKS * half))() for _ in range(2)]
+    for r, memory in enumerate(p_pools):
+        for i in range(len(memory)):
+            memory[i] = (i * 7 + r * 101) % 251
+    d_memory, d_regions = pool()
+
+    def p_rank(engine, tp_rank, accept):
+        regions = [(ctypes.addressof(p_pools[tp_rank]), len(p_pools[tp_rank]))]
+        bind = f"localhost:{port}"
+        return native.Rank("prefill", engine, 1, tp_rank, 2, LAYOUT, BLOCKS, regions, bind, RANK_CONFIG, "tiny", shared_port=accept)
+
+    p0, p1 = p_rank("prefill0", 0, True), p_rank("prefill0", 1, False)
+    d = rank("decode", "decode0", d_regions)
+    try:
+        assert (p0.address(), p1.address()) == (f"127.0.0.1:{port}/tp0", f"127.0.0.1:{port}/tp1")
+        # Another engine configured with the same port on this host is refused by name.
+        with pytest.raises(ValueError, match="rank 1 of the port .* is taken"):
+            p_rank("prefill1", 1, False)
+        p_scheduler = native.PrefillScheduler(p0.offer(), [p0.address(), p1.address()], RANK_CONFIG)
+        d_scheduler = native.DecodeScheduler("decode0", 1, RANK_CONFIG)
+        remote = p_scheduler.finished(native.now_ns(), "req-1", [0], 16)
+        d_scheduler.arrive("req-1", remote)
+        d_scheduler.schedule("req-1", [4])
+        pairs = [(p_scheduler, [p0, p1]), (d_scheduler, [d])]
+        events = carry(pairs, lambda ev: {w for w, _ in ev} >= {"free", "ended"})
+        assert ("ended", ("req-1", "ready")) in events
+        assert ("free", ("req-1", [0], "transferred")) in events
+        # Block-major, HND: per layer and plane, D's four heads are P rank 0's two, then rank 1's.
+        chunk = 16 * 8 * 2
+        for plane in range(4):
+            for head in range(4):
+                at = 4 * BLOCK + (plane * 4 + head) * chunk
+                theirs = (plane * 2 + head % 2) * chunk
+                assert bytes(d_memory[at : at + chunk]) == bytes(p_pools[head // 2][theirs : theirs + chunk])
+    finally:
+        d.close()
+        p1.close()
+        p0.close()
 
 
 def test_bad_input_is_a_value_error_that_names_it():

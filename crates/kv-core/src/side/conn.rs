@@ -53,7 +53,7 @@ impl Session {
 
 pub(super) enum State {
     /// Initiator: HELLO queued, waiting for CHALLENGE.
-    Helloed { nonce_i: [u8; 32], hello: Vec<u8> },
+    Helloed { nonce_i: [u8; 32], target: u32, hello: Vec<u8> },
     /// Initiator: PROOF and our OFFER sent, waiting for the listener's OFFER.
     Offered { session: Session, listener: Identity, sent_at: Time },
     /// Listener: waiting for HELLO.

@@ -15,6 +15,8 @@ pub(crate) const HEADER_BYTES: usize = 5;
 pub(crate) const MAGIC: &[u8; 4] = b"KVSC";
 /// The longest engine name HELLO and CHALLENGE carry, in bytes.
 pub const MAX_ENGINE_NAME_BYTES: usize = 64;
+/// The rank a HELLO asks for when it asks for whichever rank listens (a port of the rank's own).
+pub const ANY_RANK: u32 = u32::MAX;
 
 /// What a frame is.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -135,13 +137,15 @@ impl Identity {
         ))
     }
 
-    /// The body of a HELLO, or of a CHALLENGE without its MAC: magic, version, role, engine,
-    /// rank, incarnation, nonce.
-    pub(crate) fn body(&self, version: u16, nonce: &[u8; 32]) -> Vec<u8> {
+    /// The body of a HELLO, or of a CHALLENGE without its MAC: magic, version, the rank the
+    /// initiator asks for (`target`, [`ANY_RANK`] for whichever listens), role, engine, rank,
+    /// incarnation, nonce.
+    pub(crate) fn body(&self, version: u16, target: u32, nonce: &[u8; 32]) -> Vec<u8> {
         let name = self.engine.as_str().as_bytes();
-        let mut body = Vec::with_capacity(MAGIC.len() + 2 + 1 + 1 + name.len() + 4 + 8 + 32 + MAC_BYTES);
+        let mut body = Vec::with_capacity(MAGIC.len() + 2 + 4 + 1 + 1 + name.len() + 4 + 8 + 32 + MAC_BYTES);
         body.extend_from_slice(MAGIC);
         body.extend_from_slice(&version.to_be_bytes());
+        body.extend_from_slice(&target.to_be_bytes());
         body.push(match self.role {
             Role::Prefill => 0,
             Role::Decode => 1,
@@ -168,6 +172,8 @@ pub(crate) enum ParseError {
 /// A parsed HELLO or CHALLENGE.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub(crate) struct Greeting {
+    /// The rank the initiator asks for (a CHALLENGE repeats its HELLO's).
+    pub(crate) target: u32,
     pub(crate) identity: Identity,
     pub(crate) nonce: [u8; 32],
     /// The CHALLENGE's MAC; `None` for a HELLO.
@@ -188,11 +194,8 @@ pub(crate) fn parse_greeting(body: &[u8], version: u16, with_mac: bool) -> Resul
     if peer_version != version {
         return Err(ParseError::Version(peer_version));
     }
-    let role = match r.byte().ok_or_else(|| short(body))? {
-        0 => Role::Prefill,
-        1 => Role::Decode,
-        other => return Err(ParseError::Malformed(format!("role byte {other} is neither 0 nor 1"))),
-    };
+    let target = u32::from_be_bytes(r.array().ok_or_else(|| short(body))?);
+    let role = role_of(r.byte().ok_or_else(|| short(body))?).map_err(ParseError::Malformed)?;
     let name_len = usize::from(r.byte().ok_or_else(|| short(body))?);
     if name_len == 0 || name_len > MAX_ENGINE_NAME_BYTES {
         return Err(ParseError::Malformed(format!(
@@ -209,7 +212,16 @@ pub(crate) fn parse_greeting(body: &[u8], version: u16, with_mac: bool) -> Resul
     if !r.0.is_empty() {
         return Err(ParseError::Malformed(format!("{} trailing bytes", r.0.len())));
     }
-    Ok(Greeting { identity: Identity { role, engine: EngineId::new(name), rank, incarnation }, nonce, mac })
+    Ok(Greeting { target, identity: Identity { role, engine: EngineId::new(name), rank, incarnation }, nonce, mac })
+}
+
+/// The role a HELLO or CHALLENGE's role byte names.
+pub(crate) fn role_of(byte: u8) -> Result<Role, String> {
+    match byte {
+        0 => Ok(Role::Prefill),
+        1 => Ok(Role::Decode),
+        other => Err(format!("role byte {other} is neither 0 nor 1")),
+    }
 }
 
 fn short(body: &[u8]) -> ParseError {
@@ -276,8 +288,11 @@ mod tests {
 
     #[test]
     fn greetings_round_trip() {
-        let body = identity().body(1, &[7; 32]);
-        assert_eq!(parse_greeting(&body, 1, false), Ok(Greeting { identity: identity(), nonce: [7; 32], mac: None }));
+        let body = identity().body(1, 3, &[7; 32]);
+        assert_eq!(
+            parse_greeting(&body, 1, false),
+            Ok(Greeting { target: 3, identity: identity(), nonce: [7; 32], mac: None })
+        );
         let mut challenge = body.clone();
         challenge.extend_from_slice(&[5; 32]);
         assert_eq!(parse_greeting(&challenge, 1, true).unwrap().mac, Some([5; 32]));
@@ -286,7 +301,7 @@ mod tests {
 
     #[test]
     fn bad_greetings_say_what_is_wrong() {
-        let body = identity().body(1, &[7; 32]);
+        let body = identity().body(1, ANY_RANK, &[7; 32]);
         assert_eq!(parse_greeting(&body, 2, false), Err(ParseError::Version(1)));
         assert_eq!(
             parse_greeting(b"GET / HTTP/1.1", 1, false),
@@ -297,13 +312,13 @@ mod tests {
             Err(ParseError::Malformed("truncated body of 20 bytes".into()))
         );
         let mut role = body.clone();
-        role[6] = 7;
+        role[10] = 7;
         assert_eq!(
             parse_greeting(&role, 1, false),
             Err(ParseError::Malformed("role byte 7 is neither 0 nor 1".into()))
         );
         let mut empty = body.clone();
-        empty[7] = 0;
+        empty[11] = 0;
         assert_eq!(
             parse_greeting(&empty, 1, false),
             Err(ParseError::Malformed("engine name of 0 bytes is outside 1..=64".into()))

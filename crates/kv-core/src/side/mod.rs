@@ -64,6 +64,7 @@ mod frame;
 mod key;
 pub mod link;
 mod notify;
+pub mod route;
 mod steps;
 #[cfg(test)]
 mod tests;
@@ -88,13 +89,14 @@ use frame::{
 };
 use notify::Tags;
 
-pub use frame::{FrameHeader, MAX_ENGINE_NAME_BYTES};
+pub use frame::{FrameHeader, ANY_RANK, MAX_ENGINE_NAME_BYTES};
 pub use key::{ClusterKey, KeyError, CLUSTER_KEY_BYTES};
 pub use link::{FrameTags, LinkRole, LinkSecret, LINK_MAC_BYTES, LINK_TAG_BYTES};
 pub use notify::{NotifyError, NOTIFICATION_OVERHEAD, REPLAY_WINDOW};
 
-/// The side protocol version this build speaks (HELLO and CHALLENGE carry it).
-pub const SIDE_PROTOCOL_VERSION: u16 = 1;
+/// The side protocol version this build speaks (HELLO and CHALLENGE carry it). Version 2 added
+/// the rank a HELLO asks for, so that an engine's ranks can share one port.
+pub const SIDE_PROTOCOL_VERSION: u16 = 2;
 
 /// The largest length field (kind and body) of a frame before the peer has authenticated.
 pub const MAX_CLEAR_FRAME: usize = 256;
@@ -221,11 +223,14 @@ pub enum RefusalCause {
     Timeout,
     /// A notification whose sequence number was already seen: a duplicate, or a replay.
     Replayed,
+    /// The connection reached another rank than the one its HELLO asks for, or none: a port
+    /// shared by an engine's ranks whose rank is gone, or an address naming the wrong rank.
+    Misrouted,
 }
 
 impl RefusalCause {
     /// Every cause, in declaration order.
-    pub const ALL: [RefusalCause; 9] = [
+    pub const ALL: [RefusalCause; 10] = [
         RefusalCause::Malformed,
         RefusalCause::Unauthenticated,
         RefusalCause::Version,
@@ -235,6 +240,7 @@ impl RefusalCause {
         RefusalCause::Overloaded,
         RefusalCause::Timeout,
         RefusalCause::Replayed,
+        RefusalCause::Misrouted,
     ];
 
     /// The cause's name, in lower case (a metric's label value).
@@ -249,6 +255,7 @@ impl RefusalCause {
             RefusalCause::Overloaded => "overloaded",
             RefusalCause::Timeout => "timeout",
             RefusalCause::Replayed => "replayed",
+            RefusalCause::Misrouted => "misrouted",
         }
     }
 
@@ -426,15 +433,17 @@ impl SideEndpoint {
     }
 
     /// We open a connection to `address`: HELLO is queued at once, for the adapter to write
-    /// when the transport connects. `nonce` must be fresh random bytes.
+    /// when the transport connects (to [`PeerAddress::side_target`]'s socket address). The HELLO
+    /// asks for the rank the address names, if it names one. `nonce` must be fresh random bytes.
     pub fn handle_connect(&mut self, now: Time, conn: ConnId, address: PeerAddress, nonce: [u8; 32]) {
         self.expire(now);
         if self.conns.contains_key(&conn) {
             return;
         }
-        let hello = frame(Kind::Hello, &Identity::of(&self.offer).body(SIDE_PROTOCOL_VERSION, &nonce));
+        let target = address.side_target().1.unwrap_or(ANY_RANK);
+        let hello = frame(Kind::Hello, &Identity::of(&self.offer).body(SIDE_PROTOCOL_VERSION, target, &nonce));
         self.transmits.push_back(Transmit { conn, bytes: hello.clone() });
-        let state = State::Helloed { nonce_i: nonce, hello };
+        let state = State::Helloed { nonce_i: nonce, target, hello };
         self.insert(now, conn, Side::Initiator { address }, state);
     }
 

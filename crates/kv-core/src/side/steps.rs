@@ -96,9 +96,9 @@ impl SideEndpoint {
                 let nonce_l = *nonce_l;
                 self.on_hello(now, id, nonce_l, frame).map(Some)
             }
-            (State::Helloed { nonce_i, hello }, Kind::Challenge, Some(address)) => {
-                let (nonce_i, hello) = (*nonce_i, std::mem::take(hello));
-                self.on_challenge(now, id, address, nonce_i, &hello, frame).map(Some)
+            (State::Helloed { nonce_i, target, hello }, Kind::Challenge, Some(address)) => {
+                let (nonce_i, target, hello) = (*nonce_i, *target, std::mem::take(hello));
+                self.on_challenge(now, id, address, (nonce_i, target), &hello, frame).map(Some)
             }
             (State::Challenged { hello, transcript, mac_l, nonce_i, nonce_l, sent_at }, Kind::Proof, None) => {
                 if body.len() != MAC_BYTES {
@@ -181,7 +181,14 @@ impl SideEndpoint {
         if let Some(c) = self.conns.get_mut(&id) {
             c.claimed = Some(greeting.identity.agent());
         }
-        let body = Identity::of(&self.offer).body(SIDE_PROTOCOL_VERSION, &nonce_l);
+        if greeting.target != ANY_RANK && greeting.target != self.offer.rank {
+            let reason = format!(
+                "this is rank {} of engine {}; the HELLO asks for rank {}",
+                self.offer.rank, self.offer.engine, greeting.target
+            );
+            return Err(Failure::new(RefusalCause::Misrouted, reason).told());
+        }
+        let body = Identity::of(&self.offer).body(SIDE_PROTOCOL_VERSION, greeting.target, &nonce_l);
         let mut transcript = hello.to_vec();
         transcript.extend_from_slice(&header(Kind::Challenge, 1 + body.len() + MAC_BYTES));
         transcript.extend_from_slice(&body);
@@ -205,7 +212,7 @@ impl SideEndpoint {
         now: Time,
         id: ConnId,
         address: &PeerAddress,
-        nonce_i: [u8; 32],
+        (nonce_i, target): ([u8; 32], u32),
         hello: &[u8],
         challenge: &[u8],
     ) -> Result<State, Failure> {
@@ -217,6 +224,14 @@ impl SideEndpoint {
         if !verify(key, &[LISTENER_LABEL, &transcript], &mac_l) {
             let error = TransportError::Backend(format!("the peer at {address} does not hold the cluster key"));
             return Err(Failure::new(RefusalCause::Unauthenticated, "authentication failed").told().error(error));
+        }
+        if greeting.target != target || (target != ANY_RANK && greeting.identity.rank != target) {
+            let reason = format!(
+                "asked {address} for rank {target}; rank {} of engine {} answered, for rank {}",
+                greeting.identity.rank, greeting.identity.engine, greeting.target
+            );
+            let error = TransportError::Backend(reason.clone());
+            return Err(Failure::new(RefusalCause::Misrouted, reason).told().error(error));
         }
         let mac_i = mac(key, &[INITIATOR_LABEL, &transcript, &mac_l]);
         let keys = derive(key, &nonce_i, &greeting.nonce, &transcript);

@@ -18,7 +18,7 @@ fn remote() -> RemoteRef {
     RemoteRef {
         prefill: PrefillEngine {
             engine: EngineId::new("prefill0"),
-            addresses: vec![PeerAddress("10.0.0.1:5600".into()), PeerAddress("10.0.0.1:5601".into())],
+            addresses: vec![PeerAddress::of_rank("10.0.0.1:5600", 0), PeerAddress::of_rank("10.0.0.1:5600", 1)],
             tp_size: 2,
             pp_size: 1,
         },
@@ -129,7 +129,7 @@ fn nixl_connector_pull_form_reaches_each_p_rank_at_the_port_after_the_first() {
     });
     let remote = params(json).resolve(&arrival(Mode::Pull)).unwrap().unwrap();
     let addresses: Vec<&str> = remote.prefill.addresses.iter().map(|a| a.0.as_str()).collect();
-    assert_eq!(addresses, ["[::1]:5600", "[::1]:5601", "[::1]:5602", "[::1]:5603"]);
+    assert_eq!(addresses, ["[::1]:5600/tp0", "[::1]:5600/tp1", "[::1]:5600/tp2", "[::1]:5600/tp3"]);
     assert_eq!(remote.prefill.engine, EngineId::new("prefill-a"));
     assert_eq!(remote.export.unwrap().blocks, [BlockId(9), BlockId(8), BlockId(7)]);
     assert_eq!(remote.prompt_tokens, 40, "D's own prompt, which its claim names");
@@ -155,7 +155,7 @@ fn incomplete_malformed_and_huge_handoffs_are_refused_by_name() {
     assert_eq!(err.reason, HandoffRefusal::Malformed);
     assert!(err.detail.contains("tp_size 1099511627776 x pp_size 1 is not in 1..=1024 ranks"), "{err}");
     let err = refusal(with("remote_port", serde_json::json!(70_000)), Mode::Pull);
-    assert!(err.detail.contains("remote_port 70000 with 1 ranks runs past port 65535"), "{err}");
+    assert!(err.detail.contains("remote_port 70000 is not a port (1 to 65535)"), "{err}");
     let two = with("tp_size", serde_json::json!(2)).resolve(&arrival(Mode::Pull)).unwrap().unwrap();
     assert_eq!(two.prefill.addresses.len(), 2, "the base form is fine at TP 2");
     let err = refusal(with("remote_block_ids", serde_json::json!([1, 2, 1u64 << 33])), Mode::Pull);
@@ -179,7 +179,7 @@ fn nixl_push_connector_form_names_the_export_by_its_transfer_id_in_push_mode_onl
     });
     let taken = params(json.clone()).resolve(&arrival(Mode::Push)).unwrap().unwrap();
     assert_eq!(taken.request, RequestId::new("t-1"));
-    assert_eq!(taken.prefill.addresses, [PeerAddress("h:5600".into()), PeerAddress("h:5601".into())]);
+    assert_eq!(taken.prefill.addresses, [PeerAddress::of_rank("h:5600", 0), PeerAddress::of_rank("h:5600", 1)]);
     assert_eq!((taken.export, taken.instance, taken.prompt_tokens), (None, None, 40));
     let err = refusal(params(json.clone()), Mode::Pull);
     assert_eq!(err.reason, HandoffRefusal::UnsupportedForm);

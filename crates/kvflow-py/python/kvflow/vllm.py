@@ -255,13 +255,13 @@ def _warn_once(lines: list[str]) -> None:
             logger.warning("kvflow: %s", line)
 
 
-def side_channel_port(base: int, dp_index: int, roles: int, role: int, tp: int, tp_rank: int) -> int:
-    """Where a worker's rank listens: the base port (``VLLM_NIXL_SIDE_CHANNEL_PORT``) plus its
-    TP rank, after the ranks of every lower data-parallel engine (whose ranks each take ``roles
-    * tp`` ports) and, in kv_both (``roles`` 2), a D rank (``role`` 1) after the engine's P
-    ranks. So every rank of a host's engines has a port of its own, as NixlConnector's listener
-    of each data-parallel engine (the base plus its index) has."""
-    return base + (dp_index * roles + role) * tp + tp_rank
+def side_channel_port(base: int, dp_index: int) -> int:
+    """Where a data-parallel engine's side channel listens: the base port
+    (``VLLM_NIXL_SIDE_CHANNEL_PORT``) plus the engine's data-parallel index, as NixlConnector's.
+    The engine's TP ranks (and both roles of a kv_both engine) share it: rank 0's worker
+    accepts, and hands each connection to the rank its HELLO names; peers dial
+    ``host:port/tpRANK``."""
+    return base + dp_index
 
 
 class KvflowConnector(KVConnectorBase_V1):
@@ -568,12 +568,14 @@ class KvflowConnector(KVConnectorBase_V1):
         roles = [role for role, on in (("prefill", self._producer), ("decode", self._consumer)) if on]
         incarnation = _incarnation(self._vllm_config)
         dp_index = self._vllm_config.parallel_config.data_parallel_index
+        port = side_channel_port(base, dp_index)
         for i, role in enumerate(roles):
-            port = side_channel_port(base, dp_index, len(roles), i, self._tp, self._tp_rank)
+            # Rank 0's first role accepts on the engine's port for every rank and role.
+            accept = self._tp_rank == 0 and i == 0
             self._ranks[role] = native.Rank(
                 role, self._engine, incarnation, self._tp_rank, self._tp,
                 json.dumps(layout), num_blocks, regions, f"{host}:{port}", self._config, self._model,
-                _cluster_key(), described.device,
+                _cluster_key(), described.device, shared_port=accept,
             )
         if self._push and "prefill" in self._ranks:
             # Layer i is the rank's i-th tensor (the layout's layer order).

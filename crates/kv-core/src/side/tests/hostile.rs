@@ -487,10 +487,10 @@ fn an_established_peer_that_sends_anything_more_is_lost() {
 fn a_version_mismatch_names_both_versions() {
     let mut p = prefill();
     p.handle_accept(T0, ConnId(1), SOURCE, nonce(1));
-    let body = Identity::of(&d_offer(5)).body(3, &nonce(2));
+    let body = Identity::of(&d_offer(5)).body(3, ANY_RANK, &nonce(2));
     p.handle_bytes(T0, ConnId(1), &frame(Kind::Hello, &body));
     let out = drain(&mut p);
-    let text = "side protocol version mismatch: peer 3, local 1";
+    let text = "side protocol version mismatch: peer 3, local 2";
     assert_eq!(refusal(&out.events), (RefusalCause::Version, text.into()));
     assert_eq!(out.transmits, vec![Transmit { conn: ConnId(1), bytes: frame(Kind::Error, text.as_bytes()) }]);
 
@@ -501,18 +501,18 @@ fn a_version_mismatch_names_both_versions() {
     d.handle_bytes(T0, ConnId(1), &frame(Kind::Error, text.as_bytes()));
     assert_eq!(
         connect_failure(&drain(&mut d).events),
-        "transport backend: p:1 refused the side channel: side protocol version mismatch: peer 3, local 1"
+        "transport backend: p:1 refused the side channel: side protocol version mismatch: peer 3, local 2"
     );
 
     // And a CHALLENGE of another version, the other way round.
     let mut d = decode(5);
     d.handle_connect(T0, ConnId(1), PeerAddress("p:1".into()), nonce(1));
     drain(&mut d);
-    let mut body = Identity::of(&p_offer()).body(2, &nonce(2));
+    let mut body = Identity::of(&p_offer()).body(1, ANY_RANK, &nonce(2));
     body.extend_from_slice(&[0; 32]);
     d.handle_bytes(T0, ConnId(1), &frame(Kind::Challenge, &body));
     assert_eq!(
         connect_failure(&drain(&mut d).events),
-        "transport backend: side channel to p:1: side protocol version mismatch: peer 2, local 1"
+        "transport backend: side channel to p:1: side protocol version mismatch: peer 1, local 2"
     );
 }

@@ -234,7 +234,7 @@ struct Rogue {
 impl Rogue {
     fn new(key: [u8; 32], hello_as: &Handshake, n: u64) -> Self {
         let nonce = nonce(n);
-        let hello = frame(Kind::Hello, &Identity::of(hello_as).body(SIDE_PROTOCOL_VERSION, &nonce));
+        let hello = frame(Kind::Hello, &Identity::of(hello_as).body(SIDE_PROTOCOL_VERSION, ANY_RANK, &nonce));
         Rogue { key, nonce, hello }
     }
 

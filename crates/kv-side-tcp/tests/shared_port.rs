@@ -1,0 +1,185 @@
+//! One side-channel port shared by a prefill engine's two TP ranks, each in a process of its
+//! own: rank 0's process accepts and hands rank 1's connections to rank 1's process. Decode
+//! ranks reach each P rank through the one port; a rank that is gone is named in the refusal;
+//! rank 1 killed is seen lost, and a restarted rank 1 is reached again.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_core::side::{SideEvent, SideLimits};
+use kv_core::{AgentName, Dtype, EngineId, Handshake, KvLayout, PeerAddress, Role};
+use kv_side_tcp::{Item, KeySource, MonotonicClock, PortPlan, SideChannel};
+
+/// Set in the child process: the shared port it serves as P's rank 1.
+const CHILD: &str = "KVFLOW_SHARED_PORT_CHILD";
+
+fn offer(engine: &str, role: Role, rank: u32, instance: u64) -> Handshake {
+    let agent = AgentName::new(EngineId::new(engine), rank);
+    Handshake::new(&agent, 2, instance, role, "model", KvLayout::split_kv(1, 16, 2, 8, Dtype::Bfloat16))
+}
+
+fn prefill_rank(port: SocketAddr, rank: u32, instance: u64) -> SideChannel {
+    let key = KeySource::None.load().expect("no key");
+    let clock = Arc::new(MonotonicClock::start());
+    let plan = PortPlan::Shared { accept: rank == 0 };
+    let side = SideChannel::start_on(
+        port,
+        plan,
+        key,
+        SideLimits::default(),
+        offer("prefill", Role::Prefill, rank, instance),
+        clock,
+    )
+    .expect("P rank starts on the shared port");
+    assert_eq!(side.address(), &PeerAddress::of_rank(&port.to_string(), rank));
+    side
+}
+
+fn decode_rank(engine: &str, rank: u32) -> SideChannel {
+    let key = KeySource::None.load().expect("no key");
+    let clock = Arc::new(MonotonicClock::start());
+    SideChannel::start(
+        "127.0.0.1:0".parse().unwrap(),
+        key,
+        SideLimits::default(),
+        offer(engine, Role::Decode, rank, 1),
+        clock,
+    )
+    .expect("D rank starts")
+}
+
+/// The child: P's rank 1 on the shared port, until killed (answering items as a transport does).
+#[test]
+fn child_prefill_rank_one() {
+    let Ok(port) = std::env::var(CHILD) else { return };
+    let instance = std::env::var("KVFLOW_SHARED_PORT_INSTANCE").unwrap().parse().unwrap();
+    let side = prefill_rank(port.parse().unwrap(), 1, instance);
+    println!("ready");
+    std::io::stdout().flush().unwrap();
+    loop {
+        match side.poll_item() {
+            Some(Item::PeerClosed(conn)) => side.peer_closed(conn),
+            Some(_) => {}
+            None => std::thread::sleep(Duration::from_millis(2)),
+        }
+    }
+}
+
+fn spawn_rank_one(port: SocketAddr, instance: u64) -> Child {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_prefill_rank_one", "--nocapture", "--test-threads", "1"])
+        .env(CHILD, port.to_string())
+        .env("KVFLOW_SHARED_PORT_INSTANCE", instance.to_string())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("child starts");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let ready = lines.any(|line| line.map(|l| l.contains("ready")).unwrap_or(false));
+    assert!(ready, "P's rank 1 did not start");
+    child
+}
+
+/// Waits for `d`'s next event of interest: connected (the agent), or failed/lost (the text).
+fn outcome(d: &SideChannel) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        match d.poll_item() {
+            Some(Item::Event(SideEvent::Connected { info, .. })) => return format!("connected {}", info.agent),
+            Some(Item::Event(SideEvent::ConnectFailed { error, .. })) => return format!("failed {error}"),
+            Some(Item::Event(SideEvent::Lost { agent, .. })) => return format!("lost {agent}"),
+            Some(Item::PeerClosed(conn)) => d.peer_closed(conn),
+            Some(_) => {}
+            None => std::thread::sleep(Duration::from_millis(2)),
+        }
+    }
+    "nothing".into()
+}
+
+fn free_port() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
+}
+
+#[test]
+fn an_engines_ranks_share_one_port_across_processes() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let port = free_port();
+    let p0 = prefill_rank(port, 0, 1);
+    let mut p1 = spawn_rank_one(port, 1);
+    assert_eq!(p0.local_addr(), port);
+    let (d0, d1) = (decode_rank("decode", 0), decode_rank("decode", 1));
+
+    // Each D rank reaches the P rank it names, through the one port.
+    d0.connect(&PeerAddress::of_rank(&port.to_string(), 0)).unwrap();
+    assert_eq!(outcome(&d0), "connected prefill/tp0");
+    d1.connect(&PeerAddress::of_rank(&port.to_string(), 1)).unwrap();
+    assert_eq!(outcome(&d1), "connected prefill/tp1");
+
+    // An address that names no rank, or a rank the engine does not have, is refused by name.
+    let d2 = decode_rank("decode-b", 1);
+    d2.connect(&PeerAddress(port.to_string())).unwrap();
+    let text = outcome(&d2);
+    assert!(text.contains("must name one"), "{text}");
+    d2.connect(&PeerAddress::of_rank(&port.to_string(), 5)).unwrap();
+    let text = outcome(&d2);
+    assert!(text.contains("Prefill rank 5") && text.contains("does not listen"), "{text}");
+
+    // Rank 1's process killed: D's rank 1 sees it lost, and a new connection is told it is gone,
+    // while rank 0 (in this process) still serves.
+    p1.kill().unwrap();
+    p1.wait().unwrap();
+    assert_eq!(outcome(&d1), "lost prefill/tp1");
+    d2.connect(&PeerAddress::of_rank(&port.to_string(), 1)).unwrap();
+    let text = outcome(&d2);
+    assert!(text.contains("Prefill rank 1") && text.contains("its process is gone"), "{text}");
+    let d3 = decode_rank("decode-c", 0);
+    d3.connect(&PeerAddress::of_rank(&port.to_string(), 0)).unwrap();
+    assert_eq!(outcome(&d3), "connected prefill/tp0");
+
+    // Rank 1 restarted (a new incarnation) takes its name back at once and is reached again.
+    let mut p1 = spawn_rank_one(port, 2);
+    d1.connect(&PeerAddress::of_rank(&port.to_string(), 1)).unwrap();
+    assert_eq!(outcome(&d1), "connected prefill/tp1");
+    p1.kill().unwrap();
+    p1.wait().unwrap();
+    drop(p0);
+}
+
+#[test]
+fn a_rank_taken_on_this_host_or_port_zero_fails_by_name() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let port = free_port();
+    let _p0 = prefill_rank(port, 0, 1);
+    let key = || KeySource::None.load().unwrap();
+    let clock = || Arc::new(MonotonicClock::start());
+    let plan = |accept| PortPlan::Shared { accept };
+    let again = SideChannel::start_on(
+        port,
+        plan(false),
+        key(),
+        SideLimits::default(),
+        offer("prefill", Role::Prefill, 0, 2),
+        clock(),
+    );
+    let error = again.err().expect("rank 0 is taken").to_string();
+    assert!(error.contains("Prefill rank 0") && error.contains("taken"), "{error}");
+    let zero = "127.0.0.1:0".parse().unwrap();
+    let error = SideChannel::start_on(
+        zero,
+        plan(true),
+        key(),
+        SideLimits::default(),
+        offer("prefill", Role::Prefill, 1, 1),
+        clock(),
+    )
+    .err()
+    .expect("port 0 is refused")
+    .to_string();
+    assert!(error.contains("must be given"), "{error}");
+}
