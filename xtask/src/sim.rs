@@ -2,7 +2,8 @@
 //! simulated cluster (kv-testkit) that drives kvflow's real connectors.
 //!
 //! - `cargo xtask sim [PATH...]`: every scenario file given, or every `*.toml` under a folder
-//!   (default: the shared `scenarios/public`), one line each, then `N passed, M failed`.
+//!   (default: the repository's own, `crates/kv-testkit/scenarios`), one line each, then
+//!   `N passed, M failed`. `docs/scenario-format.md` specifies the files.
 //! - `cargo xtask sim --seed N PATH...`: the same with the network seeded by N.
 //! - `cargo xtask sim --seed N`: replays random workload N, as a failure says to.
 //! - `cargo xtask sim --random --seeds A..B`: random workloads, one per seed (`--trace` prints
@@ -17,10 +18,13 @@ use kv_testkit::scenario::{run as run_scenario, runner::report_line, scenario_fi
 
 use crate::workspace;
 
+/// The repository's scenario files, which `cargo xtask sim` runs when given no path.
+const OWN_SCENARIOS: &str = "crates/kv-testkit/scenarios";
+
 /// The flags of `cargo xtask sim`.
 #[derive(Args, Debug)]
 pub struct SimArgs {
-    /// Scenario files, or folders of `*.toml` files [default: the shared scenarios/public].
+    /// Scenario files, or folders of `*.toml` files [default: crates/kv-testkit/scenarios].
     #[arg(value_name = "PATH")]
     paths: Vec<PathBuf>,
     /// Seeds the simulated network of the scenario files; without paths, replays random
@@ -52,11 +56,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
         };
         return crate::sim_random::run(seeds, verbose, args.trace);
     }
-    let paths = if args.paths.is_empty() {
-        vec![workspace::root().join("../shared/scenarios/public")]
-    } else {
-        args.paths.clone()
-    };
+    let paths = if args.paths.is_empty() { vec![workspace::root().join(OWN_SCENARIOS)] } else { args.paths.clone() };
     let files = scenario_files(&paths)?;
     let seed = args.seed.unwrap_or(0);
     let (mut passed, mut failed) = (0, 0);

@@ -34,7 +34,9 @@ mod memory;
 
 pub use memory::CudaMemory;
 
-/// The environment variable that enables GPU tests: they run where it is `1` and a device exists.
+/// The environment variable that asks for GPU checks outside the test harness (kv-demo's VRAM
+/// bench): they run where it is `1` and a device exists. GPU tests need no variable: they are
+/// `#[ignore = "needs a CUDA device"]`, and run with `--include-ignored` where there is one.
 pub const GPU_TESTS_ENV: &str = "KVFLOW_GPU";
 
 /// How many CUDA devices this process sees, or why it sees none (no driver, or the driver does
@@ -43,9 +45,9 @@ pub fn cuda_device_count() -> Result<u32, String> {
     driver::device_count()
 }
 
-/// The devices a GPU test may use, or why it must skip: `KVFLOW_GPU` is not `1`, or there is no
-/// CUDA device. Tests print the reason with their name and pass; a CPU run never fails for lack
-/// of a GPU.
+/// The devices a GPU check asked for by [`GPU_TESTS_ENV`] may use, or why it cannot run:
+/// `KVFLOW_GPU` is not `1`, or there is no CUDA device. The VRAM bench says the reason and
+/// stops.
 pub fn gpu_for_tests() -> Result<u32, String> {
     if std::env::var(GPU_TESTS_ENV).as_deref() != Ok("1") {
         return Err(format!("{GPU_TESTS_ENV} is not 1"));

@@ -2,7 +2,7 @@
 # Packs what kvflow's GPU checks need into one folder, for a GPU machine that reaches no registry:
 # the release test and bench binaries (stripped), the NIXL runtime of the nixl-cu13 wheel (CUDA 13,
 # as the GPU machine's driver) cut down to libnixl_capi.so, the UCX plugin and what they load, and
-# run.sh, which runs the checks there with KVFLOW_GPU=1.
+# run.sh, which runs the checks there (the tests with --include-ignored, the bench with KVFLOW_GPU=1).
 #
 #   crates/kv-demo/gpu/pack.sh [DEST]                # DEST defaults to .gpu at the workspace root
 #   (on the GPU machine, from the folder holding DEST)  bash .gpu/run.sh

@@ -3,8 +3,8 @@
 //!
 //! The adapters may not know each other (see ARCHITECTURE.md), so what proves that they work
 //! together lives in kv-demo, the harness that wires them: `tests/pools.rs` moves a 256 MiB pool between two processes and checks
-//! every byte, VRAM to VRAM where `KVFLOW_GPU=1` and a CUDA device are there (elsewhere that
-//! test says it skipped, by name, and passes), and host to host on every machine with the NIXL
+//! every byte, VRAM to VRAM in a test that is `#[ignore = "needs a CUDA device"]` (run with
+//! `--include-ignored` on a GPU machine), and host to host on every machine with the NIXL
 //! runtime; `benches/vram.rs` measures the VRAM move against a plain device-to-device copy of
 //! the same bytes in the same run; `benches/transport.rs` (in `cargo xtask bench`) measures
 //! kvflow's transfer plans between host pools against raw nixl-sys, per-block descriptors and
@@ -16,7 +16,7 @@
 //!
 //! For a GPU machine that reaches no registry, `crates/kv-demo/gpu/pack.sh` packs the release binaries and the
 //! NIXL runtime of the `nixl-cu13` wheel into one small folder, and `crates/kv-demo/gpu/run.sh` runs the checks
-//! there with `KVFLOW_GPU=1`.
+//! there: the tests with `--include-ignored`, the VRAM bench with `KVFLOW_GPU=1`.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ChildStdout, Command, Stdio};
@@ -58,8 +58,8 @@ pub fn nixl_skip_reason() -> Option<String> {
     Some(format!("no NIXL runtime at {dir} (run cargo xtask setup, then set KVFLOW_NIXL_DIR)"))
 }
 
-/// Why a GPU check over NIXL cannot run here, if it cannot: `KVFLOW_GPU` is not `1`, there is no
-/// CUDA device, or there is no NIXL runtime.
+/// Why the VRAM bench cannot run here, if it cannot: `KVFLOW_GPU` is not `1`, there is no CUDA
+/// device, or there is no NIXL runtime.
 pub fn gpu_skip_reason() -> Option<String> {
     kv_cuda::gpu_for_tests().err().or_else(nixl_skip_reason)
 }

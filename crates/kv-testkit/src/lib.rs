@@ -23,7 +23,7 @@
 //! - [`pattern`]: the bytes a demo engine computes into a prompt's KV, per row, its check, and
 //!   [`pattern::SCRUB`], the byte freed blocks are scrubbed with.
 //! - [`random`]: seeded random workloads with faults, run with the invariants checked.
-//! - [`scenario`]: scenario files (`scenarios/FORMAT.md`) read into a typed, validated
+//! - [`scenario`]: scenario files (`docs/scenario-format.md`) read into a typed, validated
 //!   [`scenario::Scenario`].
 //!
 //! A decode agent reads a block from a prefill agent:

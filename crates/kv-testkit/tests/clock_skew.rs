@@ -21,13 +21,9 @@ fn without_clock_lines(trace: &[String]) -> Vec<&str> {
     trace.iter().map(String::as_str).filter(|line| !line.contains(" clock is ")).collect()
 }
 
+/// This crate's scenarios, the format's examples among them.
 fn scenario_dirs() -> Vec<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    vec![
-        root.join("../../../shared/scenarios/public"),
-        root.join("../../../shared/scenarios/next"),
-        root.join("scenarios"),
-    ]
+    vec![PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios")]
 }
 
 /// How the engines' clocks disagree in one run of a scenario, given its lease.

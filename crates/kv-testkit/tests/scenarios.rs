@@ -1,9 +1,9 @@
-//! Every scenario file passes: the shared `scenarios/public` and `scenarios/next` folders, and this crate's own
-//! `scenarios` folder, which checks DESIGN.md's lifecycle rules that the public files do not
-//! cover (push ordering and base-id matching, the push watchdog, aborts, failed transfers, the
-//! read fence, partitions, heterogeneous TP, MLA, block-size ratios, siblings, crashes and
-//! restarts, late messages, several decoders, engines whose clocks disagree). A scenario also
-//! replays with the same digest.
+//! Every scenario file passes: this crate's `scenarios` folder, which holds the format's short
+//! examples (`scenarios/examples`, one rule each) and the files that check DESIGN.md's
+//! lifecycle rules beyond them (push ordering and base-id matching, the push watchdog, aborts,
+//! failed transfers, the read fence, partitions, heterogeneous TP, MLA, block-size ratios,
+//! siblings, crashes and restarts, late messages, several decoders, engines whose clocks
+//! disagree). A scenario also replays with the same digest.
 
 use std::path::{Path, PathBuf};
 
@@ -16,8 +16,12 @@ fn files_in(dir: &Path, at_least: usize) -> Vec<PathBuf> {
     files
 }
 
-fn public_scenarios() -> Vec<PathBuf> {
-    files_in(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/scenarios/public"), 11)
+fn scenarios() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios")
+}
+
+fn example_scenarios() -> Vec<PathBuf> {
+    files_in(&scenarios().join("examples"), 15)
 }
 
 /// Runs every file and fails with the list of those that did not pass.
@@ -32,26 +36,24 @@ fn all_pass(files: &[PathBuf]) {
     assert!(failures.is_empty(), "{} of {} scenarios failed:\n{}", failures.len(), files.len(), failures.join("\n"));
 }
 
+/// The format's examples, among them its newest keys (`consumer`, `pause`, `forge`, `intrude`).
 #[test]
-fn every_public_scenario_passes() {
-    all_pass(&public_scenarios());
+fn every_example_scenario_passes() {
+    all_pass(&example_scenarios());
 }
 
-/// The shared `scenarios/next` folder: the format's newest keys (`consumer`, `pause`, `forge`,
-/// `intrude`), which join `public/` once runners support them; this one does.
-#[test]
-fn every_next_scenario_passes() {
-    all_pass(&files_in(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/scenarios/next"), 4));
-}
-
+/// Every file of the folder but the examples, which the test above runs.
 #[test]
 fn every_own_scenario_passes() {
-    all_pass(&files_in(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scenarios"), 40));
+    let examples = scenarios().join("examples");
+    let files: Vec<PathBuf> = files_in(&scenarios(), 55).into_iter().filter(|f| !f.starts_with(&examples)).collect();
+    assert!(files.len() >= 40, "found only {} scenarios beside the examples", files.len());
+    all_pass(&files);
 }
 
 #[test]
 fn the_digest_tells_tp_sizes_apart() {
-    let file = public_scenarios().into_iter().find(|f| f.ends_with("siblings.toml")).expect("siblings.toml");
+    let file = example_scenarios().into_iter().find(|f| f.ends_with("siblings.toml")).expect("siblings.toml");
     let mut scenario = Scenario::load(&file).unwrap();
     let one = run(&scenario, 7);
     scenario.cluster.decode_tp = 2;
@@ -62,7 +64,7 @@ fn the_digest_tells_tp_sizes_apart() {
 
 #[test]
 fn a_scenario_replays_with_the_same_digest() {
-    let file = public_scenarios().into_iter().find(|f| f.ends_with("siblings.toml")).expect("siblings.toml");
+    let file = example_scenarios().into_iter().find(|f| f.ends_with("siblings.toml")).expect("siblings.toml");
     let scenario = Scenario::load(&file).unwrap();
     let (a, b) = (run(&scenario, 7), run(&scenario, 7));
     assert!(a.passed(), "{:?}", a.failure);

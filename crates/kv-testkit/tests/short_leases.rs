@@ -3,7 +3,7 @@
 //! with. D's read margin follows the lease and heartbeat cycle; a fixed 5 s margin fenced every
 //! read of a 9 s lease late in a cycle, and every read of a 3 s or 5 s lease.
 //!
-//! Each case is a scenario in the shared format, generated here: P prefills at 0, the request
+//! Each case is a scenario file (`docs/scenario-format.md`), generated here: P prefills at 0, the request
 //! reaches D at 0.1 s (D claims it and beats every lease / 6 from then on), and D schedules it
 //! at a point of a heartbeat cycle: on a beat, just before one (the last acknowledged deadline
 //! is oldest), just after one (its acknowledgement is still on the way), and at every eighth of

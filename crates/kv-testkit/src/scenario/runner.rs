@@ -1,9 +1,8 @@
 //! Runs a [`Scenario`] on a [`Cluster`]: moves time to each step, carries out its event,
 //! checks its expectations, then drains and checks that nothing is left held.
 //!
-//! The runner knows nothing of any scenario's name; it implements `scenarios/FORMAT.md`, with
-//! the project's additions in `crates/kv-testkit/scenarios/FORMAT-EXTENSIONS.md`, and drives
-//! kvflow's real connectors through the cluster.
+//! The runner knows nothing of any scenario's name; it implements `docs/scenario-format.md`,
+//! and drives kvflow's real connectors through the cluster.
 
 use std::fmt::Write as _;
 

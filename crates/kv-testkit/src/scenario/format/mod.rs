@@ -1,5 +1,5 @@
-//! The typed, validated in-memory form of a scenario file, as `scenarios/FORMAT.md` specifies it,
-//! with the project's own additions (`crates/kv-testkit/scenarios/FORMAT-EXTENSIONS.md`).
+//! The typed, validated in-memory form of a scenario file, as `docs/scenario-format.md`
+//! specifies it.
 //!
 //! [`Scenario::from_toml_str`] and [`Scenario::load`] read the file with serde, unknown keys
 //! refused and defaults applied: a step's [`Event`] and [`Expect`] deserialize from its keys,
@@ -16,7 +16,8 @@
 //! that a push-mode `arrive` that comes before P's `prefill` must carry `prompt_tokens`.
 //!
 //! This file holds the public types; `read.rs` reads them from the text and places errors in
-//! it, `error.rs` holds the errors, and `tests.rs` the tests.
+//! it, `error.rs` holds the errors, `keys.rs` lists the keys the reader accepts ([`Keys`], read
+//! off the same serde types), and `tests.rs` the tests.
 //!
 //! ```
 //! use std::time::Duration;
@@ -56,6 +57,7 @@
 //! ```
 
 mod error;
+mod keys;
 mod read;
 #[cfg(test)]
 mod tests;
@@ -72,6 +74,7 @@ use kv_sched_adapter::{Config, DecodeState, Mode, ReleaseReason};
 use serde::Deserialize;
 
 pub use error::{Location, ScenarioError};
+pub use keys::Keys;
 
 /// One scenario file: a cluster, its lifecycle policy, and the steps that drive it.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -556,7 +559,7 @@ pub enum Event {
         #[serde(rename = "as")]
         claimed: Node,
     },
-    /// `begin_prefill` (the project's own event, `FORMAT-EXTENSIONS.md`): P starts a chunked
+    /// `begin_prefill` (kvflow's own event): P starts a chunked
     /// prefill of one prompt; it exports at `finish_prefill` or gives up at `abandon_prefill`.
     BeginPrefill {
         /// `request` (required).
@@ -605,7 +608,7 @@ pub enum Event {
         #[serde(default = "read::prefill0")]
         node: Node,
     },
-    /// `lapse` (the project's own event, `FORMAT-EXTENSIONS.md`): the engine's discovery
+    /// `lapse` (kvflow's own event): the engine's discovery
     /// registration lapses, and every other running engine learns that its current
     /// incarnation is gone. It crashes and cuts off nothing by itself.
     Lapse {

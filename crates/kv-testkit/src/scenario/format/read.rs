@@ -33,7 +33,7 @@ type Number = Spanned<f64>;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a table")]
-struct FileHead {
+pub(super) struct FileHead {
     name: String,
     #[serde(default)]
     cluster: ClusterFile,
@@ -47,7 +47,7 @@ struct FileHead {
 /// `[cluster]`; a key left out takes [`ClusterSpec::default`]'s value.
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, expecting = "a table")]
-struct ClusterFile {
+pub(super) struct ClusterFile {
     mode: Option<Mode>,
     prefillers: Option<NonZeroU32>,
     decoders: Option<NonZeroU32>,
@@ -71,7 +71,7 @@ struct ClusterFile {
 /// `[policy]`; a key left out takes [`Config::with_lease`]'s value.
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, expecting = "a table")]
-struct PolicyFile {
+pub(super) struct PolicyFile {
     kv_lease_duration_s: Option<Number>,
     heartbeat_interval_s: Option<Number>,
     lease_extension_s: Option<Number>,
@@ -81,6 +81,17 @@ struct PolicyFile {
     kv_load_failure_policy: Option<LoadFailurePolicy>,
     early_notification_capacity: Option<usize>,
 }
+
+/// A step's `at_s`, read before its event.
+const AT_S: &str = "at_s";
+/// A step's `do`: the event's name.
+const DO: &str = "do";
+/// A step's `expect`, read after its event.
+const EXPECT: &str = "expect";
+/// The keys every step may hold beside its event's.
+pub(super) const STEP_KEYS: [&str; 3] = [AT_S, DO, EXPECT];
+/// The keys of a step that only waits (or has no `do`): the node its expectations read.
+pub(super) const WAIT_KEYS: [&str; 1] = ["node"];
 
 pub(super) fn one() -> u32 {
     1
@@ -270,11 +281,11 @@ impl<'a> Source<'a> {
             return Err(self.about(span, format!("must be a table ([[step]]), not {text}")));
         };
         // `at_s`, `do` and `expect` are every step's; the other keys are its event's.
-        let name: Option<Name> = fields.remove("do").map(|v| self.de(v, None)).transpose()?;
-        let expect = fields.remove("expect");
-        let at_s: Number = match fields.remove("at_s") {
+        let name: Option<Name> = fields.remove(DO).map(|v| self.de(v, None)).transpose()?;
+        let expect = fields.remove(EXPECT);
+        let at_s: Number = match fields.remove(AT_S) {
             Some(value) => self.de(value, None)?,
-            None => return Err(self.about(span, "at_s is missing")),
+            None => return Err(self.about(span, format!("{AT_S} is missing"))),
         };
         let at = Time::from_nanos(self.duration(&at_s, NANOS_PER_SEC)?.as_nanos() as u64);
         if let Some((previous, previous_span)) = &previous {
@@ -290,11 +301,13 @@ impl<'a> Source<'a> {
         let step_node = fields.get("node").and_then(|v| Some((Node::parse(v.get_ref().as_str()?)?, v.span())));
         if kind == "wait" {
             // A step that only waits (or has no `do`) may name the node its expectations read.
-            fields.remove("node");
+            for key in WAIT_KEYS {
+                fields.remove(key);
+            }
             if let Some((key, _)) = fields.iter().next() {
                 let context = name.as_ref().map_or("a step without do".to_owned(), |_| "do = \"wait\"".to_owned());
-                let message =
-                    format!("unknown key {:?} for {context} (expected one of: at_s, do, expect, node)", key.get_ref());
+                let expected = STEP_KEYS.iter().chain(&WAIT_KEYS).copied().collect::<Vec<_>>().join(", ");
+                let message = format!("unknown key {:?} for {context} (expected one of: {expected})", key.get_ref());
                 return Err(self.invalid(key.span(), |_, _| message));
             }
         } else if matches!(kind, "arrive" | "reject") && !fields.contains_key("remote_request") {

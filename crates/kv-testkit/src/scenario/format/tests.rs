@@ -1,4 +1,4 @@
-//! Tests of the scenario format: every shared and own scenario parses, defaults follow the
+//! Tests of the scenario format: every scenario of the crate parses, defaults follow the
 //! keys they derive from, every event and expectation reads back, and folders expand to their
 //! files; `errors.rs` checks that every bad input is refused with a message that says where
 //! and what.
@@ -9,10 +9,9 @@ use kv_sched_adapter::LoadFailurePolicy;
 
 use super::*;
 
-/// A folder of the shared scenarios; CI checks `shared/` out beside the repository, at the
-/// same relative place.
-fn shared(folder: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/scenarios").join(folder)
+/// The crate's scenario folder, or a folder in it.
+fn scenarios(folder: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios").join(folder)
 }
 
 fn parse(text: &str) -> Scenario {
@@ -33,9 +32,8 @@ fn events(body: &str) -> Vec<Option<Event>> {
 }
 
 #[test]
-fn every_shared_and_own_scenario_parses() {
-    let own = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
-    for (dir, at_least) in [(shared("public"), 11), (shared("next"), 4), (own, 40)] {
+fn every_scenario_of_the_crate_parses() {
+    for (dir, at_least) in [(scenarios("examples"), 15), (scenarios(""), 55)] {
         assert!(dir.is_dir(), "the scenarios are missing: {} is not a folder", dir.display());
         let files = scenario_files(&[&dir]).map_err(|e| e.to_string());
         let files = files.as_deref().unwrap_or_else(|e| panic!("{e}"));
@@ -47,7 +45,7 @@ fn every_shared_and_own_scenario_parses() {
         }
     }
 
-    let siblings = Scenario::load(shared("public").join("siblings.toml")).map_err(|e| e.to_string());
+    let siblings = Scenario::load(scenarios("examples").join("siblings.toml")).map_err(|e| e.to_string());
     let siblings = siblings.as_ref().unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         siblings.steps[0].event,
@@ -57,12 +55,13 @@ fn every_shared_and_own_scenario_parses() {
     assert_eq!(last.get(&RequestId::new("0_r1")), Some(&ReleaseReason::Transferred));
     assert_eq!(last.get(&RequestId::new("3_r1")), Some(&ReleaseReason::Sibling));
 
-    let early = Scenario::load(shared("public").join("early-completion.toml")).map_err(|e| e.to_string());
+    let early = Scenario::load(scenarios("examples").join("early-completion.toml")).map_err(|e| e.to_string());
     let early = early.as_ref().unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(early.cluster.worker_handoff, Duration::from_millis(200));
     assert_eq!(early.steps[1].at, Time::from_millis(10));
 
-    let intrude = Scenario::load(shared("next").join("intrude-before-handshake.toml")).map_err(|e| e.to_string());
+    let intrude =
+        Scenario::load(scenarios("examples").join("intrude-before-handshake.toml")).map_err(|e| e.to_string());
     let intrude = intrude.as_ref().unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(intrude.steps[0].event, Some(Event::Intrude { to: Node::PREFILL0, claimed: Node::DECODE0 }));
 }
@@ -326,7 +325,7 @@ fn the_new_event_keys_parse() {
 
 #[test]
 fn the_project_s_own_events_parse() {
-    // `lapse`, beyond the shared format (`scenarios/FORMAT-EXTENSIONS.md`): any engine.
+    // `lapse`: any engine.
     let lapses = events(
         r#"
         step = [
