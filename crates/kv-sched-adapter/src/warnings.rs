@@ -29,10 +29,14 @@ pub(crate) enum Kind {
     Refused,
     /// A claim named another prompt or other blocks than P's export: P refused it, D heard so.
     ClaimRefused,
+    /// D: the export a handoff names is gone at P (a replayed or late handoff).
+    ExportGone,
+    /// D: a P rank a handoff names cannot be reached.
+    Unreachable,
 }
 
 impl Kind {
-    const COUNT: usize = 5;
+    const COUNT: usize = 7;
 
     fn index(self) -> usize {
         self as usize
@@ -141,6 +145,26 @@ impl Warnings {
                 %request, engine = %self.local, %prefill, %prefill_request, reason = "other_prompt", left_out,
                 "handoff refused: P computed another prompt or holds other blocks than the handoff names; the load fails (kv_load_failure_policy)"
             );
+        }
+    }
+
+    /// D: logs, within the limit, that P's rank `peer` no longer holds the export D's
+    /// `request` names (released already: a replayed handoff, or one that came after the
+    /// lease); the load fails.
+    pub(crate) fn export_gone(&mut self, now: Time, request: &RequestId, peer: &AgentName) {
+        if let Some(left_out) = self.admit(Kind::ExportGone, now) {
+            tracing::warn!(
+                %request, engine = %self.local, %peer, left_out,
+                "handoff refused: P no longer holds the export (released already: a replayed or late handoff); the load fails (kv_load_failure_policy)"
+            );
+        }
+    }
+
+    /// D: logs, within the limit, that P's rank `peer`, which a handoff names, cannot be
+    /// reached; the loads that need it fail.
+    pub(crate) fn unreachable(&mut self, now: Time, peer: &AgentName, error: &dyn std::fmt::Display) {
+        if let Some(left_out) = self.admit(Kind::Unreachable, now) {
+            tracing::warn!(engine = %self.local, %peer, %error, left_out, "cannot reach prefill rank; its loads fail (kv_load_failure_policy)");
         }
     }
 

@@ -76,3 +76,20 @@ def test_the_old_abort_timeout_variable_sets_the_lease_with_a_warning(monkeypatc
     monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "soon")
     with pytest.raises(ValueError, match='VLLM_NIXL_ABORT_REQUEST_TIMEOUT="soon" is not a number of seconds'):
         settings(config())
+
+
+def test_warnings_a_client_can_cause_are_limited_and_say_how_many_were_left_out(monkeypatch):
+    from kvflow import vllm
+
+    lines = []
+    monkeypatch.setattr(vllm.logger, "warning", lambda message, *args: lines.append(message % args))
+    clock = [100.0]
+    monkeypatch.setattr(vllm.time, "monotonic", lambda: clock[0])
+    limited = vllm._Limited(per_window=2, window=10.0)
+    for i in range(5):
+        limited.warning("refused", "%s's handoff is refused", f"req-{i}")
+    limited.warning("unpaired", "%s is not paired", "req-9")
+    assert lines == ["kvflow: req-0's handoff is refused", "kvflow: req-1's handoff is refused", "kvflow: req-9 is not paired"]
+    clock[0] += 10
+    limited.warning("refused", "%s's handoff is refused", "req-5")
+    assert lines[-1] == "kvflow: req-5's handoff is refused (3 like it left out before)"

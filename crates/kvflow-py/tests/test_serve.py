@@ -6,7 +6,11 @@ sharing a prefix, chat; 6 at a time) must equal the reference's text, P must fre
 as transferred (none expired or lost), and D must count the transferred tokens as external
 prefix-cache hits: in pull with kvflow's handoff and with NixlConnector's fields alone (as a
 router rebuilds them), and in push with vLLM's push-proxy parameters, with and without
-``X-Request-Id`` forwarded."""
+``X-Request-Id`` forwarded. The pull set runs the seed's port plan: P at TP 2 on side-channel
+port 5600, its two ranks sharing it, and D on 5601. Then made-up and unusable handoffs are
+each answered within seconds, logged and counted, and what they name on P is freed at once;
+and P, then D, SIGKILLed under load (their whole process groups) and started again serve the
+next sets from transferred KV."""
 
 import concurrent.futures
 import json
@@ -17,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -53,12 +58,15 @@ class Server:
     """A process (group) that serves HTTP on ``port``: started at once, waited for with
     ``ready``, and killed whole (vLLM's engine core and workers with it)."""
 
-    def __init__(self, name, port, argv, log_dir, env=None):
-        self.name, self.port = name, port
-        self.log = pathlib.Path(log_dir) / f"{name}.log"
+    def __init__(self, name, port, argv, log_dir, env=None, suffix="", cpu=None):
+        self.name, self.port, self.argv, self.env, self.cpu = name, port, argv, env, cpu
+        self.log = pathlib.Path(log_dir) / f"{name}{suffix}.log"
+        # The server and every process it starts run on core `cpu` only, where one is given.
+        pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})), start_new_session=True
+                argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})),
+                start_new_session=True, preexec_fn=pin,
             )
 
     def ready(self, deadline):
@@ -80,18 +88,27 @@ class Server:
 
 # vLLM's CPU workers pin themselves (and so kvflow's rank threads) to one core each, and
 # every engine on this two-core machine picks the same one, where its idle worker polls:
-# the side channel's handshake then starves past its 5 s. A real P or D has cores of its own.
-UNPINNED = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# the side channel's handshake then starves past its 5 s. Unpinned, each worker's OpenMP
+# team would take every core; one thread each keeps four workers from spinning at each
+# other's barriers.
+UNPINNED = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+# And a core each for P and D, as on a host where each engine has cores of its own: vLLM's
+# engine core and workers busy-wait on each other for as long as P holds finished requests'
+# blocks for D (vLLM's own loop, whatever the connector), and P at TP 2 (three spinning
+# processes) took both cores for a whole lease (top: P's workers at 100 %, nothing else run),
+# so that D read nothing until the lease freed the blocks. With fewer cores, nothing is pinned.
+P_CPU, D_CPU = (0, 1) if len(os.sched_getaffinity(0)) >= 2 else (None, None)
 
 
-def vllm(name, model, port, log_dir, kv=None, env=None):
+def vllm(name, model, port, log_dir, kv=None, env=None, tp=1, cpu=None):
     argv = [*SERVE, "--model", model, "--host", HOST, "--port", str(port), "--dtype", "float32",
             "--enforce-eager", "--max-model-len", "1024", "--seed", "0", "--served-model-name", "tiny",
+            "--tensor-parallel-size", str(tp),
             # vLLM's CPU backend reserves 92 % of memory by default; five servers share it here.
             "--kv-cache-memory-bytes", str(128 << 20)]
     if kv is not None:
         argv += ["--kv-transfer-config", kv]
-    return Server(name, port, argv, log_dir, dict(UNPINNED, **(env or {})))
+    return Server(name, port, argv, log_dir, dict(UNPINNED, **(env or {})), cpu=cpu)
 
 
 def proxy(name, port, log_dir, *args):
@@ -121,10 +138,11 @@ def disaggregated(tokenized_model, logs, mode):
     side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "localhost"}
     if mode == "pull":
         started = [
+            # The seed's plan: P at TP 2 on port 5600 (its two ranks share it), D on 5601.
             vllm("pull-p", tokenized_model, PULL_P, logs, kv_config("KvflowConnector", "kv_producer"),
-                 dict(side, VLLM_NIXL_SIDE_CHANNEL_PORT="5800")),
+                 dict(side, VLLM_NIXL_SIDE_CHANNEL_PORT="5600"), tp=2, cpu=P_CPU),
             vllm("pull-d", tokenized_model, PULL_D, logs, kv_config("KvflowConnector", "kv_consumer"),
-                 dict(side, VLLM_NIXL_SIDE_CHANNEL_PORT="5810")),
+                 dict(side, VLLM_NIXL_SIDE_CHANNEL_PORT="5601"), cpu=D_CPU),
         ]
         pull = ["--mode", "pull", "--prefill", f"http://{HOST}:{PULL_P}", "--decode", f"http://{HOST}:{PULL_D}"]
         started += [
@@ -136,9 +154,9 @@ def disaggregated(tokenized_model, logs, mode):
         started = [
             vllm("push-p", tokenized_model, PUSH_P, logs,
                  kv_config("KvflowPushConnector", "kv_producer", engine_id=PUSH_ENGINE),
-                 dict(side, VLLM_NIXL_SIDE_CHANNEL_PORT="5820")),
+                 dict(side, VLLM_NIXL_SIDE_CHANNEL_PORT="5820"), cpu=P_CPU),
             vllm("push-d", tokenized_model, PUSH_D, logs, kv_config("KvflowPushConnector", "kv_consumer"),
-                 dict(side, VLLM_NIXL_SIDE_CHANNEL_PORT="5830")),
+                 dict(side, VLLM_NIXL_SIDE_CHANNEL_PORT="5830"), cpu=D_CPU),
         ]
         push = ["--mode", "push", "--prefill", f"http://{HOST}:{PUSH_P}@{PUSH_ENGINE}@localhost:5820",
                 "--decode", f"http://{HOST}:{PUSH_D}"]
@@ -149,17 +167,34 @@ def disaggregated(tokenized_model, logs, mode):
     return started
 
 
+class Served:
+    """The reference's texts, and the class's servers by name (a test may replace one)."""
+
+    def __init__(self, reference, started):
+        self.reference = reference
+        self.by_name = {server.name: server for server in started}
+
+    def restart(self, name):
+        """Kills the server's whole process group and starts it again, same arguments, same
+        ports and engine id, a new incarnation; waits until it serves."""
+        old = self.by_name[name]
+        old.stop()
+        new = Server(name, old.port, old.argv, old.log.parent, old.env, suffix="-restarted", cpu=old.cpu)
+        self.by_name[name] = new
+        new.ready(time.monotonic() + 600)
+
+
 @pytest.fixture(scope="class")
 def servers(request, tokenized_model, logs, reference):
     """The class's P and D and their proxies, up; stopped (whole process groups) after it."""
-    started = disaggregated(tokenized_model, logs, request.cls.MODE)
+    served = Served(reference, disaggregated(tokenized_model, logs, request.cls.MODE))
     try:
         deadline = time.monotonic() + 600
-        for server in started:
+        for server in served.by_name.values():
             server.ready(deadline)
-        yield reference
+        yield served
     finally:
-        for server in started:
+        for server in served.by_name.values():
             server.stop()
 
 
@@ -264,14 +299,141 @@ def check_set(reference, via):
     assert hits > 0, f"{via}: D counted no external prefix-cache hits"
 
 
+def counter(samples, name):
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def under_load_kill(served, name, via):
+    """Sends the batch through proxy `via` and SIGKILLs server `name`'s process group once two
+    of its completions are back (P and D connected, the rest in flight); every request must
+    then end (an answer or an error) within a minute."""
+    batch = requests()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(post, PROXIES[via], *r) for r in batch]
+        deadline = time.monotonic() + 120
+        while sum(f.done() for f in futures) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        served.by_name[name].stop()
+        done, pending = concurrent.futures.wait(futures, timeout=60)
+    assert not pending, f"{len(pending)} requests still waiting a minute after {name} was killed"
+
+
+NIXL_FIELDS = ["do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids", "remote_host",
+               "remote_port", "remote_request_id", "tp_size"]
+
+
+def attempt(port, route, body):
+    """``(status, body text)`` of a request, whatever its status."""
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(f"http://{HOST}:{port}{route}", data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def refused(samples):
+    return counter(samples, "vllm:kvflow_handoffs_refused_total")
+
+
+
+
+def eventually(count, at_least, seconds=15):
+    """``count()`` once it reaches `at_least`, or when `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    while True:
+        now = count()
+        if now >= at_least or time.monotonic() > deadline:
+            return now
+        time.sleep(0.25)
+
+
+def logged(server, text=""):
+    """kvflow's WARNING lines so far in the server's log that say `text`: the native module's
+    (``WARN`` from kv_sched_adapter) and the Python package's (``kvflow: ...``)."""
+    lines = server.log.read_text(errors="replace").splitlines()
+    ours = (line for line in lines if (" WARN " in line and "kv_sched_adapter" in line) or "kvflow: " in line)
+    return sum(1 for line in ours if text in line)
+
+
 class TestPull:
-    """Pull: kvflow's handoff, NixlConnector's fields alone, and those without a request id."""
+    """Pull: kvflow's handoff, NixlConnector's fields alone, and those without a request id;
+    then P, and after it D, killed under load and started again."""
 
     MODE = "pull"
 
     @pytest.mark.parametrize("via", ["pull", "pull-nixl", "pull-nixl-anon"])
     def test_completions_equal_one_engine_and_every_export_is_transferred(self, servers, via):
-        check_set(servers, via)
+        check_set(servers.reference, via)
+
+    def test_made_up_and_unusable_handoffs_are_answered_counted_and_freed_at_p(self, servers):
+        refused_before = refused(metrics(PULL_D))
+        warnings_before = logged(servers.by_name["pull-d"])
+        # A real handoff of P's, for prompt A.
+        a = {"prompt": prompt(60, 40), "max_tokens": 1, "temperature": 0, "model": "tiny",
+             "kv_transfer_params": {"do_remote_decode": True}}
+        real = json.loads(attempt(PULL_P, "/v1/completions", a)[1])["kv_transfer_params"]
+        nixl = {key: real[key] for key in NIXL_FIELDS}
+        p_before = releases(metrics(PULL_P))
+        cases = {
+            "garbage": {"do_remote_prefill": True, "remote_engine_id": 5, "remote_block_ids": "x"},
+            "unknown P": dict(nixl, remote_engine_id="nobody", remote_port=1),
+            "huge numbers": dict(nixl, tp_size=10**12, remote_block_ids=[10**15] * 3),
+            # P's export of prompt A, given to D with prompt B: P refuses D's claim and frees it.
+            "another prompt's export": nixl,
+        }
+        for case, params in cases.items():
+            body = {"prompt": prompt(61, 40), "max_tokens": 4, "temperature": 0, "model": "tiny",
+                    "kv_transfer_params": params}
+            started = time.monotonic()
+            status, _ = attempt(PULL_D, "/v1/completions", body)
+            assert time.monotonic() - started < 30, f"{case}: answered after {time.monotonic() - started:.0f} s"
+            assert status in (200, 400, 500), f"{case}: HTTP {status}"
+        # P freed the export the mismatched claim named at once (a rejection), not at the lease.
+        freed = delta(releases(settle(PULL_P, sum(p_before.values()) + 1, seconds=2)), p_before)
+        assert freed == {"rejected": 1}, f"P freed {freed}"
+        # The real handoff used once, then replayed: the replay gets nothing of P's.
+        body = {"prompt": prompt(60, 40), "max_tokens": 4, "temperature": 0, "model": "tiny"}
+        fresh = json.loads(attempt(PULL_P, "/v1/completions", a)[1])["kv_transfer_params"]
+        assert attempt(PULL_D, "/v1/completions", dict(body, kv_transfer_params=fresh))[0] == 200
+        started = time.monotonic()
+        status, _ = attempt(PULL_D, "/v1/completions", dict(body, kv_transfer_params=fresh))
+        assert time.monotonic() - started < 30, f"the replay: answered after {time.monotonic() - started:.0f} s"
+        assert status in (200, 400, 500), f"the replay: HTTP {status}"
+        counted = refused(metrics(PULL_D)) - refused_before
+        assert counted >= 2, f"D counted {counted} refused handoffs for garbage and huge numbers"
+        warned = logged(servers.by_name["pull-d"]) - warnings_before
+        assert warned >= 5, f"D logged {warned} kvflow WARNINGs for five made-up handoffs"
+        # D still serves.
+        check_set(servers.reference, "pull")
+
+    def test_p_killed_under_load_and_restarted_serves_from_transferred_kv_again(self, servers):
+        d_server = servers.by_name["pull-d"]
+        lost_before = logged(d_server, "peer lost")
+        under_load_kill(servers, "pull-p", "pull")
+        # D saw both of P's ranks go when their side channels closed (its WARNING lines; the
+        # counter reaches vLLM's endpoint only at D's next step).
+        lost = eventually(lambda: logged(d_server, "peer lost") - lost_before, 2)
+        assert lost >= 2, f"D logged {lost} of P's two ranks lost"
+        servers.restart("pull-p")
+        # The restarted P (a new incarnation, same engine id and port) serves the next sets
+        # from transferred KV: every completion equal to one engine's and every export freed
+        # as transferred, so no load of D's went to the dead incarnation (it would have
+        # failed, and with kv_load_failure_policy=fail answered an error).
+        check_set(servers.reference, "pull")
+        check_set(servers.reference, "pull-nixl")
+
+    def test_d_killed_under_load_frees_its_exports_at_p_and_a_restarted_d_serves(self, servers):
+        p_server = servers.by_name["pull-p"]
+        lost_before = logged(p_server, "peer lost")
+        under_load_kill(servers, "pull-d", "pull")
+        # Each of P's ranks sees D's rank go when its side channel closes (and frees at once
+        # what D had claimed, as peer_lost; test_pd_vllm.py checks that bound in-process).
+        lost = eventually(lambda: logged(p_server, "peer lost") - lost_before, 2)
+        assert lost >= 2, f"P's ranks logged {lost} losses of D's rank"
+        servers.restart("pull-d")
+        check_set(servers.reference, "pull")
 
 
 class TestPush:
@@ -281,4 +443,4 @@ class TestPush:
 
     @pytest.mark.parametrize("via", ["push", "push-anon"])
     def test_completions_equal_one_engine_and_every_export_is_transferred(self, servers, via):
-        check_set(servers, via)
+        check_set(servers.reference, via)

@@ -531,7 +531,7 @@ impl DecodeWorker {
                 let agents: Vec<AgentName> =
                     self.connecting.iter().filter(|(_, a)| **a == address).map(|(n, _)| n.clone()).collect();
                 for agent in agents {
-                    tracing::warn!(peer = %agent, %error, "cannot reach prefill rank");
+                    self.warnings.unreachable(now, &agent, &error);
                     self.connecting.remove(&agent);
                     self.peer_gone(now, &agent);
                 }

@@ -55,6 +55,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -255,6 +256,31 @@ def _warn_once(lines: list[str]) -> None:
             logger.warning("kvflow: %s", line)
 
 
+class _Limited:
+    """WARNING lines a client can cause (a handoff refused, say), at most ``per_window`` of a
+    kind in ``window`` seconds, as the native side limits its own; the first line after a
+    window that left some out says how many."""
+
+    def __init__(self, per_window: int = 5, window: float = 10.0) -> None:
+        self.per_window, self.window = per_window, window
+        self.books: dict[str, list[float | int]] = {}
+
+    def warning(self, kind: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        start, logged, left_out = self.books.get(kind, (now, 0, 0))
+        if now - start >= self.window:
+            start, logged = now, 0
+        if logged >= self.per_window:
+            self.books[kind] = [start, logged, left_out + 1]
+            return
+        self.books[kind] = [start, logged + 1, 0]
+        suffix = f" ({left_out} like it left out before)" if left_out else ""
+        logger.warning("kvflow: " + message + suffix, *args)
+
+
+_limited = _Limited()
+
+
 def side_channel_port(base: int, dp_index: int) -> int:
     """Where a data-parallel engine's side channel listens: the base port
     (``VLLM_NIXL_SIDE_CHANNEL_PORT``) plus the engine's data-parallel index, as NixlConnector's.
@@ -343,7 +369,7 @@ class KvflowConnector(KVConnectorBase_V1):
         try:
             text = json.dumps(params)
         except (TypeError, ValueError) as error:
-            logger.warning("kvflow: %s's kv_transfer_params do not serialize (%r): computing it here", rid, error)
+            _limited.warning("unserializable", "%s's kv_transfer_params do not serialize (%r): computing it here", rid, error)
             return
         if getattr(request, "abort_immediately", False):
             # vLLM's serving layer refused the request before admission (a render error, a
@@ -355,7 +381,7 @@ class KvflowConnector(KVConnectorBase_V1):
         outcome, value = self._decode.handoff(rid, text, request.num_prompt_tokens, tokens, self._block_size)
         if outcome == "refused":
             reason, detail = value
-            logger.warning("kvflow: %s's handoff is refused (%s: %s): computing it here", rid, reason, detail)
+            _limited.warning("refused", "%s's handoff is refused (%s: %s): computing it here", rid, reason, detail)
             return
         if outcome != "ok":
             return
@@ -374,7 +400,7 @@ class KvflowConnector(KVConnectorBase_V1):
             self._decode.arrive(rid, remote, request.num_prompt_tokens, tokens)
         except ValueError as error:
             # (A request id D tracks already, say.) Computed here, never an exception in vLLM.
-            logger.warning("kvflow: %s is not loaded (%s): computing it here", rid, error)
+            _limited.warning("not loaded", "%s is not loaded (%s): computing it here", rid, error)
             return
         self._tracked[rid] = export
         self._loading_export[export] = rid
@@ -406,7 +432,7 @@ class KvflowConnector(KVConnectorBase_V1):
         try:
             self._prefill.pair(request.request_id, str(transfer))
         except ValueError as error:
-            logger.warning("kvflow: %s is not paired by transfer_id %r: %s", request.request_id, transfer, error)
+            _limited.warning("unpaired", "%s is not paired by transfer_id %r: %s", request.request_id, transfer, error)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         rid = request.request_id

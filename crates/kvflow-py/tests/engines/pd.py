@@ -257,7 +257,8 @@ def push_decode(model, prompts, done, go):
     # kvflow's form: the proxy gives both legs of a request one id. NixlPushConnector's: each leg
     # its own, and P's coordinates with the transfer id that pairs them.
     engine_, ids = llm.llm_engine, [f"{'d' if nixl else 'p'}{i}" for i in range(len(prompts))]
-    prefill = {"engine": PUSH_PREFILL, "addresses": [f"127.0.0.1:{port}"], "tp_size": 1, "pp_size": 1}
+    # P's one rank on its engine's side-channel port (host:port/tpRANK, as P's answer lists it).
+    prefill = {"engine": PUSH_PREFILL, "addresses": [f"127.0.0.1:{port}/tp0"], "tp_size": 1, "pp_size": 1}
     for i, (rid, prompt) in enumerate(zip(ids, prompts)):
         if nixl:
             handoff = {

@@ -38,7 +38,7 @@ impl DecodeWorker {
             }
             LeaseState::Released => match load.phase {
                 Phase::Waiting | Phase::Starting => {
-                    tracing::info!(%request, peer = %from, "P no longer holds the export");
+                    self.warnings.export_gone(now, request, from);
                     self.fail(now, request);
                 }
                 // A read raced the export's end: its bytes cannot be trusted.
