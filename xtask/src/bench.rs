@@ -601,7 +601,7 @@ fn vram_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick: boo
     let (stdout, stderr) = bench_binary(root, envs, "vram", json_out, quick.then_some("5"))?;
     if let Some(line) = stderr.lines().find(|l| l.starts_with("vram bench skipped")) {
         if !json_out {
-            println!("\n{line}: the GPU figures are pending (README, GPU)");
+            println!("\n{line}: the GPU figures are pending (docs/testing.md, the GPU checks)");
         }
         return Ok(json!({ "skipped": line.trim_start_matches("vram bench skipped: ") }));
     }

@@ -145,7 +145,7 @@ pub fn run() -> Result<()> {
     eprintln!("xtask: cargo xtask attack");
     crate::demo::attack(&crate::demo::AttackArgs::default()).context("the attack suite")?;
     // Four minutes of steady traffic with a process killed or stopped every minute, the
-    // engines' memory and descriptors sampled (the README records an hour of it).
+    // engines' memory and descriptors sampled (docs/operating.md, the soak).
     eprintln!("xtask: cargo xtask soak --minutes 4");
     let soak = crate::demo::SoakArgs::try_parse_from(["soak", "--minutes", "4"])?;
     crate::demo::soak(&soak).context("the 4-minute soak")?;

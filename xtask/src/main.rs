@@ -7,6 +7,7 @@
 mod bench;
 mod ci;
 mod demo;
+mod docs;
 mod provision;
 mod sim;
 mod sim_random;
@@ -52,6 +53,9 @@ enum Task {
     /// vLLM's CPU build in an ignored virtualenv (pinned, reused), kvflow's wheel built with
     /// maturin and installed there, and the Python tests run with pytest.
     Vllm,
+    /// The docs pages' parts generated from code (the metrics table of docs/operating.md),
+    /// written between their markers.
+    Docs,
 }
 
 fn main() -> ExitCode {
@@ -64,6 +68,7 @@ fn main() -> ExitCode {
         Task::Bench(args) => bench::run(&args),
         Task::Sim(args) => sim::run(&args),
         Task::Vllm => vllm::run(),
+        Task::Docs => docs::run(&workspace::root()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

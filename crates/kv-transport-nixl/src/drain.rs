@@ -24,7 +24,7 @@
 //! throughout while it takes the flood in (an invalidation up to 276 ms, a peer's metadata
 //! loaded up to 356 ms). Hence a cut-off peer's agent is invalidated only once it is quiet
 //! (`NixlTransport::invalidate_quiet`); a flooder that comes back as a new incarnation after
-//! each cut-off still grows P past the bound (the README's attack section).
+//! each cut-off still grows P past the bound (docs/security.md, the attack suite).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};

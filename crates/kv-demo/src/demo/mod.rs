@@ -87,7 +87,7 @@ pub struct AttackArgs {
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<AttackRun>,
     /// In the contended run, the flooder comes back as a new incarnation each time P cuts it
-    /// off (P's memory bound does not hold against that yet: see the README's attack section).
+    /// off (P's memory bound does not hold against that yet: docs/security.md, issue 47).
     #[arg(long)]
     pub flood_returns: bool,
 }
