@@ -152,10 +152,12 @@ fn random_bytes(i: usize, len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// A HELLO frame (docs/side-channel.md) for `engine`, with `version`.
+/// A HELLO frame (docs/side-channel.md) for `engine`, with `version`, asking for whichever
+/// rank listens (P's own port).
 fn hello(engine: &str, version: u16) -> Vec<u8> {
     let mut body = b"KVSC".to_vec();
     body.extend_from_slice(&version.to_be_bytes());
+    body.extend_from_slice(&kv_core::side::ANY_RANK.to_be_bytes());
     body.push(1);
     body.push(engine.len() as u8);
     body.extend_from_slice(engine.as_bytes());
@@ -522,7 +524,7 @@ impl Attacker {
 
     /// 100 connections, each sending a HELLO one byte every 100 ms.
     fn slowloris(&mut self) -> Result<Outcome> {
-        let frame = hello("decode-slow", 1);
+        let frame = hello("decode-slow", kv_core::side::SIDE_PROTOCOL_VERSION);
         let mut streams: Vec<TcpStream> =
             (0..100).filter_map(|_| TcpStream::connect(("127.0.0.1", self.config.p_port)).ok()).collect();
         let start = Instant::now();

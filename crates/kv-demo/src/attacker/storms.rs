@@ -205,7 +205,8 @@ impl Attacker {
     /// as far as a flood can get) and opened again as soon as P closes it.
     pub(super) fn churn_storm(&mut self) -> Result<Outcome> {
         let addr = SocketAddr::from(([127, 0, 0, 1], self.config.p_port));
-        let greeting: Arc<dyn Fn(u64) -> Vec<u8> + Send + Sync> = Arc::new(|_| hello("storm", 1));
+        let greeting: Arc<dyn Fn(u64) -> Vec<u8> + Send + Sync> =
+            Arc::new(|_| hello("storm", kv_core::side::SIDE_PROTOCOL_VERSION));
         self.storm(
             "churn-storm",
             move |_| Ok((Churn::start(addr, 2000, greeting), Instant::now())),
