@@ -17,7 +17,7 @@
 //!
 //! Bounds: at most [`MAX_ROUTING`] connections wait for their first bytes at once (one more
 //! closes the oldest), each for at most the handshake's deadline; a hand-over waits at most as
-//! long for the rank's process.
+//! long for the rank's process, and a rank takes at most [`MAX_ROUTING`] hand-overs at once.
 
 use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
@@ -178,8 +178,10 @@ fn same_user(unix: &UnixStream) -> Result<(), String> {
     }
 }
 
-/// Takes the sockets handed to this rank for as long as the channel lives.
+/// Takes the sockets handed to this rank for as long as the channel lives: at most
+/// [`MAX_ROUTING`] hand-overs at once (one more is closed unread), each within `deadline`.
 pub(crate) async fn intake(listener: UnixListener, shared: Arc<Shared>, deadline: Duration) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_ROUTING));
     loop {
         let unix = match listener.accept().await {
             Ok((unix, _)) => unix,
@@ -189,8 +191,13 @@ pub(crate) async fn intake(listener: UnixListener, shared: Arc<Shared>, deadline
                 continue;
             }
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::debug!("side channel: too many hand-overs at once; one closed unread");
+            continue;
+        };
         let shared = shared.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             if let Err(e) = same_user(&unix) {
                 return tracing::warn!(error = %e, "side channel: a hand-over from another user refused");
             }
