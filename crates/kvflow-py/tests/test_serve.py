@@ -10,7 +10,7 @@ router rebuilds them), and in push with vLLM's push-proxy parameters, with and w
 port 5600, its two ranks sharing it, and D on 5601. Then made-up and unusable handoffs are
 each answered within seconds, logged and counted, and what they name on P is freed at once;
 and P, then D, SIGKILLed under load (their whole process groups) and started again serve the
-next sets from transferred KV."""
+next sets from transferred KV. Made-up handoffs in the push form are checked the same way."""
 
 import concurrent.futures
 import json
@@ -444,3 +444,35 @@ class TestPush:
     @pytest.mark.parametrize("via", ["push", "push-anon"])
     def test_completions_equal_one_engine_and_every_export_is_transferred(self, servers, via):
         check_set(servers.reference, via)
+
+    def test_made_up_and_unusable_push_handoffs_are_answered_counted_and_freed_at_p(self, servers):
+        warnings_before = logged(servers.by_name["push-d"])
+        coordinates = {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": PUSH_ENGINE,
+            "remote_host": "localhost", "remote_port": 5820, "tp_size": 1, "pp_size": 1, "remote_request_id": None,
+        }
+        # P's leg of prompt A under transfer id t-a: P computes it and holds the export for D.
+        a = {"prompt": prompt(70, 40), "max_tokens": 1, "temperature": 0, "model": "tiny",
+             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "t-a"}}
+        assert attempt(PUSH_P, "/v1/completions", a)[0] == 200
+        p_before = releases(metrics(PUSH_P))
+        cases = {
+            "garbage": {"do_remote_prefill": True, "remote_engine_id": [1], "transfer_id": 5},
+            "unknown P": dict(coordinates, remote_engine_id="nobody", remote_port=1, transfer_id="t-x"),
+            "huge numbers": dict(coordinates, tp_size=10**12, transfer_id="t-y"),
+            # D's leg of prompt B under P's transfer id of prompt A: P refuses D's registration.
+            "another prompt's export": dict(coordinates, transfer_id="t-a"),
+        }
+        for case, params in cases.items():
+            body = {"prompt": prompt(71, 40), "max_tokens": 4, "temperature": 0, "model": "tiny",
+                    "kv_transfer_params": params}
+            started = time.monotonic()
+            status, _ = attempt(PUSH_D, "/v1/completions", body)
+            assert time.monotonic() - started < 30, f"{case}: answered after {time.monotonic() - started:.0f} s"
+            assert status in (200, 400, 500), f"{case}: HTTP {status}"
+        # P freed the export of prompt A that D's mismatched registration named, not at the lease.
+        freed = delta(releases(settle(PUSH_P, sum(p_before.values()) + 1, seconds=2)), p_before)
+        assert freed == {"rejected": 1}, f"P freed {freed}"
+        warned = logged(servers.by_name["push-d"]) - warnings_before
+        assert warned >= 4, f"D logged {warned} kvflow WARNINGs for four made-up push handoffs"
+        check_set(servers.reference, "push")
