@@ -151,7 +151,7 @@ fn documented_offer(role: Role) -> Handshake {
         regions: vec![RegionBase { addr, len }],
         compat_hash: compatibility_hash("llama-3.1-8b", &layout),
         clock: Time::ZERO,
-        agent_metadata: metadata(addr, len, &format!("nixl:{engine}/tp1")),
+        agent_metadata: metadata(addr, len, &format!("nixl:{engine}/tp1#{instance}")),
     }
 }
 
