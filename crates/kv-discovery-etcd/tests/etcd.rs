@@ -29,23 +29,40 @@ struct Etcd {
 impl Etcd {
     /// Starts etcd and waits until it answers; `None` (after saying so) where there is no
     /// etcd binary and CI is not set.
+    /// A port found free may be taken before etcd binds it (the tests run at once, and their
+    /// clients' connections take ports too): etcd then exits at once saying so, and this tries
+    /// again on other ports, three times at most.
     async fn start(test: &str) -> Option<Etcd> {
         let binary = etcd_binary(test)?;
         let dir = std::env::temp_dir().join(format!("kvflow-etcd-{test}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut etcd = Etcd {
-            binary,
-            dir,
-            client_url: format!("http://127.0.0.1:{}", free_port()),
-            peer_url: format!("http://127.0.0.1:{}", free_port()),
-            child: None,
-        };
-        etcd.spawn().await;
-        Some(etcd)
+        for attempt in 1.. {
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            let mut etcd = Etcd {
+                binary: binary.clone(),
+                dir: dir.clone(),
+                client_url: format!("http://127.0.0.1:{}", free_port()),
+                peer_url: format!("http://127.0.0.1:{}", free_port()),
+                child: None,
+            };
+            etcd.launch();
+            match etcd.wait_ready().await {
+                Ok(()) => return Some(etcd),
+                Err(log) if attempt < 3 && log.contains("address already in use") => continue,
+                Err(log) => panic!("{log}"),
+            }
+        }
+        unreachable!("the loop returns or panics by its third attempt")
     }
 
     async fn spawn(&mut self) {
+        self.launch();
+        if let Err(log) = self.wait_ready().await {
+            panic!("{log}");
+        }
+    }
+
+    fn launch(&mut self) {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log()).unwrap();
         let child = Command::new(&self.binary)
             .arg("--name=default")
@@ -61,26 +78,28 @@ impl Etcd {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.binary.display()));
         self.child = Some(child);
-        self.wait_ready().await;
     }
 
     fn log(&self) -> PathBuf {
         self.dir.join("etcd.log")
     }
 
-    async fn wait_ready(&mut self) {
+    /// Waits until etcd answers; else what went wrong, with the tail of its log.
+    async fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
-                panic!("etcd exited ({status}) before it answered:\n{}", log_tail(&self.log()));
+                return Err(format!("etcd exited ({status}) before it answered:\n{}", log_tail(&self.log())));
             }
             let options = ConnectOptions::new().with_connect_timeout(Duration::from_millis(500));
             if let Ok(mut client) = Client::connect([&self.client_url], Some(options)).await {
                 if tokio::time::timeout(Duration::from_secs(1), client.status()).await.is_ok_and(|s| s.is_ok()) {
-                    return;
+                    return Ok(());
                 }
             }
-            assert!(Instant::now() < deadline, "etcd did not answer within 20 s:\n{}", log_tail(&self.log()));
+            if Instant::now() >= deadline {
+                return Err(format!("etcd did not answer within 20 s:\n{}", log_tail(&self.log())));
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
