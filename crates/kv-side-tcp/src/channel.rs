@@ -280,12 +280,11 @@ impl SideChannel {
             listener.set_nonblocking(true).map_err(|e| TransportError::backend("side channel", e))?;
             Ok(listener)
         };
-        let shared_port = matches!(listen, Listen::Shared { .. });
-        let (local, own, intake, dispatch) = match listen {
+        let (local, address, own, intake, dispatch) = match listen {
             Listen::Own(bind) => {
                 let listener = tcp(bind)?;
                 let local = listener.local_addr().map_err(|e| TransportError::backend("side channel", e))?;
-                (local, Some(listener), None, None)
+                (local, PeerAddress(local.to_string()), Some(listener), None, None)
             }
             Listen::Shared { port, .. } if port.port() == 0 => {
                 return Err(TransportError::Backend(format!(
@@ -295,7 +294,7 @@ impl SideChannel {
             Listen::Shared { port, accept } => {
                 let intake = crate::shared::bind_intake(port, role, rank)?;
                 let dispatch = if accept { Some(tcp(port)?) } else { None };
-                (port, None, Some(intake), dispatch)
+                (port, PeerAddress::of_rank(&port.to_string(), rank), None, Some(intake), dispatch)
             }
         };
         let io = Io {
@@ -367,8 +366,6 @@ impl SideChannel {
             .map_err(|_| TransportError::Backend("side channel thread ended at start".into()))?
             .map_err(TransportError::Backend)?;
         tracing::debug!(%local, "side channel listening");
-        let address =
-            if shared_port { PeerAddress::of_rank(&local.to_string(), rank) } else { PeerAddress(local.to_string()) };
         Ok(SideChannel { shared, runtime, local, address, shutdown: Some(shutdown), thread: Some(thread) })
     }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_core::side::{SideEvent, SideLimits};
-use kv_core::{AgentName, Dtype, EngineId, Handshake, KvLayout, PeerAddress, Role};
+use kv_core::{AgentName, Dtype, EngineId, Handshake, KvLayout, PeerAddress, Role, TransportError};
 use kv_side_tcp::{Item, KeySource, MonotonicClock, PortPlan, SideChannel};
 
 /// Set in the child process: the shared port it serves as P's rank 1.
@@ -21,34 +21,29 @@ fn offer(engine: &str, role: Role, rank: u32, instance: u64) -> Handshake {
     Handshake::new(&agent, 2, instance, role, "model", KvLayout::split_kv(1, 16, 2, 8, Dtype::Bfloat16))
 }
 
-fn prefill_rank(port: SocketAddr, rank: u32, instance: u64) -> SideChannel {
+/// A side channel at `bind` as `plan` says, for `role`'s rank `rank` of `engine`, without a key.
+fn start(
+    bind: SocketAddr,
+    plan: PortPlan,
+    engine: &str,
+    role: Role,
+    rank: u32,
+    instance: u64,
+) -> Result<SideChannel, TransportError> {
     let key = KeySource::None.load().expect("no key");
     let clock = Arc::new(MonotonicClock::start());
+    SideChannel::start_on(bind, plan, key, SideLimits::default(), offer(engine, role, rank, instance), clock)
+}
+
+fn prefill_rank(port: SocketAddr, rank: u32, instance: u64) -> SideChannel {
     let plan = PortPlan::Shared { accept: rank == 0 };
-    let side = SideChannel::start_on(
-        port,
-        plan,
-        key,
-        SideLimits::default(),
-        offer("prefill", Role::Prefill, rank, instance),
-        clock,
-    )
-    .expect("P rank starts on the shared port");
+    let side = start(port, plan, "prefill", Role::Prefill, rank, instance).expect("P rank starts on the shared port");
     assert_eq!(side.address(), &PeerAddress::of_rank(&port.to_string(), rank));
     side
 }
 
 fn decode_rank(engine: &str, rank: u32) -> SideChannel {
-    let key = KeySource::None.load().expect("no key");
-    let clock = Arc::new(MonotonicClock::start());
-    SideChannel::start(
-        "127.0.0.1:0".parse().unwrap(),
-        key,
-        SideLimits::default(),
-        offer(engine, Role::Decode, rank, 1),
-        clock,
-    )
-    .expect("D rank starts")
+    start("127.0.0.1:0".parse().unwrap(), PortPlan::Own, engine, Role::Decode, rank, 1).expect("D rank starts")
 }
 
 /// The child: P's rank 1 on the shared port, until killed (answering items as a transport does).
@@ -156,30 +151,11 @@ fn a_rank_taken_on_this_host_or_port_zero_fails_by_name() {
     }
     let port = free_port();
     let _p0 = prefill_rank(port, 0, 1);
-    let key = || KeySource::None.load().unwrap();
-    let clock = || Arc::new(MonotonicClock::start());
     let plan = |accept| PortPlan::Shared { accept };
-    let again = SideChannel::start_on(
-        port,
-        plan(false),
-        key(),
-        SideLimits::default(),
-        offer("prefill", Role::Prefill, 0, 2),
-        clock(),
-    );
+    let again = start(port, plan(false), "prefill", Role::Prefill, 0, 2);
     let error = again.err().expect("rank 0 is taken").to_string();
     assert!(error.contains("Prefill rank 0") && error.contains("taken"), "{error}");
     let zero = "127.0.0.1:0".parse().unwrap();
-    let error = SideChannel::start_on(
-        zero,
-        plan(true),
-        key(),
-        SideLimits::default(),
-        offer("prefill", Role::Prefill, 1, 1),
-        clock(),
-    )
-    .err()
-    .expect("port 0 is refused")
-    .to_string();
+    let error = start(zero, plan(true), "prefill", Role::Prefill, 1, 1).err().expect("port 0 is refused").to_string();
     assert!(error.contains("must be given"), "{error}");
 }

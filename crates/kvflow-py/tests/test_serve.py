@@ -303,10 +303,14 @@ def counter(samples, name):
     return sum(v for (n, _), v in samples.items() if n == name)
 
 
-def under_load_kill(served, name, via):
+def under_load_kill(served, name, via, watcher):
     """Sends the batch through proxy `via` and SIGKILLs server `name`'s process group once two
     of its completions are back (P and D connected, the rest in flight); every request must
-    then end (an answer or an error) within a minute."""
+    then end (an answer or an error) within a minute. Returns how many ranks server `watcher`
+    logged lost since (its WARNING lines: a counter reaches vLLM's endpoint only at the
+    server's next step), once two or 15 s passed."""
+    watching = served.by_name[watcher]
+    lost_before = logged(watching, "peer lost")
     batch = requests()
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(post, PROXIES[via], *r) for r in batch]
@@ -316,6 +320,7 @@ def under_load_kill(served, name, via):
         served.by_name[name].stop()
         done, pending = concurrent.futures.wait(futures, timeout=60)
     assert not pending, f"{len(pending)} requests still waiting a minute after {name} was killed"
+    return eventually(lambda: logged(watching, "peer lost") - lost_before, 2)
 
 
 NIXL_FIELDS = ["do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids", "remote_host",
@@ -331,6 +336,15 @@ def attempt(port, route, body):
             return answer.status, answer.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
+
+
+def answered_in_time(port, body, case):
+    """Sends a completion with a made-up handoff: it must be answered within 30 s, computed
+    (200), refused (400), or failed as kv_load_failure_policy=fail says (500)."""
+    started = time.monotonic()
+    status, _ = attempt(port, "/v1/completions", body)
+    assert time.monotonic() - started < 30, f"{case}: answered after {time.monotonic() - started:.0f} s"
+    assert status in (200, 400, 500), f"{case}: HTTP {status}"
 
 
 def refused(samples):
@@ -386,10 +400,7 @@ class TestPull:
         for case, params in cases.items():
             body = {"prompt": prompt(61, 40), "max_tokens": 4, "temperature": 0, "model": "tiny",
                     "kv_transfer_params": params}
-            started = time.monotonic()
-            status, _ = attempt(PULL_D, "/v1/completions", body)
-            assert time.monotonic() - started < 30, f"{case}: answered after {time.monotonic() - started:.0f} s"
-            assert status in (200, 400, 500), f"{case}: HTTP {status}"
+            answered_in_time(PULL_D, body, case)
         # P freed the export the mismatched claim named at once (a rejection), not at the lease.
         freed = delta(releases(settle(PULL_P, sum(p_before.values()) + 1, seconds=2)), p_before)
         assert freed == {"rejected": 1}, f"P freed {freed}"
@@ -397,10 +408,7 @@ class TestPull:
         body = {"prompt": prompt(60, 40), "max_tokens": 4, "temperature": 0, "model": "tiny"}
         fresh = json.loads(attempt(PULL_P, "/v1/completions", a)[1])["kv_transfer_params"]
         assert attempt(PULL_D, "/v1/completions", dict(body, kv_transfer_params=fresh))[0] == 200
-        started = time.monotonic()
-        status, _ = attempt(PULL_D, "/v1/completions", dict(body, kv_transfer_params=fresh))
-        assert time.monotonic() - started < 30, f"the replay: answered after {time.monotonic() - started:.0f} s"
-        assert status in (200, 400, 500), f"the replay: HTTP {status}"
+        answered_in_time(PULL_D, dict(body, kv_transfer_params=fresh), "the replay")
         counted = refused(metrics(PULL_D)) - refused_before
         assert counted >= 2, f"D counted {counted} refused handoffs for garbage and huge numbers"
         warned = logged(servers.by_name["pull-d"]) - warnings_before
@@ -409,12 +417,8 @@ class TestPull:
         check_set(servers.reference, "pull")
 
     def test_p_killed_under_load_and_restarted_serves_from_transferred_kv_again(self, servers):
-        d_server = servers.by_name["pull-d"]
-        lost_before = logged(d_server, "peer lost")
-        under_load_kill(servers, "pull-p", "pull")
-        # D saw both of P's ranks go when their side channels closed (its WARNING lines; the
-        # counter reaches vLLM's endpoint only at D's next step).
-        lost = eventually(lambda: logged(d_server, "peer lost") - lost_before, 2)
+        # D saw both of P's ranks go when their side channels closed.
+        lost = under_load_kill(servers, "pull-p", "pull", watcher="pull-d")
         assert lost >= 2, f"D logged {lost} of P's two ranks lost"
         servers.restart("pull-p")
         # The restarted P (a new incarnation, same engine id and port) serves the next sets
@@ -425,12 +429,9 @@ class TestPull:
         check_set(servers.reference, "pull-nixl")
 
     def test_d_killed_under_load_frees_its_exports_at_p_and_a_restarted_d_serves(self, servers):
-        p_server = servers.by_name["pull-p"]
-        lost_before = logged(p_server, "peer lost")
-        under_load_kill(servers, "pull-d", "pull")
         # Each of P's ranks sees D's rank go when its side channel closes (and frees at once
         # what D had claimed, as peer_lost; test_pd_vllm.py checks that bound in-process).
-        lost = eventually(lambda: logged(p_server, "peer lost") - lost_before, 2)
+        lost = under_load_kill(servers, "pull-d", "pull", watcher="pull-p")
         assert lost >= 2, f"P's ranks logged {lost} losses of D's rank"
         servers.restart("pull-d")
         check_set(servers.reference, "pull")
@@ -466,10 +467,7 @@ class TestPush:
         for case, params in cases.items():
             body = {"prompt": prompt(71, 40), "max_tokens": 4, "temperature": 0, "model": "tiny",
                     "kv_transfer_params": params}
-            started = time.monotonic()
-            status, _ = attempt(PUSH_D, "/v1/completions", body)
-            assert time.monotonic() - started < 30, f"{case}: answered after {time.monotonic() - started:.0f} s"
-            assert status in (200, 400, 500), f"{case}: HTTP {status}"
+            answered_in_time(PUSH_D, body, case)
         # P freed the export of prompt A that D's mismatched registration named, not at the lease.
         freed = delta(releases(settle(PUSH_P, sum(p_before.values()) + 1, seconds=2)), p_before)
         assert freed == {"rejected": 1}, f"P freed {freed}"
