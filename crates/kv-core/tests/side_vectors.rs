@@ -15,7 +15,7 @@ use chacha20poly1305::aead::{AeadInPlace, KeyInit};
 use chacha20poly1305::ChaCha20Poly1305;
 use hkdf::Hkdf;
 use hmac::{Hmac, Mac};
-use kv_core::side::{ClusterKey, ConnId, SideConfig, SideEndpoint, SideEvent, Transmit};
+use kv_core::side::{ClusterKey, ConnId, LinkRole, SideConfig, SideEndpoint, SideEvent, Transmit};
 use kv_core::wire::compatibility_hash;
 use kv_core::{
     AgentName, BlockId, Claim, Digest as KvDigest, EngineId, Handshake, KvLayout, LeaseState, Message, PeerAddress,
@@ -330,6 +330,96 @@ fn the_documented_handshake_replays_byte_for_byte() {
             secret.is_some_and(|s| s.listener_mac(b"example transcript") == link_mac),
             "both ends derive link_tcp_data",
         );
+    }
+
+    // One data link of the TCP transport on this session, framed from the document's tables:
+    // D connects to P's data listener asking for tagged DATA payloads, reads 16 bytes at the
+    // start of P's region, and P answers with one DATA frame.
+    let nonce_c: [u8; 32] = bytes_or("link_nonce_c", &(0x60u8..0x80).collect::<Vec<_>>()).try_into().unwrap();
+    let nonce_link_l: [u8; 32] = bytes_or("link_nonce_l", &(0x80u8..0xa0).collect::<Vec<_>>()).try_into().unwrap();
+    let head = |kind: u8, body_len: usize| [&(1 + body_len as u32).to_be_bytes()[..], &[kind]].concat();
+    let link_hello = [
+        &head(0x01, 50 + offer_i.engine.as_str().len())[..],
+        b"KVTD",
+        &[3, 1], // data protocol version 3; flags: tag the DATA payloads you send me
+        &nonce_c,
+        &offer_i.instance.to_le_bytes(),
+        &offer_i.rank.to_le_bytes(),
+        offer_i.engine.as_str().as_bytes(),
+    ]
+    .concat();
+    // CHALLENGE's header counts its MAC; P asks for no WRITE payload tags.
+    let link_transcript = [&link_hello[..], &head(0x84, 65), &nonce_link_l, &[0]].concat();
+    let link_mac_l = hmac(&link, &[b"kvflow-link-v1 listener", &link_transcript]);
+    let link_mac_c = hmac(&link, &[b"kvflow-link-v1 connector", &link_transcript, &link_mac_l]);
+    let link_challenge = [&link_transcript[link_hello.len()..], &link_mac_l].concat();
+    let link_proof = [&head(0x06, 32)[..], &link_mac_c].concat();
+    let mut link_salt = nonce_c.to_vec();
+    link_salt.extend_from_slice(&nonce_link_l);
+    let mut link_info = b"kvflow-link-v1 keys".to_vec();
+    link_info.extend_from_slice(&Sha256::digest(&link_transcript));
+    let mut link_okm = [0u8; 64];
+    Hkdf::<Sha256>::new(Some(&link_salt), &link).expand(&link_info, &mut link_okm).unwrap();
+    let (k_c2l, k_l2c) = link_okm.split_at(32);
+    let tag = |key: &[u8], counter: u64, covered: &[u8]| -> Vec<u8> {
+        let mut nonce = [0u8; 12];
+        nonce[4..].copy_from_slice(&counter.to_be_bytes());
+        let cipher = ChaCha20Poly1305::new_from_slice(key).unwrap();
+        cipher.encrypt_in_place_detached(&nonce.into(), covered, &mut []).unwrap().to_vec()
+    };
+    // READ: transfer 0, pairs from 0, one range; its tag is the connector's first.
+    let range = (offer_l.regions[0].addr, 16u64);
+    let read_frame = [
+        &head(0x02, 32)[..],
+        &0u64.to_le_bytes(),
+        &0u32.to_le_bytes(),
+        &1u32.to_le_bytes(),
+        &range.0.to_le_bytes(),
+        &range.1.to_le_bytes(),
+    ]
+    .concat();
+    let link_read = [read_frame.clone(), tag(k_c2l, 0, &read_frame)].concat();
+    // DATA: transfer 0, pair 0, offset 0, its tag, the 16 bytes, and their tag (the next).
+    let data: Vec<u8> = (0u8..16).collect();
+    let data_head =
+        [&head(0x81, 20 + data.len())[..], &0u64.to_le_bytes(), &0u32.to_le_bytes(), &0u64.to_le_bytes()].concat();
+    let link_data = [data_head.clone(), tag(k_l2c, 0, &data_head), data.clone(), tag(k_l2c, 1, &data)].concat();
+    block.bytes("link_nonce_c", &nonce_c);
+    block.bytes("link_nonce_l", &nonce_link_l);
+    block.bytes("link_hello", &link_hello);
+    block.bytes("link_challenge", &link_challenge);
+    block.bytes("link_proof", &link_proof);
+    block.bytes("link_k_c2l", k_c2l);
+    block.bytes("link_k_l2c", k_l2c);
+    block.bytes("link_read", &link_read);
+    block.bytes("link_data", &link_data);
+    // kv-core's links agree: P's secret for D (the listener's end), D's for P (the connector's).
+    let p_end = listener.link_secret(&AgentName::new(offer_i.engine.clone(), offer_i.rank), "kvflow-tcp-data-v2");
+    let d_end = initiator.link_secret(&AgentName::new(offer_l.engine.clone(), offer_l.rank), "kvflow-tcp-data-v2");
+    match (p_end, d_end) {
+        (Some(p_end), Some(d_end)) => {
+            check(p_end.listener_mac(&link_transcript) == link_mac_l, "kv-core's listener makes link_challenge's MAC");
+            check(
+                d_end.verify_listener_mac(&link_transcript, &link_mac_l)
+                    && p_end.verify_connector_mac(&link_transcript, &link_mac_l, &link_mac_c),
+                "kv-core's ends verify the link MACs",
+            );
+            let (mut d_out, mut d_in) =
+                d_end.frame_tags(LinkRole::Connector, &nonce_c, &nonce_link_l, &link_transcript);
+            let (mut p_out, mut p_in) = p_end.frame_tags(LinkRole::Listener, &nonce_c, &nonce_link_l, &link_transcript);
+            check(d_out.tag(&read_frame)[..] == link_read[read_frame.len()..], "kv-core tags link_read");
+            check(p_in.verify(&read_frame, &link_read[read_frame.len()..]), "kv-core's listener takes link_read");
+            check(
+                p_out.tag(&data_head)[..] == tag(k_l2c, 0, &data_head)[..]
+                    && p_out.tag(&data)[..] == tag(k_l2c, 1, &data)[..],
+                "kv-core tags link_data and its payload",
+            );
+            check(
+                d_in.verify(&data_head, &tag(k_l2c, 0, &data_head)) && d_in.verify(&data, &tag(k_l2c, 1, &data)),
+                "kv-core's connector takes link_data",
+            );
+        }
+        _ => check(false, "both ends hold a link secret"),
     }
     let plain_i = open(&okm[..32], 0, &offer_i_sealed);
     let plain_l = open(&okm[32..64], 0, &offer_l_sealed);
