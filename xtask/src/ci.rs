@@ -1,6 +1,7 @@
 //! `cargo xtask ci`: what CI runs, in the order that fails fastest.
 
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -15,11 +16,16 @@ use crate::workspace::{self, cargo, cargo_env};
 /// crate, then a short demo in each mode over each transport, short demos of a real model
 /// (tiny-llama), the attack suite, a 4-minute soak, kvflow's Python package beside vLLM (`cargo xtask vllm`),
 /// and transformers' check of every token the model demos generated.
+/// Each part's time is printed as it ends, and all of them at the end (docs/testing.md's
+/// "How long" is read from them).
 pub fn run() -> Result<()> {
     let root = workspace::root();
-    cargo(&root, &["fmt", "--all", "--", "--check"])?;
-    let nixl = provision::ensure()
-        .context("cannot provision what nixl-sys, etcd-client and the demo need (see `cargo xtask setup`)")?;
+    let mut timed = Timed::default();
+    timed.part("fmt check", || cargo(&root, &["fmt", "--all", "--", "--check"]))?;
+    let nixl = timed.part("provisioning", || {
+        provision::ensure()
+            .context("cannot provision what nixl-sys, etcd-client and the demo need (see `cargo xtask setup`)")
+    })?;
     let envs = nixl.envs();
     for (key, value) in &envs {
         eprintln!("xtask: {key}={value}");
@@ -28,22 +34,27 @@ pub fn run() -> Result<()> {
     // test and bench of kv-cuda's pools moved by NixlTransport.
     let clippy =
         ["clippy", "--workspace", "--all-targets", "--locked", "--features", "kv-demo/nixl", "--", "-D", "warnings"];
-    cargo_env(&root, &clippy, &envs)?;
-    cargo_env(&root, &["test", "--workspace", "--locked", "--features", "kv-demo/nixl"], &envs)?;
-    // The examples a user runs first (`cargo test` only builds them).
-    cargo(&root, &["run", "--locked", "-q", "-p", "kv-demo", "--example", "pull_pair"])?;
-    for example in ["pull_pair_nixl", "pull_pair_tcp"] {
-        cargo_env(
-            &root,
-            &["run", "--locked", "-q", "-p", "kv-demo", "--features", "nixl", "--example", example],
-            &envs,
-        )?;
-    }
-    // Two engines as an engine embeds kvflow (kv-engine), over TCP, with their metrics endpoint.
-    cargo(&root, &["run", "--locked", "-q", "-p", "kv-engine", "--example", "two_engines"])?;
+    timed.part("clippy", || cargo_env(&root, &clippy, &envs))?;
+    timed.part("workspace tests", || {
+        cargo_env(&root, &["test", "--workspace", "--locked", "--features", "kv-demo/nixl"], &envs)
+    })?;
+    timed.part("examples", || {
+        // The examples a user runs first (`cargo test` only builds them).
+        cargo(&root, &["run", "--locked", "-q", "-p", "kv-demo", "--example", "pull_pair"])?;
+        for example in ["pull_pair_nixl", "pull_pair_tcp"] {
+            cargo_env(
+                &root,
+                &["run", "--locked", "-q", "-p", "kv-demo", "--features", "nixl", "--example", example],
+                &envs,
+            )?;
+        }
+        // Two engines as an engine embeds kvflow (kv-engine), over TCP, with their metrics endpoint.
+        cargo(&root, &["run", "--locked", "-q", "-p", "kv-engine", "--example", "two_engines"])
+    })?;
     // Every library crate packages and builds from its package, as a user's dependency would.
     // Cargo takes its own unpublished packages for immutable registry crates: it reuses their
     // unpacked sources and their build artifacts by name and version. Fresh ones, each run.
+    let packaging = Instant::now();
     forget_packaged_sources();
     let verify = root.join("target").join("package-verify");
     let _ = std::fs::remove_dir_all(&verify);
@@ -67,6 +78,7 @@ pub fn run() -> Result<()> {
     // A second build of every library and its dependencies: gone once verified, since CI's
     // disk is not ours to fill.
     let _ = std::fs::remove_dir_all(&verify);
+    timed.record("packaging", packaging);
     // Short demos, real processes: each mode over each transport, then P at TP 2 into D at TP 4
     // and back, MLA from TP 2 into TP 1, P's 16-token blocks into D's 32-token ones and P's
     // 32-token blocks pushed into D's 16-token ones as they are computed, and every
@@ -102,6 +114,7 @@ pub fn run() -> Result<()> {
             "5000",
         ],
     ];
+    let demos = Instant::now();
     for topology in topologies {
         let lease: &[&str] = if topology.contains(&"--lease-ms") { &[] } else { &["--lease-ms", "2000"] };
         let flags = [topology, &short[..], lease].concat();
@@ -110,11 +123,13 @@ pub fn run() -> Result<()> {
         let args = DemoArgs::try_parse_from(std::iter::once("demo").chain(flags.iter().copied()))?;
         crate::demo::run(&args).with_context(|| format!("the short demo with {}", topology.join(" ")))?;
     }
+    timed.record("short demos", demos);
     // A real model's KV through kvflow (issue 33): tiny-llama computes every prompt on P (in
     // chunks of 64 tokens, written ahead in push mode), D decodes 16 tokens from what it
     // loaded, and each request's tokens and prompt KV must equal one engine's; one D is killed
     // part-way (its requests sent again), and some requests are partial prefix hits whose
     // prefix D computes itself. transformers checks every token once the virtualenv is up.
+    let models = Instant::now();
     let model_demos = workspace::target_dir(&root).join("model-demos");
     let _ = std::fs::remove_dir_all(&model_demos);
     std::fs::create_dir_all(&model_demos)?;
@@ -141,20 +156,57 @@ pub fn run() -> Result<()> {
         crate::demo::run(&args).with_context(|| format!("the model demo with {}", topology.join(" ")))?;
         model_reports.push(report);
     }
+    timed.record("model demos", models);
     // The engines under attack, and stopped past their lease, in both modes (about a minute).
     eprintln!("xtask: cargo xtask attack");
-    crate::demo::attack(&crate::demo::AttackArgs::default()).context("the attack suite")?;
+    timed.part("attack suite", || {
+        crate::demo::attack(&crate::demo::AttackArgs::default()).context("the attack suite")
+    })?;
     // Four minutes of steady traffic with a process killed or stopped every minute, the
     // engines' memory and descriptors sampled (docs/operating.md, the soak).
     eprintln!("xtask: cargo xtask soak --minutes 4");
     let soak = crate::demo::SoakArgs::try_parse_from(["soak", "--minutes", "4"])?;
-    crate::demo::soak(&soak).context("the 4-minute soak")?;
+    timed.part("soak", || crate::demo::soak(&soak).context("the 4-minute soak"))?;
     // vLLM on this CPU in a pinned virtualenv (provisioned once, about 3 minutes), kvflow's
     // wheel built and installed beside it, and the Python tests.
     eprintln!("xtask: cargo xtask vllm");
-    crate::vllm::run().context("cargo xtask vllm")?;
-    crate::vllm::check_model_tokens(&model_dir, &model_reports)?;
+    timed.part("cargo xtask vllm", || crate::vllm::run().context("cargo xtask vllm"))?;
+    timed.part("token check", || crate::vllm::check_model_tokens(&model_dir, &model_reports))?;
+    timed.summary();
     Ok(())
+}
+
+/// The time each part of the run took, in order.
+#[derive(Default)]
+struct Timed {
+    parts: Vec<(&'static str, Duration)>,
+}
+
+impl Timed {
+    /// Runs `part`, and records and prints how long it took, whether it passed or failed.
+    fn part<T>(&mut self, name: &'static str, part: impl FnOnce() -> Result<T>) -> Result<T> {
+        let started = Instant::now();
+        let result = part();
+        self.record(name, started);
+        result
+    }
+
+    /// Records and prints that `name` ran from `started` until now.
+    fn record(&mut self, name: &'static str, started: Instant) {
+        let took = started.elapsed();
+        eprintln!("xtask: {name} took {:.0} s", took.as_secs_f64());
+        self.parts.push((name, took));
+    }
+
+    /// Prints every part's time and their total.
+    fn summary(&self) {
+        eprintln!("xtask: cargo xtask ci passed; each part's time:");
+        for (name, took) in &self.parts {
+            eprintln!("  {name:<20} {:>6.0} s", took.as_secs_f64());
+        }
+        let total: Duration = self.parts.iter().map(|(_, took)| *took).sum();
+        eprintln!("  {:<20} {:>6.0} s", "total", total.as_secs_f64());
+    }
 }
 
 /// The library crates `cargo package` verifies.
