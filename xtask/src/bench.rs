@@ -13,6 +13,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
+use crate::bench_results;
 use crate::demo::build_node;
 use crate::provision;
 use crate::workspace::{self, cargo_command, cargo_env};
@@ -25,6 +26,11 @@ pub struct BenchArgs {
     /// Prints one JSON object on stdout instead of the tables.
     #[arg(long)]
     json: bool,
+    /// Also writes that object, stamped with the git revision, the host and the date, into a
+    /// new file under `bench/results/` (`docs/benchmarks.md` shows the newest: `cargo xtask
+    /// docs`).
+    #[arg(long)]
+    json_out: bool,
     /// Measures less of each bench, to end within a few minutes once built.
     #[arg(long)]
     quick: bool,
@@ -127,9 +133,10 @@ const COMPARISONS: &[Comparison] = &[
 ];
 
 /// Runs every bench (or those `--only` names), then prints the tables (or one JSON object with
-/// `--json`). `--quick` measures less of each, to end within a few minutes once built.
+/// `--json`), and with `--json-out` writes that object, stamped, under `bench/results/`.
+/// `--quick` measures less of each, to end within a few minutes once built.
 pub fn run(args: &BenchArgs) -> Result<()> {
-    let BenchArgs { json: json_out, quick, transport: kind, ref topology, gpu, ref only } = *args;
+    let BenchArgs { json: quiet, json_out, quick, transport: kind, ref topology, gpu, ref only } = *args;
     let runs = |part: Part| only.is_empty() || only.contains(&part);
     let root = workspace::root();
     // Build the engines first, so that building is not inside any measurement.
@@ -149,7 +156,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         if quick {
             args.extend(["--warm-up-time", "0.5", "--measurement-time", "1", "--sample-size", "10"]);
         }
-        if json_out {
+        if quiet {
             // Stdout carries only the JSON object; criterion's own report goes to stderr.
             run_to_stderr(&root, &args, &out)?;
         } else {
@@ -163,31 +170,28 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             let baseline = mean_ns(&criterion, c.group, op, c.baseline)?;
             rows.push((*op, ours, baseline));
         }
-        if json_out {
-            let ops: serde_json::Map<String, Value> = rows
-                .iter()
-                .map(|&(op, ours, base)| {
-                    (op.to_owned(), json!({ c.ours: ours, c.baseline: base, "ratio": base / ours }))
-                })
-                .collect();
-            report.insert(c.group.to_owned(), Value::Object(ops));
-        } else {
+        let ops: serde_json::Map<String, Value> = rows
+            .iter()
+            .map(|&(op, ours, base)| (op.to_owned(), json!({ c.ours: ours, c.baseline: base, "ratio": base / ours })))
+            .collect();
+        report.insert(c.group.to_owned(), Value::Object(ops));
+        if !quiet {
             print_table(c, &rows);
         }
     }
     if runs(Part::Lease) {
-        lease_extras(&criterion, &mut report, json_out)?;
+        lease_extras(&criterion, &mut report, quiet)?;
     }
     // The transport bench runs two processes over real NIXL/UCX; it needs the runtime.
     if runs(Part::Transport) {
         let nixl =
             provision::ensure().context("the transport bench needs the NIXL runtime (see `cargo xtask setup`)")?;
-        let transport = transport_bench(&root, &nixl.envs(), json_out, quick)?;
+        let transport = transport_bench(&root, &nixl.envs(), quiet, quick)?;
         // Again with NIXL's UCX thread pool as vLLM's NixlConnector configures it (`num_threads`
         // 4): the pool splits one transfer's descriptors across threads, where there are cores.
         let mut threaded_envs = nixl.envs();
         threaded_envs.push(("KVFLOW_BENCH_UCX_PARAMS".into(), "num_threads=4".into()));
-        let threaded = transport_bench(&root, &threaded_envs, json_out, quick)?;
+        let threaded = transport_bench(&root, &threaded_envs, quiet, quick)?;
         if let Value::Object(fields) = transport {
             report.extend(fields);
         }
@@ -198,14 +202,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     report.insert("end_to_end_transport".into(), kind.name().into());
     report.insert("end_to_end_topology".into(), topology.describe().into());
     if runs(Part::Latency) {
-        let mut latency = latency_bench(node.clone(), kind, topology, quick, json_out)?;
+        let mut latency = latency_bench(node.clone(), kind, topology, quick, quiet)?;
         // The transfers against memcpy, when both ran: the same machine, the same run.
         let memcpy = report.get("transport").and_then(|t| t["memcpy"]["gbps"].as_f64());
         if let Some(memcpy) = memcpy.filter(|m| *m > 0.0) {
             for mode in ["pull", "push"] {
                 let gbps = latency[mode]["transfer_gbps"].as_f64().unwrap_or(0.0);
                 latency[mode]["transfer_over_memcpy"] = json!(gbps / memcpy);
-                if !json_out {
+                if !quiet {
                     println!("{mode}: transfers at {:.2} of memcpy ({gbps:.2} of {memcpy:.2} GB/s)", gbps / memcpy);
                 }
             }
@@ -214,30 +218,42 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     if runs(Part::InFlight) {
         for in_flight in IN_FLIGHT {
-            let result = in_flight_bench(node.clone(), kind, topology, in_flight, quick, json_out)?;
+            let result = in_flight_bench(node.clone(), kind, topology, in_flight, quick, quiet)?;
             report.insert(format!("in_flight_{in_flight}"), result);
         }
     }
     if runs(Part::OpenLoop) {
-        report.insert("open_loop".into(), open_loop_bench(node.clone(), kind, topology, quick, json_out)?);
+        report.insert("open_loop".into(), open_loop_bench(node.clone(), kind, topology, quick, quiet)?);
     }
     if runs(Part::Model) {
-        report.insert("model".into(), model_bench(&node, kind, topology, quick, json_out)?);
+        report.insert("model".into(), model_bench(&node, kind, topology, quick, quiet)?);
     }
     if gpu {
         let nixl = provision::ensure().context("the VRAM bench needs the NIXL runtime (see `cargo xtask setup`)")?;
         let mut envs = nixl.envs();
         envs.push(("KVFLOW_GPU".into(), "1".into()));
-        report.insert("vram".into(), vram_bench(&root, &envs, json_out, quick)?);
+        report.insert("vram".into(), vram_bench(&root, &envs, quiet, quick)?);
     }
     if runs(Part::Idle) {
-        let idle = idle_bench(node, kind, topology, quick, json_out)?;
+        let idle = idle_bench(node, kind, topology, quick, quiet)?;
         report.insert("idle_cpu_percent".into(), idle["max"].clone());
         report.insert("idle_cpu_percent_by_engine".into(), idle["by_engine"].clone());
         report.insert("idle_progress_period".into(), idle["progress_period"].clone());
     }
+    let report = Value::Object(report);
     if json_out {
-        println!("{}", Value::Object(report));
+        let flags = json!({
+            "quick": quick,
+            "only": only.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>(),
+            "gpu": gpu,
+            "transport": kind.name(),
+            "topology": topology.describe(),
+        });
+        let path = bench_results::write(&root, report.clone(), flags)?;
+        eprintln!("xtask: wrote {}; `cargo xtask docs` shows it in docs/benchmarks.md", path.display());
+    }
+    if quiet {
+        println!("{report}");
     }
     Ok(())
 }
@@ -252,19 +268,19 @@ fn idle_bench(
     transport: TransportKind,
     topology: &TopologyArgs,
     quick: bool,
-    json_out: bool,
+    quiet: bool,
 ) -> Result<Value> {
     let window = Duration::from_secs(if quick { 20 } else { 60 });
     let config = topology.apply(DemoConfig { decoders: 1, kill: false, transport, ..DemoConfig::default() });
     config.validate()?;
     let used = Demo::start(config, node.clone())?.idle_cpu_percent(window)?;
     let most = used.values().copied().fold(0.0, f64::max);
-    if !json_out {
+    if !quiet {
         let list: Vec<String> = used.iter().map(|(n, p)| format!("{n} {p:.2}%")).collect();
         println!("\nidle engines, {} s with nothing pending: {} of one core", window.as_secs(), list.join(", "));
     }
     let period = match transport {
-        TransportKind::Nixl => progress_period_cost(&node, topology, quick, json_out)?,
+        TransportKind::Nixl => progress_period_cost(&node, topology, quick, quiet)?,
         TransportKind::Tcp => Value::Null,
     };
     Ok(json!({ "max": most, "by_engine": used, "window_s": window.as_secs(), "progress_period": period }))
@@ -276,7 +292,7 @@ const OLD_PROGRESS_MS: u64 = 10;
 /// What the default NIXL progress period costs: P done to D holds KV p50, pull, one request
 /// of 32 MiB at a time, at [`OLD_PROGRESS_MS`] and at the default in turns (3 pairs, 5 without
 /// `--quick`), and the median of each pair's ratio, default over old.
-fn progress_period_cost(node: &NodeBinary, topology: &TopologyArgs, quick: bool, json_out: bool) -> Result<Value> {
+fn progress_period_cost(node: &NodeBinary, topology: &TopologyArgs, quick: bool, quiet: bool) -> Result<Value> {
     let base = topology.apply(whole_requests(DemoConfig { requests: 20, concurrency: 1, ..DemoConfig::default() }));
     let (mut old, mut default, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..if quick { 3 } else { 5 } {
@@ -290,7 +306,7 @@ fn progress_period_cost(node: &NodeBinary, topology: &TopologyArgs, quick: bool,
         }
     }
     let ratio = kv_demo::stats::quantile(&ratios, 0.5).unwrap_or(0.0);
-    if !json_out {
+    if !quiet {
         println!(
             "NIXL progress period: P done -> D holds KV p50 at the default over at {OLD_PROGRESS_MS} ms, one request at a time: {ratio:.3} (median of {} pairs)",
             ratios.len()
@@ -308,7 +324,7 @@ fn latency_bench(
     transport: TransportKind,
     topology: &TopologyArgs,
     quick: bool,
-    json_out: bool,
+    quiet: bool,
 ) -> Result<Value> {
     let requests = if quick { 20 } else { 100 };
     let base =
@@ -321,7 +337,7 @@ fn latency_bench(
     let p50 = |mode: &str| results[mode]["kv_latency_us"]["p50"].as_f64().unwrap_or(0.0);
     let (pull, push) = (p50("pull"), p50("push"));
     results.insert("pull_over_push_p50".into(), json!(if push > 0.0 { pull / push } else { 0.0 }));
-    if !json_out {
+    if !quiet {
         println!(
             "\npull vs push over {}: P done -> D holds KV, {requests} requests of 32 MiB, one at a time",
             transport.name()
@@ -405,7 +421,7 @@ fn model_bench(
     transport: TransportKind,
     topology: &TopologyArgs,
     quick: bool,
-    json_out: bool,
+    quiet: bool,
 ) -> Result<Value> {
     let requests = if quick { 3 } else { 8 };
     let block_tokens = DemoConfig::default().model.block_tokens;
@@ -435,7 +451,7 @@ fn model_bench(
     results.insert("layers".into(), json!(MODEL_LAYERS));
     results.insert("prompt_tokens".into(), json!(MODEL_PROMPT_TOKENS));
     results.insert("chunk_tokens".into(), json!(MODEL_CHUNK_TOKENS));
-    if !json_out {
+    if !quiet {
         println!(
             "\nreal model over {}: tiny-llama in {MODEL_LAYERS} layers, {requests} prompts of {MODEL_PROMPT_TOKENS} tokens (16 MiB of KV), one at a time, P in chunks of {MODEL_CHUNK_TOKENS}",
             transport.name()
@@ -474,12 +490,12 @@ fn in_flight_bench(
     topology: &TopologyArgs,
     in_flight: u32,
     quick: bool,
-    json_out: bool,
+    quiet: bool,
 ) -> Result<Value> {
     // Enough requests that the p50 is a median of many (the first `in_flight` fill the pipe).
     let requests = in_flight * if quick { 4 } else { 12 };
     let what = format!("{in_flight} in flight");
-    under_load(node, transport, topology, requests, in_flight, None, &what, json_out)
+    under_load(node, transport, topology, requests, in_flight, None, &what, quiet)
 }
 
 /// The open-loop arrival rate: a request of 256 tokens every 125 ms, a fifth of what the
@@ -498,11 +514,11 @@ fn open_loop_bench(
     transport: TransportKind,
     topology: &TopologyArgs,
     quick: bool,
-    json_out: bool,
+    quiet: bool,
 ) -> Result<Value> {
     let requests = if quick { 24 } else { 80 };
     let what = format!("{OPEN_LOOP_RATE} requests a second");
-    let mut results = under_load(node, transport, topology, requests, 64, Some(OPEN_LOOP_RATE), &what, json_out)?;
+    let mut results = under_load(node, transport, topology, requests, 64, Some(OPEN_LOOP_RATE), &what, quiet)?;
     if let Value::Object(map) = &mut results {
         map.insert("rate_per_s".into(), json!(OPEN_LOOP_RATE));
     }
@@ -520,7 +536,7 @@ fn under_load(
     in_flight: u32,
     rate: Option<f64>,
     what: &str,
-    json_out: bool,
+    quiet: bool,
 ) -> Result<Value> {
     let blocks_per_request = 256 / DemoConfig::default().model.block_tokens;
     let base = topology.apply(whole_requests(DemoConfig {
@@ -545,7 +561,7 @@ fn under_load(
     results.insert("prefill_us_per_token".into(), json!(PREFILL_US_PER_TOKEN));
     results.insert("prefill_chunk_tokens".into(), json!(chunk));
     results.insert("requests".into(), json!(requests));
-    if !json_out {
+    if !quiet {
         println!(
             "\npull vs push over {}: {what}, {requests} requests of 32 MiB, prefill {PREFILL_US_PER_TOKEN} us/token in chunks of {chunk}",
             transport.name()
@@ -581,10 +597,10 @@ fn run_to_stderr(root: &Path, args: &[&str], envs: &[(String, String)]) -> Resul
 
 /// Runs the two-process transport bench (kv-demo's `benches/transport.rs`); prints its table, or
 /// returns its JSON object.
-fn transport_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick: bool) -> Result<Value> {
+fn transport_bench(root: &Path, envs: &[(String, String)], quiet: bool, quick: bool) -> Result<Value> {
     // Its JSON always: the latency bench's transfers are compared with its memcpy.
-    let (stdout, stderr) = bench_binary(root, envs, "transport", true, quick.then_some("11"))?;
-    if !json_out {
+    let (stdout, stderr) = bench_binary(root, envs, "transport", quick.then_some("11"))?;
+    if !quiet {
         stdout.lines().filter(|l| !l.starts_with('{')).for_each(|l| println!("{l}"));
     }
     if !stdout.lines().any(|l| l.starts_with('{')) {
@@ -595,36 +611,28 @@ fn transport_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick
     last_json(&stdout, "transport")
 }
 
-/// Runs the VRAM bench (kv-demo's `benches/vram.rs`); prints its table, or returns its JSON
-/// object, or `{"skipped": why}` where it could not run (no GPU, say).
-fn vram_bench(root: &Path, envs: &[(String, String)], json_out: bool, quick: bool) -> Result<Value> {
-    let (stdout, stderr) = bench_binary(root, envs, "vram", json_out, quick.then_some("5"))?;
+/// Runs the VRAM bench (kv-demo's `benches/vram.rs`); prints its table unless `quiet`, and
+/// returns its JSON object, or `{"skipped": why}` where it could not run (no GPU, say).
+fn vram_bench(root: &Path, envs: &[(String, String)], quiet: bool, quick: bool) -> Result<Value> {
+    // Its JSON always, for `--json-out`; its table is the lines before.
+    let (stdout, stderr) = bench_binary(root, envs, "vram", quick.then_some("5"))?;
     if let Some(line) = stderr.lines().find(|l| l.starts_with("vram bench skipped")) {
-        if !json_out {
+        if !quiet {
             println!("\n{line}: the GPU figures are pending (docs/testing.md, the GPU checks)");
         }
         return Ok(json!({ "skipped": line.trim_start_matches("vram bench skipped: ") }));
     }
-    if !json_out {
-        print!("{stdout}");
-        return Ok(Value::Null);
+    if !quiet {
+        stdout.lines().filter(|l| !l.starts_with('{')).for_each(|l| println!("{l}"));
     }
     Ok(last_json(&stdout, "vram")?["vram"].clone())
 }
 
-/// Runs kv-demo's two-process bench `name` (`benches/{name}.rs`) with `envs`, `--json` when
-/// asked and `--iters` as given; its stdout and stderr (which is passed on as well).
-fn bench_binary(
-    root: &Path,
-    envs: &[(String, String)],
-    name: &str,
-    json_out: bool,
-    iters: Option<&str>,
-) -> Result<(String, String)> {
-    let mut args = vec!["bench", "--locked", "-p", "kv-demo", "--features", "nixl", "--bench", name, "--"];
-    if json_out {
-        args.push("--json");
-    }
+/// Runs kv-demo's two-process bench `name` (`benches/{name}.rs`) with `envs`, `--json` (its
+/// table, then its JSON object as the last line) and `--iters` as given; its stdout and stderr
+/// (which is passed on as well).
+fn bench_binary(root: &Path, envs: &[(String, String)], name: &str, iters: Option<&str>) -> Result<(String, String)> {
+    let mut args = vec!["bench", "--locked", "-p", "kv-demo", "--features", "nixl", "--bench", name, "--", "--json"];
     if let Some(iters) = iters {
         args.extend(["--iters", iters]);
     }
@@ -668,7 +676,7 @@ fn human_ns(ns: f64) -> String {
 /// The lease tables' figures beyond the comparisons: the ten-million table under its JSON
 /// name `lease_table_10m`, the colliding ids' renewals over random ids'
 /// (`lease_table.collide_over_random`), and the memory each table took (`memory_bytes`).
-fn lease_extras(criterion: &Path, report: &mut serde_json::Map<String, Value>, json_out: bool) -> Result<()> {
+fn lease_extras(criterion: &Path, report: &mut serde_json::Map<String, Value>, quiet: bool) -> Result<()> {
     let collide = mean_ns(criterion, "lease_table_collide", "renew", "colliding")?;
     let random = mean_ns(criterion, "lease_table_collide", "renew", "random")?;
     let path = criterion.join("lease_table_memory.json");
@@ -695,7 +703,7 @@ fn lease_extras(criterion: &Path, report: &mut serde_json::Map<String, Value>, j
         table.insert("memory_bytes".into(), memory["lease_table_10m"].clone());
     }
     report.remove("lease_table_collide");
-    if !json_out {
+    if !quiet {
         println!("\nthe same 1,000,000 leases against a scan table on the lease table's own hasher (foldhash)");
         for &(op, indexed, same) in &same_hash {
             println!("{op:<20} {:>14} {:>14} {:>13.1}x", human_ns(indexed), human_ns(same), same / indexed);

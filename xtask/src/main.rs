@@ -5,6 +5,7 @@
 //! `sim::SimArgs`, `bench::BenchArgs`), and `--help` on any of them lists them.
 
 mod bench;
+mod bench_results;
 mod ci;
 mod demo;
 mod docs;

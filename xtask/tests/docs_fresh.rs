@@ -57,3 +57,36 @@ fn the_readme_links_every_docs_page() {
     let unlinked: Vec<_> = pages.iter().filter(|page| !readme.contains(&format!("](docs/{page})"))).collect();
     assert!(unlinked.is_empty(), "README.md links none of {unlinked:?}");
 }
+
+#[test]
+fn the_results_table_shows_the_newest_results_file_and_only_its_figures() {
+    let root = std::env::temp_dir().join(format!("kvflow-docs-results-{}", std::process::id()));
+    let dir = root.join(docs::RESULTS_DIR);
+    fs::create_dir_all(&dir).unwrap();
+    assert!(docs::results_table(&root).unwrap_err().contains("no results"));
+    let stamp = r#"{"date": "DATE", "revision": "0123456789abcdef", "dirty": false,
+        "host": {"cores": 2, "cpu": "CPU", "memory_gib": 23.5, "gpus": []}, "flags": {"quick": true}}"#;
+    let report = r#"{"transport": {"memcpy": {"gbps": 12.34, "descriptors": 1},
+        "merged_over_raw": {"median": 0.96789, "p10": 0.9, "p90": 1.0}},
+        "lease_table": {"grant": {"indexed": 50.0, "scan": 70.0, "ratio": 1.4}}, "end_to_end_topology": "x"}"#;
+    for (name, date) in [("2026-01-02T000000Z-aaaa.json", "old"), ("2026-03-04T000000Z-bbbb.json", "new")] {
+        let text = format!(r#"{{"stamp": {}, "report": {report}}}"#, stamp.replace("DATE", date));
+        fs::write(dir.join(name), text).unwrap();
+    }
+    let table = docs::results_table(&root).unwrap();
+    let _ = fs::remove_dir_all(&root);
+    assert!(
+        table.starts_with("From `bench/results/2026-03-04T000000Z-bbbb.json`: revision `0123456789ab`, new, 2 cores")
+    );
+    for row in [
+        "| `transport.memcpy.gbps` | 12.3 |",
+        "| `transport.merged_over_raw.median` | 0.968 |",
+        "| `transport.merged_over_raw.p90` | 1.00 |",
+        "| `lease_table.grant.ratio` | 1.40 |",
+    ] {
+        assert!(table.contains(row), "no {row} in\n{table}");
+    }
+    for figure in ["descriptors", "indexed", "scan`", "topology"] {
+        assert!(!table.contains(figure), "{figure} is not a headline figure:\n{table}");
+    }
+}

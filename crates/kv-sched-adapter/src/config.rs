@@ -467,6 +467,62 @@ pub struct KvTransferConfig {
     pub unknown: UnknownKeys,
 }
 
+/// One key of vLLM's `kv_transfer_config`, or of its `kv_connector_extra_config`, as kvflow
+/// takes it: a row of the settings tables in `docs/vllm.md`, which `cargo xtask docs` writes
+/// from [`TRANSFER_SETTINGS`] and [`EXTRA_SETTINGS`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct SettingDoc {
+    /// The key, as vLLM's users write it.
+    pub key: &'static str,
+    /// Its value when left out.
+    pub default: &'static str,
+    /// What kvflow does with it.
+    pub meaning: &'static str,
+}
+
+const fn setting(key: &'static str, default: &'static str, meaning: &'static str) -> SettingDoc {
+    SettingDoc { key, default, meaning }
+}
+
+/// Every key of [`KvTransferConfig`], in its order (a test holds the list to the type's
+/// fields, so a key added there without a row here fails it).
+pub const TRANSFER_SETTINGS: &[SettingDoc] = &[
+    setting("kv_connector", "(required)", "`KvflowConnector` (pull) or `KvflowPushConnector` (push), the classes of `kvflow.vllm`"),
+    setting("kv_role", "none", "`kv_producer` (P), `kv_consumer` (D) or `kv_both`: which sides of the connector the engine builds"),
+    setting("kv_load_failure_policy", "`fail`", "what D does with a load that failed: `fail` the request, or `recompute` the prompt; the extra config's key, if given, must agree"),
+    setting("kv_connector_extra_config", "`{}`", "kvflow's keys, and those of NixlConnector's it takes (the next table)"),
+    setting("kv_connector_module_path", "none", "`kvflow.vllm`: where vLLM loads the connector from"),
+    setting("engine_id", "vLLM makes one up", "the engine's name on the side channel; vLLM appends `_dp<rank>` per data-parallel engine, and push proxies name P by it"),
+    setting("kv_buffer_device", "`cuda`", "vLLM's; not read"),
+    setting("kv_buffer_size", "1e9", "vLLM's; not read"),
+    setting("kv_rank", "none", "vLLM's; not read"),
+    setting("kv_parallel_size", "1", "vLLM's; not read"),
+    setting("kv_ip", "`127.0.0.1`", "vLLM's; not read (the side channel's host is `VLLM_NIXL_SIDE_CHANNEL_HOST`)"),
+    setting("kv_port", "14579", "vLLM's; not read (the side channel's port is `VLLM_NIXL_SIDE_CHANNEL_PORT`)"),
+    setting("enable_permute_local_kv", "false", "vLLM's; not read"),
+];
+
+/// Every key of [`ExtraConfig`], in its order (a test holds the list to the type's fields).
+pub const EXTRA_SETTINGS: &[SettingDoc] = &[
+    setting("mode", "the connector's", "`pull` or `push`; must agree with `kv_connector`"),
+    setting("kv_lease_duration", "30 s", "the lease on P's exports: P frees a request's blocks once it runs out without a renewal"),
+    setting("heartbeat_interval", "lease / 6", "how often D renews the leases of the requests it waits on"),
+    setting("heartbeat_lease_extension", "2 × lease / 3", "a renewal sets a lease's expiry to the later of its own and now plus this; must be longer than `heartbeat_interval`"),
+    setting("decoder_kv_blocks_ttl", "480 s", "how long D waits on one request: past it, D stops renewing P's lease and gives the load up under `kv_load_failure_policy`"),
+    setting("push_registration_timeout", "`decoder_kv_blocks_ttl`", "D gives up a push that never came, after this"),
+    setting("push_quarantine", "2 × lease", "how long D keeps given-up push blocks out of its pool at most, unless P confirms first that no write can come"),
+    setting("kv_load_failure_policy", "the top level's", "kvflow's own name for the top-level key; must agree with it"),
+    setting("early_notification_capacity", "8192", "P's messages kept while they wait for their export (the oldest evicted)"),
+    setting("read_safety_margin", "(extension − interval) / 2, at most 5 s", "D starts a read only this long before P's deadline; must be shorter than extension − interval"),
+    setting("kv_descriptors", "`auto`", "how transfers name whole blocks: `pairs` (merged address pairs), `prepared` (prepared lists, by index) or `auto` (the transport's choice)"),
+    setting("backends", "`[\"UCX\"]`", "NixlConnector's: NIXL's backends; kvflow runs UCX only, and any other list stops the engine, naming it"),
+    setting("num_threads", "the transport's", "NixlConnector's: the size of NIXL's UCX thread pool (NixlConnector sets 4)"),
+    setting("enforce_handshake_compat", "none", "NixlConnector's: accepted, not acted on (kvflow's handshake always checks compatibility); one WARNING names it"),
+    setting("engine_ttl", "none", "NixlConnector's: accepted, not acted on (kvflow forgets a peer when its side channel closes); one WARNING names it"),
+    setting("bidirectional_kv_xfer", "none", "NixlConnector's: accepted, not acted on; one WARNING names it"),
+    setting("kv_recompute_threshold", "none", "NixlConnector's: accepted, not acted on; one WARNING names it"),
+];
+
 /// The names of keys given and not known, in the order given; their values are dropped unread.
 #[derive(Clone, Default, PartialEq, Eq, Debug)]
 pub struct UnknownKeys(pub Vec<String>);

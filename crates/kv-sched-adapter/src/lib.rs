@@ -175,7 +175,7 @@ mod warnings;
 pub use common::{Action, Consumer, Counters, ExportInfo, LocalPool, PrefillEngine, RemoteRef, XferToken};
 pub use config::{
     Config, ConfigError, ExtraConfig, Ignored, KvRole, KvTransferConfig, LoadFailurePolicy, Mode, ReleaseReason,
-    UnknownKeys, ABORT_TIMEOUT_ENV,
+    SettingDoc, UnknownKeys, ABORT_TIMEOUT_ENV, EXTRA_SETTINGS, TRANSFER_SETTINGS,
 };
 pub use decode::{
     DecodeCommand, DecodeError, DecodeEvent, DecodeReport, DecodeScheduler, DecodeState, DecodeWorker, LoadOutcome,

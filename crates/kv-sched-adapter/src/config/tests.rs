@@ -263,3 +263,87 @@ fn the_old_abort_timeout_sets_the_lease_only_where_the_config_leaves_it_out() {
     let err = Config::from_kv_transfer_config(&negative).unwrap_err();
     assert_eq!(err.to_string(), "kv_lease_duration = -1.0 is not a duration in seconds");
 }
+
+/// The names of a struct's fields, in order, from a pattern that lists them all: it compiles
+/// only while the list is whole, so a field added to the type fails the build of this test.
+macro_rules! field_names {
+    ($ty:ident { $($field:ident),* $(,)? } $(, $rest:ident)?) => {{
+        #[allow(unused_variables)]
+        let $ty { $($field,)* $($rest: _,)? } = $ty::default();
+        vec![$(stringify!($field)),*]
+    }};
+}
+
+#[test]
+fn the_settings_tables_list_every_key_in_the_types_order() {
+    let keys = |settings: &[SettingDoc]| settings.iter().map(|s| s.key).collect::<Vec<_>>();
+    let transfer = field_names!(
+        KvTransferConfig {
+            kv_connector,
+            kv_role,
+            kv_load_failure_policy,
+            kv_connector_extra_config,
+            kv_connector_module_path,
+            engine_id,
+            kv_buffer_device,
+            kv_buffer_size,
+            kv_rank,
+            kv_parallel_size,
+            kv_ip,
+            kv_port,
+            enable_permute_local_kv,
+        },
+        unknown
+    );
+    assert_eq!(keys(TRANSFER_SETTINGS), transfer);
+    let extra = field_names!(ExtraConfig {
+        mode,
+        kv_lease_duration,
+        heartbeat_interval,
+        heartbeat_lease_extension,
+        decoder_kv_blocks_ttl,
+        push_registration_timeout,
+        push_quarantine,
+        kv_load_failure_policy,
+        early_notification_capacity,
+        read_safety_margin,
+        kv_descriptors,
+        backends,
+        num_threads,
+        enforce_handshake_compat,
+        engine_ttl,
+        bidirectional_kv_xfer,
+        kv_recompute_threshold,
+    });
+    assert_eq!(keys(EXTRA_SETTINGS), extra);
+}
+
+#[cfg(feature = "serde")]
+#[test]
+fn every_key_of_the_settings_tables_is_one_the_parser_reads() {
+    // Each top-level key, given alone (beside the connector), is read, not named unknown.
+    for SettingDoc { key, .. } in TRANSFER_SETTINGS.iter().filter(|s| s.key != "kv_connector") {
+        let value = if *key == "kv_connector_extra_config" { "{}" } else { "null" };
+        let json = format!(r#"{{"kv_connector": "KvflowConnector", "{key}": {value}}}"#);
+        let transfer: KvTransferConfig = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{json}: {e}"));
+        assert_eq!(transfer.unknown, UnknownKeys::default(), "{key}");
+    }
+    // The extra config refuses keys it does not know, and names every key it knows.
+    let refused = serde_json::from_str::<ExtraConfig>(r#"{"no_such_key": 1}"#).unwrap_err().to_string();
+    for SettingDoc { key, .. } in EXTRA_SETTINGS {
+        assert!(refused.contains(&format!("`{key}`")), "{key} is not in {refused}");
+    }
+}
+
+#[test]
+fn the_settings_tables_give_the_defaults_the_code_takes() {
+    let default = |key: &str| EXTRA_SETTINGS.iter().find(|s| s.key == key).unwrap().default;
+    let c = Config::default();
+    assert_eq!(default("kv_lease_duration"), format!("{} s", c.kv_lease_duration.as_secs()));
+    assert_eq!(default("decoder_kv_blocks_ttl"), format!("{} s", c.decoder_kv_blocks_ttl.as_secs()));
+    assert_eq!(default("early_notification_capacity"), c.early_notification_capacity.to_string());
+    assert_eq!((c.heartbeat_interval, c.lease_extension), (c.kv_lease_duration / 6, c.kv_lease_duration * 2 / 3));
+    assert_eq!(c.push_registration_timeout, c.decoder_kv_blocks_ttl);
+    assert_eq!(c.push_quarantine, c.kv_lease_duration * 2);
+    assert_eq!(Config::MAX_DEFAULT_READ_MARGIN.as_secs(), 5);
+}
