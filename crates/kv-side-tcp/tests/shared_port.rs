@@ -3,37 +3,19 @@
 //! ranks reach each P rank through the one port; a rank that is gone is named in the refusal;
 //! rank 1 killed is seen lost, and a restarted rank 1 is reached again.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kv_core::side::{SideEvent, SideLimits};
-use kv_core::{AgentName, Dtype, EngineId, Handshake, KvLayout, PeerAddress, Role, TransportError};
-use kv_side_tcp::{Item, KeySource, MonotonicClock, PortPlan, SideChannel};
+use common::{free_port, outcome, start};
+use kv_core::{PeerAddress, Role};
+use kv_side_tcp::{Item, PortPlan, SideChannel};
 
 /// Set in the child process: the shared port it serves as P's rank 1.
 const CHILD: &str = "KVFLOW_SHARED_PORT_CHILD";
-
-fn offer(engine: &str, role: Role, rank: u32, instance: u64) -> Handshake {
-    let agent = AgentName::new(EngineId::new(engine), rank);
-    Handshake::new(&agent, 2, instance, role, "model", KvLayout::split_kv(1, 16, 2, 8, Dtype::Bfloat16))
-}
-
-/// A side channel at `bind` as `plan` says, for `role`'s rank `rank` of `engine`, without a key.
-fn start(
-    bind: SocketAddr,
-    plan: PortPlan,
-    engine: &str,
-    role: Role,
-    rank: u32,
-    instance: u64,
-) -> Result<SideChannel, TransportError> {
-    let key = KeySource::None.load().expect("no key");
-    let clock = Arc::new(MonotonicClock::start());
-    SideChannel::start_on(bind, plan, key, SideLimits::default(), offer(engine, role, rank, instance), clock)
-}
 
 fn prefill_rank(port: SocketAddr, rank: u32, instance: u64) -> SideChannel {
     let plan = PortPlan::Shared { accept: rank == 0 };
@@ -75,26 +57,6 @@ fn spawn_rank_one(port: SocketAddr, instance: u64) -> Child {
     let ready = lines.any(|line| line.map(|l| l.contains("ready")).unwrap_or(false));
     assert!(ready, "P's rank 1 did not start");
     child
-}
-
-/// Waits for `d`'s next event of interest: connected (the agent), or failed/lost (the text).
-fn outcome(d: &SideChannel) -> String {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        match d.poll_item() {
-            Some(Item::Event(SideEvent::Connected { info, .. })) => return format!("connected {}", info.agent),
-            Some(Item::Event(SideEvent::ConnectFailed { error, .. })) => return format!("failed {error}"),
-            Some(Item::Event(SideEvent::Lost { agent, .. })) => return format!("lost {agent}"),
-            Some(Item::PeerClosed(conn)) => d.peer_closed(conn),
-            Some(_) => {}
-            None => std::thread::sleep(Duration::from_millis(2)),
-        }
-    }
-    "nothing".into()
-}
-
-fn free_port() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
 }
 
 #[test]

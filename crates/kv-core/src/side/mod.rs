@@ -121,7 +121,9 @@ pub struct SideLimits {
     /// Accepted connections waiting in each stage from one source address; one more displaces
     /// that source's oldest of the stage.
     pub max_unauthenticated_per_source: usize,
-    /// How long a connection, accepted or our own, may take to complete the handshake.
+    /// How long a connection, accepted or our own, may take to complete the handshake; once
+    /// our own has sent its PROOF and OFFER, it waits [`OFFER_WAIT_FACTOR`] times this again for
+    /// the listener's OFFER.
     pub auth_timeout: Duration,
     /// Established peers; a handshake beyond them is refused.
     pub max_peers: usize,
@@ -130,6 +132,14 @@ pub struct SideLimits {
     /// Events waiting for [`SideEndpoint::poll_event`]; refusals beyond it are only counted.
     pub max_queued_events: usize,
 }
+
+/// An initiator that sent its PROOF and OFFER waits this many `auth_timeout`s for the
+/// listener's OFFER. The listener takes the peer as established when it sends that OFFER,
+/// within `auth_timeout` of its accept, which came before our PROOF; had we given up first, on
+/// the deadline of our connect, a listener slowed past it (a prefill engine starved of CPU)
+/// would have seen an established peer close and remembered its incarnation as gone, refusing
+/// every later handshake of ours as stale. The longer wait leaves its reply time to reach us.
+pub const OFFER_WAIT_FACTOR: u32 = 2;
 
 impl Default for SideLimits {
     fn default() -> Self {
@@ -615,7 +625,13 @@ impl SideEndpoint {
             if deadline > now {
                 break;
             }
-            let reason = format!("no handshake within {:?}", self.config.limits.auth_timeout);
+            let timeout = self.config.limits.auth_timeout;
+            let reason = match self.conns.get(&conn).map(|c| &c.state) {
+                Some(State::Offered { .. }) => {
+                    format!("no offer within {:?} of our proof", timeout * OFFER_WAIT_FACTOR)
+                }
+                _ => format!("no handshake within {timeout:?}"),
+            };
             self.fail(conn, Failure::new(RefusalCause::Timeout, reason).told());
             // `fail` removes the deadline; make sure even of a connection it did not know.
             self.deadlines.remove(&(deadline, conn));

@@ -57,10 +57,18 @@ impl SideEndpoint {
                     _ => None,
                 };
                 let established = matches!(next, State::Established { .. });
+                let offered = matches!(next, State::Offered { .. });
                 c.state = next;
                 if established {
                     self.deadlines.remove(&(c.deadline, id));
                     self.admission.remove(id);
+                }
+                if offered {
+                    // Our PROOF and OFFER are out: the listener's OFFER gets a deadline of its
+                    // own ([`OFFER_WAIT_FACTOR`]).
+                    self.deadlines.remove(&(c.deadline, id));
+                    c.deadline = now + self.config.limits.auth_timeout * OFFER_WAIT_FACTOR;
+                    self.deadlines.insert((c.deadline, id));
                 }
                 // Only a listener's connections are in the book; a stage further displaces at
                 // most one connection of that stage, never this one.

@@ -156,6 +156,47 @@ fn a_slowloris_times_out_and_is_reported_once() {
     );
 }
 
+#[test]
+fn a_listener_slowed_past_our_connects_deadline_still_takes_us_in_and_nothing_is_left_stale() {
+    let ms = Duration::from_millis;
+    let (mut p, mut d) = (prefill(), decode(5));
+    let (d_conn, p_conn) = (ConnId(1), ConnId(2));
+    d.handle_connect(T0, d_conn, PeerAddress("ep0".into()), nonce(1));
+    // P, starved of CPU, accepts and answers 4.9 s later.
+    p.handle_accept(T0 + ms(4_900), p_conn, SOURCE, nonce(2));
+    p.handle_bytes(T0 + ms(4_900), p_conn, &drain(&mut d).bytes());
+    d.handle_bytes(T0 + ms(4_950), d_conn, &drain(&mut p).bytes());
+    let proof_and_offer = drain(&mut d).bytes();
+    // Past the 5 s of D's connect, D still waits for P's offer.
+    d.handle_timeout(T0 + ms(6_000));
+    let out = drain(&mut d);
+    assert!(out.events.is_empty() && out.closes.is_empty(), "{out:#?}");
+    // P takes D in within its own 5 s of the accept, and its offer reaches D later still.
+    p.handle_bytes(T0 + ms(9_800), p_conn, &proof_and_offer);
+    let answer = drain(&mut p);
+    assert_eq!(connected(&answer.events), vec![(p_conn, d_agent(), 5)]);
+    d.handle_bytes(T0 + ms(12_000), d_conn, &answer.bytes());
+    assert_eq!(connected(&drain(&mut d).events), vec![(d_conn, p_agent(), 1)]);
+    assert_eq!((d.peer_count(), p.peer_count()), (1, 1));
+
+    // A listener that never sends its offer is given up 10 s after our proof, not before.
+    let mut d = decode(6);
+    d.handle_connect(T0, d_conn, PeerAddress("ep0".into()), nonce(3));
+    let mut p = prefill();
+    p.handle_accept(T0, p_conn, SOURCE, nonce(4));
+    p.handle_bytes(T0, p_conn, &drain(&mut d).bytes());
+    d.handle_bytes(T0 + ms(1_000), d_conn, &drain(&mut p).bytes());
+    drain(&mut d);
+    assert_eq!(d.poll_timeout(), Some(T0 + ms(11_000)));
+    d.handle_timeout(T0 + ms(10_999));
+    assert!(drain(&mut d).events.is_empty());
+    d.handle_timeout(T0 + ms(11_000));
+    assert_eq!(
+        connect_failure(&drain(&mut d).events),
+        "transport backend: side channel to ep0: no offer within 10s of our proof"
+    );
+}
+
 /// A P whose pending connections are kept `per_stage` a stage, `per_source` a stage from one
 /// address (an eighth of each for the proven).
 fn prefill_keeping(per_stage: usize, per_source: usize) -> SideEndpoint {
