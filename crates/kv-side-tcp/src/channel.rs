@@ -571,15 +571,22 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>) {
         // under a churn of 2,000 sockets on 2 busy cores: batches of 16 lost a key holder's
         // handshake in one of ten, one at a time none in forty.
         tokio::task::yield_now().await;
-        let (stream, from) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                tracing::warn!(error = %e, "side channel accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-                continue;
-            }
-        };
+        let Some((stream, from)) = accepted(listener.accept().await, "side channel").await else { continue };
         admit(stream, from, &shared);
+    }
+}
+
+/// What an accept gave, or `None` after a warning naming `what` and a 10 ms pause: an accept
+/// fails when the process is out of file descriptors, most often, and closing connections
+/// free some soon.
+pub(crate) async fn accepted<T>(result: std::io::Result<T>, what: &str) -> Option<T> {
+    match result {
+        Ok(accepted) => Some(accepted),
+        Err(error) => {
+            tracing::warn!(%error, "{what}: accept failed");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            None
+        }
     }
 }
 

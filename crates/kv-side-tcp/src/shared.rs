@@ -32,7 +32,7 @@ use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, Ms
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 
-use crate::channel::{admit, Shared};
+use crate::channel::{accepted, admit, Shared};
 
 /// Connections on a shared port waiting for their HELLO's first bytes at once; one more closes
 /// the oldest.
@@ -79,17 +79,11 @@ pub(crate) fn bind_intake(
 pub(crate) async fn dispatch(listener: TcpListener, port: SocketAddr, deadline: Duration) {
     let mut routing: VecDeque<tokio::task::AbortHandle> = VecDeque::new();
     let mut displaced = 0u64;
+    let what = format!("shared side-channel port {port}");
     loop {
         // One accept, then the routing tasks run (as `serve` does for a port of one's own).
         tokio::task::yield_now().await;
-        let (stream, from) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                tracing::warn!(error = %e, %port, "shared side-channel port: accept failed");
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
-            }
-        };
+        let Some((stream, from)) = accepted(listener.accept().await, &what).await else { continue };
         routing.retain(|task| !task.is_finished());
         if routing.len() >= MAX_ROUTING {
             if let Some(oldest) = routing.pop_front() {
@@ -183,14 +177,8 @@ fn same_user(unix: &UnixStream) -> Result<(), String> {
 pub(crate) async fn intake(listener: UnixListener, shared: Arc<Shared>, deadline: Duration) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_ROUTING));
     loop {
-        let unix = match listener.accept().await {
-            Ok((unix, _)) => unix,
-            Err(e) => {
-                tracing::warn!(error = %e, "side channel: taking a handed-over connection failed");
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
-            }
-        };
+        let what = "side channel, taking a handed-over connection";
+        let Some((unix, _)) = accepted(listener.accept().await, what).await else { continue };
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             tracing::debug!("side channel: too many hand-overs at once; one closed unread");
             continue;
