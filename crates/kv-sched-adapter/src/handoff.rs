@@ -14,22 +14,36 @@
 //!   transfer id: `PrefillScheduler::handle_pairing`).
 //!
 //! kvflow's form carries its version (`kvflow_version`, [`HANDOFF_VERSION`]); a newer one is
-//! refused by name. Whatever the form, the handoff comes
-//! through the client and is trusted for nothing: it says where to claim, and P's ranks lend
-//! their KV only to a claim that names the prompt (and the blocks) P computed. The checks here
-//! refuse early, with a reason, what cannot be this request's.
+//! refused by name. Whatever the form, the handoff comes through the client and is trusted
+//! for nothing it does not prove: it says where to claim, and P's ranks lend their KV only to
+//! a claim that names the prompt (and the blocks) P computed. The checks here refuse early,
+//! with a reason, what cannot be this request's.
+//!
+//! What lets D read before P answered its claim (P's lease deadline, and the D engine the
+//! router named at prefill, to which P bound the export) is taken only from a kvflow handoff
+//! P vouched for under the cluster key (`kvflow_vouch`, [`ClusterKey::vouch`] over every field
+//! of the [`RemoteRef`] and P's block size): a client that wrote its own handoff, naming
+//! another request's export and blocks with its own prompt's digest, would otherwise have D
+//! read another prompt's KV before P refused the claim. A handoff without a vouch that
+//! verifies (changed after P made it, from an engine without a cluster key, whose tags prove
+//! nothing, or from one with another key) is read as NixlConnector's form is: only once P has
+//! answered the claim.
 //!
 //! P's answer ([`TransferParams::answer`]) carries kvflow's form and NixlConnector's fields
 //! beside it, so that a router reading either works.
 
+use kv_core::side::{ClusterKey, VOUCH_BYTES};
 use kv_core::{blocks_for_tokens, BlockId, EngineId, PeerAddress, Prompt, RequestId, Time};
 use serde::{Deserialize, Serialize};
 
-use crate::common::{ExportInfo, PrefillEngine, RemoteRef};
+use crate::common::{Consumer, ExportInfo, PrefillEngine, RemoteRef};
 use crate::config::Mode;
 
 /// The version of the handoff's forms as this module reads and writes them.
 pub const HANDOFF_VERSION: u32 = 1;
+
+/// The label of P's vouch for a handoff ([`ClusterKey::vouch`]).
+pub const HANDOFF_VOUCH_LABEL: &[u8] = b"kvflow-handoff-v1";
 
 /// The most TP ranks a handoff may name, and the most blocks: beyond them it is refused before
 /// anything is sized from it.
@@ -76,6 +90,10 @@ pub struct TransferParams {
     /// The version of kvflow's form ([`HANDOFF_VERSION`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kvflow_version: Option<u32>,
+    /// P's vouch for kvflow's handoff and its block size, in hex: [`ClusterKey::vouch`] under
+    /// [`HANDOFF_VOUCH_LABEL`] over [`vouched_bytes`]; absent where P holds no cluster key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvflow_vouch: Option<String>,
     /// NixlConnector: P's engine id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_engine_id: Option<String>,
@@ -174,9 +192,11 @@ pub struct Arrival {
 
 impl TransferParams {
     /// P's answer for an export: kvflow's handoff, P's layout, and NixlConnector's fields
-    /// (where P's first rank listens, its request, blocks and TP size).
-    pub fn answer(remote: &RemoteRef, block_size: u32) -> TransferParams {
+    /// (where P's first rank listens, its request, blocks and TP size); with a cluster `key`
+    /// (not the null key), P's vouch for the handoff.
+    pub fn answer(remote: &RemoteRef, block_size: u32, key: &ClusterKey) -> TransferParams {
         let (host, port) = remote.prefill.addresses.first().map(split_address).unwrap_or_default();
+        let vouch = (!key.is_none()).then(|| hex(&key.vouch(HANDOFF_VOUCH_LABEL, &vouched_bytes(remote, block_size))));
         TransferParams {
             do_remote_prefill: Some(true),
             do_remote_decode: Some(false),
@@ -193,14 +213,16 @@ impl TransferParams {
             tp_size: Some(u64::from(remote.prefill.tp_size)),
             pp_size: Some(u64::from(remote.prefill.pp_size)),
             kvflow: Some(remote.clone()),
+            kvflow_vouch: vouch,
             transfer_id: None,
         }
     }
 
     /// The export this request loads, if its parameters ask for a remote prefill: from
-    /// kvflow's form or NixlConnector's pull form, checked against D's own request.
-    pub fn resolve(self, arrival: &Arrival) -> Result<Option<RemoteRef>, HandoffError> {
-        match self.named(arrival)? {
+    /// kvflow's form or NixlConnector's pull form, checked against D's own request; P's
+    /// deadline and named consumer kept only where P's vouch verifies under `key`.
+    pub fn resolve(self, arrival: &Arrival, key: &ClusterKey) -> Result<Option<RemoteRef>, HandoffError> {
+        match self.named(arrival, key)? {
             Some((remote, p_block_size)) => check(remote, p_block_size, arrival).map(Some),
             None => Ok(None),
         }
@@ -209,13 +231,17 @@ impl TransferParams {
     /// The refusal of a request vLLM's serving layer turned away before admission (submitted
     /// aborted, with a placeholder prompt, only so that P's blocks are freed): the export its
     /// parameters name, whatever its prompt, to reject; `None` if they name none.
-    pub fn refused_before_admission(self, arrival: &Arrival) -> Result<Option<HandoffError>, HandoffError> {
+    pub fn refused_before_admission(
+        self,
+        arrival: &Arrival,
+        key: &ClusterKey,
+    ) -> Result<Option<HandoffError>, HandoffError> {
         let detail = "vLLM's serving layer refused the request before admission".to_owned();
-        Ok(self.named(arrival)?.map(|(remote, _)| refuse(HandoffRefusal::Refused, detail, Some(remote))))
+        Ok(self.named(arrival, key)?.map(|(remote, _)| refuse(HandoffRefusal::Refused, detail, Some(remote))))
     }
 
     /// The export the parameters name and P's block size, if they ask for a remote prefill.
-    fn named(self, arrival: &Arrival) -> Result<Option<(RemoteRef, u32)>, HandoffError> {
+    fn named(self, arrival: &Arrival, key: &ClusterKey) -> Result<Option<(RemoteRef, u32)>, HandoffError> {
         if self.do_remote_prefill != Some(true) {
             return Ok(None);
         }
@@ -225,7 +251,7 @@ impl TransferParams {
                 return Err(refuse(HandoffRefusal::UnsupportedForm, detail, Some(remote)));
             }
             let block_size = self.kvflow_layout.map_or(arrival.block_size, |l| l.block_size);
-            (remote, block_size)
+            (self.vouched(remote, block_size, key), block_size)
         } else if self.remote_block_ids.is_some() {
             (self.nixl_pull(arrival)?, arrival.block_size)
         } else if self.transfer_id.is_some() || self.remote_engine_id.is_some() {
@@ -244,6 +270,24 @@ impl TransferParams {
             ));
         };
         Ok(Some((remote, p_block_size)))
+    }
+
+    /// kvflow's handoff `remote` as far as P vouched for it: whole where `kvflow_vouch`
+    /// verifies under `key`; else (no vouch, a vouch that does not verify, or no key to check
+    /// one with) without P's deadline and named consumer, so that D reads only once P has
+    /// answered its claim, which names D's own prompt and the blocks it reads.
+    fn vouched(&self, mut remote: RemoteRef, block_size: u32, key: &ClusterKey) -> RemoteRef {
+        let verified = !key.is_none()
+            && self.kvflow_vouch.as_deref().and_then(unhex).is_some_and(|tag| {
+                tag.len() == VOUCH_BYTES && key.vouched(HANDOFF_VOUCH_LABEL, &vouched_bytes(&remote, block_size), &tag)
+            });
+        if !verified {
+            if let Some(export) = remote.export.as_mut() {
+                export.deadline = Time::ZERO;
+            }
+            remote.consumer = None;
+        }
+        remote
     }
 
     /// NixlConnector's pull form as kvflow's handoff: P's ranks at the port and those after it.
@@ -356,6 +400,63 @@ impl TransferParams {
             .map(|&id| u32::try_from(id).map(BlockId).map_err(|_| malformed(format!("block id {id} is past u32"))))
             .collect()
     }
+}
+
+/// The bytes P vouches for: every field of `remote` and P's `block_size`, each length-prefixed
+/// (big-endian `u64`s), absent options as a 0 byte and present ones as a 1 byte before them.
+/// It names every field by destructuring, so a field added to the handoff fails to build here.
+pub fn vouched_bytes(remote: &RemoteRef, block_size: u32) -> Vec<u8> {
+    let RemoteRef { prefill, request, instance, prompt_tokens, prompt_digest, export, consumer } = remote;
+    let PrefillEngine { engine, addresses, tp_size, pp_size } = prefill;
+    let mut out = Vec::with_capacity(256);
+    let text = |out: &mut Vec<u8>, text: &str| {
+        out.extend_from_slice(&(text.len() as u64).to_be_bytes());
+        out.extend_from_slice(text.as_bytes());
+    };
+    let number = |out: &mut Vec<u8>, n: u64| out.extend_from_slice(&n.to_be_bytes());
+    let present = |out: &mut Vec<u8>, present: bool| out.push(u8::from(present));
+    text(&mut out, engine.as_str());
+    number(&mut out, addresses.len() as u64);
+    for address in addresses {
+        text(&mut out, &address.0);
+    }
+    number(&mut out, u64::from(*tp_size));
+    number(&mut out, u64::from(*pp_size));
+    text(&mut out, request.as_str());
+    present(&mut out, instance.is_some());
+    number(&mut out, instance.unwrap_or_default());
+    number(&mut out, *prompt_tokens);
+    present(&mut out, prompt_digest.is_some());
+    out.extend_from_slice(&prompt_digest.map_or([0; 16], |d| d.0));
+    present(&mut out, export.is_some());
+    if let Some(ExportInfo { blocks, deadline, finished }) = export {
+        number(&mut out, blocks.len() as u64);
+        for block in blocks {
+            number(&mut out, u64::from(block.0));
+        }
+        number(&mut out, deadline.as_nanos());
+        present(&mut out, finished.is_some());
+        number(&mut out, finished.map_or(0, Time::as_nanos));
+    }
+    present(&mut out, consumer.is_some());
+    if let Some(Consumer { engine, instance }) = consumer {
+        text(&mut out, engine.as_str());
+        number(&mut out, *instance);
+    }
+    number(&mut out, u64::from(block_size));
+    out
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Hex text as bytes; `None` if it is not hex of whole bytes.
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).ok()).collect()
 }
 
 /// `host:port` split; an address without a port has port 0.

@@ -182,8 +182,8 @@ pub use decode::{
 };
 #[cfg(feature = "serde")]
 pub use handoff::{
-    Arrival, BlockIds, HandoffError, HandoffRefusal, LayoutNote, TransferParams, HANDOFF_VERSION, MAX_HANDOFF_BLOCKS,
-    MAX_HANDOFF_TP,
+    vouched_bytes, Arrival, BlockIds, HandoffError, HandoffRefusal, LayoutNote, TransferParams, HANDOFF_VERSION,
+    HANDOFF_VOUCH_LABEL, MAX_HANDOFF_BLOCKS, MAX_HANDOFF_TP,
 };
 pub use prefill::{
     LayerProgress, PrefillBook, PrefillCommand, PrefillError, PrefillEvent, PrefillReport, PrefillScheduler,

@@ -3,11 +3,29 @@
 //! `kv_connector_extra_config` kvflow's keys (durations in seconds, unknown extra keys refused;
 //! top-level keys kvflow does not know are ignored).
 
+use kv_core::side::ClusterKey;
 use kv_sched_adapter::{Config, KvRole, KvTransferConfig, ABORT_TIMEOUT_ENV};
+use kv_transport_nixl::KeySource;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::scheduler::{from_json, refuse};
+
+/// Where the cluster key is, as the Python side names it: `("file", path)`, `("env", name)`,
+/// or `None` for no key (loopback only).
+pub(crate) fn key_source(key: Option<(String, String)>) -> PyResult<KeySource> {
+    match key {
+        None => Ok(KeySource::None),
+        Some((kind, at)) if kind == "file" => Ok(KeySource::File(at.into())),
+        Some((kind, at)) if kind == "env" => Ok(KeySource::Env(at)),
+        Some((kind, _)) => Err(refuse("key", format!("{kind:?}, not \"file\" or \"env\""))),
+    }
+}
+
+/// The cluster key `key` names (see [`key_source`]): the null key for none.
+pub(crate) fn cluster_key(key: Option<(String, String)>) -> PyResult<ClusterKey> {
+    key_source(key)?.load().map_err(|e| refuse("key", e))
+}
 
 /// vLLM's whole `kv_transfer_config` (JSON text), and the connector's settings from it, with
 /// NixlConnector's older `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` as the lease where the config

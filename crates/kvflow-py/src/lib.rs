@@ -41,7 +41,6 @@ fn _kvflow(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(config::connector_settings, m)?)?;
     m.add_function(wrap_pyfunction!(rank::prepare_nixl, m)?)?;
     m.add_function(wrap_pyfunction!(rank::now_ns, m)?)?;
-    m.add_function(wrap_pyfunction!(scheduler::handoff_answer, m)?)?;
     m.add_function(wrap_pyfunction!(metrics::metrics_delta, m)?)?;
     m.add_function(wrap_pyfunction!(metrics::metric_docs, m)?)?;
     m.add_class::<rank::Rank>()?;

@@ -12,7 +12,7 @@ use kv_core::{
 use kv_engine::{HostClock, RankOptions, RankThread};
 use kv_sched_adapter::driver::{WorkerDriver, WorkerMachine};
 use kv_sched_adapter::{DecodeWorker, LayerProgress, LocalPool, PrefillCommand, PrefillWorker};
-use kv_transport_nixl::{KeySource, NixlConfig, NixlTransport, PortPlan};
+use kv_transport_nixl::{NixlConfig, NixlTransport, PortPlan};
 use pyo3::prelude::*;
 
 use crate::scheduler::{config, from_json, refuse, to_json};
@@ -100,12 +100,7 @@ impl Rank {
         let offer = pool.offer(&AgentName::new(EngineId::new(engine), rank), tp, instance, role, model);
         let bind = resolve(side_bind)?;
         // The connector's `num_threads` sizes NIXL's UCX thread pool.
-        let key = match key {
-            None => KeySource::None,
-            Some((kind, at)) if kind == "file" => KeySource::File(at.into()),
-            Some((kind, at)) if kind == "env" => KeySource::Env(at),
-            Some((kind, _)) => return Err(refuse("key", format!("{kind:?}, not \"file\" or \"env\""))),
-        };
+        let key = crate::config::key_source(key)?;
         let port_plan = shared_port.map_or(PortPlan::Own, |accept| PortPlan::Shared { accept });
         let nixl = NixlConfig { bind, port_plan, key, ucx_params: config.ucx_params(), ..NixlConfig::default() };
         let mut transport = NixlTransport::new(offer.clone(), &nixl, Arc::new(HostClock))

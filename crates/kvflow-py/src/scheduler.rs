@@ -4,6 +4,7 @@
 //! are processes of their own; the handoff (`RemoteRef`) is one JSON object, as it travels in
 //! `kv_transfer_params`.
 
+use kv_core::side::ClusterKey;
 use kv_core::{BlockId, EngineId, Handshake, PeerAddress, Prompt, RequestId, Time};
 use kv_sched_adapter::{
     Arrival, Config, Consumer, DecodeEvent, DecodeScheduler as Decode, LayerProgress, PrefillEngine, PrefillEvent,
@@ -45,15 +46,6 @@ fn prompt(prompt_tokens: u64, token_ids: Option<Vec<u32>>) -> Prompt {
     }
 }
 
-/// P's `kv_transfer_params` for a handoff (`remote`, JSON, as `PrefillScheduler.finished` gives
-/// it) of blocks of `block_size` tokens: kvflow's form and NixlConnector's fields beside it
-/// (JSON).
-#[pyfunction]
-pub(crate) fn handoff_answer(remote: &str, block_size: u32) -> PyResult<String> {
-    let remote: RemoteRef = from_json("remote", remote)?;
-    to_json(&TransferParams::answer(&remote, block_size))
-}
-
 fn blocks(ids: Vec<u32>) -> Vec<BlockId> {
     ids.into_iter().map(BlockId).collect()
 }
@@ -79,18 +71,36 @@ fn ids(blocks: &[BlockId]) -> Vec<u32> {
 #[pyclass(module = "kvflow._kvflow")]
 pub struct PrefillScheduler {
     inner: Prefill,
+    /// The cluster key P vouches for its handoffs with (the null key: none).
+    key: ClusterKey,
 }
 
 #[pymethods]
 impl PrefillScheduler {
     /// The scheduler of the engine whose rank 0 offers `offer` (its wire bytes: `Rank.offer()`)
-    /// and whose ranks' side channels listen at `addresses`, in rank order.
+    /// and whose ranks' side channels listen at `addresses`, in rank order, vouching for its
+    /// handoffs under the cluster key `key` names (`("file", path)` or `("env", name)`; none:
+    /// no vouch, and D reads only once P answered its claim).
     #[new]
-    fn new(offer: &[u8], addresses: Vec<String>, kv_transfer_config: &str) -> PyResult<Self> {
+    #[pyo3(signature = (offer, addresses, kv_transfer_config, key=None))]
+    fn new(
+        offer: &[u8],
+        addresses: Vec<String>,
+        kv_transfer_config: &str,
+        key: Option<(String, String)>,
+    ) -> PyResult<Self> {
         let offer = Handshake::decode(offer).map_err(|e| refuse("offer", e))?;
         let addresses = addresses.into_iter().map(PeerAddress).collect();
         let inner = Prefill::new(&offer, addresses, config(kv_transfer_config)?).map_err(|e| refuse("scheduler", e))?;
-        Ok(PrefillScheduler { inner })
+        Ok(PrefillScheduler { inner, key: crate::config::cluster_key(key)? })
+    }
+
+    /// P's `kv_transfer_params` for a handoff (`remote`, JSON, as `finished` gives it) of
+    /// blocks of `block_size` tokens: kvflow's form, vouched for under the cluster key, and
+    /// NixlConnector's fields beside it (JSON).
+    fn handoff_answer(&self, remote: &str, block_size: u32) -> PyResult<String> {
+        let remote: RemoteRef = from_json("remote", remote)?;
+        to_json(&TransferParams::answer(&remote, block_size, &self.key))
     }
 
     /// Request `request` finished its prompt of `prompt_tokens` tokens (whose ids are
@@ -187,16 +197,21 @@ impl PrefillScheduler {
 #[pyclass(module = "kvflow._kvflow")]
 pub struct DecodeScheduler {
     inner: Decode,
+    /// The cluster key P's vouches are checked with (the null key: none is taken).
+    key: ClusterKey,
 }
 
 #[pymethods]
 impl DecodeScheduler {
-    /// The scheduler of D engine `engine`, of `tp` ranks.
+    /// The scheduler of D engine `engine`, of `tp` ranks, checking P's vouches under the
+    /// cluster key `key` names (as `PrefillScheduler` takes it; none: no handoff is taken as
+    /// vouched for).
     #[new]
-    fn new(engine: &str, tp: u32, kv_transfer_config: &str) -> PyResult<Self> {
+    #[pyo3(signature = (engine, tp, kv_transfer_config, key=None))]
+    fn new(engine: &str, tp: u32, kv_transfer_config: &str, key: Option<(String, String)>) -> PyResult<Self> {
         let inner =
             Decode::new(EngineId::new(engine), tp, config(kv_transfer_config)?).map_err(|e| refuse("scheduler", e))?;
-        Ok(DecodeScheduler { inner })
+        Ok(DecodeScheduler { inner, key: crate::config::cluster_key(key)? })
     }
 
     /// Connect the ranks to P engine `prefill` (JSON: the handoff's `prefill`) ahead of its
@@ -237,7 +252,7 @@ impl DecodeScheduler {
                     .and_then(|v| serde_json::from_value::<RemoteRef>(v).ok())
                     .map(Box::new),
             })
-            .and_then(|params| params.resolve(&arrival));
+            .and_then(|params| params.resolve(&arrival, &self.key));
         match resolved {
             Ok(None) => Ok(("none", py.None())),
             Ok(Some(remote)) => Ok(("ok", to_json(&remote)?.into_bound_py_any(py)?.unbind())),
@@ -258,7 +273,7 @@ impl DecodeScheduler {
         let arrival = Arrival { mode: self.inner.mode(), prompt: Prompt::len_only(0), block_size: 1 };
         let refused = serde_json::from_str::<TransferParams>(params)
             .ok()
-            .and_then(|params| params.refused_before_admission(&arrival).ok().flatten());
+            .and_then(|params| params.refused_before_admission(&arrival, &self.key).ok().flatten());
         if let Some(refused) = &refused {
             self.inner.handle_refused(RequestId::new(request), refused);
         }

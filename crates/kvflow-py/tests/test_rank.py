@@ -73,6 +73,58 @@ def test_d_reads_p_s_blocks_and_p_frees_them_as_transferred():
         p.close()
 
 
+def test_d_takes_p_s_deadline_only_from_a_handoff_p_vouched_for_under_the_cluster_key(monkeypatch):
+    monkeypatch.setenv("KVFLOW_TEST_CLUSTER_KEY", "5a" * 32)
+    key = ("env", "KVFLOW_TEST_CLUSTER_KEY")
+    p_memory, p_regions = pool()
+    d_memory, d_regions = pool()
+    for i in range(2 * BLOCK):
+        p_memory[i] = (i * 3) % 251
+
+    def keyed(role, engine, regions):
+        return native.Rank(role, engine, 1, 0, 1, LAYOUT, BLOCKS, regions, "127.0.0.1:0", RANK_CONFIG, "tiny", key=key)
+
+    p, d = keyed("prefill", "prefill0", p_regions), keyed("decode", "decode0", d_regions)
+    try:
+        p_scheduler = native.PrefillScheduler(p.offer(), [p.address()], RANK_CONFIG, key)
+        d_scheduler = native.DecodeScheduler("decode0", 1, RANK_CONFIG, key)
+        tokens = list(range(32))
+        answer = json.loads(p_scheduler.handoff_answer(p_scheduler.finished(native.now_ns(), "req-1", [0, 1], 32, tokens), 16))
+        assert len(answer["kvflow_vouch"]) == 64
+        outcome, remote = d_scheduler.handoff("req-1", json.dumps(answer), 32, tokens, 16)
+        assert outcome == "ok" and json.loads(remote)["export"]["deadline"] > 0, remote
+        d_scheduler.arrive("req-1", remote, 32, tokens)
+        d_scheduler.schedule("req-1", [4, 5])
+        pairs = [(p_scheduler, [p]), (d_scheduler, [d])]
+        events = carry(pairs, lambda ev: {w for w, _ in ev} >= {"free", "ended"})
+        assert ("ended", ("req-1", "ready")) in events
+        assert bytes(d_memory[4 * BLOCK : 6 * BLOCK]) == bytes(p_memory[: 2 * BLOCK])
+
+        # A client's handoff: P's answer for another request, with the blocks of req-1 (freed
+        # since) in place of its own. Its vouch no longer verifies, so D waits for P's answer to
+        # its claim, which P refuses (other blocks than it holds): nothing is read, and the
+        # export the handoff names is freed at once.
+        answer = json.loads(p_scheduler.handoff_answer(p_scheduler.finished(native.now_ns(), "req-2", [2, 3], 32, tokens), 16))
+        answer["kvflow"]["export"]["blocks"] = [0, 1]
+        outcome, remote = d_scheduler.handoff("req-x", json.dumps(answer), 32, tokens, 16)
+        assert outcome == "ok" and json.loads(remote)["export"]["deadline"] == 0, remote
+        d_scheduler.arrive("req-x", remote, 32, tokens)
+        d_scheduler.schedule("req-x", [6, 7])
+        events = carry(pairs, lambda ev: {w for w, _ in ev} >= {"free", "ended"})
+        assert ("free", ("req-2", [2, 3], "rejected")) in events
+        assert ("ended", ("req-x", "failed")) in events, events
+        assert bytes(d_memory[6 * BLOCK : 8 * BLOCK]) == bytes(2 * BLOCK), "D read blocks P did not lend"
+
+        # D without the key takes no deadline from P's answer: it reads once P answered its claim.
+        keyless = native.DecodeScheduler("decode1", 1, RANK_CONFIG)
+        answer = p_scheduler.handoff_answer(p_scheduler.finished(native.now_ns(), "req-3", [4, 5], 32, tokens), 16)
+        outcome, remote = keyless.handoff("req-3", answer, 32, tokens, 16)
+        assert outcome == "ok" and json.loads(remote)["export"]["deadline"] == 0, remote
+    finally:
+        d.close()
+        p.close()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,11 +3,12 @@ default multiprocess engine core) for P and D, kvflow's proxy (``python -m kvflo
 front, and a one-engine server beside as the reference, on a random model with a tokenizer
 of its own. Each set of completions (greedy, seeded sampling, ``n=2``, streaming, prompts
 sharing a prefix, chat; 6 at a time) must equal the reference's text, P must free every export
-as transferred (none expired or lost), and D must count the transferred tokens as external
-prefix-cache hits: in pull with kvflow's handoff and with NixlConnector's fields alone (as a
+as transferred (none expired or lost), and D must count every token it asked the connector
+for as an external prefix-cache hit (but the tails of ``n=2`` second samples): in pull with kvflow's handoff and with NixlConnector's fields alone (as a
 router rebuilds them), and in push with vLLM's push-proxy parameters, with and without
-``X-Request-Id`` forwarded. The pull set runs the seed's port plan: P at TP 2 on side-channel
-port 5600, its two ranks sharing it, and D on 5601. Then made-up and unusable handoffs are
+``X-Request-Id`` forwarded. The pull set runs with a cluster key, in the seed's port plan: P at
+TP 2 on side-channel port 5600, its two ranks sharing it, and D on 5601. Then made-up and
+unusable handoffs (a kvflow handoff changed after P vouched for it among them) are
 each answered within seconds, logged and counted, and what they name on P is freed at once;
 and P, then D, SIGKILLed under load (their whole process groups) and started again serve the
 next sets from transferred KV. Made-up handoffs in the push form are checked the same way."""
@@ -25,6 +26,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import transformers
 
 from conftest import run
 
@@ -34,6 +36,9 @@ HOST = "127.0.0.1"
 REF, PULL_P, PULL_D, PUSH_P, PUSH_D = 8610, 8611, 8612, 8613, 8614
 PROXIES = {"pull": 8620, "pull-nixl": 8621, "pull-nixl-anon": 8622, "push": 8623, "push-anon": 8624}
 PUSH_ENGINE = "serve-push-p"
+# The pull set's cluster key: P vouches for its handoffs under it, and D reads a vouched
+# handoff before P has answered its claim (the push set runs without one).
+PULL_KEY = {"KVFLOW_CLUSTER_KEY": "c3" * 32}
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +142,7 @@ def disaggregated(tokenized_model, logs, mode):
     """P and D of `mode` (``pull`` or ``push``) and the proxies before them, started."""
     side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "localhost"}
     if mode == "pull":
+        side = dict(side, **PULL_KEY)
         started = [
             # The seed's plan: P at TP 2 on port 5600 (its two ranks share it), D on 5601.
             vllm("pull-p", tokenized_model, PULL_P, logs, kv_config("KvflowConnector", "kv_producer"),
@@ -168,10 +174,12 @@ def disaggregated(tokenized_model, logs, mode):
 
 
 class Served:
-    """The reference's texts, and the class's servers by name (a test may replace one)."""
+    """The reference's texts, the model's folder, and the class's servers by name (a test may
+    replace one)."""
 
-    def __init__(self, reference, started):
+    def __init__(self, reference, started, model):
         self.reference = reference
+        self.model = model
         self.by_name = {server.name: server for server in started}
 
     def restart(self, name):
@@ -187,7 +195,7 @@ class Served:
 @pytest.fixture(scope="class")
 def servers(request, tokenized_model, logs, reference):
     """The class's P and D and their proxies, up; stopped (whole process groups) after it."""
-    served = Served(reference, disaggregated(tokenized_model, logs, request.cls.MODE))
+    served = Served(reference, disaggregated(tokenized_model, logs, request.cls.MODE), tokenized_model)
     try:
         deadline = time.monotonic() + 600
         for server in served.by_name.values():
@@ -282,11 +290,35 @@ def settle(port, expected, seconds=20):
 
 
 HITS = "vllm:external_prefix_cache_hits_total"
+QUERIES = "vllm:external_prefix_cache_queries_total"
 
 
-def check_set(reference, via):
-    """The batch through proxy `via` equals one engine's texts; P frees every export as
-    transferred; D counts external prefix-cache hits."""
+def block_size(port):
+    """The server's tokens per block (vLLM's ``cache_config_info``)."""
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=30) as answer:
+        match = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"', answer.read().decode())
+    assert match, "the server publishes no block size"
+    return int(match.group(1))
+
+
+def followers_tail(batch, model, block):
+    """Tokens D asks the connector for and gets none of: an ``n=2`` request's second sample
+    loads nothing (it shares the first's export) and finds the first's loaded blocks in D's
+    prefix cache, which keeps at most every full block before the prompt's last token; it asks
+    the connector for the rest, and computes it."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    tail = 0
+    for _, body in batch:
+        if body.get("n", 1) > 1:
+            tokens = len(tokenizer(body["prompt"]).input_ids)
+            tail += (body["n"] - 1) * (tokens - (tokens - 1) // block * block)
+    return tail
+
+
+def check_set(reference, model, via):
+    """The batch through proxy `via` equals one engine's texts (of the model in folder
+    `model`); P frees every export as transferred; D counts as external prefix-cache hits
+    every token it asked the connector for, but the second samples' tails (``followers_tail``)."""
     batch = requests()
     p, d = (PULL_P, PULL_D) if via.startswith("pull") else (PUSH_P, PUSH_D)
     p_before, d_before = metrics(p), metrics(d)
@@ -295,8 +327,12 @@ def check_set(reference, via):
     assert not mismatched, f"{via}: completions {mismatched} differ from one engine's: {[got[i] for i in mismatched]}"
     freed = delta(releases(settle(p, sum(releases(p_before).values()) + len(batch))), releases(p_before))
     assert freed == {"transferred": len(batch)}, f"{via}: P freed {freed}"
-    hits = metrics(d).get((HITS, ()), 0) - d_before.get((HITS, ()), 0)
+    d_after = metrics(d)
+    hits = d_after.get((HITS, ()), 0) - d_before.get((HITS, ()), 0)
+    queries = d_after.get((QUERIES, ()), 0) - d_before.get((QUERIES, ()), 0)
     assert hits > 0, f"{via}: D counted no external prefix-cache hits"
+    tail = followers_tail(batch, model, block_size(d))
+    assert queries - hits == tail, f"{via}: D asked the connector for {queries} tokens and got {hits}; {tail} were n=2 tails"
 
 
 def counter(samples, name):
@@ -379,7 +415,7 @@ class TestPull:
 
     @pytest.mark.parametrize("via", ["pull", "pull-nixl", "pull-nixl-anon"])
     def test_completions_equal_one_engine_and_every_export_is_transferred(self, servers, via):
-        check_set(servers.reference, via)
+        check_set(servers.reference, servers.model, via)
 
     def test_made_up_and_unusable_handoffs_are_answered_counted_and_freed_at_p(self, servers):
         refused_before = refused(metrics(PULL_D))
@@ -389,6 +425,10 @@ class TestPull:
              "kv_transfer_params": {"do_remote_decode": True}}
         real = json.loads(attempt(PULL_P, "/v1/completions", a)[1])["kv_transfer_params"]
         nixl = {key: real[key] for key in NIXL_FIELDS}
+        # Another of P's answers, for prompt A2, which a client changes after P vouched for it.
+        a2 = dict(a, prompt=prompt(62, 40))
+        forged = json.loads(attempt(PULL_P, "/v1/completions", a2)[1])["kv_transfer_params"]
+        assert len(forged["kvflow_vouch"]) == 64, "P vouches for its handoffs under the pull set's key"
         p_before = releases(metrics(PULL_P))
         cases = {
             "garbage": {"do_remote_prefill": True, "remote_engine_id": 5, "remote_block_ids": "x"},
@@ -401,9 +441,17 @@ class TestPull:
             body = {"prompt": prompt(61, 40), "max_tokens": 4, "temperature": 0, "model": "tiny",
                     "kv_transfer_params": params}
             answered_in_time(PULL_D, body, case)
-        # P freed the export the mismatched claim named at once (a rejection), not at the lease.
-        freed = delta(releases(settle(PULL_P, sum(p_before.values()) + 1, seconds=2)), p_before)
-        assert freed == {"rejected": 1}, f"P freed {freed}"
+        # A2's handoff with its first block changed to one of A's, sent with prompt A2: its vouch
+        # no longer verifies, so D reads only once P has answered its claim, which P refuses
+        # (other blocks than it holds), freeing A2's export at once.
+        export = dict(forged["kvflow"]["export"])
+        export["blocks"] = real["kvflow"]["export"]["blocks"][:1] + export["blocks"][1:]
+        changed = dict(forged, kvflow=dict(forged["kvflow"], export=export))
+        answered_in_time(PULL_D, dict(a2, max_tokens=4, kv_transfer_params=changed), "a changed kvflow handoff")
+        # P freed the exports the mismatched claim and the changed handoff named at once (a
+        # rejection), not at the lease.
+        freed = delta(releases(settle(PULL_P, sum(p_before.values()) + 2, seconds=2)), p_before)
+        assert freed == {"rejected": 2}, f"P freed {freed}"
         # The real handoff used once, then replayed: the replay gets nothing of P's.
         body = {"prompt": prompt(60, 40), "max_tokens": 4, "temperature": 0, "model": "tiny"}
         fresh = json.loads(attempt(PULL_P, "/v1/completions", a)[1])["kv_transfer_params"]
@@ -412,9 +460,9 @@ class TestPull:
         counted = refused(metrics(PULL_D)) - refused_before
         assert counted >= 2, f"D counted {counted} refused handoffs for garbage and huge numbers"
         warned = logged(servers.by_name["pull-d"]) - warnings_before
-        assert warned >= 5, f"D logged {warned} kvflow WARNINGs for five made-up handoffs"
+        assert warned >= 5, f"D logged {warned} kvflow WARNINGs for six made-up handoffs"
         # D still serves.
-        check_set(servers.reference, "pull")
+        check_set(servers.reference, servers.model, "pull")
 
     def test_p_killed_under_load_and_restarted_serves_from_transferred_kv_again(self, servers):
         # D saw both of P's ranks go when their side channels closed.
@@ -425,8 +473,8 @@ class TestPull:
         # from transferred KV: every completion equal to one engine's and every export freed
         # as transferred, so no load of D's went to the dead incarnation (it would have
         # failed, and with kv_load_failure_policy=fail answered an error).
-        check_set(servers.reference, "pull")
-        check_set(servers.reference, "pull-nixl")
+        check_set(servers.reference, servers.model, "pull")
+        check_set(servers.reference, servers.model, "pull-nixl")
 
     def test_d_killed_under_load_frees_its_exports_at_p_and_a_restarted_d_serves(self, servers):
         # Each of P's ranks sees D's rank go when its side channel closes (and frees at once
@@ -434,7 +482,7 @@ class TestPull:
         lost = under_load_kill(servers, "pull-d", "pull", watcher="pull-p")
         assert lost >= 2, f"P's ranks logged {lost} losses of D's rank"
         servers.restart("pull-d")
-        check_set(servers.reference, "pull")
+        check_set(servers.reference, servers.model, "pull")
 
 
 class TestPush:
@@ -444,7 +492,7 @@ class TestPush:
 
     @pytest.mark.parametrize("via", ["push", "push-anon"])
     def test_completions_equal_one_engine_and_every_export_is_transferred(self, servers, via):
-        check_set(servers.reference, via)
+        check_set(servers.reference, servers.model, via)
 
     def test_made_up_and_unusable_push_handoffs_are_answered_counted_and_freed_at_p(self, servers):
         warnings_before = logged(servers.by_name["push-d"])
@@ -473,4 +521,4 @@ class TestPush:
         assert freed == {"rejected": 1}, f"P freed {freed}"
         warned = logged(servers.by_name["push-d"]) - warnings_before
         assert warned >= 4, f"D logged {warned} kvflow WARNINGs for four made-up push handoffs"
-        check_set(servers.reference, "push")
+        check_set(servers.reference, servers.model, "push")

@@ -5,6 +5,9 @@ use std::fmt;
 /// Bytes in a [`ClusterKey`].
 pub const CLUSTER_KEY_BYTES: usize = 32;
 
+/// Bytes in a [`ClusterKey::vouch`] tag.
+pub const VOUCH_BYTES: usize = 32;
+
 /// The pre-shared key that proves an engine belongs to the cluster.
 ///
 /// Whoever holds it may receive an engine's NIXL agent metadata, which is a capability to read
@@ -87,6 +90,21 @@ impl ClusterKey {
     pub(crate) fn bytes(&self) -> &[u8; CLUSTER_KEY_BYTES] {
         &self.0
     }
+
+    /// The HMAC-SHA256, under this key, of `label` followed by `message`: a value one engine
+    /// vouches for and another engine of the cluster checks when it comes back through hands
+    /// that hold no key (P's handoff, through the router: kv-sched-adapter's `TransferParams`).
+    /// `label` names the kind of value, so that a tag made for one kind never passes for
+    /// another's. The null key's tags vouch for nothing: anyone can make them.
+    pub fn vouch(&self, label: &[u8], message: &[u8]) -> [u8; VOUCH_BYTES] {
+        super::crypto::mac(&self.0, &[label, message])
+    }
+
+    /// Whether `tag` is [`ClusterKey::vouch`]'s for `label` and `message`, compared in constant
+    /// time.
+    pub fn vouched(&self, label: &[u8], message: &[u8], tag: &[u8]) -> bool {
+        super::crypto::verify(&self.0, &[label, message], tag)
+    }
 }
 
 impl ClusterKey {
@@ -140,6 +158,20 @@ mod tests {
         let with_e = format!("é{}", &HEX[1..]);
         assert_eq!(ClusterKey::from_hex(&with_e).unwrap_err(), KeyError::NotHex { position: 0 });
         assert_eq!(ClusterKey::from_bytes(&[1; 31]).unwrap_err().to_string(), "cluster key of 31 bytes, expected 32");
+    }
+
+    #[test]
+    fn a_vouch_passes_for_its_key_label_and_message_alone() {
+        let (key, other) = (ClusterKey::from_hex(HEX).unwrap(), ClusterKey::from_bytes(&[9; 32]).unwrap());
+        let tag = key.vouch(b"kvflow-handoff-v1", b"message");
+        assert!(key.vouched(b"kvflow-handoff-v1", b"message", &tag));
+        assert!(!other.vouched(b"kvflow-handoff-v1", b"message", &tag), "another key");
+        assert!(!key.vouched(b"kvflow-other-v1", b"message", &tag), "another label");
+        assert!(!key.vouched(b"kvflow-handoff-v1", b"messagf", &tag), "another message");
+        assert!(!key.vouched(b"kvflow-handoff-v1", b"message", &tag[..31]), "a cut tag");
+        let mut flipped = tag;
+        flipped[0] ^= 1;
+        assert!(!key.vouched(b"kvflow-handoff-v1", b"message", &flipped), "a changed tag");
     }
 
     #[test]

@@ -90,7 +90,7 @@ use frame::{
 use notify::Tags;
 
 pub use frame::{FrameHeader, ANY_RANK, MAX_ENGINE_NAME_BYTES};
-pub use key::{ClusterKey, KeyError, CLUSTER_KEY_BYTES};
+pub use key::{ClusterKey, KeyError, CLUSTER_KEY_BYTES, VOUCH_BYTES};
 pub use link::{FrameTags, LinkRole, LinkSecret, LINK_MAC_BYTES, LINK_TAG_BYTES};
 pub use notify::{NotifyError, NOTIFICATION_OVERHEAD, REPLAY_WINDOW};
 

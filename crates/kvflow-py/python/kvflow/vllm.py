@@ -313,7 +313,13 @@ class KvflowConnector(KVConnectorBase_V1):
         # Scheduler side (kv_both: P's scheduler and D's).
         scheduler = role == KVConnectorRole.SCHEDULER
         self._prefill = None
-        self._decode = native.DecodeScheduler(self._engine, self._tp, self._config) if self._consumer and scheduler else None
+        # D takes P's deadline and named consumer from a handoff only where P vouched for it
+        # under the cluster key (without one, D reads once P has answered its claim).
+        self._decode = (
+            native.DecodeScheduler(self._engine, self._tp, self._config, _cluster_key())
+            if self._consumer and scheduler
+            else None
+        )
         # D: requests tracked since vLLM queued them, each with the export it loads (P's
         # engine, P's request); the tracked request of each export; siblings waiting for
         # another's load of their export (their leader's id); and the tokens of each request
@@ -351,7 +357,7 @@ class KvflowConnector(KVConnectorBase_V1):
         ranks = sorted(metadata.items())
         offer = ranks[0][1].offer
         addresses = [m.address for _, m in ranks]
-        self._prefill = native.PrefillScheduler(offer, addresses, self._config)
+        self._prefill = native.PrefillScheduler(offer, addresses, self._config, _cluster_key())
 
     def on_new_request(self, request):
         params = request.kv_transfer_params or {}
@@ -540,8 +546,9 @@ class KvflowConnector(KVConnectorBase_V1):
         self._exports.add(rid)
         # kvflow's handoff with NixlConnector's fields beside it, for routers that read or
         # rebuild them (where P's first rank's side channel listens, its request, blocks and
-        # TP size), and the prompt's digest, which D checks against its own.
-        return True, json.loads(native.handoff_answer(remote, self._block_size))
+        # TP size), and the prompt's digest, which D checks against its own; vouched for
+        # under the cluster key, so that D may read before P answers its claim.
+        return True, json.loads(self._prefill.handoff_answer(remote, self._block_size))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config):

@@ -119,7 +119,9 @@ impl DecodeWorker {
         // engine's own completion of a sibling (a prefix hit) can reach P before the claim
         // (random seed 1393, once the read margin followed short leases: its reads had all been
         // fenced before). A handoff without P's deadline (NixlConnector's form, which a router
-        // rebuilt) vouches for nothing: its load waits for P's deadline, whatever else holds.
+        // rebuilt, or kvflow's without P's vouch under the cluster key, whose deadline and
+        // consumer `TransferParams::resolve` clears) vouches for nothing: its load waits for
+        // P's deadline, whatever else holds.
         let vouched = export.deadline > Time::ZERO;
         let named = vouched && load.remote.consumer.as_ref() == Some(&Consumer::of(&self.offer));
         let sibling = load.remote.request.parent().is_some();
