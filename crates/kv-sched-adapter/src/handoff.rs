@@ -196,7 +196,8 @@ impl TransferParams {
     /// (not the null key), P's vouch for the handoff.
     pub fn answer(remote: &RemoteRef, block_size: u32, key: &ClusterKey) -> TransferParams {
         let (host, port) = remote.prefill.addresses.first().map(split_address).unwrap_or_default();
-        let vouch = (!key.is_none()).then(|| hex(&key.vouch(HANDOFF_VOUCH_LABEL, &vouched_bytes(remote, block_size))));
+        let vouch =
+            (!key.is_none()).then(|| hex::encode(key.vouch(HANDOFF_VOUCH_LABEL, &vouched_bytes(remote, block_size))));
         TransferParams {
             do_remote_prefill: Some(true),
             do_remote_decode: Some(false),
@@ -278,7 +279,7 @@ impl TransferParams {
     /// answered its claim, which names D's own prompt and the blocks it reads.
     fn vouched(&self, mut remote: RemoteRef, block_size: u32, key: &ClusterKey) -> RemoteRef {
         let verified = !key.is_none()
-            && self.kvflow_vouch.as_deref().and_then(unhex).is_some_and(|tag| {
+            && self.kvflow_vouch.as_deref().and_then(|text| hex::decode(text).ok()).is_some_and(|tag| {
                 tag.len() == VOUCH_BYTES && key.vouched(HANDOFF_VOUCH_LABEL, &vouched_bytes(&remote, block_size), &tag)
             });
         if !verified {
@@ -445,18 +446,6 @@ pub fn vouched_bytes(remote: &RemoteRef, block_size: u32) -> Vec<u8> {
     }
     number(&mut out, u64::from(block_size));
     out
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Hex text as bytes; `None` if it is not hex of whole bytes.
-fn unhex(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).ok()).collect()
 }
 
 /// `host:port` split; an address without a port has port 0.
